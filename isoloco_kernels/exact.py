@@ -1,0 +1,63 @@
+"""Exact Iso-C flatten backends: LAPACK/cuSOLVER SVD, and eigh of the small Gram matrix.
+
+Both take a [B, m, n] tensor (any view; written back with `copy_`, so transposed or strided views
+are updated in place) and are all-or-nothing: the result is computed aside and copied in last.
+
+Tolerances (which directions count as nonzero, σ_i > tol·σ_1):
+- svd:  tol = max(m, n)·eps(compute dtype)  — float32 for float16/bfloat16/float32 inputs.
+- eigh: the Gram matrix is formed in float64, so σ is resolved down to about sqrt(eps64)·σ_1;
+        tol = max(m, n)·eps(float32) for float16/bfloat16/float32 inputs and
+        max(max(m, n)·eps64, 1e-7) for float64 inputs.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._validate import compute_dtype
+
+
+def _write(x3: torch.Tensor, a: torch.Tensor, sbar: torch.Tensor, q: torch.Tensor) -> None:
+    """x3 ← s̄·Q. Rows and columns that are exactly zero in Δ are exactly zero in Q (in exact
+    arithmetic); LAPACK leaves ~eps there, so they are masked to keep "zero in, zero out" exact."""
+    nz = a != 0
+    mask = nz.any(-1, keepdim=True) & nz.any(-2, keepdim=True)
+    x3.copy_(torch.where(mask, sbar[:, None, None].to(q.dtype) * q, 0))
+
+
+def flatten_svd_(x3: torch.Tensor) -> None:
+    """In place Iso-C via torch.linalg.svd (the fallback and the published code's way)."""
+    _, m, n = x3.shape
+    cd = compute_dtype(x3.dtype)
+    a = x3.to(cd)
+    u, s, vh = torch.linalg.svd(a, full_matrices=False)
+    tol = max(m, n) * torch.finfo(cd).eps
+    keep = s > tol * s[:, :1]
+    q = (u * keep.unsqueeze(1).to(cd)) @ vh
+    _write(x3, a, s.sum(-1) / min(m, n), q)
+
+
+def flatten_eigh_(x3: torch.Tensor) -> None:
+    """In place Iso-C from eigh of the short-side Gram matrix, in float64.
+
+    With a [r, k] view (r ≤ k, tall inputs transposed) and A Aᵀ = V diag(λ) Vᵀ, σ = sqrt(λ):
+    Q = V_r diag(1/σ_r) V_rᵀ A. Costs two r×r×k matmuls and one r×r eigh, far cheaper than an SVD
+    of a wide matrix on a CPU.
+    """
+    _, m, n = x3.shape
+    tall = m > n
+    a = x3.to(torch.float64)
+    if tall:
+        a = a.mT
+    lam, v = torch.linalg.eigh(a @ a.mT)
+    sig = lam.clamp_min(0).sqrt()  # ascending
+    if x3.dtype == torch.float64:
+        tol = max(max(m, n) * torch.finfo(torch.float64).eps, 1e-7)
+    else:
+        tol = max(m, n) * torch.finfo(torch.float32).eps
+    keep = sig > tol * sig[:, -1:]
+    inv = torch.where(keep, 1.0 / torch.where(keep, sig, 1.0), 0.0)
+    q = ((v * inv.unsqueeze(1)) @ v.mT) @ a
+    if tall:
+        q, a = q.mT, a.mT
+    # σ below tol are Gram round-off (≈ sqrt(eps64)·σ_1), not signal: they join neither Q nor s̄.
+    _write(x3, a, (sig * keep).sum(-1) / min(m, n), q)

@@ -1,0 +1,125 @@
+"""The isoloco torch ops: every schema, its fake (meta) impl, and which backend serves each device.
+
+    isoloco::iso_flatten_(Tensor(a!) x, str method) -> ()
+        Iso-C flatten of a [m, n] or [B, m, n] tensor in place (see reference.py for the math).
+    isoloco::iso_scale_(Tensor(a!) x, Tensor q) -> Tensor
+        The Iso-C epilogue: s̄ = ⟨x, q⟩ / min(m, n) per matrix, x ← s̄·q; returns s̄ (float32, or
+        float64 for float64 x), shape x.shape[:-2].
+    isoloco::nesterov_outer_(Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor[] updates,
+                             float lr, float momentum, Tensor? scales) -> ()
+        buf ← μ·buf + s·u ; p ← p − lr·(s·u + μ·buf), s = scales[i] (1 when scales is None).
+
+Backends: CPU ops run in torch. CUDA ops run the compiled extension's kernels where it was built
+(csrc/, registered with TORCH_LIBRARY_IMPL), else Python implementations registered here.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import _ext
+from ._validate import SUPPORTED_DTYPES, check_all_finite, check_matrix_tensor
+from .epilogue import iso_scale_torch
+from .flatten import check_method, iso_flatten_impl
+
+_lib = torch.library.Library("isoloco", "DEF")  # noqa: TOR901 (owned by this module)
+
+# One flatten for every device: the method choice and the backend live in flatten.py.
+_lib.define("iso_flatten_(Tensor(a!) x, str method) -> ()")
+# Iso-C epilogue; CUDA kernel in csrc/iso_scale.cu.
+_lib.define("iso_scale_(Tensor(a!) x, Tensor q) -> Tensor")
+# Multi-tensor Nesterov outer update; CUDA kernel in csrc/nesterov.cu.
+_lib.define(
+    "nesterov_outer_(Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor[] updates, "
+    "float lr, float momentum, Tensor? scales) -> ()"
+)
+
+_ext.load()  # registers the CUDA kernels of the ops above, if the extension was built
+
+
+@torch.library.impl(_lib, "iso_flatten_", "CompositeExplicitAutograd")
+def _iso_flatten_(x: torch.Tensor, method: str) -> None:
+    iso_flatten_impl(x, method)
+
+
+@torch.library.register_fake("isoloco::iso_flatten_", lib=_lib)
+def _iso_flatten_fake(x: torch.Tensor, method: str) -> None:
+    check_matrix_tensor(x, "iso_flatten_: x")
+    check_method(method)
+
+
+def _check_scale_args(x: torch.Tensor, q: torch.Tensor) -> None:
+    check_matrix_tensor(x, "iso_scale_: x")
+    check_matrix_tensor(q, "iso_scale_: q")
+    if x.shape != q.shape or x.device != q.device:
+        raise ValueError(
+            f"iso_scale_: q must match x in shape and device, got x {tuple(x.shape)} on {x.device}"
+            f" and q {tuple(q.shape)} on {q.device}"
+        )
+
+
+@torch.library.impl(_lib, "iso_scale_", "CPU")
+def _iso_scale_cpu(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    _check_scale_args(x, q)
+    return iso_scale_torch(x, q)
+
+
+@torch.library.register_fake("isoloco::iso_scale_", lib=_lib)
+def _iso_scale_fake(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    _check_scale_args(x, q)
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return x.new_empty(x.shape[:-2], dtype=dt)
+
+
+if not _ext.has_kernel("iso_scale_", "CUDA"):
+
+    @torch.library.impl(_lib, "iso_scale_", "CUDA")
+    def _iso_scale_cuda_fallback(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        _check_scale_args(x, q)
+        return iso_scale_torch(x, q)
+
+
+# ----------------------------------------------------------------------------------------------
+# Python API
+
+
+def iso_merge_(buckets: Sequence[torch.Tensor], *, method: str = "auto") -> list[torch.Tensor]:
+    """Iso-C flatten every bucket in place; returns the buckets as a list.
+
+    Each bucket is a [m, n] pseudo-gradient matrix or a [B, m, n] batch of same-shaped ones. All
+    buckets are checked (type, dtype, rank, NaN/Inf) before any is touched: on bad input a
+    TypeError/ValueError names the bucket (and matrix) and every bucket stays bit-identical.
+    Zero-size buckets pass through; buckets may live on different devices.
+
+    method: "svd" (exact, torch.linalg.svd), "eigh" (float64 eigh of the short-side Gram
+    matrix), or "auto" (currently "svd" everywhere).
+    """
+    buckets = list(buckets)
+    check_method(method)
+    names = [f"bucket {i}" for i in range(len(buckets))]
+    for b, name in zip(buckets, names):
+        check_matrix_tensor(b, name)
+    check_all_finite(buckets, names)
+    for b in buckets:
+        if b.numel():
+            torch.ops.isoloco.iso_flatten_(b, method)
+    return buckets
+
+
+def iso_flatten(x: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
+    """Out-of-place Iso-C flatten of a [m, n] or [B, m, n] tensor (see `iso_merge_`)."""
+    check_matrix_tensor(x, "iso_flatten: x")
+    y = x.detach().clone()
+    torch.ops.isoloco.iso_flatten_(y, method)
+    return y
+
+
+def backends() -> dict[str, str]:
+    """What serves each op here: the compiled extension's status and the available methods."""
+    return {
+        "cuda_extension": _ext.STATUS,
+        "iso_scale_[CUDA]": "csrc kernel" if _ext.LOADED and _ext.has_kernel("iso_scale_") else "torch",
+        "methods": ", ".join(m for m in ("svd", "eigh")),
+        "dtypes": ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES),
+    }

@@ -1,0 +1,73 @@
+"""The Iso-C contract in float64: the truth every backend is tested against.
+
+For one matrix Δ (m×n), r0 = min(m, n), SVD Δ = U diag(σ) Vᵀ:
+
+    iso(Δ) = s̄ · U_r V_rᵀ,    s̄ = (σ_1 + … + σ_r0) / r0
+
+U_r, V_r keep the directions with σ_i > tol·σ_1, tol = max(m, n)·eps(float64): the numerically
+nonzero ones. A zero row or column stays zero and a zero matrix stays zero (never NaN). For a
+full-rank Δ this is the published Iso-C merge, U diag(mean σ) Vᵀ (Marczak et al., 2025).
+
+The IsoLoCo outer step (Iso-C, then Nesterov momentum without dampening) is `nesterov_ref`.
+
+Nothing here is fast and nothing here is imported by the kernels: tests and the benchmark's error
+column use it.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["iso_flatten_ref", "polar_ref", "nesterov_ref", "isoloco_step_ref"]
+
+_EPS64 = torch.finfo(torch.float64).eps
+
+
+def _svd64(x: torch.Tensor):
+    x64 = x.detach().to(device="cpu", dtype=torch.float64)
+    return x64, torch.linalg.svd(x64, full_matrices=False)
+
+
+def polar_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q, nuclear norm) of a [..., m, n] tensor in float64 on the CPU: Q = U_r V_rᵀ, Σσ."""
+    if x.ndim < 2:
+        raise ValueError(f"polar_ref needs a matrix, got shape {tuple(x.shape)}")
+    m, n = x.shape[-2:]
+    if x.numel() == 0:
+        z = torch.zeros(x.shape, dtype=torch.float64)
+        return z, torch.zeros(x.shape[:-2], dtype=torch.float64)
+    _, (u, s, vh) = _svd64(x)
+    keep = s > (max(m, n) * _EPS64) * s[..., :1]
+    q = (u * keep.unsqueeze(-2).to(u.dtype)) @ vh
+    return q, s.sum(-1)
+
+
+def iso_flatten_ref(x: torch.Tensor) -> torch.Tensor:
+    """iso(Δ) for a [m, n] or [B, m, n] tensor, in float64 on the CPU (a new tensor)."""
+    m, n = x.shape[-2:]
+    q, nuc = polar_ref(x)
+    if q.numel() == 0:
+        return q
+    return (nuc / min(m, n))[..., None, None] * q
+
+
+def nesterov_ref(p, buf, update, lr: float, momentum: float, scale=1.0):
+    """One Nesterov outer step in float64; returns (new_p, new_buf).
+
+    buf ← μ·buf + s·u ;  p ← p − lr·(s·u + μ·buf). With buf starting at zero the first step gives
+    buf = s·u, exactly as torch.optim.SGD(nesterov=True, dampening=0) does.
+    """
+    p64, b64, u64 = (t.detach().to("cpu", torch.float64) for t in (p, buf, update))
+    g = u64 * float(scale)
+    b64 = momentum * b64 + g
+    return p64 - lr * (g + momentum * b64), b64
+
+
+def isoloco_step_ref(params, bufs, grads, lr: float, momentum: float, iso: bool = True):
+    """The whole IsoLoCo outer step in float64: M = iso(Δ) for 2-D params (else Δ), then Nesterov."""
+    new_p, new_b = [], []
+    for p, b, g in zip(params, bufs, grads):
+        m = iso_flatten_ref(g) if (iso and g.ndim == 2) else g.detach().to("cpu", torch.float64)
+        np_, nb = nesterov_ref(p, b, m, lr, momentum)
+        new_p.append(np_)
+        new_b.append(nb)
+    return new_p, new_b

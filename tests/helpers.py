@@ -1,0 +1,54 @@
+"""Shared test helpers: the one tolerance table, error measure, and input generators."""
+from __future__ import annotations
+
+import torch
+
+# Relative Frobenius error allowed vs reference.py (float64), per (method family, dtype).
+# Half/bfloat16 results are rounded to the input dtype, which alone costs ~2^-11 / 2^-8 per element.
+TOL = {
+    ("exact", torch.float64): 1e-9,
+    ("exact", torch.float32): 2e-5,
+    ("exact", torch.float16): 2e-3,
+    ("exact", torch.bfloat16): 1e-2,
+    ("polar", torch.float64): 1e-3,
+    ("polar", torch.float32): 1e-3,
+    ("polar", torch.float16): 3e-3,
+    ("polar", torch.bfloat16): 1.2e-2,
+    ("update", torch.float64): 1e-12,
+    ("update", torch.float32): 1e-6,
+    ("update", torch.float16): 2e-3,
+    ("update", torch.bfloat16): 1e-2,
+}
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64 = out.detach().to("cpu", torch.float64)
+    ref64 = ref.detach().to("cpu", torch.float64)
+    den = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    return num if den == 0 else num / den
+
+
+def with_spectrum(b: int, m: int, n: int, sigma: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """[b, m, n] float64 matrices U diag(sigma) Vᵀ with Haar-random U, V (sigma has min(m, n) entries)."""
+    r = min(m, n)
+    u, _ = torch.linalg.qr(torch.randn(b, m, r, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(b, n, r, generator=gen, dtype=torch.float64))
+    return (u * sigma.to(torch.float64)) @ v.mT
+
+
+def spectrum(kind: str, r: int, cond: float = 1e3) -> torch.Tensor:
+    """Singular values (descending, σ_1 = 1) of a named test spectrum."""
+    i = torch.arange(r, dtype=torch.float64)
+    if kind == "geometric":
+        return cond ** (-i / max(r - 1, 1))
+    if kind == "lowrank_noise":  # a few strong directions over a noise floor 1/cond
+        k = max(1, r // 16)
+        s = torch.full((r,), 1.0 / cond, dtype=torch.float64)
+        s[:k] = torch.linspace(1.0, 0.3, k, dtype=torch.float64)
+        return s
+    if kind == "flat":
+        return torch.ones(r, dtype=torch.float64)
+    raise ValueError(kind)
