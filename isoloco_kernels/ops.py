@@ -20,7 +20,7 @@ import torch
 
 from . import _ext
 from ._validate import SUPPORTED_DTYPES, check_all_finite, check_matrix_tensor
-from .epilogue import iso_scale_torch
+from . import epilogue, nesterov
 from .flatten import check_method, iso_flatten_impl
 
 _lib = torch.library.Library("isoloco", "DEF")  # noqa: TOR901 (owned by this module)
@@ -62,7 +62,7 @@ def _check_scale_args(x: torch.Tensor, q: torch.Tensor) -> None:
 @torch.library.impl(_lib, "iso_scale_", "CPU")
 def _iso_scale_cpu(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     _check_scale_args(x, q)
-    return iso_scale_torch(x, q)
+    return epilogue.iso_scale_torch(x, q)
 
 
 @torch.library.register_fake("isoloco::iso_scale_", lib=_lib)
@@ -77,7 +77,56 @@ if not _ext.has_kernel("iso_scale_", "CUDA"):
     @torch.library.impl(_lib, "iso_scale_", "CUDA")
     def _iso_scale_cuda_fallback(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         _check_scale_args(x, q)
-        return iso_scale_torch(x, q)
+        return epilogue.iso_scale_cuda(x, q)
+
+
+def check_nesterov_args(params, bufs, updates, lr, momentum, scales) -> None:
+    """Lengths, shapes, devices and dtypes of a nesterov_outer_ call; cheap, no device sync."""
+    if not (len(params) == len(bufs) == len(updates)):
+        raise ValueError(
+            f"nesterov_outer_: params, bufs and updates must have one entry each per tensor, got "
+            f"{len(params)}, {len(bufs)} and {len(updates)}"
+        )
+    for i, (p, b, u) in enumerate(zip(params, bufs, updates)):
+        for name, t in (("param", p), ("buf", b), ("update", u)):
+            if t.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"nesterov_outer_: {name} {i} has unsupported dtype {t.dtype}")
+        if not (p.shape == b.shape == u.shape):
+            raise ValueError(
+                f"nesterov_outer_: tensor {i}: param {tuple(p.shape)}, buf {tuple(b.shape)} and "
+                f"update {tuple(u.shape)} must have the same shape"
+            )
+        if not (p.device == b.device == u.device):
+            raise ValueError(f"nesterov_outer_: tensor {i}: param, buf and update are on different devices")
+    if scales is not None:
+        if scales.ndim != 1 or scales.numel() != len(params):
+            raise ValueError(
+                f"nesterov_outer_: scales must be 1-D with one entry per tensor ({len(params)}), "
+                f"got shape {tuple(scales.shape)}"
+            )
+        if params and scales.device != params[0].device:
+            raise ValueError("nesterov_outer_: scales must be on the params' device")
+    if not (lr == lr and momentum == momentum):  # NaN
+        raise ValueError(f"nesterov_outer_: lr and momentum must be numbers, got lr={lr}, momentum={momentum}")
+
+
+@torch.library.impl(_lib, "nesterov_outer_", "CPU")
+def _nesterov_outer_cpu(params, bufs, updates, lr, momentum, scales) -> None:
+    check_nesterov_args(params, bufs, updates, lr, momentum, scales)
+    nesterov.nesterov_outer_torch(params, bufs, updates, lr, momentum, scales)
+
+
+@torch.library.register_fake("isoloco::nesterov_outer_", lib=_lib)
+def _nesterov_outer_fake(params, bufs, updates, lr, momentum, scales) -> None:
+    check_nesterov_args(params, bufs, updates, lr, momentum, scales)
+
+
+if not _ext.has_kernel("nesterov_outer_", "CUDA"):
+
+    @torch.library.impl(_lib, "nesterov_outer_", "CUDA")
+    def _nesterov_outer_cuda_fallback(params, bufs, updates, lr, momentum, scales) -> None:
+        check_nesterov_args(params, bufs, updates, lr, momentum, scales)
+        nesterov.nesterov_outer_cuda(params, bufs, updates, lr, momentum, scales)
 
 
 # ----------------------------------------------------------------------------------------------
