@@ -1,16 +1,124 @@
-"""Multi-tensor Nesterov outer update (placeholder: plain torch loop; fused versions to come)."""
+"""Multi-tensor Nesterov outer update (the last half of the IsoLoCo outer step).
+
+For every tensor i, with s_i = scales[i] (1 when scales is None):
+
+    g   = s_i · u_i
+    buf ← μ·buf + g
+    p   ← p − lr·(g + μ·buf)
+
+This is torch.optim.SGD(momentum=μ, nesterov=True, dampening=0) with g in place of the gradient:
+with buf starting at zero the first step gives buf = g, as SGD does. The math runs in the compute
+dtype of each (param, buf) pair: float64 when either is float64, else float32 — so bfloat16 /
+float16 params with float32 momentum buffers are updated in float32 and rounded once on store.
+
+Backends (ops.py picks one per device):
+- `nesterov_outer_torch`: torch._foreach_* ops, one group per (device, dtypes); the CPU path and the
+  last fallback on CUDA.
+- `nesterov_outer_cuda`: the Triton multi-tensor kernel (triton/nesterov.py) — one launch per dtype
+  combination over every tensor — when triton imports, else `nesterov_outer_torch`. The compiled
+  extension's CUDA kernel, when built, is registered in its place and this module is not used.
+
+The ops check shapes, devices and dtypes (ops.check_nesterov_args) before calling in here; nothing
+here checks for NaN/Inf (the optimizer does, before anything is written).
+"""
 from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional, Sequence
 
 import torch
 
+__all__ = ["nesterov_outer_torch", "nesterov_outer_cuda", "update_compute_dtype", "triton_available"]
 
-def nesterov_outer_torch(params, bufs, updates, lr: float, momentum: float, scales) -> None:
+
+def update_compute_dtype(param_dtype: torch.dtype, buf_dtype: torch.dtype) -> torch.dtype:
+    """float64 when the param or its buffer is float64, else float32."""
+    return torch.float64 if torch.float64 in (param_dtype, buf_dtype) else torch.float32
+
+
+def _group(params, bufs, updates) -> dict[tuple, list[int]]:
+    """Indices of the non-empty tensors, grouped by (device, param, buf, update dtype)."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
     for i, (p, b, u) in enumerate(zip(params, bufs, updates)):
-        g = u.to(b.dtype)
-        if scales is not None:
-            g = g * scales[i].to(b.dtype)
-        b.mul_(momentum).add_(g)
-        p.sub_((lr * (g + momentum * b)).to(p.dtype))
+        if p.numel():
+            groups[(p.device, p.dtype, b.dtype, u.dtype)].append(i)
+    return groups
 
 
-nesterov_outer_cuda = nesterov_outer_torch
+def _foreach_group(P, B, U, S, lr: float, momentum: float) -> None:
+    """One (device, dtypes) group with torch._foreach_*; S: per-tensor 0-d scales or None."""
+    cd = update_compute_dtype(P[0].dtype, B[0].dtype)
+    G = U if U[0].dtype == cd else [u.to(cd) for u in U]
+    if S is not None:
+        G = torch._foreach_mul(G, [s.to(cd) for s in S])
+    Bc = B if B[0].dtype == cd else [b.to(cd) for b in B]
+    torch._foreach_mul_(Bc, momentum)
+    torch._foreach_add_(Bc, G)
+    Pc = P if P[0].dtype == cd else [p.to(cd) for p in P]
+    # p − lr·g − lr·μ·buf: two in-place passes, no temporary (the updates are read-only).
+    torch._foreach_add_(Pc, G, alpha=-lr)
+    torch._foreach_add_(Pc, Bc, alpha=-lr * momentum)
+    if Pc is not P:
+        torch._foreach_copy_(P, Pc)
+    if Bc is not B:
+        torch._foreach_copy_(B, Bc)
+
+
+def nesterov_outer_torch(
+    params: Sequence[torch.Tensor],
+    bufs: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    lr: float,
+    momentum: float,
+    scales: Optional[torch.Tensor],
+) -> None:
+    """The update with torch._foreach_* ops: four passes per group, no temporaries when the
+    param, buf and update share the compute dtype and scales is None."""
+    lr, momentum = float(lr), float(momentum)
+    per_tensor = None if scales is None else scales.unbind(0)
+    for idx in _group(params, bufs, updates).values():
+        _foreach_group(
+            [params[i] for i in idx],
+            [bufs[i] for i in idx],
+            [updates[i] for i in idx],
+            None if per_tensor is None else [per_tensor[i] for i in idx],
+            lr,
+            momentum,
+        )
+
+
+_TRITON = None  # the triton/nesterov module once imported, False when triton is unusable
+
+
+def _triton_module():
+    global _TRITON
+    if _TRITON is None:
+        try:
+            from .triton import nesterov as mod
+        except ImportError:  # a Triton-less install: torch foreach serves CUDA too
+            mod = False
+        _TRITON = mod
+    return _TRITON
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernel can serve `nesterov_outer_cuda` here (triton imports)."""
+    return bool(_triton_module())
+
+
+def nesterov_outer_cuda(params, bufs, updates, lr: float, momentum: float, scales) -> None:
+    """CUDA without the compiled extension: the Triton multi-tensor kernel for contiguous
+    params/bufs (one launch per dtype triple), torch foreach for the rest and when triton is absent."""
+    mod = _triton_module()
+    if not mod:
+        nesterov_outer_torch(params, bufs, updates, lr, momentum, scales)
+        return
+    fast = [i for i, (p, b) in enumerate(zip(params, bufs)) if p.is_contiguous() and b.is_contiguous()]
+    if len(fast) == len(params):
+        mod.nesterov_outer_triton(params, bufs, updates, lr, momentum, scales)
+        return
+    slow = sorted(set(range(len(params))) - set(fast))
+    for idx, run in ((fast, mod.nesterov_outer_triton), (slow, nesterov_outer_torch)):
+        if idx:
+            sub = None if scales is None else scales[idx]
+            run([params[i] for i in idx], [bufs[i] for i in idx], [updates[i] for i in idx], lr, momentum, sub)

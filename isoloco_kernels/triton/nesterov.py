@@ -1,0 +1,153 @@
+"""Triton multi-tensor Nesterov outer update: one launch over a whole list of tensors.
+
+For tensor t, with s_t = scales[t] (1 without scales), in the compute dtype C:
+
+    g = s_t·u ;  buf ← μ·buf + g ;  p ← p − lr·(g + μ·buf)
+
+(Nesterov momentum as in torch.optim.SGD(nesterov=True, dampening=0); see nesterov.py.)
+
+Layout: the host writes one int64 row per tensor — addresses of p, buf and update, numel, the
+tensor's index into `scales`, and its first block — and copies the table to the device in one go.
+Program c handles BLOCK elements of one tensor; `block_tensor[c]` says which (cached per list of
+sizes). lr and μ head the table as float64 bit patterns. The addresses become typed pointers in the kernel (int → pointer casts), so any number of
+tensors share one launch; dtypes are constexpr, one launch per (param, buf, update) dtype triple.
+Works under TRITON_INTERPRET=1 on CPU tensors too.
+
+Requirements (the caller, nesterov.nesterov_outer_cuda, routes other tensors to torch): params
+and bufs contiguous; updates are made contiguous here.
+
+This module has no package-relative imports, so a test may load a second copy of it with the
+Triton interpreter switched on.
+"""
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 4096
+NUM_WARPS = 8
+
+_TL = {
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float32: tl.float32,
+    torch.float64: tl.float64,
+}
+
+@triton.jit
+def _nesterov_outer_kernel(
+    table_ptr,  # int64 [2 + 6T]: lr, μ (float64 bits), then per tensor: p, buf, update
+    #             addresses, numel, scale index, first block
+    block_tensor_ptr,  # int32 [nblocks]: the tensor each program works on
+    scales_ptr,  # [*] scales (any float dtype), read only when HAS_SCALES
+    P_DTYPE: tl.constexpr,
+    B_DTYPE: tl.constexpr,
+    U_DTYPE: tl.constexpr,
+    C_DTYPE: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    c = tl.program_id(0)
+    t = tl.load(block_tensor_ptr + c).to(tl.int64)
+    hyper = table_ptr.to(tl.pointer_type(tl.float64))
+    lr = tl.load(hyper).to(C_DTYPE)
+    mu = tl.load(hyper + 1).to(C_DTYPE)
+    row = table_ptr + 2 + t * 6
+    p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DTYPE))
+    b_ptr = tl.load(row + 1).to(tl.pointer_type(B_DTYPE))
+    u_ptr = tl.load(row + 2).to(tl.pointer_type(U_DTYPE))
+    n = tl.load(row + 3)
+    first = tl.load(row + 5)
+    offs = (c - first) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < n
+
+    g = tl.load(u_ptr + offs, mask=mask).to(C_DTYPE)
+    if HAS_SCALES:
+        g = g * tl.load(scales_ptr + tl.load(row + 4)).to(C_DTYPE)
+    buf = mu * tl.load(b_ptr + offs, mask=mask).to(C_DTYPE) + g
+    p = tl.load(p_ptr + offs, mask=mask).to(C_DTYPE)
+    p = p - lr * (g + mu * buf)
+    tl.store(b_ptr + offs, buf.to(B_DTYPE), mask=mask)
+    tl.store(p_ptr + offs, p.to(P_DTYPE), mask=mask)
+
+
+# Block → tensor maps depend only on the sizes: keep the last few (an optimizer reuses one).
+_BLOCK_MAPS: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_BLOCK_MAPS_MAX = 16
+
+
+def _block_map(blocks: list[int], device: torch.device) -> torch.Tensor:
+    key = (device, tuple(blocks))
+    hit = _BLOCK_MAPS.get(key)
+    if hit is not None:
+        _BLOCK_MAPS.move_to_end(key)
+        return hit
+    counts = torch.tensor(blocks, dtype=torch.int64)
+    bmap = torch.repeat_interleave(torch.arange(len(blocks), dtype=torch.int32), counts).to(device)
+    _BLOCK_MAPS[key] = bmap
+    if len(_BLOCK_MAPS) > _BLOCK_MAPS_MAX:
+        _BLOCK_MAPS.popitem(last=False)
+    return bmap
+
+
+def _launch(params, bufs, updates, scale_index, lr, momentum, scales, block, num_warps) -> None:
+    p0, b0, u0 = params[0], bufs[0], updates[0]
+    cdt = torch.float64 if torch.float64 in (p0.dtype, b0.dtype) else torch.float32
+    # lr and μ travel in the table as float64 bit patterns: exact for float64 params, and one
+    # host-to-device copy per launch carries everything.
+    rows, blocks, first = list(struct.unpack("<2q", struct.pack("<2d", lr, momentum))), [], 0
+    for p, b, u, si in zip(params, bufs, updates, scale_index):
+        nb = triton.cdiv(p.numel(), block)
+        rows += (p.data_ptr(), b.data_ptr(), u.data_ptr(), p.numel(), si, first)
+        blocks.append(nb)
+        first += nb
+    device = p0.device
+    table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    bmap = _block_map(blocks, device)
+    _nesterov_outer_kernel[(first,)](
+        table,
+        bmap,
+        scales if scales is not None else table,  # a valid pointer; never read without scales
+        P_DTYPE=_TL[p0.dtype],
+        B_DTYPE=_TL[b0.dtype],
+        U_DTYPE=_TL[u0.dtype],
+        C_DTYPE=_TL[cdt],
+        HAS_SCALES=scales is not None,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+
+
+def nesterov_outer_triton(
+    params, bufs, updates, lr: float, momentum: float, scales=None, *, block: int = BLOCK, num_warps: int = NUM_WARPS
+) -> None:
+    """The update over every tensor: one kernel launch per (param, buf, update) dtype triple.
+
+    params and bufs must be contiguous (checked); updates need not be (copied if not). Empty
+    tensors are skipped. `block` (a power of two) is the elements per program.
+    """
+    if scales is not None and not scales.is_contiguous():
+        scales = scales.contiguous()
+    groups: dict[tuple, list[int]] = {}
+    for i, (p, b, u) in enumerate(zip(params, bufs, updates)):
+        if not (p.is_contiguous() and b.is_contiguous()):
+            raise ValueError(f"nesterov_outer_triton: param and buf {i} must be contiguous")
+        if p.numel():
+            groups.setdefault((p.dtype, b.dtype, u.dtype), []).append(i)
+    for idx in groups.values():
+        _launch(
+            [params[i] for i in idx],
+            [bufs[i] for i in idx],
+            # keep the contiguous copies alive until the launch has been queued
+            [updates[i].contiguous() for i in idx],
+            idx,
+            float(lr),
+            float(momentum),
+            scales,
+            block,
+            num_warps,
+        )
