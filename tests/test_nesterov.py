@@ -1,0 +1,241 @@
+"""nesterov_outer_: the torch foreach backend (CPU op), the Triton kernel under the interpreter, and
+the CUDA dispatch, against reference.nesterov_ref in float64."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+
+import pytest
+import torch
+
+import isoloco_kernels  # noqa: F401  (registers torch.ops.isoloco)
+from isoloco_kernels import nesterov
+from isoloco_kernels.reference import nesterov_ref
+from tests.helpers import TOL, rel_err
+
+LR, MU = 0.7, 0.9
+# (param dtype, buf dtype): the compute dtype is float64 if either is, else float32.
+DTYPE_PAIRS = [
+    (torch.float32, torch.float32),
+    (torch.float64, torch.float64),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+]
+SHAPES = [(7, 5), (1, 9), (9, 1), (33,), (1,), (2, 3, 4), (0, 4), (130,)]
+
+
+def _rand(shape, dtype, gen):
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _case(pd, bd, ud=None, shapes=SHAPES, seed=0, with_scales=False):
+    g = torch.Generator().manual_seed(seed)
+    params = [_rand(s, pd, g) for s in shapes]
+    bufs = [_rand(s, bd, g) for s in shapes]
+    updates = [_rand(s, ud or pd, g) for s in shapes]
+    scales = (torch.rand(len(shapes), generator=g, dtype=torch.float64) + 0.5).float() if with_scales else None
+    return params, bufs, updates, scales
+
+
+def _reference(params, bufs, updates, scales):
+    return [
+        nesterov_ref(p, b, u, LR, MU, 1.0 if scales is None else scales[i].item())
+        for i, (p, b, u) in enumerate(zip(params, bufs, updates))
+    ]
+
+
+def _check(params, bufs, ref):
+    """Norm-wise error within TOL, and elementwise within TOL·max|ref| (an unwritten element shows)."""
+    for i, (p, b, (rp, rb)) in enumerate(zip(params, bufs, ref)):
+        if p.numel() == 0:
+            continue
+        for name, out, want in (("param", p, rp), ("buf", b, rb)):
+            tol = TOL[("update", out.dtype)]
+            assert rel_err(out, want) <= tol, f"{name} {i} {tuple(out.shape)} {out.dtype}"
+            worst = (out.double() - want).abs().max().item()
+            assert worst <= tol * want.abs().max().item() + 1e-300, f"{name} {i}: max abs error {worst}"
+
+
+def _clone(ts):
+    return [t.clone() for t in ts]
+
+
+@pytest.mark.parametrize("with_scales", [False, True], ids=["no_scales", "scales"])
+@pytest.mark.parametrize("pd,bd", DTYPE_PAIRS, ids=lambda d: str(d)[6:])
+def test_op_cpu_matches_reference(pd, bd, with_scales):
+    params, bufs, updates, scales = _case(pd, bd, seed=1, with_scales=with_scales)
+    ref = _reference(params, bufs, updates, scales)
+    u_before = _clone(updates)
+    torch.ops.isoloco.nesterov_outer_(params, bufs, updates, LR, MU, scales)
+    _check(params, bufs, ref)
+    assert all(torch.equal(a, b) for a, b in zip(updates, u_before)), "updates must be read-only"
+
+
+def test_op_cpu_mixed_dtypes_and_strides_in_one_call():
+    g = torch.Generator().manual_seed(2)
+    base = _rand((6, 10), torch.float32, g)
+    params = [
+        _rand((5, 3), torch.bfloat16, g),
+        _rand((8,), torch.float64, g),
+        base.t(),  # non-contiguous param
+        _rand((20, 4), torch.float32, g)[::2],  # strided param
+        _rand((4, 4), torch.float16, g),
+    ]
+    bufs = [torch.zeros(p.shape, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32) for p in params]
+    bufs[1] = _rand((8,), torch.float64, g)
+    updates = [_rand(p.shape, torch.float32, g) for p in params]
+    updates[2] = _rand((6, 10), torch.float32, g).t()  # non-contiguous update
+    scales = torch.tensor([0.5, 2.0, 1.5, 1.0, 3.0], dtype=torch.float64)
+    ref = _reference(params, bufs, updates, scales)
+    torch.ops.isoloco.nesterov_outer_(params, bufs, updates, LR, MU, scales)
+    _check(params, bufs, ref)
+    assert params[2].data_ptr() == base.data_ptr()  # updated in place
+
+
+def test_first_step_from_zero_buffer_equals_sgd():
+    g = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(_rand((6, 7), torch.float32, g))
+    grad = _rand((6, 7), torch.float32, g)
+    sgd_p = torch.nn.Parameter(p.detach().clone())
+    sgd = torch.optim.SGD([sgd_p], lr=LR, momentum=MU, nesterov=True, foreach=True)
+    sgd_p.grad = grad.clone()
+    sgd.step()
+    buf = torch.zeros_like(p)
+    with torch.no_grad():
+        torch.ops.isoloco.nesterov_outer_([p], [buf], [grad], LR, MU, None)
+    assert torch.equal(buf, sgd.state[sgd_p]["momentum_buffer"])
+    assert rel_err(p, sgd_p) <= TOL[("update", torch.float32)]
+
+
+def test_bad_arguments_change_nothing():
+    params, bufs, updates, _ = _case(torch.float32, torch.float32, shapes=[(3, 4), (5,)], seed=4)
+    before = _clone(params) + _clone(bufs)
+    with pytest.raises(ValueError, match="tensor 1"):
+        torch.ops.isoloco.nesterov_outer_(params, bufs, [updates[0], torch.zeros(6)], LR, MU, None)
+    with pytest.raises(ValueError, match="scales"):
+        torch.ops.isoloco.nesterov_outer_(params, bufs, updates, LR, MU, torch.ones(3))
+    with pytest.raises(ValueError, match="one entry each"):
+        torch.ops.isoloco.nesterov_outer_(params, bufs[:1], updates, LR, MU, None)
+    with pytest.raises(TypeError, match="update 0"):
+        torch.ops.isoloco.nesterov_outer_(params, bufs, [updates[0].int(), updates[1]], LR, MU, None)
+    assert all(torch.equal(a, b) for a, b in zip(params + bufs, before))
+
+
+def test_opcheck():
+    params, bufs, updates, scales = _case(torch.float32, torch.float32, shapes=[(3, 4), (5,)], seed=5, with_scales=True)
+    torch.library.opcheck(torch.ops.isoloco.nesterov_outer_.default, (params, bufs, updates, LR, MU, scales))
+    torch.library.opcheck(torch.ops.isoloco.nesterov_outer_.default, (params, bufs, updates, LR, MU, None))
+
+
+# ------------------------------------------------------------------------------------------------
+# The Triton kernel on CPU tensors, under the interpreter. triton.jit picks the interpreter when the
+# kernel is defined, so a private copy of triton/nesterov.py is loaded with TRITON_INTERPRET=1 set
+# for the duration of the import; the package's own copy (and other tests) are left as they are.
+
+_KERNEL_FILE = pathlib.Path(nesterov.__file__).parent / "triton" / "nesterov.py"
+
+
+@pytest.fixture(scope="module")
+def interp():
+    pytest.importorskip("triton")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spec = importlib.util.spec_from_file_location("_isoloco_nesterov_interpreted", _KERNEL_FILE)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    if type(mod._nesterov_outer_kernel).__name__ != "InterpretedFunction":
+        pytest.skip("this triton does not offer the interpreter")
+    return mod
+
+
+INTERP_SHAPES = [(7, 5), (1, 9), (9, 1), (33,), (1,), (2, 3, 4), (0, 4)]
+
+
+@pytest.mark.parametrize("with_scales", [False, True], ids=["no_scales", "scales"])
+@pytest.mark.parametrize(
+    "pd,bd,ud",
+    [
+        (torch.float32, torch.float32, torch.float32),
+        (torch.float64, torch.float64, torch.float64),
+        (torch.bfloat16, torch.float32, torch.float32),
+        (torch.float16, torch.float32, torch.float16),
+        (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    ],
+    ids=lambda d: str(d)[6:],
+)
+def test_triton_kernel_interpreted(interp, pd, bd, ud, with_scales):
+    params, bufs, updates, scales = _case(pd, bd, ud, shapes=INTERP_SHAPES, seed=6, with_scales=with_scales)
+    ref = _reference(params, bufs, updates, scales)
+    # block=16: several programs per tensor, and tensors ending mid-block
+    interp.nesterov_outer_triton(params, bufs, updates, LR, MU, scales, block=16)
+    _check(params, bufs, ref)
+
+
+def test_triton_kernel_interpreted_mixed_groups_and_strided_updates(interp):
+    g = torch.Generator().manual_seed(7)
+    params = [_rand((5, 6), torch.float32, g), _rand((40,), torch.bfloat16, g), _rand((6, 5), torch.float32, g)]
+    bufs = [torch.zeros(5, 6), _rand((40,), torch.float32, g), _rand((6, 5), torch.float32, g)]
+    updates = [_rand((6, 5), torch.float32, g).t(), _rand((40,), torch.bfloat16, g), _rand((6, 5), torch.float32, g)]
+    scales = torch.tensor([2.0, 0.5, 1.5])
+    ref = _reference(params, bufs, updates, scales)
+    interp.nesterov_outer_triton(params, bufs, updates, LR, MU, scales, block=8)
+    _check(params, bufs, ref)
+    with pytest.raises(ValueError, match="contiguous"):
+        interp.nesterov_outer_triton([params[0].t()], [bufs[0].t()], [updates[0].t()], LR, MU)
+
+
+def test_cuda_dispatch_splits_contiguous_and_strided(interp, monkeypatch):
+    """nesterov_outer_cuda's routing (Triton for contiguous params/bufs, torch for the rest,
+    scales re-indexed for each part), exercised on CPU with the interpreted kernel."""
+    monkeypatch.setattr(nesterov, "_TRITON", interp)
+    g = torch.Generator().manual_seed(8)
+    params = [_rand((4, 6), torch.float32, g), _rand((6, 4), torch.float32, g).t(), _rand((9,), torch.float64, g)]
+    bufs = [_rand(p.shape, p.dtype, g) for p in params]
+    updates = [_rand(p.shape, p.dtype, g) for p in params]
+    scales = torch.tensor([1.5, 0.25, 3.0], dtype=torch.float64)
+    ref = _reference(params, bufs, updates, scales)
+    nesterov.nesterov_outer_cuda(params, bufs, updates, LR, MU, scales)
+    _check(params, bufs, ref)
+
+
+# ------------------------------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("with_scales", [False, True], ids=["no_scales", "scales"])
+@pytest.mark.parametrize("pd,bd", DTYPE_PAIRS, ids=lambda d: str(d)[6:])
+def test_op_cuda_matches_reference(pd, bd, with_scales):
+    shapes = SHAPES + [(257, 300), (5000,)]
+    params, bufs, updates, scales = _case(pd, bd, shapes=shapes, seed=9, with_scales=with_scales)
+    ref = _reference(params, bufs, updates, scales)
+    dev = [[t.cuda() for t in ts] for ts in (params, bufs, updates)]
+    torch.ops.isoloco.nesterov_outer_(*dev, LR, MU, None if scales is None else scales.cuda())
+    _check(dev[0], dev[1], ref)
+
+
+@cuda
+def test_triton_kernel_cuda_matches_torch():
+    if not nesterov.triton_available():
+        pytest.skip("triton not importable")
+    from isoloco_kernels.triton import nesterov as tn
+
+    params, bufs, updates, scales = _case(torch.bfloat16, torch.float32, torch.float32, shapes=SHAPES + [(300, 257)], seed=10, with_scales=True)
+    params, bufs, updates, scales = ([t.cuda() for t in ts] for ts in (params, bufs, updates, [scales]))
+    scales = scales[0]
+    p2, b2 = _clone(params), _clone(bufs)
+    ref = _reference(params, bufs, updates, scales)
+    tn.nesterov_outer_triton(params, bufs, updates, LR, MU, scales)
+    nesterov.nesterov_outer_torch(p2, b2, updates, LR, MU, scales)
+    _check(params, bufs, ref)
+    for a, b in zip(bufs, b2):
+        assert rel_err(a, b) <= TOL[("update", torch.float32)]
