@@ -1,0 +1,67 @@
+// Multi-tensor Nesterov outer update, one launch over a list of tensors of equal dtypes:
+//
+//     g = s_i · u ;  buf ← μ·buf + g ;  p ← p − lr·(g + μ·buf)
+//
+// (SGD with momentum μ, nesterov=True, dampening 0; s_i = scales[i], or 1 without scales.)
+//
+// The tensor list lives in device memory as a table of kNesterovFields int64 per tensor, non-empty
+// tensors only, in order: p, buf, update (addresses), numel, scale index, first chunk. Tensor t owns
+// blocks [first_chunk_t, first_chunk_t + ceil(numel_t / kNesterovChunk)); each block binary-searches
+// the table for its tensor and updates one chunk of kNesterovChunk elements, with vector loads when
+// the three addresses allow. TP, TB, TU: storage types of params, bufs, updates; C: the math type
+// (float, or double for double params).
+#pragma once
+#include "common.cuh"
+
+namespace ik {
+
+constexpr int kNesterovFields = 6;
+constexpr long long kNesterovChunk = 8192;  // elements per block
+
+template <typename TP, typename TB, typename TU, typename C>
+__device__ __forceinline__ void nesterov_one(TP& p, TB& b, const TU u, C s, C lr, C mu) {
+  const C g = s * to_compute<C>(u);
+  const C nb = mu * to_compute<C>(b) + g;
+  b = from_compute<TB>(nb);
+  p = from_compute<TP>(to_compute<C>(p) - lr * (g + mu * nb));
+}
+
+template <typename TP, typename TB, typename TU, typename C>
+__global__ void __launch_bounds__(kBlock) nesterov_outer(const long long* __restrict__ table,
+                                                         int ntensors,
+                                                         const double* __restrict__ scales, C lr,
+                                                         C mu) {
+  // Last tensor whose first chunk is <= this block (first chunks ascend strictly: no empty tensors).
+  const long long bid = blockIdx.x;
+  int lo = 0, hi = ntensors - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (table[mid * kNesterovFields + 5] <= bid) lo = mid; else hi = mid - 1;
+  }
+  const long long* row = table + lo * kNesterovFields;
+  TP* p = reinterpret_cast<TP*>(row[0]);
+  TB* b = reinterpret_cast<TB*>(row[1]);
+  const TU* u = reinterpret_cast<const TU*>(row[2]);
+  const long long numel = row[3];
+  const C s = scales ? static_cast<C>(scales[row[4]]) : C(1);
+  const long long start = (bid - row[5]) * kNesterovChunk;
+  const long long end = start + kNesterovChunk < numel ? start + kNesterovChunk : numel;
+
+  long long i = start;
+  if (vec_aligned(p + start) && vec_aligned(b + start) && vec_aligned(u + start)) {
+    const long long vend = start + (end - start) / kVec * kVec;
+    for (long long j = start + threadIdx.x * kVec; j < vend; j += kBlock * kVec) {
+      Pack<TP> pv = *reinterpret_cast<const Pack<TP>*>(p + j);
+      Pack<TB> bv = *reinterpret_cast<const Pack<TB>*>(b + j);
+      const Pack<TU> uv = *reinterpret_cast<const Pack<TU>*>(u + j);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) nesterov_one<TP, TB, TU, C>(pv.v[k], bv.v[k], uv.v[k], s, lr, mu);
+      *reinterpret_cast<Pack<TP>*>(p + j) = pv;
+      *reinterpret_cast<Pack<TB>*>(b + j) = bv;
+    }
+    i = vend;
+  }
+  for (long long j = i + threadIdx.x; j < end; j += kBlock) nesterov_one<TP, TB, TU, C>(p[j], b[j], u[j], s, lr, mu);
+}
+
+}  // namespace ik
