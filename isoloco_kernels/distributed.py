@@ -1,0 +1,673 @@
+"""The IsoLoCo outer step over torch.distributed, with the Iso-C work sharded across ranks.
+
+In DiLoCo every rank (worker) ends a round holding the same global weights θ and its own
+pseudo-gradient Δ_k = θ − θ_k. Replicated, the outer step is: all-reduce the Δ_k to their mean, then
+every rank runs the whole outer optimizer. For IsoLoCo that means every rank repeats every Iso-C
+flatten. Sharded (`ShardedIsoLoCo`), each matrix has one owner:
+
+    reduce-scatter Δ_k → each rank receives mean(Δ) of the tensors it owns
+    owner:  M = iso(mean Δ) (2-D, iso on) or mean Δ;  buf ← μ·buf + M;  θ ← θ − lr·(M + μ·buf)
+    all-gather θ        → every rank holds the whole updated θ
+
+A reduce-scatter plus an all-gather move the same bytes as one all-reduce, each flatten runs once
+in the group instead of once per rank, and the momentum of a tensor lives only on its owner.
+
+Ownership (`plan_shards`): whole tensors, greedy largest-first by flatten cost m·n·min(m, n) (numel
+for 1-D tensors and for matrices with iso off), ties to the lowest rank, so every rank derives the
+same plan from the shapes alone. A tensor larger than a fair per-rank share of the elements
+(`replicate_above` · total / world) would force every rank's padded segment up to its size, so it is
+replicated instead: all-reduced and stepped on every rank (no extra bytes; its flatten is repeated).
+
+Failure handling: before any tensor is written, every rank reports ok/failed in one small
+all-reduce (checks, reductions and flattens all run before it). If any rank failed, every rank
+raises `DistributedStepError` naming the ranks and their errors, and nothing changed anywhere. A rank
+that dies or stalls outside the step is caught by the process group timeout.
+
+`sharded_iso_merge_` is the same idea for code that has already all-reduced its pseudo-gradients
+(torchft, OpenDiLoCo): each rank flattens the matrices it owns and all-gathers the results.
+`average_` is the bucketed all-reduce-mean a replicated (DiLoCo) loop needs.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._validate import SUPPORTED_DTYPES, check_all_finite
+from .flatten import check_method
+
+__all__ = [
+    "DistributedStepError",
+    "ShardPlan",
+    "ShardedIsoLoCo",
+    "average_",
+    "plan_shards",
+    "sharded_iso_merge_",
+]
+
+#: Default size of one communication chunk (all ranks' pieces together), as DDP's 25 MB buckets.
+BUCKET_BYTES = 25 * 1024 * 1024
+
+REPLICATED = -1  # owner id of a tensor every rank holds and steps
+
+# torch 2.14 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class DistributedStepError(RuntimeError):
+    """A collective outer step failed on at least one rank; no rank changed any tensor."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Who owns which tensor, and where it sits in its owner's flat communication buffer.
+
+    owners[i] is a rank, or REPLICATED (-1). For each dtype of the sharded tensors, rank r's owned
+    tensors of that dtype are laid end to end (in tensor order) in a flat segment of length
+    seg_len[dtype]: the largest rank's total; shorter ranks are zero-padded.
+    """
+
+    world_size: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    costs: tuple[int, ...]
+    owners: tuple[int, ...]
+
+    def owned(self, rank: int) -> list[int]:
+        return [i for i, o in enumerate(self.owners) if o == rank]
+
+    @property
+    def replicated(self) -> list[int]:
+        return [i for i, o in enumerate(self.owners) if o == REPLICATED]
+
+    def numel(self, i: int) -> int:
+        n = 1
+        for s in self.shapes[i]:
+            n *= s
+        return n
+
+    def layout(self, dtype: torch.dtype) -> tuple[list[list[tuple[int, int]]], int]:
+        """([per rank: [(tensor index, offset)]], padded segment length) for one dtype."""
+        per_rank: list[list[tuple[int, int]]] = [[] for _ in range(self.world_size)]
+        fill = [0] * self.world_size
+        for i, (o, dt) in enumerate(zip(self.owners, self.dtypes)):
+            if o != REPLICATED and dt == dtype:
+                per_rank[o].append((i, fill[o]))
+                fill[o] += self.numel(i)
+        return per_rank, max(fill, default=0)
+
+    @property
+    def sharded_dtypes(self) -> list[torch.dtype]:
+        seen: list[torch.dtype] = []
+        for o, dt in zip(self.owners, self.dtypes):
+            if o != REPLICATED and dt not in seen:
+                seen.append(dt)
+        return seen
+
+    def loads(self) -> list[int]:
+        """Flatten cost per rank (replicated tensors count on every rank)."""
+        rep = sum(self.costs[i] for i in self.replicated)
+        out = [rep] * self.world_size
+        for i, o in enumerate(self.owners):
+            if o != REPLICATED:
+                out[o] += self.costs[i]
+        return out
+
+    def wire_elements(self) -> dict[str, int]:
+        """Elements each rank puts into collectives, padding included, vs. a plain all-reduce.
+
+        'sharded': world · Σ_dtype padded segment (reduce-scatter input, = all-gather output);
+        'replicated': elements all-reduced; 'allreduce': all elements (what DiLoCo all-reduces).
+        """
+        seg = sum(self.layout(dt)[1] for dt in self.sharded_dtypes)
+        return {
+            "sharded": self.world_size * seg,
+            "replicated": sum(self.numel(i) for i in self.replicated),
+            "allreduce": sum(self.numel(i) for i in range(len(self.shapes))),
+        }
+
+    @property
+    def fingerprint(self) -> int:
+        """A 63-bit hash of the whole plan; equal on every rank that built the same plan."""
+        text = repr((self.world_size, self.shapes, [str(d) for d in self.dtypes], self.owners))
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def flatten_cost(shape: Sequence[int], iso: bool = True) -> int:
+    """Relative cost of one tensor's outer step: B·m·n·min(m, n) for matrices, else numel."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    if iso and len(shape) in (2, 3):
+        return numel * min(shape[-2], shape[-1])
+    return numel
+
+
+def plan_shards(
+    shapes: Sequence[Sequence[int]],
+    world_size: int,
+    *,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    iso: Sequence[bool] | bool = True,
+    replicate_above: Optional[float] = 1.0,
+) -> ShardPlan:
+    """Assign whole tensors to ranks, balancing flatten cost; deterministic from the arguments.
+
+    Greedy longest-processing-time: tensors in order of decreasing cost (ties: lower index first)
+    each go to the rank with the least cost so far (ties: lowest rank). A tensor with more than
+    replicate_above · (total elements) / world_size elements is replicated instead (None: never).
+    """
+    if world_size < 1:
+        raise ValueError(f"plan_shards: world_size must be >= 1, got {world_size}")
+    shapes = tuple(tuple(int(s) for s in sh) for sh in shapes)
+    dtypes = tuple(dtypes) if dtypes is not None else (torch.float32,) * len(shapes)
+    isos = [iso] * len(shapes) if isinstance(iso, bool) else list(iso)
+    if not (len(dtypes) == len(isos) == len(shapes)):
+        raise ValueError("plan_shards: shapes, dtypes and iso must have one entry per tensor")
+    costs = tuple(flatten_cost(sh, i) for sh, i in zip(shapes, isos))
+    numels = [flatten_cost(sh, False) for sh in shapes]
+    owners = [0] * len(shapes)
+    if world_size > 1:
+        limit = None if replicate_above is None else replicate_above * sum(numels) / world_size
+        load = [0] * world_size
+        for i in sorted(range(len(shapes)), key=lambda i: (-costs[i], i)):
+            if limit is not None and numels[i] > limit:
+                owners[i] = REPLICATED
+                continue
+            r = min(range(world_size), key=lambda r: (load[r], r))
+            owners[i] = r
+            load[r] += costs[i]
+    return ShardPlan(world_size, shapes, dtypes, costs, tuple(owners))
+
+
+# ----------------------------------------------------------------------------------------------
+# Communication helpers
+
+
+def _group_info(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _pieces(entries: Sequence[tuple[int, int]], numel_of, a: int, b: int):
+    """Parts of [a, b) of a flat segment made of entries (tensor index, offset), in order:
+    yields (tensor index, start inside the tensor, start inside [a, b), length)."""
+    for i, off in entries:
+        n = numel_of(i)
+        lo, hi = max(a, off), min(b, off + n)
+        if lo < hi:
+            yield i, lo - off, lo - a, hi - lo
+
+
+def _chunks(total: int, per_chunk: int):
+    for a in range(0, total, per_chunk):
+        yield a, min(total, a + per_chunk)
+
+
+class _InFlight:
+    """At most `depth` async collectives in flight; each finishes with its callback, in order."""
+
+    def __init__(self, depth: int = 2):
+        self.depth, self.queue = depth, []
+
+    def add(self, work, done) -> None:
+        self.queue.append((work, done))
+        if len(self.queue) > self.depth:
+            self.pop()
+
+    def pop(self) -> None:
+        work, done = self.queue.pop(0)
+        work.wait()
+        done()
+
+    def drain(self) -> None:
+        while self.queue:
+            self.pop()
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A flat view of t (contiguous t), else a flat copy."""
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
+
+
+def average_(
+    tensors: Iterable[torch.Tensor], group=None, *, bucket_bytes: int = BUCKET_BYTES
+) -> list[torch.Tensor]:
+    """All-reduce-mean a list of tensors in place over `group`, in buckets of about bucket_bytes.
+
+    Tensors are packed per (device, dtype) end to end into flat buckets (a tensor larger than a
+    bucket is split), and up to two buckets' all-reduces are in flight at once, so extra memory is
+    two buckets. Call it on every rank with the same shapes and dtypes in the same order (the
+    DiLoCo pseudo-gradient average). Returns the tensors as a list.
+    """
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"average_: tensor {i} is a {type(t).__name__}, not a torch.Tensor")
+    _, world = _group_info(group)
+    if world == 1:
+        return tensors
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            by_kind.setdefault((t.device, t.dtype), []).append(i)
+    for (device, dtype), idx in by_kind.items():
+        flats = {i: _flat(tensors[i]) for i in idx}
+        entries, total = [], 0
+        for i in idx:
+            entries.append((i, total))
+            total += tensors[i].numel()
+        per = max(1, bucket_bytes // tensors[idx[0]].element_size())
+        bufs = [torch.empty(min(per, total), dtype=dtype, device=device) for _ in range(3)]
+        flight = _InFlight(2)
+        for k, (a, b) in enumerate(_chunks(total, per)):
+            buf = bufs[k % 3][: b - a]
+            parts = list(_pieces(entries, lambda i: flats[i].numel(), a, b))
+            for i, ts, bs, n in parts:
+                buf[bs : bs + n].copy_(flats[i][ts : ts + n])
+
+            def done(buf=buf, parts=parts):
+                buf.div_(world)
+                for i, ts, bs, n in parts:
+                    flats[i][ts : ts + n].copy_(buf[bs : bs + n])
+
+            flight.add(dist.all_reduce(buf, group=group, async_op=True), done)
+        flight.drain()
+        for i in idx:
+            if not tensors[i].is_contiguous():
+                tensors[i].copy_(flats[i].view(tensors[i].shape))
+    return tensors
+
+
+def _reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, device, bucket_bytes) -> torch.Tensor:
+    """This rank's segment of the mean over ranks of the sharded tensors of one dtype.
+
+    src(i) is tensor i's flat local pseudo-gradient, or None (sent as zeros). Chunk k covers
+    elements [a, b) of every rank's segment: send holds world pieces of b − a elements.
+    """
+    per_rank, seg = plan.layout(dtype)
+    world = plan.world_size
+    own = torch.empty(seg, dtype=dtype, device=device)
+    if seg == 0:
+        return own
+    per = max(1, bucket_bytes // (world * own.element_size()))
+    sends = [torch.empty(world * min(per, seg), dtype=dtype, device=device) for _ in range(3)]
+    flight = _InFlight(2)
+    for k, (a, b) in enumerate(_chunks(seg, per)):
+        w = b - a
+        send = sends[k % 3][: world * w]
+        send.zero_()
+        for r in range(world):
+            for i, ts, bs, n in _pieces(per_rank[r], plan.numel, a, b):
+                g = src(i)
+                if g is not None:
+                    send[r * w + bs : r * w + bs + n].copy_(g[ts : ts + n])
+        flight.add(_reduce_scatter_single(own[a:b], send, group=group, async_op=True), lambda: None)
+    flight.drain()
+    return own.div_(world)
+
+
+def _all_gather_segments(plan: ShardPlan, dtype, own, dst, rank, group, bucket_bytes) -> None:
+    """Every rank's segment of one dtype, scattered into dst(i) (tensor i's flat destination)."""
+    per_rank, seg = plan.layout(dtype)
+    world = plan.world_size
+    if seg == 0:
+        return
+    per = max(1, bucket_bytes // (world * own.element_size()))
+    bufs = [torch.empty(world * min(per, seg), dtype=dtype, device=own.device) for _ in range(3)]
+    flight = _InFlight(2)
+    for k, (a, b) in enumerate(_chunks(seg, per)):
+        w = b - a
+        buf = bufs[k % 3][: world * w]
+
+        def done(buf=buf, a=a, b=b, w=w):
+            for r in range(world):
+                for i, ts, bs, n in _pieces(per_rank[r], plan.numel, a, b):
+                    dst(i)[ts : ts + n].copy_(buf[r * w + bs : r * w + bs + n])
+
+        flight.add(_all_gather_single(buf, own[a:b], group=group, async_op=True), done)
+    flight.drain()
+
+
+def _owned_views(plan: ShardPlan, dtype, own: torch.Tensor, rank: int) -> dict[int, torch.Tensor]:
+    per_rank, _ = plan.layout(dtype)
+    return {i: own[off : off + plan.numel(i)].view(plan.shapes[i]) for i, off in per_rank[rank]}
+
+
+def _agree(error: Optional[str], group, device, what: str, fingerprint: Optional[int] = None) -> None:
+    """Every rank learns whether any rank failed (and whether plans match); all raise if so.
+
+    One all-gather of (failed, plan fingerprint) per rank; the error texts are gathered only when
+    something failed.
+    """
+    rank, world = _group_info(group)
+    mine = torch.tensor([int(error is not None), fingerprint or 0], dtype=torch.int64, device=device)
+    every = torch.empty(2 * world, dtype=torch.int64, device=device)
+    _all_gather_single(every, mine, group=group)
+    flags, prints = every.view(world, 2).cpu().unbind(1)
+    failed = flags.nonzero().flatten().tolist()
+    if not failed and (fingerprint is None or prints.unique().numel() == 1):
+        return
+    texts: list = [None] * world
+    dist.all_gather_object(texts, error, group=group)
+    if failed:
+        detail = "; ".join(f"rank {r}: {texts[r]}" for r in failed)
+    else:
+        detail = "the ranks built different shard plans (fingerprints " + ", ".join(
+            f"rank {r}: {p:#x}" for r, p in enumerate(prints.tolist())
+        ) + "); every rank must pass the same tensor shapes and dtypes in the same order"
+    raise DistributedStepError(f"{what} failed on {len(failed) or world} of {world} ranks, nothing was changed on any rank: {detail}")
+
+
+def _flatten_matrices(views: Sequence[torch.Tensor], method: str) -> None:
+    """Iso-C flatten each [m, n] / [B, m, n] view in place, batching same-shaped matrices."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for v in views:
+        if v.ndim == 3:
+            torch.ops.isoloco.iso_flatten_(v, method)
+        elif v.numel():
+            groups.setdefault((tuple(v.shape), v.dtype), []).append(v)
+    for vs in groups.values():
+        if len(vs) == 1:
+            torch.ops.isoloco.iso_flatten_(vs[0], method)
+            continue
+        batch = torch.stack(vs)
+        torch.ops.isoloco.iso_flatten_(batch, method)
+        for v, b in zip(vs, batch):
+            v.copy_(b)
+
+
+def _error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Pre-averaged pseudo-gradients: shard only the flatten
+
+
+def sharded_iso_merge_(
+    buckets: Iterable[torch.Tensor],
+    group=None,
+    *,
+    method: str = "auto",
+    bucket_bytes: int = BUCKET_BYTES,
+    replicate_above: Optional[float] = 1.0,
+) -> list[torch.Tensor]:
+    """`iso_merge_` for tensors that are already equal on every rank, with the work split.
+
+    Each rank flattens the [m, n] / [B, m, n] buckets `plan_shards` gives it, then the results are
+    all-gathered into every rank's buckets. Buckets over the replicate_above share are flattened
+    by every rank locally. Result equals `iso_merge_(buckets, method=method)` on every rank.
+    All-or-nothing across the group: bad input on any rank (type, dtype, shape, NaN/Inf, ranks
+    passing different shapes) raises DistributedStepError on every rank and no bucket changes.
+    """
+    from ._validate import check_matrix_tensor
+
+    buckets = list(buckets)
+    rank, world = _group_info(group)
+    check_method(method)
+    device = next((b.device for b in buckets if isinstance(b, torch.Tensor)), torch.device("cpu"))
+    if dist.get_backend(group) == "gloo":
+        device = torch.device("cpu")
+    error, plan = None, None
+    try:
+        names = [f"bucket {i}" for i in range(len(buckets))]
+        for b, name in zip(buckets, names):
+            check_matrix_tensor(b, name)
+        plan = plan_shards(
+            [b.shape for b in buckets], world, dtypes=[b.dtype for b in buckets],
+            replicate_above=replicate_above,
+        )
+        mine = plan.owned(rank) + plan.replicated
+        check_all_finite([buckets[i] for i in mine], [names[i] for i in mine])
+    except (TypeError, ValueError) as e:
+        error = _error_text(e)
+    _agree(error, group, device, "sharded_iso_merge_", plan.fingerprint if plan else None)
+
+    # Flatten owned buckets inside the flat send segment, replicated ones in clones.
+    owns = {}
+    for dt in plan.sharded_dtypes:
+        per_rank, seg = plan.layout(dt)
+        own = torch.empty(seg, dtype=dt, device=buckets[per_rank[rank][0][0]].device if per_rank[rank] else device)
+        views = _owned_views(plan, dt, own, rank)
+        for i, v in views.items():
+            v.copy_(buckets[i])
+        owns[dt] = (own, views)
+    reps = {i: buckets[i].clone() for i in plan.replicated}
+    try:
+        _flatten_matrices([v for _, views in owns.values() for v in views.values()] + list(reps.values()), method)
+    except Exception as e:  # any failure must reach the other ranks before they write
+        error = _error_text(e)
+    _agree(error, group, device, "sharded_iso_merge_")
+
+    for i, r in reps.items():
+        buckets[i].copy_(r)
+    for dt, (own, _) in owns.items():
+        _scatter_into(plan, dt, own, buckets, rank, group, bucket_bytes)
+    return buckets
+
+
+def _scatter_into(plan, dtype, own, tensors, rank, group, bucket_bytes) -> None:
+    """All-gather every rank's segment of one dtype into `tensors` (non-contiguous ones via a copy)."""
+    flats = {}
+
+    def dst(i):
+        if i not in flats:
+            flats[i] = _flat(tensors[i])
+        return flats[i]
+
+    if plan.world_size == 1:
+        for i, v in _owned_views(plan, dtype, own, rank).items():
+            tensors[i].copy_(v)
+        return
+    _all_gather_segments(plan, dtype, own, dst, rank, group, bucket_bytes)
+    for i, f in flats.items():
+        if not tensors[i].is_contiguous():
+            tensors[i].copy_(f.view(tensors[i].shape))
+
+
+# ----------------------------------------------------------------------------------------------
+# The sharded outer optimizer
+
+
+class ShardedIsoLoCo(torch.optim.Optimizer):
+    """IsoLoCo's outer step for DiLoCo over a process group, each tensor's work done by one rank.
+
+    Use it like the replicated outer optimizer, on every rank: set p.data to the global weights
+    (equal on all ranks) and p.grad to this rank's pseudo-gradient θ − θ_k (NOT yet averaged), then
+    `step()`. The step averages the pseudo-gradients itself (reduce-scatter), and each rank applies
+    M = iso(mean Δ) (2-D params, iso on) or mean Δ, then Nesterov (buf ← μ·buf + M;
+    θ ← θ − lr·(M + μ·buf)), to the params it owns; an all-gather gives every rank the new θ. The
+    result is the replicated IsoLoCo step on the averaged pseudo-gradients.
+
+    Momentum is kept only by the owner (and for replicated tensors by every rank), so state_dict()
+    is per rank; it carries the plan's fingerprint and rank, and load_state_dict refuses a state
+    saved under a different plan or by a different rank. param_groups hold lr, momentum and iso.
+
+    If any rank finds bad input (missing grad, wrong shape or dtype, NaN/Inf, a failed flatten),
+    every rank raises DistributedStepError and no param or buffer changes on any rank.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1.8,
+        momentum: float = 0.8,
+        *,
+        iso: bool = True,
+        method: str = "auto",
+        group=None,
+        bucket_bytes: int = BUCKET_BYTES,
+        replicate_above: Optional[float] = 1.0,
+    ):
+        for name, v in (("lr", lr), ("momentum", momentum)):
+            if not isinstance(v, (int, float)) or not (0.0 <= v < float("inf")):
+                raise ValueError(f"ShardedIsoLoCo: {name} must be a finite number >= 0, got {v!r}")
+        check_method(method)
+        if bucket_bytes < 1:
+            raise ValueError(f"ShardedIsoLoCo: bucket_bytes must be positive, got {bucket_bytes}")
+        super().__init__(params, dict(lr=float(lr), momentum=float(momentum), iso=bool(iso)))
+        self.method, self.group, self.bucket_bytes = method, group, bucket_bytes
+        self.rank, self.world_size = _group_info(group)
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        self._group_of = [k for k, g in enumerate(self.param_groups) for _ in g["params"]]
+        for i, p in enumerate(self._params):
+            if p.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"ShardedIsoLoCo: param {i} has unsupported dtype {p.dtype}")
+            if p.device != self._params[0].device:
+                raise ValueError(f"ShardedIsoLoCo: param {i} is on {p.device}, param 0 on {self._params[0].device}")
+        self.plan = plan_shards(
+            [p.shape for p in self._params], self.world_size,
+            dtypes=[p.dtype for p in self._params],
+            iso=[self.param_groups[k]["iso"] and p.ndim == 2 for k, p in zip(self._group_of, self._params)],
+            replicate_above=replicate_above,
+        )
+        self._device = self._params[0].device if self._params else torch.device("cpu")
+        if dist.get_backend(group) == "gloo":
+            self._device = torch.device("cpu")
+        _agree(None, group, self._device, "ShardedIsoLoCo()", self.plan.fingerprint)
+
+    @property
+    def mine(self) -> list[int]:
+        """Indices (over all param groups, in order) of the params this rank steps."""
+        return self.plan.owned(self.rank) + self.plan.replicated
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def _check_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for i, p in enumerate(self._params):
+            g = p.grad
+            what = f"param {i} (shape {tuple(p.shape)}) on rank {self.rank}"
+            if g is None:
+                raise ValueError(f"{what} has no grad; set p.grad to the pseudo-gradient on every rank")
+            if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+                raise ValueError(
+                    f"{what}: grad must match the param, got grad {tuple(g.shape)} {g.dtype} on {g.device}"
+                    f" for param {p.dtype} on {p.device}"
+                )
+            if g.is_sparse:
+                raise TypeError(f"{what}: sparse grads are not supported")
+            grads.append(g)
+        check_all_finite(grads, [f"pseudo-gradient of param {i} on rank {self.rank}" for i in range(len(grads))])
+        return grads
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan, rank, group = self.plan, self.rank, self.group
+        error, grads = None, None
+        try:
+            grads = self._check_grads()
+        except (TypeError, ValueError) as e:
+            error = _error_text(e)
+        flat = [None if grads is None else _flat(g) for g in (grads or self._params)]
+
+        # 1. mean pseudo-gradients of my tensors (sharded: reduce-scatter; replicated: all-reduce)
+        updates: dict[int, torch.Tensor] = {}
+        owns = {}
+        for dt in plan.sharded_dtypes:
+            own = _reduce_scatter_mean(plan, dt, lambda i: flat[i], rank, group, self._device, self.bucket_bytes) \
+                if self.world_size > 1 else self._own_single(dt, flat)
+            owns[dt] = own
+            updates.update(_owned_views(plan, dt, own, rank))
+        reps = {
+            i: (grads[i].clone(memory_format=torch.contiguous_format) if grads is not None else torch.zeros_like(self._params[i]))
+            for i in plan.replicated
+        }
+        if reps:
+            average_(list(reps.values()), group, bucket_bytes=self.bucket_bytes)
+        updates.update(reps)
+
+        # 2. everything that can fail, before agreeing
+        if error is None:
+            try:
+                idx = sorted(updates)
+                check_all_finite([updates[i] for i in idx], [f"mean pseudo-gradient of param {i}" for i in idx])
+                _flatten_matrices(
+                    [updates[i] for i in idx if updates[i].ndim == 2 and self.param_groups[self._group_of[i]]["iso"]],
+                    self.method,
+                )
+            except Exception as e:
+                error = _error_text(e)
+        _agree(error, group, self._device, "ShardedIsoLoCo.step")
+
+        # 3. Nesterov on my params, per param group
+        for k, g in enumerate(self.param_groups):
+            idx = [i for i in sorted(updates) if self._group_of[i] == k]
+            if not idx:
+                continue
+            ps = [self._params[i] for i in idx]
+            bufs = []
+            for p in ps:
+                st = self.state[p]
+                if "momentum_buffer" not in st:
+                    st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                bufs.append(st["momentum_buffer"])
+            torch.ops.isoloco.nesterov_outer_(ps, bufs, [updates[i] for i in idx], g["lr"], g["momentum"], None)
+
+        # 4. every rank gets every updated param
+        for dt, own in owns.items():
+            for i, v in _owned_views(plan, dt, own, rank).items():
+                v.copy_(self._params[i])
+            if self.world_size > 1:
+                _scatter_into(plan, dt, own, [p.data for p in self._params], rank, group, self.bucket_bytes)
+        return loss
+
+    def _own_single(self, dtype, flat) -> torch.Tensor:
+        """World size 1: my segment is just my grads, copied (the grads stay untouched)."""
+        per_rank, seg = self.plan.layout(dtype)
+        own = torch.empty(seg, dtype=dtype, device=self._device)
+        for i, off in per_rank[0]:
+            if flat[i] is None:
+                own[off : off + self.plan.numel(i)].zero_()
+            else:
+                own[off : off + self.plan.numel(i)].copy_(flat[i])
+        return own
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["sharding"] = {"fingerprint": self.plan.fingerprint, "rank": self.rank, "world_size": self.world_size}
+        return sd
+
+    def load_state_dict(self, state_dict) -> None:
+        info = state_dict.get("sharding")
+        if info is None:
+            raise ValueError(
+                "ShardedIsoLoCo.load_state_dict: the state has no 'sharding' entry (it was not saved by "
+                "ShardedIsoLoCo.state_dict()); per-rank momentum cannot be matched to this plan"
+            )
+        if info["world_size"] != self.world_size or info["fingerprint"] != self.plan.fingerprint:
+            raise ValueError(
+                f"ShardedIsoLoCo.load_state_dict: the state was saved under a different shard plan "
+                f"(world size {info['world_size']}, plan {info['fingerprint']:#x}); this optimizer has world "
+                f"size {self.world_size}, plan {self.plan.fingerprint:#x}. Same params, dtypes and world size needed"
+            )
+        if info["rank"] != self.rank:
+            raise ValueError(
+                f"ShardedIsoLoCo.load_state_dict: the state was saved by rank {info['rank']}, this is rank "
+                f"{self.rank}; load each rank's own state"
+            )
+        mine = set(self.mine)
+        extra = sorted(set(state_dict["state"]) - mine)
+        if extra:
+            raise ValueError(
+                f"ShardedIsoLoCo.load_state_dict: the state holds momentum for params {extra[:8]} that rank "
+                f"{self.rank} does not own"
+            )
+        rest = {k: v for k, v in state_dict.items() if k != "sharding"}
+        super().load_state_dict(rest)

@@ -1,0 +1,337 @@
+"""The sharded outer step on torch.distributed (gloo over 127.0.0.1, ranks spawned per test).
+
+Spawning is slow, so each test starts one group and runs several checks in it. Every worker does its
+own asserting (an AssertionError in any rank fails the test, with that rank's traceback); the parent
+enforces a hard deadline, so a hang fails instead of blocking CI.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
+from isoloco_kernels import distributed as D
+from isoloco_kernels.reference import isoloco_step_ref, iso_flatten_ref
+from tests.helpers import TOL, rel_err
+
+DEADLINE_S = 120  # per spawned group, generous for 2 busy cores; a hang fails here
+PG_TIMEOUT_S = 15  # process group timeout: the backstop for a rank that vanishes
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, body, tmpdir):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=PG_TIMEOUT_S),
+    )
+    body(rank, world, tmpdir)
+    with open(os.path.join(tmpdir, f"done{rank}"), "w") as f:
+        f.write("ok")
+    os._exit(0)  # skip process-group teardown: a check may have left a peer gone
+
+
+def _spawn(body, world, tmp_path):
+    ctx = mp.start_processes(
+        _entry, args=(world, _free_port(), body, str(tmp_path)), nprocs=world, join=False, start_method="spawn"
+    )
+    t0 = time.monotonic()
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() - t0 > DEADLINE_S:
+                pytest.fail(f"spawned group of {world} did not finish within {DEADLINE_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    missing = [r for r in range(world) if not (tmp_path / f"done{r}").exists()]
+    assert not missing, f"ranks {missing} exited without finishing their checks"
+
+
+# ----------------------------------------------------------------------------------------------
+# What every rank computes: the same global params, its own pseudo-gradients
+
+
+def _model(shapes, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def _pseudo_grads(shapes, dtype, rank, step, scale=0.1):
+    g = torch.Generator().manual_seed(1000 * step + rank + 1)
+    return [(scale * torch.randn(s, generator=g, dtype=torch.float64)).to(dtype) for s in shapes]
+
+
+def _noncontig(t):
+    """The same values in a transposed (non-contiguous) layout, for 2-D tensors."""
+    return t.mT.contiguous().mT if t.ndim == 2 and min(t.shape) > 1 else t
+
+
+def _single_process_steps(shapes, dtype, world, steps, lr, mu, iso_on=True, start=0, p0=None, b0=None):
+    """The replicated outer step, one process, float64 reference: M = iso(mean Δ), Nesterov."""
+    ps = [p.double() for p in (p0 if p0 is not None else _model(shapes, dtype))]
+    bs = [b.double() for b in b0] if b0 is not None else [torch.zeros_like(p) for p in ps]
+    for s in range(start, start + steps):
+        gs = [_pseudo_grads(shapes, dtype, r, s) for r in range(world)]
+        mean = [torch.stack([g[i].double() for g in gs]).mean(0) for i in range(len(shapes))]
+        ps, bs = isoloco_step_ref(ps, bs, mean, lr, mu, iso=iso_on)
+    return ps, bs
+
+
+def _run_sharded(params, shapes, dtype, rank, steps, opt, start=0):
+    for s in range(start, start + steps):
+        for p, g in zip(params, _pseudo_grads(shapes, dtype, rank, s)):
+            p.grad = _noncontig(g)
+        opt.step()
+
+
+def _assert_close_to_ref(params, ref, dtype, what):
+    for i, (p, r) in enumerate(zip(params, ref)):
+        e = rel_err(p, r)
+        assert e <= TOL[("exact", dtype)], f"{what}: param {i} {tuple(p.shape)} rel err {e:.3g}"
+
+
+def _assert_same_everywhere(tensors, what, group=None):
+    """Every rank of the group holds bit-identical tensors."""
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    for i, t in enumerate(tensors):
+        ref = t.detach().clone()
+        dist.broadcast(ref, src=src, group=group)
+        assert torch.equal(ref, t), f"{what}: tensor {i} differs between ranks {src} and {dist.get_rank()}"
+
+
+# ----------------------------------------------------------------------------------------------
+# 2 ranks (a subgroup: also checks that group= is honoured)
+
+SHAPES_2 = [(12, 5), (7,), (5, 9), (1, 6), (6, 1), (16, 16), (3,), (9, 4)]
+
+
+def _pair_checks(group, tmpdir):
+    """Checks on a 2-rank subgroup (ranks 0, 1 and ranks 2, 3 each run them at once)."""
+    rank, world = dist.get_rank(group), 2
+    lr, mu = 1.8, 0.8
+    # several steps, fp32 and fp64, multi-chunk communication (tiny buckets), replication on and off
+    for dtype, bucket, rep in ((torch.float32, 64, 1.0), (torch.float64, 1 << 20, None), (torch.float32, 1 << 20, 0.2)):
+        params = _model(SHAPES_2, dtype)
+        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, group=group, bucket_bytes=bucket, replicate_above=rep)
+        if rep == 0.2:
+            assert opt.plan.replicated, "replicate_above=0.2 must replicate the largest tensors"
+        _run_sharded(params, SHAPES_2, dtype, rank, 3, opt)
+        ref_p, _ = _single_process_steps(SHAPES_2, dtype, world, 3, lr, mu)
+        _assert_close_to_ref(params, ref_p, dtype, f"{dtype} bucket {bucket} replicate {rep}")
+        _assert_same_everywhere(params, f"{dtype} params", group)
+        owned = set(opt.plan.owned(rank)) | set(opt.plan.replicated)
+        held = {i for i, p in enumerate(opt._params) if "momentum_buffer" in opt.state[p]}
+        assert held == owned, f"rank {rank} holds momentum for {sorted(held)}, owns {sorted(owned)}"
+
+    # iso off: plain Nesterov SGD on the averaged pseudo-gradients
+    params = _model(SHAPES_2, torch.float64)
+    opt = D.ShardedIsoLoCo(params, lr=0.7, momentum=0.9, iso=False, group=group)
+    _run_sharded(params, SHAPES_2, torch.float64, rank, 2, opt)
+    ref_p, _ = _single_process_steps(SHAPES_2, torch.float64, world, 2, 0.7, 0.9, iso_on=False)
+    _assert_close_to_ref(params, ref_p, torch.float64, "iso off")
+
+    # state_dict save, fresh optimizer, load, resume: same trajectory as running straight through
+    dtype = torch.float64
+    params = _model(SHAPES_2, dtype)
+    opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, group=group)
+    _run_sharded(params, SHAPES_2, dtype, rank, 2, opt)
+    sd = opt.state_dict()
+    path = os.path.join(tmpdir, f"opt{dist.get_rank()}.pt")
+    torch.save(sd, path)
+    saved_p = [p.clone() for p in params]
+    params2 = [p.clone() for p in saved_p]
+    opt2 = D.ShardedIsoLoCo(params2, lr=lr, momentum=mu, group=group)
+    opt2.load_state_dict(torch.load(path))
+    _run_sharded(params2, SHAPES_2, dtype, rank, 2, opt2, start=2)
+    _run_sharded(params, SHAPES_2, dtype, rank, 2, opt, start=2)
+    for i, (a, b) in enumerate(zip(params, params2)):
+        assert torch.equal(a, b), f"resumed trajectory differs at param {i}"
+    ref_p, _ = _single_process_steps(SHAPES_2, dtype, world, 4, lr, mu)
+    _assert_close_to_ref(params2, ref_p, dtype, "resumed")
+    # the other rank's state, or a different plan, is refused with a clear error
+    dist.barrier(group=group)
+    other = torch.load(os.path.join(tmpdir, f"opt{dist.get_global_rank(group, 1 - rank)}.pt"))
+    with pytest.raises(ValueError, match=f"saved by rank {1 - rank}"):
+        opt2.load_state_dict(other)
+    wrong = D.ShardedIsoLoCo(_model(SHAPES_2[:-1], dtype), lr=lr, momentum=mu, group=group)
+    with pytest.raises(ValueError, match="different shard plan"):
+        wrong.load_state_dict(sd)
+    dist.barrier(group=group)
+
+    # NaN in one rank's pseudo-gradients: every rank raises, nothing changes anywhere
+    params = _model(SHAPES_2, torch.float32)
+    opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, group=group)
+    _run_sharded(params, SHAPES_2, torch.float32, rank, 1, opt)
+    before_p = [p.clone() for p in params]
+    before_b = {i: opt.state[p]["momentum_buffer"].clone() for i, p in enumerate(params) if opt.state[p]}
+    for p, g in zip(params, _pseudo_grads(SHAPES_2, torch.float32, rank, 1)):
+        p.grad = g
+    if rank == 1:
+        params[2].grad[1, 3] = float("nan")
+    t0 = time.monotonic()
+    with pytest.raises(D.DistributedStepError, match=r"rank 1: .*param 2.*NaN"):
+        opt.step()
+    assert time.monotonic() - t0 < PG_TIMEOUT_S
+    _assert_unchanged(opt, params, before_p, before_b)
+    # a flatten that fails on one rank (not bad input): same all-or-nothing behaviour
+    for p, g in zip(params, _pseudo_grads(SHAPES_2, torch.float32, rank, 1)):
+        p.grad = g
+    real = D._flatten_matrices
+    if rank == 0:
+        def broken(views, method):
+            real(views, method)  # scribbles on the scratch copies first
+            raise RuntimeError("injected flatten failure")
+        D._flatten_matrices = broken
+    with pytest.raises(D.DistributedStepError, match="rank 0: RuntimeError: injected flatten failure"):
+        opt.step()
+    D._flatten_matrices = real
+    _assert_unchanged(opt, params, before_p, before_b)
+    # and the optimizer still works afterwards
+    opt.step()
+    assert not torch.equal(params[0], before_p[0])
+
+    # pre-averaged grads: sharded_iso_merge_ equals iso_merge_, odd shapes, batched, non-contiguous
+    g = torch.Generator().manual_seed(7)
+    bk = [torch.randn(12, 5, generator=g), torch.randn(3, 4, 6, generator=g, dtype=torch.float64),
+          torch.randn(9, 7, generator=g).mT, torch.randn(1, 8, generator=g), torch.randn(8, 1, generator=g),
+          torch.randn(5, 5, generator=g).to(torch.bfloat16)]
+    for rep, bucket in ((1.0, 1 << 20), (None, 48)):
+        got = [b.clone() if b.is_contiguous() else b.clone().mT.contiguous().mT for b in bk]
+        D.sharded_iso_merge_(got, group, method="svd", replicate_above=rep, bucket_bytes=bucket)
+        want = isoloco_kernels.iso_merge_([b.clone() for b in bk], method="svd")
+        for i, (a, b) in enumerate(zip(got, want)):
+            e = rel_err(a, b)
+            assert e <= TOL[("exact", b.dtype)], f"sharded_iso_merge_ bucket {i}: rel err {e:.3g} vs iso_merge_"
+            assert rel_err(a, iso_flatten_ref(bk[i])) <= TOL[("exact", b.dtype)]
+        _assert_same_everywhere(got, "sharded_iso_merge_", group)
+    # its bad input (NaN on one rank only) fails everywhere and writes nothing
+    got = [b.clone() for b in bk]
+    if rank == 0:
+        got[3][0, 2] = float("inf")
+    snap = [b.clone() for b in got]
+    with pytest.raises(D.DistributedStepError, match=r"rank 0: ValueError: bucket 3: .*Inf"):
+        D.sharded_iso_merge_(got, group)
+    for i, (a, b) in enumerate(zip(got, snap)):
+        assert torch.equal(a, b), f"bucket {i} changed although the merge failed"
+
+    # average_: mean over ranks, in place, multi-bucket, non-contiguous, mixed dtypes
+    xs = [_noncontig(t) for t in _pseudo_grads([(5, 3), (11,), (4, 4)], torch.float32, rank, 9)]
+    xs.append(_pseudo_grads([(6,)], torch.float64, rank, 9)[0])
+    all_x = [[_noncontig(t) for t in _pseudo_grads([(5, 3), (11,), (4, 4)], torch.float32, r, 9)]
+             + [_pseudo_grads([(6,)], torch.float64, r, 9)[0]] for r in range(world)]
+    D.average_(xs, group, bucket_bytes=24)
+    for i, x in enumerate(xs):
+        want = torch.stack([a[i].double() for a in all_x]).mean(0)
+        assert rel_err(x, want) <= TOL[("update", x.dtype)], f"average_ tensor {i}"
+
+
+def _assert_unchanged(opt, params, before_p, before_b):
+    for i, (p, b) in enumerate(zip(params, before_p)):
+        assert torch.equal(p, b), f"param {i} changed although the step failed"
+    for i, b in before_b.items():
+        assert torch.equal(opt.state[params[i]]["momentum_buffer"], b), f"momentum {i} changed"
+
+
+# ----------------------------------------------------------------------------------------------
+# 4 ranks: fewer matrices than ranks, uneven counts, and a rank that vanishes
+
+SHAPES_4 = [(6, 10), (10,), (8, 3)]
+
+
+def _body_four_ranks(rank, world, tmpdir):
+    lr, mu = 1.8, 0.8
+    for rep in (None, 1.0):
+        params = _model(SHAPES_4, torch.float64)
+        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, replicate_above=rep, bucket_bytes=640)
+        if rep is None:
+            assert len(set(opt.plan.owners)) == 3 and not opt.plan.owned(3), opt.plan.owners
+        _run_sharded(params, SHAPES_4, torch.float64, rank, 3, opt)
+        ref_p, _ = _single_process_steps(SHAPES_4, torch.float64, world, 3, lr, mu)
+        _assert_close_to_ref(params, ref_p, torch.float64, f"4 ranks, replicate {rep}")
+        _assert_same_everywhere(params, "4 ranks")
+
+    # 3 matrices on 4 ranks through sharded_iso_merge_
+    g = torch.Generator().manual_seed(3)
+    bk = [torch.randn(7, 4, generator=g), torch.randn(4, 7, generator=g), torch.randn(2, 3, 3, generator=g)]
+    got = D.sharded_iso_merge_([b.clone() for b in bk], replicate_above=None)
+    for i, (a, b) in enumerate(zip(got, bk)):
+        assert rel_err(a, iso_flatten_ref(b)) <= TOL[("exact", torch.float32)], f"bucket {i}"
+
+    # ranks passing different shapes are told so, instead of exchanging garbage
+    mine = [torch.randn(4, 4)] if rank != 2 else [torch.randn(4, 5)]
+    with pytest.raises(D.DistributedStepError, match="different shard plans"):
+        D.sharded_iso_merge_(mine)
+
+    # a rank that dies before the step: the others fail within the process group timeout
+    params = _model(SHAPES_4, torch.float32)
+    opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu)
+    for p, gr in zip(params, _pseudo_grads(SHAPES_4, torch.float32, rank, 0)):
+        p.grad = gr
+    if rank == 3:
+        with open(os.path.join(tmpdir, f"done{rank}"), "w") as f:
+            f.write("ok")
+        os._exit(0)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError):
+        opt.step()
+    assert time.monotonic() - t0 < PG_TIMEOUT_S + 10
+
+
+def _body(rank, world, tmpdir):
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    _pair_checks(pairs[rank // 2], tmpdir)
+    dist.barrier()
+    _body_four_ranks(rank, world, tmpdir)
+
+
+def test_sharded_outer_step_over_gloo(tmp_path):
+    """One group of 4 processes: two 2-rank subgroups side by side, then all 4 ranks."""
+    _spawn(_body, 4, tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plans (no processes needed)
+
+
+def test_plan_is_deterministic_and_balanced():
+    shapes = [(64, 32), (32,), (128, 64), (64, 64), (32, 128), (7,)]
+    a = D.plan_shards(shapes, 3)
+    b = D.plan_shards(list(reversed(list(reversed(shapes)))), 3)
+    assert a == b and a.fingerprint == b.fingerprint
+    # largest first: (128, 64) and (32, 128) land on different ranks
+    assert a.owners[2] != a.owners[4]
+    loads = a.loads()
+    assert max(loads) <= sum(loads) / 3 + max(a.costs), loads
+    assert D.plan_shards(shapes, 4).fingerprint != a.fingerprint
+    assert D.plan_shards(shapes, 3, dtypes=[torch.bfloat16] * 6).fingerprint != a.fingerprint
+
+
+def test_plan_replicates_oversized_tensors():
+    shapes = [(1000, 64), (64, 64), (64, 64), (64, 64), (64,)]
+    p = D.plan_shards(shapes, 4)
+    assert p.owners[0] == D.REPLICATED and D.REPLICATED not in p.owners[1:]
+    w = p.wire_elements()
+    assert w["replicated"] == 64000 and w["sharded"] == 4 * 64 * 64
+    padded = D.plan_shards(shapes, 4, replicate_above=None).wire_elements()
+    assert padded["sharded"] == 4 * 64000 and padded["replicated"] == 0
+
+
+def test_plan_bad_world_size():
+    with pytest.raises(ValueError, match="world_size"):
+        D.plan_shards([(2, 2)], 0)
