@@ -36,8 +36,11 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ._validate import SUPPORTED_DTYPES, check_all_finite
+from ._validate import SUPPORTED_DTYPES, check_all_finite, check_matrix_tensor, compute_dtype
+from .buckets import BucketPlan
 from .flatten import check_method
+from .ops import iso_merge_
+from .optim import _SGD_KEYS
 
 __all__ = [
     "DistributedStepError",
@@ -368,24 +371,6 @@ def _agree(error: Optional[str], group, device, what: str, fingerprint: Optional
     raise DistributedStepError(f"{what} failed on {len(failed) or world} of {world} ranks, nothing was changed on any rank: {detail}")
 
 
-def _flatten_matrices(views: Sequence[torch.Tensor], method: str) -> None:
-    """Iso-C flatten each [m, n] / [B, m, n] view in place, batching same-shaped matrices."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for v in views:
-        if v.ndim == 3:
-            torch.ops.isoloco.iso_flatten_(v, method)
-        elif v.numel():
-            groups.setdefault((tuple(v.shape), v.dtype), []).append(v)
-    for vs in groups.values():
-        if len(vs) == 1:
-            torch.ops.isoloco.iso_flatten_(vs[0], method)
-            continue
-        batch = torch.stack(vs)
-        torch.ops.isoloco.iso_flatten_(batch, method)
-        for v, b in zip(vs, batch):
-            v.copy_(b)
-
-
 def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
@@ -402,58 +387,81 @@ def sharded_iso_merge_(
     bucket_bytes: int = BUCKET_BYTES,
     replicate_above: Optional[float] = 1.0,
 ) -> list[torch.Tensor]:
-    """`iso_merge_` for tensors that are already equal on every rank, with the work split.
+    """`iso_merge_` for buckets that are already equal on every rank, with the work split.
 
-    Each rank flattens the [m, n] / [B, m, n] buckets `plan_shards` gives it, then the results are
-    all-gathered into every rank's buckets. Buckets over the replicate_above share are flattened
-    by every rank locally. Result equals `iso_merge_(buckets, method=method)` on every rank.
-    All-or-nothing across the group: bad input on any rank (type, dtype, shape, NaN/Inf, ranks
-    passing different shapes) raises DistributedStepError on every rank and no bucket changes.
+    The unit of work is one matrix (a [B, m, n] bucket is B units), so a few large buckets still
+    spread over many ranks. Each rank flattens the matrices `plan_shards` gives it, batched per
+    bucket, and the results are all-gathered into every rank's buckets; matrices over the
+    replicate_above share are flattened by every rank locally. The result equals
+    `iso_merge_(buckets, method=method)` on every rank. All-or-nothing across the group: bad input
+    on any rank (type, dtype, shape, NaN/Inf, ranks passing different shapes) raises
+    DistributedStepError on every rank and no bucket changes anywhere.
     """
-    from ._validate import check_matrix_tensor
-
     buckets = list(buckets)
     rank, world = _group_info(group)
     check_method(method)
-    device = next((b.device for b in buckets if isinstance(b, torch.Tensor)), torch.device("cpu"))
-    if dist.get_backend(group) == "gloo":
-        device = torch.device("cpu")
-    error, plan = None, None
+    device = _comm_device(group, next((b.device for b in buckets if isinstance(b, torch.Tensor)), None))
+    error, plan, units = None, None, []
     try:
         names = [f"bucket {i}" for i in range(len(buckets))]
         for b, name in zip(buckets, names):
             check_matrix_tensor(b, name)
+        units = [(k, j) for k, b in enumerate(buckets) for j in (range(b.shape[0]) if b.ndim == 3 else (None,))]
         plan = plan_shards(
-            [b.shape for b in buckets], world, dtypes=[b.dtype for b in buckets],
+            [buckets[k].shape[-2:] for k, _ in units], world, dtypes=[buckets[k].dtype for k, _ in units],
             replicate_above=replicate_above,
         )
-        mine = plan.owned(rank) + plan.replicated
-        check_all_finite([buckets[i] for i in mine], [names[i] for i in mine])
+        mine = sorted({units[u][0] for u in plan.owned(rank) + plan.replicated})
+        check_all_finite([buckets[k] for k in mine], [names[k] for k in mine])
     except (TypeError, ValueError) as e:
         error = _error_text(e)
     _agree(error, group, device, "sharded_iso_merge_", plan.fingerprint if plan else None)
 
-    # Flatten owned buckets inside the flat send segment, replicated ones in clones.
-    owns = {}
+    def unit(u: int) -> torch.Tensor:
+        k, j = units[u]
+        return buckets[k] if j is None else buckets[k][j]
+
+    # My matrices: copied into my flat segment (where a bucket's share is one [b, m, n] block),
+    # replicated ones into fresh batches; all flattened before anyone writes.
+    owns, batches = {}, []
     for dt in plan.sharded_dtypes:
         per_rank, seg = plan.layout(dt)
-        own = torch.empty(seg, dtype=dt, device=buckets[per_rank[rank][0][0]].device if per_rank[rank] else device)
-        views = _owned_views(plan, dt, own, rank)
-        for i, v in views.items():
-            v.copy_(buckets[i])
-        owns[dt] = (own, views)
-    reps = {i: buckets[i].clone() for i in plan.replicated}
+        own = torch.empty(seg, dtype=dt, device=unit(per_rank[rank][0][0]).device if per_rank[rank] else device)
+        by_bucket: dict[int, list[tuple[int, int]]] = {}
+        for u, off in per_rank[rank]:
+            by_bucket.setdefault(units[u][0], []).append((u, off))
+        for k, members in by_bucket.items():
+            m, n = buckets[k].shape[-2:]
+            block = own[members[0][1] : members[0][1] + len(members) * m * n].view(len(members), m, n)
+            torch._foreach_copy_(list(block.unbind(0)), [unit(u) for u, _ in members])
+            batches.append((block, None))
+        owns[dt] = own
+    reps: dict[int, list[int]] = {}
+    for u in plan.replicated:
+        reps.setdefault(units[u][0], []).append(u)
+    for k, us in reps.items():
+        batches.append((torch.stack([unit(u) for u in us]), us))
     try:
-        _flatten_matrices([v for _, views in owns.values() for v in views.values()] + list(reps.values()), method)
+        iso_merge_([blk for blk, _ in batches], method=method)
     except Exception as e:  # any failure must reach the other ranks before they write
         error = _error_text(e)
     _agree(error, group, device, "sharded_iso_merge_")
 
-    for i, r in reps.items():
-        buckets[i].copy_(r)
-    for dt, (own, _) in owns.items():
-        _scatter_into(plan, dt, own, buckets, rank, group, bucket_bytes)
+    for blk, us in batches:
+        if us is not None:
+            for u, r in zip(us, blk.unbind(0)):
+                unit(u).copy_(r)
+    flat_units = [unit(u) for u in range(len(units))]
+    for dt, own in owns.items():
+        _scatter_into(plan, dt, own, flat_units, rank, group, bucket_bytes)
     return buckets
+
+
+def _comm_device(group, device) -> torch.device:
+    """Where small control tensors live: the CPU for gloo, else the data's device."""
+    if dist.get_backend(group) == "gloo" or device is None:
+        return torch.device("cpu")
+    return torch.device(device)
 
 
 def _scatter_into(plan, dtype, own, tensors, rank, group, bucket_bytes) -> None:
@@ -515,7 +523,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         check_method(method)
         if bucket_bytes < 1:
             raise ValueError(f"ShardedIsoLoCo: bucket_bytes must be positive, got {bucket_bytes}")
-        super().__init__(params, dict(lr=float(lr), momentum=float(momentum), iso=bool(iso)))
+        super().__init__(params, dict(lr=float(lr), momentum=float(momentum), iso=bool(iso), **_SGD_KEYS))
+        self._buckets: Optional[BucketPlan] = None  # batched Iso-C of my matrices, reused across steps
         self.method, self.group, self.bucket_bytes = method, group, bucket_bytes
         self.rank, self.world_size = _group_info(group)
         self._params = [p for g in self.param_groups for p in g["params"]]
@@ -531,9 +540,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             iso=[self.param_groups[k]["iso"] and p.ndim == 2 for k, p in zip(self._group_of, self._params)],
             replicate_above=replicate_above,
         )
-        self._device = self._params[0].device if self._params else torch.device("cpu")
-        if dist.get_backend(group) == "gloo":
-            self._device = torch.device("cpu")
+        self._device = _comm_device(group, self._params[0].device if self._params else None)
         _agree(None, group, self._device, "ShardedIsoLoCo()", self.plan.fingerprint)
 
     @property
@@ -550,13 +557,14 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             what = f"param {i} (shape {tuple(p.shape)}) on rank {self.rank}"
             if g is None:
                 raise ValueError(f"{what} has no grad; set p.grad to the pseudo-gradient on every rank")
-            if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
-                raise ValueError(
-                    f"{what}: grad must match the param, got grad {tuple(g.shape)} {g.dtype} on {g.device}"
-                    f" for param {p.dtype} on {p.device}"
-                )
             if g.is_sparse:
                 raise TypeError(f"{what}: sparse grads are not supported")
+            if g.shape != p.shape or g.device != p.device:
+                raise ValueError(
+                    f"{what}: grad has shape {tuple(g.shape)} on {g.device}, the param is on {p.device}"
+                )
+            if g.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"{what}: grad dtype {g.dtype} is not supported")
             grads.append(g)
         check_all_finite(grads, [f"pseudo-gradient of param {i} on rank {self.rank}" for i in range(len(grads))])
         return grads
@@ -584,7 +592,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             owns[dt] = own
             updates.update(_owned_views(plan, dt, own, rank))
         reps = {
-            i: (grads[i].clone(memory_format=torch.contiguous_format) if grads is not None else torch.zeros_like(self._params[i]))
+            i: (grads[i].to(self._params[i].dtype, memory_format=torch.contiguous_format, copy=True)
+                if grads is not None else torch.zeros_like(self._params[i], memory_format=torch.contiguous_format))
             for i in plan.replicated
         }
         if reps:
@@ -596,10 +605,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             try:
                 idx = sorted(updates)
                 check_all_finite([updates[i] for i in idx], [f"mean pseudo-gradient of param {i}" for i in idx])
-                _flatten_matrices(
-                    [updates[i] for i in idx if updates[i].ndim == 2 and self.param_groups[self._group_of[i]]["iso"]],
-                    self.method,
-                )
+                updates.update(self._iso_c(updates))
             except Exception as e:
                 error = _error_text(e)
         _agree(error, group, self._device, "ShardedIsoLoCo.step")
@@ -610,13 +616,16 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             if not idx:
                 continue
             ps = [self._params[i] for i in idx]
-            bufs = []
+            bufs, fresh = [], []
             for p in ps:
-                st = self.state[p]
-                if "momentum_buffer" not in st:
-                    st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                bufs.append(st["momentum_buffer"])
-            torch.ops.isoloco.nesterov_outer_(ps, bufs, [updates[i] for i in idx], g["lr"], g["momentum"], None)
+                buf = self.state[p].get("momentum_buffer") if p in self.state else None
+                if buf is None:  # float32 for half params, as IsoLoCo keeps them
+                    buf = torch.zeros_like(p, dtype=compute_dtype(p.dtype), memory_format=torch.preserve_format)
+                    fresh.append((p, buf))
+                bufs.append(buf)
+            torch.ops.isoloco.nesterov_outer_(ps, bufs, [updates[i] for i in idx], float(g["lr"]), float(g["momentum"]), None)
+            for p, buf in fresh:
+                self.state[p]["momentum_buffer"] = buf
 
         # 4. every rank gets every updated param
         for dt, own in owns.items():
@@ -625,6 +634,21 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             if self.world_size > 1:
                 _scatter_into(plan, dt, own, [p.data for p in self._params], rank, group, self.bucket_bytes)
         return loss
+
+    def _iso_c(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Iso-C of my 2-D mean pseudo-gradients in iso groups, batched by shape as IsoLoCo does
+        (buckets.BucketPlan, transposed twins together): param index → result view."""
+        idx = [
+            i for i in sorted(updates)
+            if updates[i].ndim == 2 and updates[i].numel() and self.param_groups[self._group_of[i]]["iso"]
+        ]
+        if not idx:
+            return {}
+        views = [updates[i] for i in idx]
+        if self._buckets is None or not self._buckets.matches(views):
+            self._buckets = BucketPlan(views)
+        iso_merge_(self._buckets.pack(views), method=self.method)
+        return dict(zip(idx, self._buckets.views()))
 
     def _own_single(self, dtype, flat) -> torch.Tensor:
         """World size 1: my segment is just my grads, copied (the grads stay untouched)."""

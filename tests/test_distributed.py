@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
+from isoloco_kernels import IsoLoCo
 from isoloco_kernels import distributed as D
 from isoloco_kernels.reference import isoloco_step_ref, iso_flatten_ref
 from tests.helpers import TOL, rel_err
@@ -93,6 +94,24 @@ def _single_process_steps(shapes, dtype, world, steps, lr, mu, iso_on=True, star
     return ps, bs
 
 
+def _isoloco_steps(shapes, dtype, world, steps, lr, mu, iso_on=True):
+    """The single-process IsoLoCo optimizer on the mean pseudo-gradient (what DiLoCo loops run)."""
+    params = _model(shapes, dtype)
+    opt = IsoLoCo(params, lr=lr, momentum=mu, iso=iso_on)
+    for s in range(steps):
+        gs = [_pseudo_grads(shapes, dtype, r, s) for r in range(world)]
+        for i, p in enumerate(params):
+            p.grad = torch.stack([g[i].double() for g in gs]).mean(0).to(dtype)
+        opt.step()
+    return params
+
+
+def _assert_matches_isoloco(params, want, dtype, what):
+    for i, (p, w) in enumerate(zip(params, want)):
+        e = rel_err(p, w)
+        assert e <= TOL[("update", dtype)], f"{what}: param {i} {tuple(p.shape)} differs from IsoLoCo by {e:.3g}"
+
+
 def _run_sharded(params, shapes, dtype, rank, steps, opt, start=0):
     for s in range(start, start + steps):
         for p, g in zip(params, _pseudo_grads(shapes, dtype, rank, s)):
@@ -126,7 +145,9 @@ def _pair_checks(group, tmpdir):
     rank, world = dist.get_rank(group), 2
     lr, mu = 1.8, 0.8
     # several steps, fp32 and fp64, multi-chunk communication (tiny buckets), replication on and off
-    for dtype, bucket, rep in ((torch.float32, 64, 1.0), (torch.float64, 1 << 20, None), (torch.float32, 1 << 20, 0.2)):
+    cases = ((torch.float32, 64, 1.0), (torch.float64, 1 << 20, None), (torch.float32, 1 << 20, 0.2),
+             (torch.bfloat16, 1 << 20, 1.0))
+    for dtype, bucket, rep in cases:
         params = _model(SHAPES_2, dtype)
         opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, group=group, bucket_bytes=bucket, replicate_above=rep)
         if rep == 0.2:
@@ -134,6 +155,7 @@ def _pair_checks(group, tmpdir):
         _run_sharded(params, SHAPES_2, dtype, rank, 3, opt)
         ref_p, _ = _single_process_steps(SHAPES_2, dtype, world, 3, lr, mu)
         _assert_close_to_ref(params, ref_p, dtype, f"{dtype} bucket {bucket} replicate {rep}")
+        _assert_matches_isoloco(params, _isoloco_steps(SHAPES_2, dtype, world, 3, lr, mu), dtype, f"{dtype}")
         _assert_same_everywhere(params, f"{dtype} params", group)
         owned = set(opt.plan.owned(rank)) | set(opt.plan.replicated)
         held = {i for i, p in enumerate(opt._params) if "momentum_buffer" in opt.state[p]}
@@ -145,6 +167,7 @@ def _pair_checks(group, tmpdir):
     _run_sharded(params, SHAPES_2, torch.float64, rank, 2, opt)
     ref_p, _ = _single_process_steps(SHAPES_2, torch.float64, world, 2, 0.7, 0.9, iso_on=False)
     _assert_close_to_ref(params, ref_p, torch.float64, "iso off")
+    _assert_matches_isoloco(params, _isoloco_steps(SHAPES_2, torch.float64, world, 2, 0.7, 0.9, False), torch.float64, "iso off")
 
     # state_dict save, fresh optimizer, load, resume: same trajectory as running straight through
     dtype = torch.float64
@@ -192,15 +215,15 @@ def _pair_checks(group, tmpdir):
     # a flatten that fails on one rank (not bad input): same all-or-nothing behaviour
     for p, g in zip(params, _pseudo_grads(SHAPES_2, torch.float32, rank, 1)):
         p.grad = g
-    real = D._flatten_matrices
+    real = D.iso_merge_
     if rank == 0:
-        def broken(views, method):
-            real(views, method)  # scribbles on the scratch copies first
+        def broken(buckets, method):
+            real(buckets, method=method)  # scribbles on the scratch copies first
             raise RuntimeError("injected flatten failure")
-        D._flatten_matrices = broken
+        D.iso_merge_ = broken
     with pytest.raises(D.DistributedStepError, match="rank 0: RuntimeError: injected flatten failure"):
         opt.step()
-    D._flatten_matrices = real
+    D.iso_merge_ = real
     _assert_unchanged(opt, params, before_p, before_b)
     # and the optimizer still works afterwards
     opt.step()
@@ -264,6 +287,7 @@ def _body_four_ranks(rank, world, tmpdir):
         _run_sharded(params, SHAPES_4, torch.float64, rank, 3, opt)
         ref_p, _ = _single_process_steps(SHAPES_4, torch.float64, world, 3, lr, mu)
         _assert_close_to_ref(params, ref_p, torch.float64, f"4 ranks, replicate {rep}")
+        _assert_matches_isoloco(params, _isoloco_steps(SHAPES_4, torch.float64, world, 3, lr, mu), torch.float64, "4 ranks")
         _assert_same_everywhere(params, "4 ranks")
 
     # 3 matrices on 4 ranks through sharded_iso_merge_
