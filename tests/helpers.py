@@ -14,6 +14,11 @@ TOL = {
     ("polar", torch.float32): 1e-3,
     ("polar", torch.float16): 3e-3,
     ("polar", torch.bfloat16): 1.2e-2,
+    # polar_bf16 on well-conditioned inputs (cond ≤ 1e2); it is not accurate beyond (polar.py).
+    ("polar_bf16", torch.float64): 4e-2,
+    ("polar_bf16", torch.float32): 4e-2,
+    ("polar_bf16", torch.float16): 4e-2,
+    ("polar_bf16", torch.bfloat16): 4e-2,
     ("update", torch.float64): 1e-12,
     ("update", torch.float32): 1e-6,
     ("update", torch.float16): 2e-3,

@@ -1,0 +1,342 @@
+"""The matmul-only Iso-C flatten: a Polar Express iteration for Q, then s̄ = ⟨Δ, Q⟩ / min(m, n).
+
+For a batch of matrices Δ [B, m, n] (tall ones are transposed so that m ≤ n and the Gram matrix
+A = X Xᵀ is the small m×m one):
+
+1. Scale so that σ_max ≤ 1. X ← Δ / amax|Δ| / ‖·‖_F (safe, no overflow), then A = X Xᵀ, A² = A·A
+   and s = ‖A²‖_F^{1/4}. Since ‖A²‖_F² = Σσ⁸, s ≥ σ_max and s ≤ r^{1/8}·σ_max (r = rank ≤ m), so
+   X / s has σ_max ≤ 1 and loses at most a factor r^{1/8} (≤ 4 for m ≤ 65536) at the small end.
+   A and A² of the scaled X are A / s², A² / s⁴: the first step reuses them, the bound is free.
+2. Iterate X ← a·X + (b·A + c·A²)·X with A = X Xᵀ, i.e. every singular value goes through the odd
+   quintic p(σ) = aσ + bσ³ + cσ⁵ while the singular vectors stay put (Polar Express: N. Amsel,
+   D. Persson, C. Musco, R. M. Gower, "The Polar Express: Optimal Matrix Sign Methods and Their
+   Application to the Muon Algorithm", arXiv:2505.16932). Step t uses the minimax odd quintic for
+   the interval [ℓ_t, u_t] the previous steps left the singular values in, found by a small Remez
+   solver (`remez_odd_quintic`); `polar_express_coefficients` chains them as the paper does
+   (cushion, recentring to 1, safety factor on all but the last step) and `COEFFS` is its output
+   for ℓ_0 = `ELL`, `STEPS` steps (tests/test_polar.py checks that the two agree).
+3. s̄ = ⟨Δ, X⟩ / min(m, n) and Δ ← s̄·X in one pass: `torch.ops.isoloco.iso_scale_`.
+
+Accuracy. The contract is condition number ≤ 1e4. The scaling costs up to r^{1/8} ≤ 4, so the
+schedule starts from ℓ_0 = 1e-4 / 4 = 2.5e-5; after 9 steps every singular value in [ℓ_0, 1] is
+within 2e-4 of 1 and after the 10th within fp32 round-off (measured: bench/results/
+polar_accuracy.md). Exact zeros survive every step exactly (a zero row of X is a zero row of A, of
+B·X and of a·X; likewise a zero column), so zero rows, columns and matrices come out exactly zero.
+
+Knowing when it failed. Let f_i be the final singular values of X (ideally 1 on the rank r, 0 on
+the null space) and D = r − ‖X‖_F² = Σ(1 − f_i²). When 0 ≤ f_i ≤ 1 (the iteration's range),
+1 − f_i ≤ 1 − f_i² so every 1 − f_i ≤ D and ‖X − Q‖_F² = Σ(1 − f_i)² ≤ D², i.e. the relative error
+of X is at most D / √r. The check takes r = min(nonzero rows, nonzero columns) of Δ (exact, cheap)
+and flags a matrix when |D| > `CHECK_TOL`·√r. A flagged matrix (cond ≫ 1e4 leaves singular values
+mid-way or near zero; any rank deficiency beyond exact zero rows/columns looks the same) is
+recomputed with the exact path; `last_stats()` and a `PolarFallbackWarning` report how many.
+
+Cost per step, m ≤ n: 2·m²n + m³ multiply-adds (X Xᵀ, A·A, B·X), all batched GEMMs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import warnings
+
+import numpy as np
+import torch
+
+from ._validate import compute_dtype
+
+__all__ = [
+    "ELL", "STEPS", "CUSHION", "SAFETY", "CHECK_TOL", "COEFFS",
+    "remez_odd_quintic", "polar_express_coefficients", "polar_factor", "flatten_polar_",
+    "PolarStats", "PolarFallbackWarning", "last_stats", "reset_stats",
+]
+
+ELL = 2.5e-5      # smallest scaled singular value the schedule covers: 1e-4 / (65536^{1/8} = 4)
+STEPS = 10        # 9 reach 2e-4, the 10th reaches round-off (needed by the residual check)
+CUSHION = 0.024   # never design a step for an interval narrower than [CUSHION·u, u] (the paper's
+                  # cushioning, value ≈ its 0.02407): keeps the early quintics monotone and tame
+SAFETY = 0.01     # steps but the last use p(x / 1.01): slack for round-off pushing σ above u
+CHECK_TOL = 5e-4  # flag a matrix when |r − ‖X‖_F²| > CHECK_TOL·√r (relative error bound of X)
+BF16_FP32_STEPS = 2  # "polar_bf16": all steps but the last two run their GEMMs in bfloat16
+
+
+# ----------------------------------------------------------------------------------------------
+# Coefficients
+
+
+def remez_odd_quintic(lo: float, hi: float, iters: int = 100) -> tuple[float, float, float, float]:
+    """(a, b, c, E): the odd quintic p(x) = ax + bx³ + cx⁵ minimising max |1 − p| on [lo, hi].
+
+    Remez exchange in float64: p − 1 equioscillates at 4 points lo < x₁ < x₂ < hi
+    (p = 1 − E, 1 + E, 1 − E, 1 + E); solve for (a, b, c, E) on the current points, move x₁, x₂ to
+    the roots of p'(x) = a + 3bx² + 5cx⁴, repeat until the points stop moving.
+    """
+    if not 0 < lo < hi:
+        raise ValueError(f"remez_odd_quintic: need 0 < lo < hi, got lo={lo}, hi={hi}")
+    x = lo + (hi - lo) * (1 - np.cos(np.pi * np.arange(4) / 3)) / 2
+    sign = np.array([-1.0, 1.0, -1.0, 1.0])
+    for _ in range(iters):
+        a, b, c, e = np.linalg.solve(np.stack([x, x**3, x**5, -sign], 1), np.ones(4))
+        y = np.roots([5 * c, 3 * b, a])  # p'(x) = 0 with y = x²
+        y = np.sort(y[np.isreal(y)].real)
+        y = y[(y > lo * lo) & (y < hi * hi)]
+        if len(y) != 2:
+            raise RuntimeError(f"remez_odd_quintic: {len(y)} interior extrema on [{lo}, {hi}]")
+        new = np.array([lo, math.sqrt(y[0]), math.sqrt(y[1]), hi])
+        done = np.max(np.abs(new - x)) <= 1e-15 * hi
+        x = new
+        if done:
+            break
+    return float(a), float(b), float(c), float(abs(e))
+
+
+def polar_express_coefficients(
+    ell: float = ELL, steps: int = STEPS, cushion: float = CUSHION, safety: float = SAFETY
+) -> tuple[tuple[float, float, float], ...]:
+    """The per-step (a, b, c) that take singular values from [ell, 1] to 1 (arXiv:2505.16932, §4).
+
+    Step t: p = minimax quintic on [max(ℓ, cushion·u), u]; rescale p so that it is centred on 1
+    over the true interval, 1 − p(ℓ) = p(u) − 1; unless it is the last step, use p(x / (1 + safety));
+    then ℓ ← p(ℓ), u ← 2 − ℓ. Once the interval is narrower than Remez can resolve
+    (u − ℓ < 1e-9) the step is the limit polynomial p(1) = 1, p'(1) = p''(1) = 0: (15, −10, 3) / 8.
+    """
+    lo, hi = float(ell), 1.0
+    out = []
+    for t in range(steps):
+        if hi - lo < 1e-9:
+            a, b, c = 15 / 8, -10 / 8, 3 / 8
+        else:
+            a, b, c, _ = remez_odd_quintic(max(lo, cushion * hi), hi)
+            r = 2.0 / (a * lo + b * lo**3 + c * lo**5 + a * hi + b * hi**3 + c * hi**5)
+            a, b, c = a * r, b * r, c * r
+        if t < steps - 1:
+            a, b, c = a / (1 + safety), b / (1 + safety) ** 3, c / (1 + safety) ** 5
+        out.append((a, b, c))
+        lo = a * lo + b * lo**3 + c * lo**5
+        hi = 2.0 - lo
+    return tuple(out)
+
+
+# Generated by polar_express_coefficients() with the defaults above (ELL, STEPS, CUSHION, SAFETY);
+# tests/test_polar.py regenerates it and compares. Regenerate with `python -m isoloco_kernels.polar`.
+COEFFS = (
+    (8.239027264703385, -22.99944761343482, 16.531457811585994),
+    (4.118601331055138, -2.8748863999847094, 0.5167064744241613),
+    (4.114425362817655, -2.87381737754005, 0.5168463180588514),
+    (4.097338171493219, -2.8694619332677886, 0.5174297650760094),
+    (4.028890545749679, -2.8523327720399316, 0.5199567215964706),
+    (3.758709091215854, -2.753212894733794, 0.5229250397090853),
+    (2.905797394247624, -2.131385582595685, 0.4538979124390318),
+    (2.0395878588893117, -1.4005924111860948, 0.37560792800759735),
+    (1.8585250332465313, -1.2155115503442282, 0.3570226123986914),
+    (1.875000038949702, -1.25000004403449, 0.37500000508478876),
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics and warnings
+
+
+class PolarFallbackWarning(RuntimeWarning):
+    """Some matrices missed the polar iteration's accuracy check and were recomputed exactly."""
+
+
+@dataclasses.dataclass
+class PolarStats:
+    """What the polar flatten did. `last_*` describe the latest call, the rest are running totals."""
+
+    calls: int = 0
+    matrices: int = 0
+    recomputed: int = 0
+    last_matrices: int = 0
+    last_recomputed: tuple[int, ...] = ()
+    last_max_residual: float = 0.0  # max over the batch of |r − ‖X‖_F²| / √r (before fallback)
+
+
+_STATS = PolarStats()
+
+
+def last_stats() -> PolarStats:
+    """A copy of the running statistics of the polar flatten (see `PolarStats`)."""
+    return dataclasses.replace(_STATS)
+
+
+def reset_stats() -> None:
+    global _STATS
+    _STATS = PolarStats()
+
+
+# ----------------------------------------------------------------------------------------------
+# The iteration
+
+
+def _gemm_backend(x: torch.Tensor, backend: str | None) -> str:
+    """"torch" (cuBLAS / CPU BLAS) or "triton" (isoloco_kernels.triton, CUDA only)."""
+    if backend is None:
+        backend = os.environ.get("ISOLOCO_POLAR_GEMM", "triton" if x.is_cuda else "torch")
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"polar: backend must be 'torch' or 'triton', got {backend!r}")
+    if backend == "triton":
+        from . import triton as _tk
+
+        if not _tk.usable_for(x):
+            return "torch"
+    return backend
+
+
+def polar_factor(
+    x3: torch.Tensor,
+    coeffs=COEFFS,
+    *,
+    gemm_dtypes=None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q, residual) for a [B, m, n] batch: Q ≈ U_r V_rᵀ in the compute dtype (float32, or float64
+    for float64 input), residual[b] = |r − ‖Q_b‖_F²| / √r (see the module docstring; 0 for r = 0).
+
+    gemm_dtypes: one dtype per step for the GEMM operands (default: the compute dtype throughout);
+    backend: "torch" or "triton" (default: Triton on CUDA when available, torch elsewhere).
+    """
+    if x3.ndim != 3:
+        raise ValueError(f"polar_factor: expected [B, m, n], got shape {tuple(x3.shape)}")
+    cd = compute_dtype(x3.dtype)
+    tall = x3.shape[-2] > x3.shape[-1]
+    x = x3.mT if tall else x3
+    x = x.to(cd).contiguous()
+    if gemm_dtypes is None:
+        gemm_dtypes = (cd,) * len(coeffs)
+    if len(gemm_dtypes) != len(coeffs):
+        raise ValueError(f"polar_factor: {len(coeffs)} steps but {len(gemm_dtypes)} gemm dtypes")
+    backend = _gemm_backend(x, backend)
+    if backend == "triton":
+        from .triton import polar_step as ops
+    else:
+        ops = _TorchSteps
+
+    # Exact rank bound r = min(#nonzero rows, #nonzero columns): the residual check's target.
+    nz = x != 0
+    rank = torch.minimum(nz.any(-1).sum(-1), nz.any(-2).sum(-1)).to(torch.float64)
+
+    # σ_max ≤ 1: amax, then Frobenius (no overflow), then s = ‖A²‖_F^{1/4} on the reused A, A².
+    amax = x.abs().amax((-2, -1), keepdim=True)
+    x = x / torch.where(amax > 0, amax, 1)
+    fro = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    x = x / torch.where(fro > 0, fro, 1)
+    g = gemm_dtypes[0]
+    a_mat = ops.gram(x.to(g))
+    a2 = ops.square(a_mat)
+    s2 = torch.linalg.vector_norm(a2.to(cd), dim=(-2, -1), keepdim=True).sqrt()  # ≥ σ_max²
+    s2 = torch.where(s2 > 0, s2, 1)
+    x = x / s2.sqrt()
+    a_mat = (a_mat / s2.to(a_mat.dtype)).to(g)
+    a2 = (a2 / (s2 * s2).to(a2.dtype)).to(g)
+
+    for t, ((a, b, c), g) in enumerate(zip(coeffs, gemm_dtypes)):
+        xg = x.to(g)
+        if t > 0:
+            a_mat = ops.gram(xg)
+            a2 = None
+        x = ops.step(xg, a_mat, a2, a, b, c).to(cd)
+
+    fro2 = x.square().sum((-2, -1), dtype=torch.float64)
+    resid = (rank - fro2).abs() / rank.clamp_min(1).sqrt()
+    q = x.mT if tall else x
+    return q, resid
+
+
+class _TorchSteps:
+    """The step pieces through torch.matmul / baddbmm (cuBLAS on CUDA, BLAS on the CPU)."""
+
+    @staticmethod
+    def gram(x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, x.mT)
+
+    @staticmethod
+    def square(a: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(a, a)
+
+    @staticmethod
+    def step(x, a_mat, a2, a: float, b: float, c: float) -> torch.Tensor:
+        """a·X + (b·A + c·A²)·X; A² is formed here unless given."""
+        if a2 is None:
+            bm = torch.baddbmm(a_mat, a_mat, a_mat, beta=b, alpha=c)
+        else:
+            bm = b * a_mat + c * a2
+        return torch.baddbmm(x, bm, x, beta=a)
+
+
+# ----------------------------------------------------------------------------------------------
+# The in-place flatten
+
+
+def _exact_flatten(sub: torch.Tensor) -> None:
+    """The fallback for flagged matrices: the SVD, whose rank cut (max(m, n)·eps of the compute
+    dtype) is the closest to reference.py's; eigh's float64 Gram cannot resolve σ < ~1e-7·σ_1."""
+    from . import exact
+
+    exact.flatten_svd_(sub)
+
+
+def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", backend: str | None = None) -> None:
+    """In place Iso-C of a [B, m, n] batch through the polar iteration; all-or-nothing.
+
+    mode "fp32": GEMMs in the compute dtype (float32, float64 for float64 input).
+    mode "bf16": GEMMs in bfloat16 except the last `BF16_FP32_STEPS` steps (tensor-core speed).
+    Rounding X to bfloat16 moves its small singular directions by ~2^-8·σ_max, so the error grows
+    with the condition number: ~1e-2 at cond 1e2, O(1) at cond 1e4 (bench/results/
+    polar_accuracy.md); the residual check sees singular values, not directions, and does not
+    catch that. Use it only for well-conditioned updates.
+    Matrices that fail the residual check are recomputed exactly, with a PolarFallbackWarning.
+    Non-finite s̄ (overflowing input) raises ValueError naming the matrix; x3 is then untouched.
+    """
+    global _STATS
+    if mode not in ("fp32", "bf16"):
+        raise ValueError(f"flatten_polar_: mode must be 'fp32' or 'bf16', got {mode!r}")
+    nb = x3.shape[0]
+    cd = compute_dtype(x3.dtype)
+    gd = None
+    if mode == "bf16":
+        k = max(len(COEFFS) - BF16_FP32_STEPS, 0)
+        gd = (torch.bfloat16,) * k + (cd,) * (len(COEFFS) - k)
+    q, resid = polar_factor(x3, gemm_dtypes=gd, backend=backend)
+    out = x3.to(cd, copy=True)
+    sbar = torch.ops.isoloco.iso_scale_(out, q)
+    flagged = (resid > CHECK_TOL).nonzero().flatten()
+    # Non-finite s̄ can only come from overflow in ⟨Δ, Q⟩ (inputs were checked finite).
+    bad = (~torch.isfinite(sbar)).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"iso_flatten_ (polar): matrix {i} gave a non-finite scale s̄ = {float(sbar[i])} "
+            f"(|Δ| up to {float(x3[i].abs().max())} overflows {cd}); nothing was written"
+        )
+    if flagged.numel():
+        sub = x3[flagged].clone()
+        _exact_flatten(sub)
+        out[flagged] = sub.to(cd)
+    x3.copy_(out)
+
+    idx = tuple(int(i) for i in flagged.tolist())
+    _STATS = dataclasses.replace(
+        _STATS,
+        calls=_STATS.calls + 1,
+        matrices=_STATS.matrices + nb,
+        recomputed=_STATS.recomputed + len(idx),
+        last_matrices=nb,
+        last_recomputed=idx,
+        last_max_residual=float(resid.max()) if nb else 0.0,
+    )
+    if idx:
+        shown = f"{list(idx[:8])}{'…' if len(idx) > 8 else ''}"
+        warnings.warn(
+            f"isoloco polar flatten: {len(idx)} of {nb} matrices of shape {tuple(x3.shape[1:])} "
+            f"missed the accuracy check (condition number ≫ 1e4 or rank-deficient) and were "
+            f"recomputed exactly: matrices {shown}",
+            PolarFallbackWarning,
+            stacklevel=3,
+        )
+
+
+if __name__ == "__main__":  # print the table in the form COEFFS is written above
+    for abc in polar_express_coefficients():
+        print("    (" + ", ".join(repr(v) for v in abc) + "),")

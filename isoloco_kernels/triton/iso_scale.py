@@ -1,0 +1,84 @@
+"""The Iso-C epilogue in Triton: s̄ = ⟨Δ, Q⟩ / min(m, n) per matrix, then Δ ← s̄·Q, in place.
+
+Q = U_r V_rᵀ is the polar factor of Δ, so ⟨Δ, Q⟩ = Σσ (the nuclear norm) and s̄·Q is the Iso-C
+merge iso(Δ) (Marczak et al., 2025; the identity is what makes a matmul-only flatten possible).
+
+    _iso_dot_kernel:   program (s, b) sums Δ·Q over the chunks s, s + S, s + 2S, … of matrix b
+                       into partial[b, s] (fixed order: deterministic, no atomics).
+    _iso_write_kernel: program (s, b) adds matrix b's S partials (S ≤ 1024, one vector load),
+                       scales by 1 / min(m, n), writes s̄·Q over the same chunks; program 0 stores s̄.
+
+Δ is read in full by the first kernel before the second writes it, so the op never mixes old and
+new values. Accumulation in float64 for float64 Δ (ACC_F64), else float32, as iso_scale_ specifies.
+Any strides: the flat index inside a matrix is split into (row, column).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _iso_dot_kernel(
+    x_ptr, q_ptr, part_ptr, N, NUMEL, S,
+    sxb, sxm, sxn, sqb, sqm, sqn,
+    BLOCK: tl.constexpr, ACC_F64: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bid = tl.program_id(1).to(tl.int64)
+    acc_t = tl.float64 if ACC_F64 else tl.float32
+    acc = tl.zeros((BLOCK,), dtype=acc_t)
+    for start in range(pid * BLOCK, NUMEL, S * BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        ok = idx < NUMEL
+        row, col = idx // N, idx % N
+        xv = tl.load(x_ptr + bid * sxb + row * sxm + col * sxn, mask=ok, other=0.0)
+        qv = tl.load(q_ptr + bid * sqb + row * sqm + col * sqn, mask=ok, other=0.0)
+        acc += xv.to(acc_t) * qv.to(acc_t)
+    tl.store(part_ptr + bid * S + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _iso_write_kernel(
+    x_ptr, q_ptr, part_ptr, sbar_ptr, N, NUMEL, S, inv_r0,
+    sxb, sxm, sxn, sqb, sqm, sqn,
+    BLOCK: tl.constexpr, S_POW2: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bid = tl.program_id(1).to(tl.int64)
+    rs = tl.arange(0, S_POW2)
+    parts = tl.load(part_ptr + bid * S + rs, mask=rs < S, other=0.0)
+    sbar = tl.sum(parts, axis=0) * inv_r0
+    if pid == 0:
+        tl.store(sbar_ptr + bid, sbar)
+    for start in range(pid * BLOCK, NUMEL, S * BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        ok = idx < NUMEL
+        row, col = idx // N, idx % N
+        qv = tl.load(q_ptr + bid * sqb + row * sqm + col * sqn, mask=ok, other=0.0)
+        out = (sbar * qv.to(sbar.dtype)).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + bid * sxb + row * sxm + col * sxn, out, mask=ok)
+
+
+def iso_scale_triton(x: torch.Tensor, q: torch.Tensor, *, block: int = 1024, max_splits: int = 256) -> torch.Tensor:
+    """x ← s̄·q in place for [m, n] / [B, m, n] x and q of the same shape; returns s̄ [B] (or [])
+    in float32 (float64 for float64 x). Arguments are checked by the op (ops.py)."""
+    m, n = x.shape[-2:]
+    x3 = x if x.ndim == 3 else x.unsqueeze(0)
+    q3 = q if q.ndim == 3 else q.unsqueeze(0)
+    nb = x3.shape[0]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    sbar = torch.empty(nb, device=x.device, dtype=acc)
+    numel = m * n
+    if nb == 0 or numel == 0:
+        sbar.zero_()
+        return sbar.reshape(x.shape[:-2])
+    splits = max(1, min(max_splits, triton.cdiv(numel, block)))
+    part = torch.empty(nb, splits, device=x.device, dtype=acc)
+    grid = (splits, nb)
+    _iso_dot_kernel[grid](x3, q3, part, n, numel, splits, *x3.stride(), *q3.stride(),
+                          BLOCK=block, ACC_F64=acc == torch.float64)
+    _iso_write_kernel[grid](x3, q3, part, sbar, n, numel, splits, 1.0 / min(m, n), *x3.stride(), *q3.stride(),
+                            BLOCK=block, S_POW2=triton.next_power_of_2(splits))
+    return sbar.reshape(x.shape[:-2])

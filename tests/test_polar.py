@@ -1,0 +1,222 @@
+"""method="polar" (the Polar Express iteration, torch GEMMs on the CPU) against reference.py."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import isoloco_kernels as ik
+from isoloco_kernels import exact, polar
+from isoloco_kernels.flatten import resolve_method
+from isoloco_kernels.reference import iso_flatten_ref
+from tests.helpers import DTYPES, TOL, rel_err, spectrum, with_spectrum
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _flatten_quiet(x: torch.Tensor, method: str = "polar") -> torch.Tensor:
+    """iso_flatten that fails the test if the polar fallback fired."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", polar.PolarFallbackWarning)
+        out = ik.iso_flatten(x, method=method)
+    assert polar.last_stats().last_recomputed == ()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Coefficients
+
+
+def test_coefficient_table_matches_generator():
+    gen = polar.polar_express_coefficients()
+    assert len(polar.COEFFS) == len(gen) == polar.STEPS
+    np.testing.assert_allclose(np.array(polar.COEFFS), np.array(gen), rtol=1e-12, atol=0)
+
+
+def test_schedule_takes_the_whole_interval_to_one():
+    """Composing the table in float64 sends every σ in [ELL, 1] within round-off of 1, keeps σ
+    below ELL in (0, 1] (monotone growth), and 9 steps already reach 2e-4."""
+    x = np.concatenate([np.geomspace(polar.ELL, 1.0, 20001), np.linspace(polar.ELL, 1, 20001)])
+    y = x.copy()
+    for t, (a, b, c) in enumerate(polar.COEFFS):
+        y = a * y + b * y**3 + c * y**5
+        if t == polar.STEPS - 2:
+            assert np.abs(1 - y).max() < 2e-4
+    assert np.abs(1 - y).max() < 1e-8
+    small = np.geomspace(1e-9, polar.ELL, 101)
+    z = small.copy()
+    for a, b, c in polar.COEFFS:
+        z2 = a * z + b * z**3 + c * z**5
+        assert (z2 > z).all() and (z2 <= 1 + 1e-8).all()
+        z = z2
+
+
+@pytest.mark.parametrize("lo,hi", [(0.024, 1.0), (0.3, 1.7), (0.9, 1.1)])
+def test_remez_equioscillates(lo, hi):
+    a, b, c, e = polar.remez_odd_quintic(lo, hi)
+    x = np.linspace(lo, hi, 200001)
+    err = 1 - (a * x + b * x**3 + c * x**5)
+    assert abs(np.abs(err).max() - e) <= 1e-9 * max(e, 1e-12) + 1e-15
+    # the optimum alternates: error −E … +E … −E … +E at the ends and two interior points
+    assert err[0] == pytest.approx(e, rel=1e-9) and err[-1] == pytest.approx(-e, rel=1e-9)
+    assert err.max() == pytest.approx(e, rel=1e-6) and err.min() == pytest.approx(-e, rel=1e-6)
+    with pytest.raises(ValueError, match="lo=0.5, hi=0.5"):
+        polar.remez_odd_quintic(0.5, 0.5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Accuracy contract: fp32, cond ≤ 1e4, spectra × shapes (aspect up to 32), no fallback needed
+
+SPECTRUM_SHAPES = [(3, 40, 40), (2, 16, 512), (2, 512, 16), (2, 24, 100), (1, 90, 37)]
+
+
+@pytest.mark.parametrize("kind", ["geometric", "lowrank_noise", "flat"])
+@pytest.mark.parametrize("shape", SPECTRUM_SHAPES, ids=str)
+def test_fp32_contract_on_spectra(kind, shape):
+    b, m, n = shape
+    x = with_spectrum(b, m, n, spectrum(kind, min(m, n), cond=1e4), _gen(hash((kind, shape)) % 2**31))
+    x = x * 3.7  # not normalised
+    x32 = x.to(torch.float32)
+    out = _flatten_quiet(x32)
+    assert out.dtype == torch.float32
+    assert rel_err(out, iso_flatten_ref(x32)) <= TOL[("polar", torch.float32)]
+    for i in range(b):  # every matrix, not only the batch
+        assert rel_err(out[i], iso_flatten_ref(x32[i])) <= TOL[("polar", torch.float32)]
+
+
+ODD_SHAPES = [(1, 9), (9, 1), (1, 1), (7, 7), (13, 5), (5, 13), (3, 6, 4), (4, 5, 17), (2, 33, 8)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=str)
+def test_dtypes_and_odd_shapes(dtype, shape):
+    x = torch.randn(shape, generator=_gen(hash((shape, str(dtype))) % 2**31), dtype=torch.float64).to(dtype)
+    out = _flatten_quiet(x)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert rel_err(out, iso_flatten_ref(x)) <= TOL[("polar", dtype)]
+
+
+def test_float64_is_iterated_in_float64():
+    x = with_spectrum(2, 30, 50, spectrum("geometric", 30, cond=1e4), _gen(5))
+    # float64 GEMMs reach far below the fp32 contract; the residual check still passes
+    assert rel_err(_flatten_quiet(x), iso_flatten_ref(x)) <= 1e-8
+
+
+def test_in_place_on_non_contiguous_views():
+    base = torch.randn(3, 12, 20, generator=_gen(1))
+    view = base.transpose(-1, -2)  # [3, 20, 12], non-contiguous
+    ref = iso_flatten_ref(view)
+    out = ik.iso_merge_([view], method="polar")
+    assert out[0] is view
+    assert rel_err(base.transpose(-1, -2), ref) <= TOL[("polar", torch.float32)]
+    strided = torch.randn(10, 16, generator=_gen(2), dtype=torch.float64)[::2, 1::3]
+    ref2 = iso_flatten_ref(strided)
+    ik.iso_merge_([strided], method="polar")
+    assert rel_err(strided, ref2) <= TOL[("polar", torch.float64)]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
+def test_zero_rows_columns_matrices_stay_exactly_zero(dtype):
+    x = torch.randn(4, 10, 24, generator=_gen(4), dtype=torch.float64).to(dtype)
+    x[0, 2] = 0
+    x[0, 7] = 0  # two zero rows
+    x[1, :, 5] = 0  # zero column
+    x[1, :, 20:] = 0
+    x[2] = 0  # zero matrix
+    out = _flatten_quiet(x)  # exact zeros lower the rank target: no fallback
+    assert torch.isfinite(out).all()
+    assert (out[0, 2] == 0).all() and (out[0, 7] == 0).all()
+    assert (out[1, :, 5] == 0).all() and (out[1, :, 20:] == 0).all() and (out[2] == 0).all()
+    assert rel_err(out, iso_flatten_ref(x)) <= TOL[("polar", dtype)]
+    t = torch.randn(24, 10, generator=_gen(6), dtype=dtype)  # tall, zero rows on the long side
+    t[3] = 0
+    out_t = _flatten_quiet(t)
+    assert (out_t[3] == 0).all() and rel_err(out_t, iso_flatten_ref(t)) <= TOL[("polar", dtype)]
+
+
+# ----------------------------------------------------------------------------------------------
+# It knows when it failed
+
+
+def test_ill_conditioned_matrices_fall_back_and_are_counted():
+    g = _gen(7)
+    good = with_spectrum(2, 24, 40, spectrum("geometric", 24, cond=1e3), g)
+    bad = with_spectrum(2, 24, 40, spectrum("geometric", 24, cond=1e8), g)  # σ left mid-way
+    x = torch.cat([good[:1], bad[:1], good[1:], bad[1:]])  # matrices 1 and 3 are ill-conditioned
+    q, resid = polar.polar_factor(x)
+    assert (resid[[1, 3]] > polar.CHECK_TOL).all() and (resid[[0, 2]] <= polar.CHECK_TOL).all()
+    before = polar.last_stats()
+    with pytest.warns(polar.PolarFallbackWarning, match=r"2 of 4 matrices .* matrices \[1, 3\]"):
+        out = ik.iso_flatten(x, method="polar")
+    st = polar.last_stats()
+    assert st.last_recomputed == (1, 3) and st.last_matrices == 4
+    assert st.recomputed == before.recomputed + 2 and st.calls == before.calls + 1
+    # float64: the recomputed matrices match the reference down to cond 1e8
+    assert rel_err(out, iso_flatten_ref(x)) <= TOL[("polar", torch.float64)]
+    assert rel_err(out[[1, 3]], iso_flatten_ref(x[[1, 3]])) <= TOL[("exact", torch.float64)]
+    # float32: the flagged matrices are exactly what the exact path gives
+    x32 = x.to(torch.float32)
+    with pytest.warns(polar.PolarFallbackWarning, match="2 of 4"):
+        out32 = ik.iso_flatten(x32, method="polar")
+    want = x32[[1, 3]].clone()
+    exact.flatten_svd_(want)
+    assert torch.equal(out32[[1, 3]], want)
+    assert rel_err(out32[[0, 2]], iso_flatten_ref(x32[[0, 2]])) <= TOL[("polar", torch.float32)]
+
+
+def test_rank_deficient_input_is_recomputed_not_wrong():
+    g = _gen(8)
+    x = (torch.randn(2, 20, 3, generator=g, dtype=torch.float64) @ torch.randn(2, 3, 30, generator=g, dtype=torch.float64))
+    with pytest.warns(polar.PolarFallbackWarning, match="2 of 2"):
+        out = ik.iso_flatten(x, method="polar")
+    assert rel_err(out, iso_flatten_ref(x)) <= TOL[("exact", torch.float64)]
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_non_finite_input_raises_and_changes_nothing(bad):
+    x = torch.randn(3, 6, 9, generator=_gen(9))
+    x[1, 2, 3] = float(bad)
+    keep = x.clone()
+    with pytest.raises(ValueError, match=rf"bucket 0: matrix 1 contains {'NaN' if bad == 'nan' else 'Inf'}"):
+        ik.iso_merge_([x], method="polar")
+    assert torch.equal(x.isnan(), keep.isnan()) and torch.equal(x.nan_to_num(), keep.nan_to_num())
+
+
+def test_overflowing_scale_raises_and_changes_nothing():
+    x = torch.randn(3, 8, 64, generator=_gen(10))
+    x[2] *= 1e37  # finite, but ⟨Δ, Q⟩ overflows float32
+    keep = x.clone()
+    with pytest.raises(ValueError, match=r"matrix 2 gave a non-finite scale"):
+        ik.iso_merge_([x], method="polar")
+    assert torch.equal(x, keep)
+
+
+# ----------------------------------------------------------------------------------------------
+# The bf16 mode and auto
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_polar_bf16_on_well_conditioned_input(dtype):
+    x = with_spectrum(2, 12, 40, spectrum("geometric", 12, cond=1e2), _gen(11)).to(dtype)
+    out = _flatten_quiet(x, method="polar_bf16")
+    assert out.dtype == dtype
+    assert rel_err(out, iso_flatten_ref(x)) <= TOL[("polar_bf16", dtype)]
+
+
+@pytest.mark.parametrize("shape", [(4, 16, 16), (2, 16, 96), (2, 96, 16), (1, 40, 40)], ids=str)
+def test_auto_on_cpu_is_an_exact_method_within_1e_4(shape):
+    x = torch.randn(shape, generator=_gen(12))
+    assert resolve_method("auto", x) in ("svd", "eigh")
+    assert rel_err(ik.iso_flatten(x, method="auto"), iso_flatten_ref(x)) <= 1e-4
+
+
+def test_polar_rejects_unknown_mode_and_backend():
+    x = torch.randn(1, 4, 5)
+    with pytest.raises(ValueError, match="mode must be"):
+        polar.flatten_polar_(x, mode="fp8")
+    with pytest.raises(ValueError, match="backend must be"):
+        polar.polar_factor(x, backend="cutlass")
