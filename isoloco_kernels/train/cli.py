@@ -1,0 +1,213 @@
+"""`python -m isoloco_kernels.train`: train DDP / DiLoCo / IsoLoCo on the same data and compare.
+
+With no flags: K=8 workers, H=30 inner steps, 10 rounds, the tiny (~0.5M) byte-level model on
+Python's standard-library source; prints a table of final held-out loss per mode and writes
+results.json and loss.png under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .data import check_fits, load_corpus
+from .loop import MODES, OUTER_DEFAULTS, Comm, Setup, TrainConfig, run_mode
+from .model import PRESETS
+from .report import mode_table, plot, sweep_table
+
+SWEEPABLE = {"workers": "workers", "inner-steps": "inner_steps", "rounds": "rounds", "batch": "batch"}
+
+
+def _parse_modes(s: str) -> list[str]:
+    if s == "all":
+        return list(MODES)
+    modes = [m.strip() for m in s.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {bad or s!r}; choose from all, {', '.join(MODES)}")
+    return list(dict.fromkeys(modes))
+
+
+def _parse_sweep(s: str) -> tuple[str, list[int]]:
+    name, sep, vals = s.partition("=")
+    if not sep or name not in SWEEPABLE:
+        raise argparse.ArgumentTypeError(
+            f"--sweep takes NAME=V1,V2,... with NAME one of {sorted(SWEEPABLE)}, got {s!r}"
+        )
+    try:
+        values = [int(v) for v in vals.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sweep {name}: values must be integers, got {vals!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"--sweep {name}: values must be integers ≥ 1, got {vals!r}")
+    return name, values
+
+
+def _parse_outer_lr(s: str) -> dict | float:
+    """'1.2' (every mode with an outer step) or 'diloco=0.5,isoloco=2.0'."""
+    try:
+        if "=" not in s:
+            return float(s)
+        out = {}
+        for part in s.split(","):
+            mode, _, v = part.partition("=")
+            out[mode.strip()] = float(v)
+        return out
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--outer-lr takes a number or MODE=LR,... (e.g. diloco=0.7,isoloco=1.8), got {s!r}"
+        ) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m isoloco_kernels.train",
+        description="Compare DDP, DiLoCo and IsoLoCo on a byte-level LM (same init, data and tokens).",
+    )
+    p.add_argument("--mode", type=_parse_modes, default=list(MODES),
+                   help=f"all (default) or a comma list of {', '.join(MODES)}")
+    p.add_argument("--model", choices=sorted(PRESETS), default=d.model,
+                   help="tiny ~0.5M params (CPU), small ~5M, base ~100M (GPU)")
+    p.add_argument("--workers", "-K", type=int, default=d.workers, help="K workers (default %(default)s)")
+    p.add_argument("--inner-steps", "-H", type=int, default=d.inner_steps, help="H inner steps per round")
+    p.add_argument("--rounds", "-R", type=int, default=d.rounds, help="outer steps (default %(default)s)")
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per worker per inner step")
+    p.add_argument("--seq-len", type=int, default=None, help="bytes per sequence (default: the model's)")
+    p.add_argument("--inner-lr", type=float, default=d.inner_lr, help="AdamW peak lr")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="inner warmup steps")
+    p.add_argument("--outer-lr", type=_parse_outer_lr, default=None,
+                   help="outer lr for every outer mode, or MODE=LR,... "
+                        + ", ".join(f"{m} {lr}" for m, (lr, _) in OUTER_DEFAULTS.items()))
+    p.add_argument("--iso-method", default=d.iso_method, help="IsoLoCo flatten method (auto, svd, eigh, ...)")
+    p.add_argument("--data", default=None, help="a text file or folder (default: Python's stdlib source)")
+    p.add_argument("--max-bytes", type=int, default=4_000_000, help="read at most this much text")
+    p.add_argument("--eval-windows", type=int, default=d.eval_windows, help="held-out windows per eval")
+    p.add_argument("--sweep", type=_parse_sweep, default=None,
+                   help="NAME=V1,V2,... e.g. workers=2,4,8,16 or inner-steps=30,100")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--out", default="runs/latest", help="folder for results.json and loss.png")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def _progress_factory(quiet: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+
+    def make(label: str, total: int):
+        if quiet or tqdm is None:
+            return None, (lambda: None)
+        bar = tqdm(total=total, desc=label, unit="step", leave=True, dynamic_ncols=True)
+        last = [0]
+
+        def cb(done, loss):
+            bar.update(done - last[0])
+            last[0] = done
+            if loss is not None and done % 10 == 0:
+                bar.set_postfix_str(f"held-out {loss:.3f}", refresh=False)
+
+        return cb, bar.close
+
+    return make
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.threads is not None:
+        if a.threads < 1:
+            parser.error(f"--threads must be ≥ 1, got {a.threads}")
+        torch.set_num_threads(a.threads)
+    outer_modes = [m for m in a.mode if m in OUTER_DEFAULTS]
+    if isinstance(a.outer_lr, float):
+        outer_lr = {m: a.outer_lr for m in outer_modes}
+    else:
+        outer_lr = a.outer_lr or {}
+    base = TrainConfig(
+        model=a.model, workers=a.workers, inner_steps=a.inner_steps, rounds=a.rounds, batch=a.batch,
+        seq_len=a.seq_len, inner_lr=a.inner_lr, warmup=a.warmup, outer_lr=outer_lr,
+        iso_method=a.iso_method, eval_windows=a.eval_windows, seed=a.seed, device=device,
+    )
+    param, values = a.sweep if a.sweep else (None, [None])
+    cfgs = [base if param is None else replace(base, **{SWEEPABLE[param]: v}) for v in values]
+    # Every check runs before any training: settings, data, and that the data fits each config.
+    try:
+        for c in cfgs:
+            c.validate()
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {device} requested but CUDA is not available")
+        corpus = load_corpus(a.data, a.max_bytes)
+        for c in cfgs:
+            check_fits(corpus, c.workers, c.batch, c.model_config().seq_len)
+    except ValueError as e:
+        parser.error(str(e))
+
+    if device.startswith("cuda"):
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=device.startswith("cuda"))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    make_progress = _progress_factory(a.quiet)
+    t_start = time.perf_counter()
+    setup0 = Setup(cfgs[0], corpus)
+    print(
+        f"model {a.model}: {setup0.n_params:,} params, seq {setup0.mcfg.seq_len}; data: {corpus.source}, "
+        f"{corpus.train.numel():,} train / {corpus.heldout.numel():,} held-out bytes; device {device}",
+        file=sys.stderr,
+    )
+    per_value = []
+    for v, c in zip(values, cfgs):
+        setup = setup0 if c is cfgs[0] else Setup(c, corpus)
+        runs = []
+        for m in a.mode:
+            tag = m if param is None else f"{m} {param}={v}"
+            cb, close = make_progress(tag, c.workers * c.inner_steps * c.rounds)
+            try:
+                runs.append(run_mode(m, setup, Comm(c.workers), cb))
+            finally:
+                close()
+            if "diverged" in runs[-1]:
+                print(f"warning: {tag} diverged: {runs[-1]['diverged']}", file=sys.stderr)
+        per_value.append(runs)
+
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(), "cpu_threads": torch.get_num_threads(), "device": device,
+            "torch": torch.__version__,
+        },
+        "data": corpus.describe(),
+        "params": setup0.n_params,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    if param is None:
+        result.update(config=base.as_dict(), modes={r["mode"]: r for r in per_value[0]})
+        table = mode_table(per_value[0])
+    else:
+        result.update(
+            config=base.as_dict(),
+            sweep={"param": param, "values": values,
+                   "runs": [{"config": c.as_dict(), "modes": {r["mode"]: r for r in runs}}
+                            for c, runs in zip(cfgs, per_value)]},
+        )
+        table = sweep_table(param, values, per_value)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    wrote_png = plot(out / "loss.png", per_value, param, values)
+    print(table)
+    print(f"\nwall {result['wall_s']:.0f} s; wrote {out / 'results.json'}"
+          + (f" and {out / 'loss.png'}" if wrote_png else " (no PNG: matplotlib is not installed)"))
+    return 0

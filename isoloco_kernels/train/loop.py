@@ -1,0 +1,297 @@
+"""The reference training loop: DDP, DiLoCo and IsoLoCo on the same data, init and token budget.
+
+    ddp          one model, one AdamW step per inner step on the K workers' batches together
+                 (batch K×b): the FLOP- and data-matched synchronous baseline.
+    diloco       K workers × H inner AdamW steps, then an outer Nesterov SGD step (lr 0.7, μ 0.9)
+                 on the averaged pseudo-gradient Δ = mean_k(θ − θ_k).
+    isoloco      the same rounds, outer step IsoLoCo (Iso-C flatten, then Nesterov; lr 1.8, μ 0.8).
+    isoloco-sgd  Iso-C flatten with no momentum (μ 0). Default lr 1.0: with μ 0 the step is
+                 θ ← θ − lr·iso(Δ), and lr 1 moves the global model by exactly the Iso-C merge of
+                 the workers' updates — the Iso-C model-merging rule itself, applied every round.
+
+Workers are simulated one after another in this process. Each keeps its own data stream and its
+own AdamW state across rounds (as in DiLoCo); they share one scratch model that is reset to the
+global weights at the start of each worker's turn. The only cross-worker communication is
+`Comm.average_`, so a multi-process launcher replaces that one object.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .data import Batches, Corpus, check_fits, heldout_windows, worker_seed, worker_shards
+from .model import PRESETS, ByteLM, ModelConfig, count_params
+
+MODES = ("ddp", "diloco", "isoloco", "isoloco-sgd")
+# (outer lr, outer momentum) per mode; ddp has no outer step.
+OUTER_DEFAULTS = {"diloco": (0.7, 0.9), "isoloco": (1.8, 0.8), "isoloco-sgd": (1.0, 0.0)}
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny"  # a key of model.PRESETS
+    workers: int = 8  # K
+    inner_steps: int = 30  # H
+    rounds: int = 12  # outer steps
+    batch: int = 4  # sequences per worker per inner step
+    seq_len: int | None = None  # None: the preset's
+    inner_lr: float = 3e-3  # AdamW peak lr
+    warmup: int = 20  # inner steps of linear warmup, then cosine to min_lr_ratio·inner_lr
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1  # on matrices only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    clip: float = 1.0
+    outer_lr: dict = field(default_factory=dict)  # mode -> lr, overrides OUTER_DEFAULTS
+    iso_method: str = "auto"  # IsoLoCo's flatten method
+    eval_windows: int = 64  # held-out windows of seq_len bytes, the same for every mode
+    seed: int = 0
+    device: str = "cpu"
+
+    def model_config(self) -> ModelConfig:
+        if self.model not in PRESETS:
+            raise ValueError(f"model must be one of {sorted(PRESETS)}, got {self.model!r}")
+        cfg = PRESETS[self.model]
+        if self.seq_len is not None and self.seq_len != cfg.seq_len:
+            cfg = ModelConfig(**{**cfg.as_dict(), "seq_len": self.seq_len})
+        return cfg
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad setting; call before any training."""
+        for name in ("workers", "inner_steps", "rounds", "batch", "eval_windows"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer ≥ 1, got {v!r}")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
+            raise ValueError(f"seq_len must be an integer ≥ 1, got {self.seq_len!r}")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an integer ≥ 0, got {self.warmup!r}")
+        for name in ("inner_lr", "clip"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        for name in ("weight_decay", "min_lr_ratio"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number ≥ 0, got {v!r}")
+        for name in ("beta1", "beta2"):
+            v = getattr(self, name)
+            if not 0 <= v < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {v!r}")
+        for mode, lr in self.outer_lr.items():
+            if mode not in OUTER_DEFAULTS:
+                raise ValueError(
+                    f"outer lr given for {mode!r}, which has no outer step; modes with one: "
+                    f"{sorted(OUTER_DEFAULTS)}"
+                )
+            if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+                raise ValueError(f"outer lr for {mode} must be a finite number > 0, got {lr!r}")
+        self.model_config()
+
+    def outer(self, mode: str) -> tuple[float, float]:
+        lr, mom = OUTER_DEFAULTS[mode]
+        return float(self.outer_lr.get(mode, lr)), mom
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["model_config"] = self.model_config().as_dict()
+        return d
+
+
+class Comm:
+    """Averaging across the K workers; the one place a multi-process run differs.
+
+    `average_` takes tensors that hold the SUM of this process's workers' contributions and
+    leaves in them the MEAN over all K workers. Here every worker lives in this process, so the
+    sum is already complete and only the division remains. A torch.distributed version does
+    `all_reduce(t, SUM)` on each tensor (or one flat buffer) before the same division, and sets
+    `local_workers` to the worker(s) of its rank.
+    """
+
+    def __init__(self, workers: int):
+        self.world_workers = workers
+        self.local_workers = list(range(workers))
+
+    def average_(self, tensors: Sequence[torch.Tensor]) -> None:
+        torch._foreach_div_(list(tensors), float(self.world_workers))
+
+
+def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine from 1 to min_ratio at step `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def inner_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.inner_lr,
+        betas=(cfg.beta1, cfg.beta2),
+    )
+
+
+def outer_optimizer(mode: str, params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    lr, mom = cfg.outer(mode)
+    if mode == "diloco":
+        return torch.optim.SGD(params, lr=lr, momentum=mom, nesterov=True)
+    from ..optim import IsoLoCo
+
+    return IsoLoCo(params, lr=lr, momentum=mom, iso=True, method=cfg.iso_method)
+
+
+class Diverged(RuntimeError):
+    pass
+
+
+def _check_finite(loss: torch.Tensor, where: str) -> None:
+    if not torch.isfinite(loss):
+        raise Diverged(f"{where}: loss is {loss.item()}")
+
+
+@torch.no_grad()
+def evaluate(model: ByteLM, hx: torch.Tensor, hy: torch.Tensor, chunk: int = 64) -> float:
+    """Mean held-out loss (nats/byte) over the fixed windows."""
+    model.eval()
+    total = 0.0
+    for i in range(0, hx.shape[0], chunk):
+        total += model.loss(hx[i : i + chunk], hy[i : i + chunk]).item() * hx[i : i + chunk].shape[0]
+    model.train()
+    return total / hx.shape[0]
+
+
+class Setup:
+    """Everything a mode needs that must be identical across modes: init, shards, eval set."""
+
+    def __init__(self, cfg: TrainConfig, corpus: Corpus):
+        cfg.validate()
+        self.cfg = cfg
+        self.mcfg = cfg.model_config()
+        check_fits(corpus, cfg.workers, cfg.batch, self.mcfg.seq_len)
+        self.device = torch.device(cfg.device)
+        self.shards = [s.to(self.device) for s in worker_shards(corpus.train, cfg.workers)]
+        hx, hy = heldout_windows(corpus.heldout, self.mcfg.seq_len, cfg.eval_windows)
+        self.hx, self.hy = hx.to(self.device), hy.to(self.device)
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(cfg.seed)
+        init = ByteLM(self.mcfg)
+        torch.random.set_rng_state(gen_state)
+        self.n_params = count_params(init)
+        self.init_state = {k: v.to(self.device) for k, v in init.state_dict().items()}
+
+    def model(self) -> ByteLM:
+        m = ByteLM(self.mcfg).to(self.device)
+        m.load_state_dict(self.init_state)
+        return m
+
+    def batches(self) -> list[Batches]:
+        """Worker k's stream depends on (seed, k) only, so every mode sees the same bytes."""
+        T = self.mcfg.seq_len
+        return [Batches(s, self.cfg.batch, T, worker_seed(self.cfg.seed, k)) for k, s in enumerate(self.shards)]
+
+    def tokens_per_round(self) -> int:
+        c = self.cfg
+        return c.workers * c.inner_steps * c.batch * self.mcfg.seq_len
+
+
+def _inner_step(model, opt, x, y, scale, lr, cfg, comm=None) -> torch.Tensor:
+    for g in opt.param_groups:
+        g["lr"] = lr
+    with torch.autocast("cuda", torch.bfloat16, enabled=x.is_cuda):  # bf16 matmuls on a GPU
+        loss = model.loss(x, y)
+    (loss * scale).backward()
+    if comm is not None:
+        comm.average_([p.grad for p in model.parameters()])
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def run_mode(
+    mode: str,
+    setup: Setup,
+    comm: Comm | None = None,
+    progress: Callable[[int, float | None], None] | None = None,
+) -> dict:
+    """Train one mode from the shared init; return its held-out curve and timings.
+
+    progress(inner_steps_done, last_heldout_loss) is called after every inner step (per worker).
+    A non-finite loss stops the mode and is reported under "diverged" (never silently).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    cfg = setup.cfg
+    comm = comm or Comm(cfg.workers)
+    K, H, R = cfg.workers, cfg.inner_steps, cfg.rounds
+    total = H * R
+    model = setup.model()
+    batches = setup.batches()
+    losses = [evaluate(model, setup.hx, setup.hy)]
+    tokens = [0]
+    out = {"mode": mode}
+    if mode != "ddp":
+        out["outer_lr"], out["outer_momentum"] = cfg.outer(mode)
+    t0 = time.perf_counter()
+    done = 0
+    try:
+        if mode == "ddp":
+            opt = inner_optimizer(model, cfg)
+            local = comm.local_workers
+            for step in range(total):
+                lr = cfg.inner_lr * lr_factor(step, total, cfg.warmup, cfg.min_lr_ratio)
+                xs, ys = zip(*(batches[k].next() for k in local))
+                # scale: the loss is the mean over local workers; average_ wants their sum
+                loss = _inner_step(model, opt, torch.cat(xs), torch.cat(ys), len(local), lr, cfg, comm)
+                _check_finite(loss, f"ddp step {step}")
+                done += len(local)
+                if (step + 1) % H == 0:
+                    losses.append(evaluate(model, setup.hx, setup.hy))
+                    tokens.append((step + 1) // H * setup.tokens_per_round())
+                    _check_finite(torch.tensor(losses[-1]), f"ddp held-out after step {step + 1}")
+                if progress:
+                    progress(done, losses[-1])
+        else:
+            work = ByteLM(setup.mcfg).to(setup.device)  # the scratch model every worker trains
+            inner = {k: inner_optimizer(work, cfg) for k in comm.local_workers}
+            params = list(model.parameters())
+            outer = outer_optimizer(mode, params, cfg)
+            for r in range(R):
+                delta = [torch.zeros_like(p) for p in params]
+                for k in comm.local_workers:
+                    with torch.no_grad():
+                        torch._foreach_copy_(list(work.parameters()), params)
+                    for h in range(H):
+                        step = r * H + h
+                        lr = cfg.inner_lr * lr_factor(step, total, cfg.warmup, cfg.min_lr_ratio)
+                        x, y = batches[k].next()
+                        loss = _inner_step(work, inner[k], x, y, 1.0, lr, cfg)
+                        _check_finite(loss, f"{mode} round {r} worker {k} inner step {h}")
+                        done += 1
+                        if progress:
+                            progress(done, losses[-1])
+                    with torch.no_grad():  # Δ_k = global − local, summed over this process's workers
+                        torch._foreach_add_(delta, params)
+                        torch._foreach_sub_(delta, list(work.parameters()))
+                comm.average_(delta)
+                for p, d in zip(params, delta):
+                    p.grad = d
+                outer.step()
+                outer.zero_grad(set_to_none=True)
+                losses.append(evaluate(model, setup.hx, setup.hy))
+                tokens.append((r + 1) * setup.tokens_per_round())
+                _check_finite(torch.tensor(losses[-1]), f"{mode} held-out after round {r + 1}")
+    except Diverged as e:
+        out["diverged"] = str(e)
+    out["wall_s"] = time.perf_counter() - t0
+    out["tokens"] = tokens
+    out["heldout_loss"] = losses
+    out["final_loss"] = None if "diverged" in out else losses[-1]
+    return out

@@ -1,0 +1,220 @@
+"""The reference training loop: every mode trains, runs are reproducible and paired, bad input is
+refused before training, and the CLI writes its JSON and PNG."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from isoloco_kernels.train import MODES, Comm, Setup, TrainConfig, load_corpus, run_mode
+from isoloco_kernels.train.cli import main
+from isoloco_kernels.train.data import Batches, check_fits, heldout_windows, worker_seed
+
+SMALL = dict(model="tiny", seq_len=16, workers=2, inner_steps=3, rounds=2, batch=2, warmup=1, eval_windows=8)
+CLI_SMALL = ["-K", "2", "-H", "2", "-R", "2", "--batch", "2", "--seq-len", "16", "--eval-windows", "8",
+             "--max-bytes", "60000", "--quiet", "--threads", "1"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The models here are tiny: a second thread buys nothing and thrashes on a busy machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(max_bytes=60_000)
+
+
+@pytest.fixture(scope="module")
+def setup(corpus):
+    return Setup(TrainConfig(**SMALL), corpus)
+
+
+def test_corpus_is_stdlib_text_split_by_document(corpus):
+    again = load_corpus(max_bytes=60_000)
+    assert torch.equal(corpus.train, again.train) and torch.equal(corpus.heldout, again.heldout)
+    assert 0 < corpus.n_heldout_docs < corpus.n_docs
+    assert corpus.heldout.numel() > 0 and corpus.train.numel() > corpus.heldout.numel()
+    text = bytes(corpus.train[:20000].tolist()).decode("utf-8")
+    assert "def " in text or "import " in text
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_mode_trains(setup, mode):
+    r = run_mode(mode, setup)
+    cfg = setup.cfg
+    assert "diverged" not in r
+    assert len(r["heldout_loss"]) == cfg.rounds + 1
+    assert r["tokens"] == [i * cfg.workers * cfg.inner_steps * cfg.batch * 16 for i in range(cfg.rounds + 1)]
+    assert all(math.isfinite(x) for x in r["heldout_loss"])
+    assert abs(r["heldout_loss"][0] - math.log(256)) < 0.1  # init is near uniform over bytes
+    assert r["final_loss"] == r["heldout_loss"][-1] < r["heldout_loss"][0] - 0.05
+
+
+def test_same_seed_same_numbers_other_seed_other_numbers(corpus, setup):
+    a = run_mode("isoloco", setup)["heldout_loss"]
+    b = run_mode("isoloco", Setup(TrainConfig(**SMALL), corpus))["heldout_loss"]
+    c = run_mode("isoloco", Setup(TrainConfig(**SMALL, seed=1), corpus))["heldout_loss"]
+    assert a == b
+    assert a[1:] != c[1:]
+
+
+def test_worker_streams_depend_on_seed_and_worker_only(corpus):
+    s2 = Setup(TrainConfig(**SMALL), corpus)
+    x0, _ = s2.batches()[0].next()
+    x0_again, _ = Setup(TrainConfig(**{**SMALL, "rounds": 5}), corpus).batches()[0].next()
+    x1, _ = s2.batches()[1].next()
+    assert torch.equal(x0, x0_again)
+    assert not torch.equal(x0, x1)
+    assert worker_seed(0, 0) != worker_seed(1, 0)
+
+
+def test_batches_are_next_byte_windows(corpus):
+    x, y = Batches(corpus.train, 3, 16, seed=5).next()
+    assert x.shape == y.shape == (3, 16)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    hx, hy = heldout_windows(corpus.heldout, 16, 8)
+    assert hx.shape == (8, 16) and torch.equal(hx[:, 1:], hy[:, :-1])
+
+
+def test_one_worker_diloco_step_lands_on_the_ddp_model(corpus):
+    # K=1 and outer lr 1/(1+μ): Nesterov's first step is θ − Δ = the worker's weights, and the
+    # worker saw exactly ddp's batches with ddp's schedule. Checks the sign of Δ, the pairing and
+    # that the outer step happens once per round.
+    cfg = TrainConfig(**{**SMALL, "workers": 1, "rounds": 1, "outer_lr": {"diloco": 1 / 1.9}})
+    s = Setup(cfg, corpus)
+    ddp, dil = run_mode("ddp", s), run_mode("diloco", s)
+    assert dil["heldout_loss"][0] == ddp["heldout_loss"][0]
+    assert dil["final_loss"] == pytest.approx(ddp["final_loss"], abs=1e-5)
+    assert dil["final_loss"] < dil["heldout_loss"][0] - 0.05
+
+
+def test_comm_average_divides_the_sum_by_all_workers():
+    t = [torch.tensor([3.0, 6.0]), torch.tensor([[9.0]])]
+    Comm(3).average_(t)
+    assert t[0].tolist() == [1.0, 2.0] and t[1].item() == 3.0
+
+
+def test_nonfinite_loss_is_reported_not_hidden(corpus):
+    s = Setup(TrainConfig(**SMALL), corpus)
+    s.init_state = {k: v.clone() for k, v in s.init_state.items()}
+    s.init_state["blocks.0.up.weight"][0, 0] = float("nan")
+    for mode in ("ddp", "isoloco"):
+        r = run_mode(mode, s)
+        assert r["final_loss"] is None
+        assert "loss is nan" in r["diverged"]
+
+
+@pytest.mark.parametrize(
+    "field, value, msg",
+    [("workers", 0, "workers must be an integer ≥ 1, got 0"),
+     ("inner_steps", 0, "inner_steps must be an integer ≥ 1, got 0"),
+     ("rounds", -1, "rounds must be"),
+     ("batch", 0, "batch must be"),
+     ("outer_lr", {"ddp": 1.0}, "outer lr given for 'ddp'"),
+     ("outer_lr", {"isoloco": float("nan")}, "outer lr for isoloco must be a finite number"),
+     ("model", "huge", "model must be one of")],
+)
+def test_bad_settings_are_refused(field, value, msg):
+    with pytest.raises(ValueError, match=msg):
+        TrainConfig(**{**SMALL, field: value}).validate()
+
+
+def test_batch_or_sequence_larger_than_data(corpus):
+    shard = corpus.train.numel() // 2
+    with pytest.raises(ValueError, match=r"larger than each of the 2 workers' data shard"):
+        check_fits(corpus, 2, shard // 17 + 1, 16)
+    with pytest.raises(ValueError, match=r"longer than the held-out data"):
+        check_fits(corpus, 1, 1, corpus.heldout.numel())
+
+
+def test_bad_data_paths(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_corpus(tmp_path / "missing.txt")
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(ValueError, match="empty.txt is empty"):
+        load_corpus(tmp_path / "empty.txt")
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 40)
+    with pytest.raises(ValueError, match="blob.bin is not UTF-8 text"):
+        load_corpus(tmp_path / "blob.bin")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ValueError, match="holds no text: its 0 files are empty"):
+        load_corpus(tmp_path / "d")
+    (tmp_path / "d" / "a.bin").write_bytes(b"\x00\xff" * 100)
+    with pytest.raises(ValueError, match="holds no text: its 1 files are binary"):
+        load_corpus(tmp_path / "d")
+
+
+def test_text_file_and_folder(tmp_path, corpus):
+    text = bytes(corpus.train[:100_000].tolist())
+    f = tmp_path / "t.txt"
+    f.write_bytes(text)
+    c = load_corpus(f)
+    assert c.train.numel() + c.heldout.numel() > len(text) * 0.99 and c.heldout.numel() > 0
+    d = tmp_path / "folder"
+    d.mkdir()
+    for i in range(12):
+        (d / f"part{i}.txt").write_bytes(text[i * 5000 : (i + 1) * 5000])
+    (d / "skip.bin").write_bytes(b"\0" * 10)
+    c = load_corpus(d)
+    assert c.n_docs == 12 and c.train.numel() > 0 and c.heldout.numel() > 0
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [(["-K", "0"], "workers must be an integer ≥ 1, got 0"),
+     (["-H", "0"], "inner_steps must be an integer ≥ 1, got 0"),
+     (["--data", "/nonexistent/corpus"], "does not exist"),
+     (["--batch", "100000"], "larger than each of the 2 workers' data shard"),
+     (["--sweep", "workers=2,0"], "values must be integers ≥ 1"),
+     (["--outer-lr", "diloco=fast"], "--outer-lr takes a number"),
+     (["--mode", "adam"], "unknown mode")],
+)
+def test_cli_refuses_bad_input_before_training(tmp_path, capsys, args, msg):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        main(CLI_SMALL + ["--out", str(out)] + args)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(CLI_SMALL + ["--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["modes"]) == set(MODES)
+    assert res["config"]["workers"] == 2 and res["config"]["inner_steps"] == 2
+    assert res["wall_s"] > 0 and res["params"] > 0
+    init = res["modes"]["ddp"]["heldout_loss"][0]
+    for m, r in res["modes"].items():
+        assert len(r["heldout_loss"]) == 3 and r["heldout_loss"][0] == init, m
+        assert r["final_loss"] == r["heldout_loss"][-1] < init, m
+    assert res["modes"]["isoloco"]["outer_lr"] == 1.8 and res["modes"]["diloco"]["outer_momentum"] == 0.9
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert all(m in table for m in MODES) and "final held-out loss" in table
+
+
+def test_cli_sweep_and_outer_lr_override(tmp_path):
+    out = tmp_path / "sweep"
+    args = CLI_SMALL + ["--out", str(out), "--mode", "diloco,isoloco", "--sweep", "workers=1,3",
+                        "--outer-lr", "isoloco=1.2"]
+    assert main(args) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["sweep"]["param"] == "workers" and res["sweep"]["values"] == [1, 3]
+    runs = res["sweep"]["runs"]
+    assert [r["config"]["workers"] for r in runs] == [1, 3]
+    for r in runs:
+        assert set(r["modes"]) == {"diloco", "isoloco"}
+        assert r["modes"]["isoloco"]["outer_lr"] == 1.2 and r["modes"]["diloco"]["outer_lr"] == 0.7
+    # 3 workers see 3x the tokens of 1 per round
+    assert runs[1]["modes"]["diloco"]["tokens"][1] == 3 * runs[0]["modes"]["diloco"]["tokens"][1]
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
