@@ -1,0 +1,222 @@
+"""The CUDA kernels through CuPy: a second way in when the compiled extension `_C` is absent.
+
+The same device code as the extension (csrc/kernels/*.cuh, NVRTC-clean by design) is compiled at
+first use with CuPy's RawModule (NVRTC), one small module per dtype combination, and launched on
+torch tensors through their data pointers, on torch's current stream. Semantics, launch plans and
+checks mirror csrc/iso_scale.cu and csrc/nesterov.cu; the constants below mirror the kernels'.
+
+    ok, why = available()      # (False, reason) without CuPy, a GPU or the kernel sources
+    iso_scale_(x, q) -> s̄      # isoloco::iso_scale_
+    nesterov_outer_(params, bufs, updates, lr, momentum, scales=None)   # isoloco::nesterov_outer_
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import numpy as np
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Must match csrc/kernels/common.cuh and nesterov.cuh.
+BLOCK = 256
+VEC = 4
+NESTEROV_CHUNK = 8192
+NESTEROV_FIELDS = 6
+
+_STORAGE = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.float16: "ik::half_t",
+    torch.bfloat16: "ik::bf16_t",
+}
+
+
+def kernel_dir() -> str | None:
+    """Where the kernel sources are: shipped in the package, or csrc/kernels of a source checkout."""
+    for d in (os.path.join(_HERE, "csrc", "kernels"), os.path.join(os.path.dirname(_HERE), "csrc", "kernels")):
+        if os.path.isfile(os.path.join(d, "iso_scale.cuh")):
+            return d
+    return None
+
+
+def kernel_source(name: str) -> str:
+    d = kernel_dir()
+    if d is None:
+        raise FileNotFoundError("isoloco_kernels: the CUDA kernel sources (csrc/kernels) are not installed")
+    with open(os.path.join(d, name), encoding="utf-8") as f:
+        return f.read()
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> tuple[bool, str]:
+    """(True, "cupy <version>") when the CuPy path can run here, else (False, why not)."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device visible to torch"
+    if kernel_dir() is None:
+        return False, "the kernel sources (csrc/kernels/*.cuh) are not installed"
+    try:
+        import cupy
+    except ImportError as e:
+        return False, f"cupy is not installed ({e}); pip install 'isoloco_kernels[cupy]'"
+    try:
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDA driver/runtime mismatch and the like
+        return False, f"cupy cannot reach the GPU: {e}"
+    return True, f"cupy {cupy.__version__}"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(device: int, header: str, names: tuple[str, ...]):
+    """Compile `header`'s template instantiations `names` for `device` (cached here and by CuPy)."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        mod = cupy.RawModule(
+            code=f'#include "{header}"\n',
+            options=("-std=c++17", f"-I{kernel_dir()}"),
+            name_expressions=names,
+        )
+        return tuple(mod.get_function(n) for n in names)
+
+
+def _launch(fn, device: int, blocks: int, args: tuple) -> None:
+    import cupy
+
+    stream = torch.cuda.current_stream(device)
+    with cupy.cuda.Device(device):
+        fn((blocks,), (BLOCK,), args, stream=cupy.cuda.ExternalStream(stream.cuda_stream, device))
+
+
+def _ptr(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+def _compute(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_dtype(t: torch.Tensor, what: str) -> None:
+    if t.dtype not in _STORAGE:
+        raise TypeError(f"{what} has unsupported dtype {t.dtype}; use float16, bfloat16, float32 or float64")
+
+
+def launch_plan(L: int) -> tuple[int, int]:
+    """(nchunks, chunk_len) per matrix of L elements; the same as launch_plan in csrc/iso_scale.cu."""
+    want = min(max(-(-L // 8192), 1), 256)
+    length = -(-L // want)
+    length = -(-length // VEC) * VEC
+    return -(-L // length), length
+
+
+def iso_scale_(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """s̄ = ⟨x, q⟩ / min(m, n) per matrix; x ← s̄·q in place; returns s̄ (float32, float64 for float64 x)."""
+    for t, name in ((x, "x"), (q, "q")):
+        _check_dtype(t, f"iso_scale_: {name}")
+        if t.ndim not in (2, 3):
+            raise ValueError(f"iso_scale_: {name} must be [m, n] or [B, m, n], got shape {tuple(t.shape)}")
+        if not t.is_cuda:
+            raise ValueError(f"iso_scale_: {name} must be a CUDA tensor, got one on {t.device}")
+    if x.shape != q.shape or x.device != q.device:
+        raise ValueError(
+            f"iso_scale_: q must match x in shape and device, got x {tuple(x.shape)} on {x.device}"
+            f" and q {tuple(q.shape)} on {q.device}"
+        )
+    cd = _compute(x.dtype)
+    sbar = torch.zeros(x.shape[:-2], dtype=cd, device=x.device)
+    if x.numel() == 0:
+        return sbar
+    m, n = x.shape[-2:]
+    L = m * n
+    B = x.numel() // L
+    nchunks, chunk_len = launch_plan(L)
+    xc, qc = x.contiguous(), q.contiguous()
+    partial = torch.empty(B * nchunks, dtype=cd, device=x.device)
+    c = "double" if cd == torch.float64 else "float"
+    targs = f"{_STORAGE[x.dtype]}, {_STORAGE[q.dtype]}, {c}"
+    dev = x.device.index
+    fpart, fapply = _kernels(
+        dev, "iso_scale.cuh", (f"ik::iso_scale_partial<{targs}>", f"ik::iso_scale_apply<{targs}>")
+    )
+    real = np.float64 if cd == torch.float64 else np.float32
+    L64, nc, cl = np.int64(L), np.int32(nchunks), np.int64(chunk_len)
+    _launch(fpart, dev, B * nchunks, (_ptr(xc), _ptr(qc), _ptr(partial), L64, nc, cl))
+    _launch(fapply, dev, B * nchunks, (_ptr(xc), _ptr(qc), _ptr(partial), _ptr(sbar), L64, nc, cl, real(min(m, n))))
+    if not x.is_contiguous():
+        x.copy_(xc)
+    return sbar
+
+
+def nesterov_outer_(params, bufs, updates, lr: float, momentum: float, scales=None) -> None:
+    """Per tensor i: g = s_i·u ; buf ← μ·buf + g ; p ← p − lr·(g + μ·buf), one launch per dtype combination."""
+    params, bufs, updates = list(params), list(bufs), list(updates)
+    if not (len(params) == len(bufs) == len(updates)):
+        raise ValueError(
+            f"nesterov_outer_: params, bufs and updates must have one entry each per tensor, got "
+            f"{len(params)}, {len(bufs)} and {len(updates)}"
+        )
+    if math.isnan(lr) or math.isnan(momentum):
+        raise ValueError(f"nesterov_outer_: lr and momentum must be numbers, got lr={lr}, momentum={momentum}")
+    if not params:
+        return
+    dev = params[0].device
+    for i, (p, b, u) in enumerate(zip(params, bufs, updates)):
+        for name, t in (("param", p), ("buf", b), ("update", u)):
+            _check_dtype(t, f"nesterov_outer_: {name} {i}")
+            if t.device != dev:
+                raise ValueError(f"nesterov_outer_: {name} {i} is on {t.device} but param 0 is on {dev}")
+        if not (p.shape == b.shape == u.shape):
+            raise ValueError(
+                f"nesterov_outer_: tensor {i}: param {tuple(p.shape)}, buf {tuple(b.shape)} and "
+                f"update {tuple(u.shape)} must have the same shape"
+            )
+        if b.dtype not in (torch.float32, p.dtype):
+            raise TypeError(f"nesterov_outer_: buf {i} is {b.dtype}; it must be float32 or the param's dtype ({p.dtype})")
+    if dev.type != "cuda":
+        raise ValueError(f"nesterov_outer_: params must be CUDA tensors, got {dev}")
+    if scales is not None:
+        if scales.ndim != 1 or scales.numel() != len(params) or scales.device != dev:
+            raise ValueError(
+                f"nesterov_outer_: scales must be 1-D with one entry per tensor ({len(params)}) on "
+                f"{dev}, got shape {tuple(scales.shape)} on {scales.device}"
+            )
+        if not scales.is_floating_point():
+            raise TypeError(f"nesterov_outer_: scales must be floating point, got {scales.dtype}")
+
+    groups: dict[tuple, list[int]] = {}
+    work = {}
+    for i, (p, b, u) in enumerate(zip(params, bufs, updates)):
+        if p.numel():
+            work[i] = (p.contiguous(), b.contiguous(), u.contiguous())
+            groups.setdefault((p.dtype, b.dtype, u.dtype), []).append(i)
+    if not groups:
+        return
+    rows, blocks = [], []
+    for idx in groups.values():
+        chunk = 0
+        for i in idx:
+            p, b, u = work[i]
+            rows.append([p.data_ptr(), b.data_ptr(), u.data_ptr(), p.numel(), i, chunk])
+            chunk += -(-p.numel() // NESTEROV_CHUNK)
+        blocks.append(chunk)
+    host = torch.tensor(rows, dtype=torch.int64).flatten().pin_memory()
+    table = host.to(dev, non_blocking=True)
+    s64 = scales.to(torch.float64).contiguous() if scales is not None else None
+    sp = _ptr(s64) if s64 is not None else np.uint64(0)
+
+    offset = 0
+    for ((pt, bt, ut), idx), nblocks in zip(groups.items(), blocks):
+        c = "double" if pt == torch.float64 else "float"
+        name = f"ik::nesterov_outer<{_STORAGE[pt]}, {_STORAGE[bt]}, {_STORAGE[ut]}, {c}>"
+        (fn,) = _kernels(dev.index, "nesterov.cuh", (name,))
+        real = np.float64 if c == "double" else np.float32
+        tptr = np.uint64(table.data_ptr() + offset * NESTEROV_FIELDS * 8)
+        _launch(fn, dev.index, nblocks, (tptr, np.int32(len(idx)), sp, real(lr), real(momentum)))
+        offset += len(idx)
+    for i, (p, b, _) in work.items():
+        if p.data_ptr() != params[i].data_ptr() or not params[i].is_contiguous():
+            params[i].copy_(p)
+        if b.data_ptr() != bufs[i].data_ptr() or not bufs[i].is_contiguous():
+            bufs[i].copy_(b)

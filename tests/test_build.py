@@ -1,0 +1,118 @@
+"""The build: extension status, CUDA kernel registration, NVRTC-cleanliness of the kernel sources.
+
+Runs without a GPU. When the extension was built (ISOLOCO_CUDA=1), its CUDA kernels must be
+registered for both ops; the kernel sources must compile with NVRTC alone (no CUDA headers), which
+is what the CuPy path (isoloco_kernels/_cupy.py) relies on.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import isoloco_kernels
+from isoloco_kernels import _cupy, _ext
+
+OPS = ("iso_scale_", "nesterov_outer_")
+
+
+def test_status_is_reported():
+    status = isoloco_kernels.backends()["cuda_extension"]
+    assert status == _ext.STATUS
+    if _ext.LOADED:
+        assert status.startswith("loaded ") and os.path.isfile(status[len("loaded "):])
+    else:
+        assert status.startswith(("not built", "disabled", "found ")), status
+
+
+@pytest.mark.skipif(not _ext.LOADED, reason=f"CUDA extension not loaded: {_ext.STATUS}")
+def test_extension_registers_cuda_kernels():
+    for op in OPS:
+        assert _ext.has_kernel(op, "CUDA"), f"isoloco::{op} has no CUDA kernel from {_ext.STATUS}"
+    assert "csrc" in isoloco_kernels.backends()["iso_scale_[CUDA]"]
+
+
+def test_has_kernel_is_false_for_unknown_ops():
+    assert not _ext.has_kernel("no_such_op", "CUDA")
+
+
+def test_absent_extension_says_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(_ext, "_HERE", str(tmp_path))
+    monkeypatch.setattr(_ext, "LOADED", False)
+    monkeypatch.setattr(_ext, "STATUS", "")
+    assert _ext.load() is False
+    assert _ext.STATUS.startswith("not built") and str(tmp_path) in _ext.STATUS
+    if torch.version.cuda is None:
+        assert "CPU-only" in _ext.STATUS
+
+
+def test_unloadable_library_is_a_status_not_an_exception(monkeypatch, tmp_path):
+    (tmp_path / "_C.so").write_bytes(b"not an ELF file")
+    monkeypatch.setattr(_ext, "_HERE", str(tmp_path))
+    monkeypatch.setattr(_ext, "LOADED", False)
+    monkeypatch.setattr(_ext, "STATUS", "")
+    assert _ext.load() is False
+    assert _ext.STATUS.startswith("found _C.so but could not load it"), _ext.STATUS
+
+
+def test_disable_switch(monkeypatch):
+    monkeypatch.setenv("ISOLOCO_DISABLE_EXT", "1")
+    monkeypatch.setattr(_ext, "LOADED", False)
+    monkeypatch.setattr(_ext, "STATUS", "")
+    assert _ext.load() is False and "ISOLOCO_DISABLE_EXT" in _ext.STATUS
+
+
+@pytest.mark.parametrize("L", [1, 3, 4, 5, 8191, 8192, 8193, 65536 * 3 + 1, 4096 * 4096, 10**8 + 7])
+def test_cupy_launch_plan_covers_each_matrix(L):
+    nchunks, chunk_len = _cupy.launch_plan(L)
+    assert 1 <= nchunks <= 256 and chunk_len % _cupy.VEC == 0
+    assert (nchunks - 1) * chunk_len < L <= nchunks * chunk_len  # every chunk non-empty, all covered
+
+
+def test_kernel_sources_are_found():
+    d = _cupy.kernel_dir()
+    assert d is not None
+    for name in ("common.cuh", "iso_scale.cuh", "nesterov.cuh"):
+        assert os.path.isfile(os.path.join(d, name))
+
+
+def _instantiations() -> list[str]:
+    """Template instantiations as _cupy.py names them, every storage type in every role."""
+    st = _cupy._STORAGE
+    dts = list(st)
+    names = []
+    for k, xd in enumerate(dts):
+        c = "double" if xd == torch.float64 else "float"
+        qd = dts[(k + 1) % len(dts)]
+        names.append(f"ik::iso_scale_partial<{st[xd]}, {st[qd]}, {c}>")
+        names.append(f"ik::iso_scale_apply<{st[xd]}, {st[qd]}, {c}>")
+        names.append(f"ik::nesterov_outer<{st[xd]}, {st[xd]}, {st[qd]}, {c}>")
+    return names
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_kernel_sources_compile_with_nvrtc(arch):
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda.bindings (NVRTC) is not installed")
+    src = b'#include "iso_scale.cuh"\n#include "nesterov.cuh"\n'
+    err, prog = nvrtc.nvrtcCreateProgram(src, b"isoloco_nvrtc_check.cu", 0, [], [])
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    try:
+        names = _instantiations()
+        for n in names:
+            (err,) = nvrtc.nvrtcAddNameExpression(prog, n.encode())
+            assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, n
+        # No include path but the kernel folder: the sources must need no CUDA or C++ headers.
+        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-I{_cupy.kernel_dir()}".encode()]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+        _, cubin_size = nvrtc.nvrtcGetCUBINSize(prog)
+        assert cubin_size > 0
+        for n in names:  # every instantiation made it into the cubin under a mangled name
+            err, lowered = nvrtc.nvrtcGetLoweredName(prog, n.encode())
+            assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS and lowered.startswith(b"_Z"), n
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)

@@ -1,0 +1,280 @@
+"""The CUDA kernels (csrc/kernels) against reference.py in float64, through both ways in: the
+compiled extension (torch.ops.isoloco.* with _C loaded) and the CuPy JIT path (_cupy.py).
+
+Skipped without a GPU; each backend is skipped with its reason when it is absent.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from isoloco_kernels import _cupy, _ext
+from isoloco_kernels.reference import iso_flatten_ref, nesterov_ref, polar_ref
+
+from .helpers import DTYPES, TOL, rel_err
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DEV = "cuda"
+
+
+def _ext_iso_scale(x, q):
+    return torch.ops.isoloco.iso_scale_(x, q)
+
+
+def _ext_nesterov(params, bufs, updates, lr, momentum, scales=None):
+    torch.ops.isoloco.nesterov_outer_(params, bufs, updates, lr, momentum, scales)
+
+
+def _need(backend: str) -> None:
+    if backend == "ext" and not (_ext.LOADED and _ext.has_kernel("iso_scale_", "CUDA")):
+        pytest.skip(f"CUDA extension not loaded: {_ext.STATUS}")
+    if backend == "cupy":
+        ok, why = _cupy.available()
+        if not ok:
+            pytest.skip(f"CuPy path unavailable: {why}")
+
+
+ISO_SCALE = {"ext": _ext_iso_scale, "cupy": _cupy.iso_scale_}
+NESTEROV = {"ext": _ext_nesterov, "cupy": _cupy.nesterov_outer_}
+BACKENDS = ["ext", "cupy"]
+
+
+def _iso_scale_ref(x, q):
+    """(x ← s̄·q, s̄) in float64 from the inputs as given."""
+    m, n = x.shape[-2:]
+    x64, q64 = x.detach().cpu().double(), q.detach().cpu().double()
+    s = (x64 * q64).sum((-2, -1)) / min(m, n)
+    return s[..., None, None] * q64, s
+
+
+# ---------------------------------------------------------------------------------------------
+# iso_scale_
+
+SHAPES = [
+    (1, 37),  # 1×n
+    (41, 1),  # n×1
+    (300, 17),  # tall
+    (17, 300),  # wide
+    (7, 9),  # L = 63: no full vector at the end
+    (5, 33, 65),  # batched, odd
+    (3, 128, 64),  # batched, vector-aligned
+    (1, 70001),  # several chunks in one matrix
+    (2, 300, 301),  # several chunks, batched, odd
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_iso_scale_matches_reference(backend, shape, dtype):
+    _need(backend)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{shape}{dtype}".encode()))
+    x = torch.randn(shape, generator=gen, dtype=torch.float64).to(DEV, dtype)
+    q = torch.randn(shape, generator=gen, dtype=torch.float64).to(DEV, dtype)
+    want_x, want_s = _iso_scale_ref(x, q)
+    s = ISO_SCALE[backend](x, q)
+    torch.cuda.synchronize()
+    assert s.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert s.shape == x.shape[:-2]
+    assert torch.isfinite(x).all() and torch.isfinite(s).all()
+    assert rel_err(s, want_s) <= TOL[("epilogue", dtype)]
+    assert rel_err(x, want_x) <= TOL[("epilogue", dtype)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("xd,qd", [(a, b) for a in DTYPES for b in DTYPES if a != b], ids=str)
+def test_iso_scale_mixed_dtypes(backend, xd, qd):
+    _need(backend)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 50, 31, generator=gen, dtype=torch.float64).to(DEV, xd)
+    q = torch.randn(3, 50, 31, generator=gen, dtype=torch.float64).to(DEV, qd)
+    want_x, want_s = _iso_scale_ref(x, q)
+    s = ISO_SCALE[backend](x, q)
+    tol = max(TOL[("epilogue", xd)], TOL[("epilogue", qd)])
+    assert rel_err(s, want_s) <= tol and rel_err(x, want_x) <= TOL[("epilogue", xd)]
+    assert q.dtype == qd  # q untouched in dtype
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_iso_scale_of_polar_factor_is_iso_c(backend, dtype):
+    _need(backend)
+    gen = torch.Generator().manual_seed(3)
+    x64 = torch.randn(4, 40, 24, generator=gen, dtype=torch.float64)
+    q64, _ = polar_ref(x64)
+    x, q = x64.to(DEV, dtype), q64.to(DEV, dtype)
+    ISO_SCALE[backend](x, q)
+    # Rounding x and q to dtype costs up to one TOL each.
+    assert rel_err(x, iso_flatten_ref(x64)) <= 3 * TOL[("epilogue", dtype)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_iso_scale_non_contiguous_writes_only_the_view(backend, dtype):
+    _need(backend)
+    gen = torch.Generator().manual_seed(11)
+    # x: every other column of a NaN-poisoned buffer, transposed; q: a transposed view.
+    base = torch.full((3, 40, 2 * 23), float("nan"), dtype=dtype, device=DEV)
+    x = base[:, :, ::2].transpose(-1, -2)
+    x.copy_(torch.randn(x.shape, generator=gen, dtype=torch.float64).to(dtype))
+    q = torch.randn(3, 40, 23, generator=gen, dtype=torch.float64).to(DEV, dtype).transpose(-1, -2)
+    assert not x.is_contiguous() and not q.is_contiguous()
+    want_x, want_s = _iso_scale_ref(x, q)
+    s = ISO_SCALE[backend](x, q)
+    assert rel_err(s, want_s) <= TOL[("epilogue", dtype)]
+    assert rel_err(x, want_x) <= TOL[("epilogue", dtype)]
+    assert torch.isnan(base[:, :, 1::2]).all()  # the gaps were not written
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_iso_scale_misaligned_storage_uses_the_scalar_path(backend):
+    _need(backend)
+    gen = torch.Generator().manual_seed(5)
+    buf = torch.randn(1 + 2 * 64 * 48, generator=gen, dtype=torch.float64).to(DEV, torch.float32)
+    x = buf[1:].view(2, 64, 48)  # 4-byte offset: not 16-byte aligned
+    q = torch.randn(2, 64, 48, generator=gen).to(DEV)
+    want_x, want_s = _iso_scale_ref(x, q)
+    s = ISO_SCALE[backend](x, q)
+    assert rel_err(s, want_s) <= TOL[("epilogue", torch.float32)]
+    assert rel_err(x, want_x) <= TOL[("epilogue", torch.float32)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_iso_scale_is_deterministic_and_aliasing_safe(backend):
+    _need(backend)
+    gen = torch.Generator().manual_seed(2)
+    x0 = torch.randn(2, 513, 257, generator=gen).to(DEV)
+    q = torch.randn(2, 513, 257, generator=gen).to(DEV)
+    s1 = ISO_SCALE[backend](x0.clone(), q)
+    s2 = ISO_SCALE[backend](x0.clone(), q)
+    assert torch.equal(s1, s2)  # fixed reduction order: bit-identical
+    x = x0.clone()
+    s = ISO_SCALE[backend](x, x)  # q aliasing x: s̄ = ‖x‖²/r0, x ← s̄·x
+    want_x, want_s = _iso_scale_ref(x0, x0)
+    assert rel_err(s, want_s) <= TOL[("epilogue", torch.float32)]
+    assert rel_err(x, want_x) <= TOL[("epilogue", torch.float32)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_iso_scale_empty(backend):
+    _need(backend)
+    for shape in [(0, 5, 5), (3, 0, 4), (4, 0)]:
+        x = torch.empty(shape, device=DEV)
+        s = ISO_SCALE[backend](x, torch.empty(shape, device=DEV))
+        assert s.shape == shape[:-2] and (s == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_iso_scale_bad_input_changes_nothing(backend):
+    _need(backend)
+    x = torch.randn(4, 6, device=DEV)
+    before = x.clone()
+    with pytest.raises((ValueError, RuntimeError), match="shape"):
+        ISO_SCALE[backend](x, torch.randn(6, 4, device=DEV))
+    with pytest.raises((TypeError, RuntimeError), match="dtype"):
+        ISO_SCALE[backend](x, torch.ones(4, 6, device=DEV, dtype=torch.int32))
+    with pytest.raises((ValueError, RuntimeError), match=r"\[m, n\]"):
+        ISO_SCALE[backend](x.view(24), torch.randn(24, device=DEV))
+    assert torch.equal(x, before)
+
+
+# ---------------------------------------------------------------------------------------------
+# nesterov_outer_
+
+SIZES = [(1,), (7,), (8192,), (8193,), (3 * 8192 + 5,), (33, 17), (0,), (4, 1, 9)]
+
+
+def _nesterov_case(pd, bd, ud, gen, sizes=SIZES):
+    ps = [torch.randn(s, generator=gen, dtype=torch.float64).to(DEV, pd) for s in sizes]
+    bs = [torch.randn(s, generator=gen, dtype=torch.float64).to(DEV, bd) for s in sizes]
+    us = [torch.randn(s, generator=gen, dtype=torch.float64).to(DEV, ud) for s in sizes]
+    return ps, bs, us
+
+
+def _check_nesterov(ps, bs, us, p0, b0, lr, mu, scales):
+    for i, (p, b, u) in enumerate(zip(ps, bs, us)):
+        s = 1.0 if scales is None else float(scales[i])
+        want_p, want_b = nesterov_ref(p0[i], b0[i], u, lr, mu, s)
+        assert torch.isfinite(p).all() and torch.isfinite(b).all()
+        assert rel_err(b, want_b) <= TOL[("update", b.dtype)], f"buf {i} {tuple(b.shape)}"
+        assert rel_err(p, want_p) <= TOL[("update", p.dtype)], f"param {i} {tuple(p.shape)}"
+
+
+COMBOS = [(d, d, d) for d in DTYPES] + [
+    (torch.bfloat16, torch.float32, torch.bfloat16),
+    (torch.float16, torch.float32, torch.float32),
+    (torch.float64, torch.float32, torch.float16),
+    (torch.float32, torch.float32, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(str(d)[6:] for d in c))
+@pytest.mark.parametrize("with_scales", [False, True])
+def test_nesterov_matches_reference(backend, combo, with_scales):
+    _need(backend)
+    gen = torch.Generator().manual_seed(zlib.crc32(str(combo).encode()))
+    ps, bs, us = _nesterov_case(*combo, gen)
+    p0, b0 = [p.clone() for p in ps], [b.clone() for b in bs]
+    scales = torch.rand(len(ps), generator=gen).add_(0.5).to(DEV) if with_scales else None
+    NESTEROV[backend](ps, bs, us, 0.7, 0.9, scales)
+    _check_nesterov(ps, bs, us, p0, b0, 0.7, 0.9, scales)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nesterov_mixed_dtype_groups_in_one_call(backend):
+    _need(backend)
+    gen = torch.Generator().manual_seed(4)
+    ps, bs, us = [], [], []
+    for k, (pd, bd, ud) in enumerate(COMBOS):
+        a, b, c = _nesterov_case(pd, bd, ud, gen, sizes=[(k * 977 + 3,)])
+        ps += a
+        bs += b
+        us += c
+    p0, b0 = [p.clone() for p in ps], [b.clone() for b in bs]
+    scales = torch.rand(len(ps), generator=gen, dtype=torch.float64).to(DEV)
+    NESTEROV[backend](ps, bs, us, 1.8, 0.8, scales)
+    _check_nesterov(ps, bs, us, p0, b0, 1.8, 0.8, scales)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nesterov_non_contiguous_and_misaligned(backend, dtype):
+    _need(backend)
+    gen = torch.Generator().manual_seed(9)
+    base = torch.full((64, 2 * 40), float("nan"), dtype=dtype, device=DEV)
+    p = base[:, ::2].t()  # strided, poisoned gaps
+    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(dtype))
+    flat = torch.randn(1 + 40 * 64, generator=gen, dtype=torch.float64).to(DEV, dtype)
+    b = flat[1:].view(40, 64)  # misaligned by one element
+    u = torch.randn(64, 40, generator=gen, dtype=torch.float64).to(DEV, dtype).t()
+    p0, b0 = p.clone(), b.clone()
+    NESTEROV[backend]([p], [b], [u], 0.5, 0.9, None)
+    _check_nesterov([p], [b], [u], [p0], [b0], 0.5, 0.9, None)
+    assert torch.isnan(base[:, 1::2]).all()  # gaps untouched
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nesterov_bad_input_changes_nothing(backend):
+    _need(backend)
+    gen = torch.Generator().manual_seed(1)
+    ps, bs, us = _nesterov_case(torch.float32, torch.float32, torch.float32, gen, sizes=[(5,), (6,)])
+    snapshot = [t.clone() for t in ps + bs]
+
+    def unchanged():
+        return all(torch.equal(a, b) for a, b in zip(ps + bs, snapshot))
+
+    with pytest.raises((ValueError, RuntimeError), match="same shape"):
+        NESTEROV[backend](ps, bs, [us[0], us[0]], 0.1, 0.9, None)
+    with pytest.raises((ValueError, RuntimeError), match="one entry"):
+        NESTEROV[backend](ps, bs[:1], us, 0.1, 0.9, None)
+    with pytest.raises((ValueError, RuntimeError), match="scales"):
+        NESTEROV[backend](ps, bs, us, 0.1, 0.9, torch.ones(3, device=DEV))
+    with pytest.raises((ValueError, RuntimeError), match="lr"):
+        NESTEROV[backend](ps, bs, us, float("nan"), 0.9, None)
+    with pytest.raises((TypeError, RuntimeError), match="buf 1"):
+        NESTEROV[backend](ps, [bs[0], bs[1].half()], us, 0.1, 0.9, None)
+    assert unchanged()
