@@ -48,18 +48,31 @@ def _group(params, bufs, updates) -> dict[tuple, list[int]]:
 def _foreach_group(P, B, U, S, lr: float, momentum: float) -> None:
     """One (device, dtypes) group with torch._foreach_*; S: per-tensor 0-d scales or None."""
     cd = update_compute_dtype(P[0].dtype, B[0].dtype)
-    G = U if U[0].dtype == cd else [u.to(cd) for u in U]
     if S is not None:
-        G = torch._foreach_mul(G, [s.to(cd) for s in S])
+        S = [s.to(cd) for s in S]
     Bc = B if B[0].dtype == cd else [b.to(cd) for b in B]
+    # Mixed-dtype foreach ops compute in the promoted dtype (cd) and round once on store, and s·u
+    # enters through addcmul: no converted or scaled copy of the updates is made.
     torch._foreach_mul_(Bc, momentum)
-    torch._foreach_add_(Bc, G)
-    Pc = P if P[0].dtype == cd else [p.to(cd) for p in P]
-    # p − lr·g − lr·μ·buf: two in-place passes, no temporary (the updates are read-only).
-    torch._foreach_add_(Pc, G, alpha=-lr)
-    torch._foreach_add_(Pc, Bc, alpha=-lr * momentum)
-    if Pc is not P:
-        torch._foreach_copy_(P, Pc)
+    if S is None:
+        torch._foreach_add_(Bc, U)
+    else:
+        torch._foreach_addcmul_(Bc, U, S)
+    if P[0].dtype == cd:
+        # p − lr·s·u − lr·μ·buf: two in-place passes, no temporary (the updates are read-only)
+        if S is None:
+            torch._foreach_add_(P, U, alpha=-lr)
+        else:
+            torch._foreach_addcmul_(P, U, S, value=-lr)
+        torch._foreach_add_(P, Bc, alpha=-lr * momentum)
+    else:
+        # half params: p − lr·(s·u + μ·buf) with the sum formed in cd, rounded once
+        if S is None:
+            D = torch._foreach_add(U, Bc, alpha=momentum)
+        else:
+            D = torch._foreach_mul(Bc, momentum)
+            torch._foreach_addcmul_(D, U, S)
+        torch._foreach_add_(P, D, alpha=-lr)
     if Bc is not B:
         torch._foreach_copy_(B, Bc)
 
@@ -72,8 +85,8 @@ def nesterov_outer_torch(
     momentum: float,
     scales: Optional[torch.Tensor],
 ) -> None:
-    """The update with torch._foreach_* ops: four passes per group, no temporaries when the
-    param, buf and update share the compute dtype and scales is None."""
+    """The update with torch._foreach_* ops: four passes per group; no temporaries unless the
+    params or bufs are half precision (then one compute-dtype temporary per tensor)."""
     lr, momentum = float(lr), float(momentum)
     per_tensor = None if scales is None else scales.unbind(0)
     for idx in _group(params, bufs, updates).values():
