@@ -1,4 +1,4 @@
-"""The Iso-C scale epilogue in torch: s̄ = ⟨Δ, Q⟩ / min(m, n) per matrix, then Δ ← s̄·Q.
+"""The Iso-C scale epilogue: s̄ = ⟨Δ, Q⟩ / min(m, n) per matrix, then Δ ← s̄·Q.
 
 Since Q = U_r V_rᵀ is the polar factor of Δ, ⟨Δ, Q⟩ = Σσ is the nuclear norm, so this turns a
 polar factor into the Iso-C result without an SVD. The CUDA kernel in csrc/ and the Triton kernel
@@ -20,5 +20,29 @@ def iso_scale_torch(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return sbar.to(torch.float32) if cd != torch.float64 else sbar
 
 
-# What serves iso_scale_ on CUDA when the compiled extension is absent.
-iso_scale_cuda = iso_scale_torch
+_TRITON = None  # triton/iso_scale.iso_scale_triton once imported, False when triton is unusable
+
+
+def _triton_iso_scale():
+    global _TRITON
+    if _TRITON is None:
+        _TRITON = False
+        from . import triton as tk
+
+        if tk.AVAILABLE:
+            try:
+                from .triton.iso_scale import iso_scale_triton
+
+                _TRITON = iso_scale_triton
+            except Exception:  # a triton too old or broken for the kernel: torch serves
+                _TRITON = False
+    return _TRITON
+
+
+def iso_scale_cuda(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What serves iso_scale_ on CUDA when the compiled extension is absent: the Triton epilogue
+    (triton/iso_scale.py, two launches, deterministic) when triton imports, else the torch one."""
+    fn = _triton_iso_scale()
+    if fn and x.is_cuda:
+        return fn(x, q)
+    return iso_scale_torch(x, q)

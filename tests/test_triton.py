@@ -187,6 +187,19 @@ def test_poisoned_outputs_are_fully_written(tk, monkeypatch):
     assert torch.isfinite(ps.axpy_matmul(x, a, 2.0, block_m=16, block_n=16, block_k=16)).all()
 
 
+def test_cuda_epilogue_is_the_triton_kernel_with_torch_as_last_fallback():
+    from isoloco_kernels import epilogue
+    from isoloco_kernels.triton.iso_scale import iso_scale_triton
+
+    assert epilogue._triton_iso_scale() is iso_scale_triton
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(3))
+    q, _ = polar_ref(x)
+    want = iso_flatten_ref(x)
+    y = x.clone()
+    sbar = epilogue.iso_scale_cuda(y, q.float())  # a CPU tensor: the torch path serves
+    assert sbar.shape == (2,) and rel_err(y, want) <= TOL[("exact", torch.float32)]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_cuda_polar_flatten_triton_vs_cublas(dtype):
