@@ -185,7 +185,11 @@ def test_triton_kernel_interpreted_mixed_groups_and_strided_updates(interp):
     params = [_rand((5, 6), torch.float32, g), _rand((40,), torch.bfloat16, g), _rand((6, 5), torch.float32, g)]
     bufs = [torch.zeros(5, 6), _rand((40,), torch.float32, g), _rand((6, 5), torch.float32, g)]
     updates = [_rand((6, 5), torch.float32, g).t(), _rand((40,), torch.bfloat16, g), _rand((6, 5), torch.float32, g)]
-    scales = torch.tensor([2.0, 0.5, 1.5])
+    # contiguous views 4 bytes off a 16-byte boundary: the unaligned launch
+    params.append(_rand((41,), torch.float32, g)[1:])
+    bufs.append(_rand((41,), torch.float32, g)[1:])
+    updates.append(_rand((40,), torch.float32, g))
+    scales = torch.tensor([2.0, 0.5, 1.5, 0.75])
     ref = _reference(params, bufs, updates, scales)
     interp.nesterov_outer_triton(params, bufs, updates, LR, MU, scales, block=8)
     _check(params, bufs, ref)

@@ -9,7 +9,8 @@ For tensor t, with s_t = scales[t] (1 without scales), in the compute dtype C:
 Layout: the host writes one int64 row per tensor — addresses of p, buf and update, numel, the
 tensor's index into `scales`, and its first block — and copies the table to the device in one go.
 Program c handles BLOCK elements of one tensor; `block_tensor[c]` says which (cached per list of
-sizes). lr and μ head the table as float64 bit patterns. The addresses become typed pointers in the kernel (int → pointer casts), so any number of
+sizes). Full blocks run unmasked and, when every address is 16-byte aligned (the usual case), with
+that alignment declared, so loads and stores vectorize although the pointers come from a table. lr and μ head the table as float64 bit patterns. The addresses become typed pointers in the kernel (int → pointer casts), so any number of
 tensors share one launch; dtypes are constexpr, one launch per (param, buf, update) dtype triple.
 Works under TRITON_INTERPRET=1 on CPU tensors too.
 
@@ -39,6 +40,31 @@ _TL = {
 }
 
 @triton.jit
+def _nesterov_block(p_ptr, b_ptr, u_ptr, offs, n, s, lr, mu, P_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr,
+                    C_DTYPE: tl.constexpr, HAS_SCALES: tl.constexpr, MASKED: tl.constexpr):
+    """BLOCK elements of one tensor; MASKED only for a tensor's last, partial block."""
+    if MASKED:
+        mask = offs < n
+        g = tl.load(u_ptr + offs, mask=mask).to(C_DTYPE)
+        b = tl.load(b_ptr + offs, mask=mask).to(C_DTYPE)
+        p = tl.load(p_ptr + offs, mask=mask).to(C_DTYPE)
+    else:
+        g = tl.load(u_ptr + offs).to(C_DTYPE)
+        b = tl.load(b_ptr + offs).to(C_DTYPE)
+        p = tl.load(p_ptr + offs).to(C_DTYPE)
+    if HAS_SCALES:
+        g = g * s
+    b = mu * b + g
+    p = p - lr * (g + mu * b)
+    if MASKED:
+        tl.store(b_ptr + offs, b.to(B_DTYPE), mask=mask)
+        tl.store(p_ptr + offs, p.to(P_DTYPE), mask=mask)
+    else:
+        tl.store(b_ptr + offs, b.to(B_DTYPE))
+        tl.store(p_ptr + offs, p.to(P_DTYPE))
+
+
+@triton.jit
 def _nesterov_outer_kernel(
     table_ptr,  # int64 [2 + 6T]: lr, μ (float64 bits), then per tensor: p, buf, update
     #             addresses, numel, scale index, first block
@@ -49,6 +75,7 @@ def _nesterov_outer_kernel(
     U_DTYPE: tl.constexpr,
     C_DTYPE: tl.constexpr,
     HAS_SCALES: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every address is a multiple of 16 bytes: vector loads/stores
     BLOCK: tl.constexpr,
 ):
     c = tl.program_id(0)
@@ -60,19 +87,22 @@ def _nesterov_outer_kernel(
     p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DTYPE))
     b_ptr = tl.load(row + 1).to(tl.pointer_type(B_DTYPE))
     u_ptr = tl.load(row + 2).to(tl.pointer_type(U_DTYPE))
+    if ALIGNED:
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        b_ptr = tl.multiple_of(b_ptr, 16)
+        u_ptr = tl.multiple_of(u_ptr, 16)
     n = tl.load(row + 3)
-    first = tl.load(row + 5)
-    offs = (c - first) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = offs < n
-
-    g = tl.load(u_ptr + offs, mask=mask).to(C_DTYPE)
+    start = (c - tl.load(row + 5)) * BLOCK
+    offs = start + tl.arange(0, BLOCK).to(tl.int64)
+    s = 1.0
     if HAS_SCALES:
-        g = g * tl.load(scales_ptr + tl.load(row + 4)).to(C_DTYPE)
-    buf = mu * tl.load(b_ptr + offs, mask=mask).to(C_DTYPE) + g
-    p = tl.load(p_ptr + offs, mask=mask).to(C_DTYPE)
-    p = p - lr * (g + mu * buf)
-    tl.store(b_ptr + offs, buf.to(B_DTYPE), mask=mask)
-    tl.store(p_ptr + offs, p.to(P_DTYPE), mask=mask)
+        s = tl.load(scales_ptr + tl.load(row + 4)).to(C_DTYPE)
+    # A loaded n says nothing about alignment, so a masked access could not be vectorized:
+    # full blocks go unmasked, and only each tensor's last block pays for the mask.
+    if start + BLOCK <= n:
+        _nesterov_block(p_ptr, b_ptr, u_ptr, offs, n, s, lr, mu, P_DTYPE, B_DTYPE, C_DTYPE, HAS_SCALES, False)
+    else:
+        _nesterov_block(p_ptr, b_ptr, u_ptr, offs, n, s, lr, mu, P_DTYPE, B_DTYPE, C_DTYPE, HAS_SCALES, True)
 
 
 # Block → tensor maps depend only on the sizes: keep the last few (an optimizer reuses one).
@@ -105,6 +135,7 @@ def _launch(params, bufs, updates, scale_index, lr, momentum, scales, block, num
         rows += (p.data_ptr(), b.data_ptr(), u.data_ptr(), p.numel(), si, first)
         blocks.append(nb)
         first += nb
+    aligned = all(a % 16 == 0 for r in range(2, len(rows), 6) for a in rows[r : r + 3])
     device = p0.device
     table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
     bmap = _block_map(blocks, device)
@@ -117,6 +148,7 @@ def _launch(params, bufs, updates, scale_index, lr, momentum, scales, block, num
         U_DTYPE=_TL[u0.dtype],
         C_DTYPE=_TL[cdt],
         HAS_SCALES=scales is not None,
+        ALIGNED=aligned,
         BLOCK=block,
         num_warps=num_warps,
     )
