@@ -1,0 +1,235 @@
+"""The IsoLoCo outer step over a process group: replicated vs sharded, vs world size.
+
+    pytest bench/test_bench_distributed.py --benchmark-only [--bench-sets ref-tiny,llama-tiny]
+
+Each world size (1, 2, 4) is one group of gloo processes on 127.0.0.1, spawned once per module and
+driven over pipes. Per case the workers build the model-shaped params of a set from bench/shapes.py
+(every weight and norm of the decoder) with fixed random pseudo-gradients that differ per rank, and
+a timed round is one outer step on every rank:
+
+    replicated   average_(p.grad) (bucketed all-reduce) then IsoLoCo.step() on every rank
+                 (DiLoCo's layout: every rank flattens every matrix)
+    sharded      ShardedIsoLoCo.step(): reduce-scatter, Iso-C + Nesterov of owned params, all-gather
+
+The time is the parent's round trip: command out, every rank's step, every rank's reply; the
+round trip of an empty command (extra_info "ipc_overhead_s") is measured the same way. Restoring the
+pseudo-gradients between rounds is untimed. Workers run with one torch thread each, so on a machine
+with fewer cores than ranks the ranks share cores and the times say little about scaling; the bytes
+do not depend on the machine.
+
+Bytes (extra_info, per rank per step): "payload" counts the tensors handed to each collective
+(all_reduce: the tensor; reduce-scatter: the input; all-gather: the output), "ring_wire" what a ring
+algorithm sends from each rank for them: 2(W−1)/W of an all-reduce's payload, (W−1)/W of a
+reduce-scatter's or all-gather's.
+"""
+from __future__ import annotations
+
+import multiprocessing as std_mp
+import os
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from bench.shapes import SETS, decoder_param_shapes
+
+WORLDS = (1, 2, 4)
+CPU_SETS = ("ref-tiny", "llama-tiny")
+MODES = ("replicated", "sharded")
+REPLY_TIMEOUT_S = 600
+
+
+# ----------------------------------------------------------------------------------------------
+# Workers
+
+
+class _Counter:
+    """Wraps the collectives the outer step uses and adds up their payload and ring bytes."""
+
+    def __init__(self, world: int):
+        import torch.distributed as dist
+
+        from isoloco_kernels import distributed as D
+
+        self.world, self.payload, self.ring = world, 0, 0
+        w = world
+
+        def count(payload: int, ring_factor: float) -> None:
+            self.payload += payload
+            self.ring += int(payload * ring_factor)
+
+        def nbytes(t):
+            return t.numel() * t.element_size()
+
+        ar, rs, ag = dist.all_reduce, D._reduce_scatter_single, D._all_gather_single
+
+        def all_reduce(t, *a, **k):
+            count(nbytes(t), 2 * (w - 1) / w)
+            return ar(t, *a, **k)
+
+        def reduce_scatter(out, inp, *a, **k):
+            count(nbytes(inp), (w - 1) / w)
+            return rs(out, inp, *a, **k)
+
+        def all_gather(out, inp, *a, **k):
+            count(nbytes(out), (w - 1) / w)
+            return ag(out, inp, *a, **k)
+
+        dist.all_reduce, D._reduce_scatter_single, D._all_gather_single = all_reduce, reduce_scatter, all_gather
+
+    def reset(self):
+        self.payload = self.ring = 0
+
+
+def _worker(rank: int, world: int, port: int, conn) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from isoloco_kernels import IsoLoCo
+    from isoloco_kernels import distributed as D
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=REPLY_TIMEOUT_S),
+    )
+    counter = _Counter(world)
+    state = {}
+    while True:
+        cmd, *args = conn.recv()
+        try:
+            if cmd == "quit":
+                break
+            if cmd == "noop":
+                dist.barrier()
+                conn.send(("ok",))
+            elif cmd == "setup":
+                set_name, mode = args
+                shapes = [s for _, s in decoder_param_shapes(SETS[set_name])]
+                gen = torch.Generator().manual_seed(0)
+                params = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+                gen = torch.Generator().manual_seed(1 + rank)
+                grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+                opt = IsoLoCo(params) if mode == "replicated" else D.ShardedIsoLoCo(params)
+                state.update(params=params, grads=grads, opt=opt, mode=mode)
+                _restore(state)
+                _step(state)  # warm-up (allocates buffers and momentum)
+                _restore(state)
+                counter.reset()
+                _step(state)
+                info = {"payload_bytes": counter.payload, "ring_wire_bytes": counter.ring,
+                        "n_params": sum(p.numel() for p in params)}
+                if mode == "sharded":
+                    loads = opt.plan.loads()
+                    info.update(flatten_cost_max_over_mean=max(loads) * world / sum(loads),
+                                replicated_tensors=len(opt.plan.replicated),
+                                momentum_elements=sum(params[i].numel() for i in opt.mine))
+                else:
+                    info["momentum_elements"] = info["n_params"]
+                _restore(state)
+                conn.send(("ok", info))
+            elif cmd == "restore":
+                _restore(state)
+                dist.barrier()
+                conn.send(("ok",))
+            elif cmd == "step":
+                _step(state)
+                conn.send(("ok",))
+        except Exception as e:  # report, keep serving (the parent fails the case)
+            conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+    dist.destroy_process_group()
+
+
+def _restore(state) -> None:
+    for p, g in zip(state["params"], state["grads"]):
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+
+
+def _step(state) -> None:
+    from isoloco_kernels.distributed import average_
+
+    if state["mode"] == "replicated":
+        average_([p.grad for p in state["params"]])
+    state["opt"].step()
+
+
+# ----------------------------------------------------------------------------------------------
+# The group, driven from the parent
+
+
+class _Group:
+    def __init__(self, world: int):
+        ctx = std_mp.get_context("spawn")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.conns, self.procs = [], []
+        for r in range(world):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, world, port, child), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def call(self, *cmd):
+        for c in self.conns:
+            c.send(cmd)
+        replies = []
+        for r, c in enumerate(self.conns):
+            if not c.poll(REPLY_TIMEOUT_S):
+                raise TimeoutError(f"rank {r} did not answer {cmd[0]!r} within {REPLY_TIMEOUT_S} s")
+            replies.append(c.recv())
+        errors = [r[1] for r in replies if r[0] == "error"]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        return replies
+
+    def close(self):
+        for c in self.conns:
+            try:
+                c.send(("quit",))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+_GROUPS: dict[int, _Group] = {}
+
+
+@pytest.fixture(scope="module")
+def groups():
+    yield _GROUPS
+    for g in _GROUPS.values():
+        g.close()
+    _GROUPS.clear()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("set_name", CPU_SETS)
+def test_outer_step(benchmark, groups, set_name, world, mode):
+    if world == 1 and mode == "sharded":
+        pytest.skip("one rank: sharded and replicated are the same computation")
+    if world not in groups:
+        groups[world] = _Group(world)
+    g = groups[world]
+    info = g.call("setup", set_name, mode)[0][1]
+    t0 = time.perf_counter()
+    for _ in range(5):
+        g.call("noop")
+    ipc = (time.perf_counter() - t0) / 5
+    benchmark.extra_info.update(info, world=world, mode=mode, set=set_name, ipc_overhead_s=ipc,
+                                torch_threads_per_rank=1, cpu_count=os.cpu_count())
+
+    def restore() -> None:  # untimed: pseudo-gradients back (the replicated step averaged them in place)
+        g.call("restore")
+
+    benchmark.pedantic(lambda: g.call("step"), setup=restore, rounds=5, iterations=1)
