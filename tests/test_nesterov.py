@@ -211,6 +211,49 @@ def test_cuda_dispatch_splits_contiguous_and_strided(interp, monkeypatch):
     _check(params, bufs, ref)
 
 
+@pytest.mark.parametrize(
+    "pd,bd,has_scales,aligned,vector_op",
+    [
+        ("fp32", "fp32", False, True, "ld.global.v4"),
+        ("bf16", "fp32", True, True, "ld.global.v4"),
+        ("fp64", "fp64", True, True, "ld.global.v2"),  # 2×64 bit
+        ("fp32", "fp32", True, False, None),
+    ],
+)
+def test_triton_kernel_compiles_for_sm90(pd, bd, has_scales, aligned, vector_op):
+    """Compile (no GPU needed) for sm_90: the kernel builds for every switch, and with ALIGNED its
+    table-loaded pointers get 128-bit vector loads and stores."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from isoloco_kernels.triton import nesterov as tn
+
+    kernel = tn._nesterov_outer_kernel
+    if type(kernel).__name__ == "InterpretedFunction":
+        pytest.skip("TRITON_INTERPRET=1 in this process")
+    tdt = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp64": tl.float64}
+    cdt = tl.float64 if "fp64" in (pd, bd) else tl.float32
+    names = ["table_ptr", "block_tensor_ptr", "scales_ptr", "P_DTYPE", "B_DTYPE", "U_DTYPE", "C_DTYPE",
+             "HAS_SCALES", "ALIGNED", "BLOCK"]
+    pointers = {"table_ptr": "*i64", "block_tensor_ptr": "*i32", "scales_ptr": "*fp32"}
+    values = [tdt[pd], tdt[bd], tdt[bd], cdt, has_scales, aligned, tn.BLOCK]
+    try:
+        src = ASTSource(
+            fn=kernel,
+            signature={n: pointers.get(n, "constexpr") for n in names},
+            constexprs={(i,): v for i, v in enumerate(values, start=3)},
+            attrs={(i,): [["tt.divisibility", 16]] for i in range(3)},
+        )
+    except TypeError as e:  # another triton's ASTSource API
+        pytest.skip(f"ASTSource API differs in triton {triton.__version__}: {e}")
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tn.NUM_WARPS}).asm["ptx"]
+    assert ".entry _nesterov_outer_kernel" in ptx
+    if vector_op:
+        assert vector_op in ptx and vector_op.replace("ld.", "st.") in ptx
+
+
 # ------------------------------------------------------------------------------------------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
