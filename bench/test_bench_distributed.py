@@ -124,7 +124,7 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
                 if mode == "sharded":
                     loads = opt.plan.loads()
                     info.update(flatten_cost_max_over_mean=max(loads) * world / sum(loads),
-                                replicated_tensors=len(opt.plan.replicated),
+                                solo_tensors=len(opt.plan.solo),
                                 momentum_elements=sum(params[i].numel() for i in opt.mine))
                 else:
                     info["momentum_elements"] = info["n_params"]

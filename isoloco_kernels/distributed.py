@@ -14,9 +14,11 @@ in the group instead of once per rank, and the momentum of a tensor lives only o
 
 Ownership (`plan_shards`): whole tensors, greedy largest-first by flatten cost m·n·min(m, n) (numel
 for 1-D tensors and for matrices with iso off), ties to the lowest rank, so every rank derives the
-same plan from the shapes alone. A tensor larger than a fair per-rank share of the elements
-(`replicate_above` · total / world) would force every rank's padded segment up to its size, so it is
-replicated instead: all-reduced and stepped on every rank (no extra bytes; its flatten is repeated).
+same plan from the shapes alone. Tensors ride the reduce-scatter/all-gather in per-rank flat
+segments padded to the longest one, so one tensor larger than a fair share of the elements
+(`solo_above` · total / world; a vocabulary embedding on many ranks) would pad every segment up to
+its size. Such "solo" tensors travel on their own instead: reduce to the owner, broadcast back —
+again an all-reduce's bytes, no padding — and the owner alone flattens and steps them.
 
 Failure handling: before any tensor is written, every rank reports ok/failed in one small
 all-reduce (checks, reductions and flattens all run before it). If any rank failed, every rank
@@ -54,7 +56,6 @@ __all__ = [
 #: Default size of one communication chunk (all ranks' pieces together), as DDP's 25 MB buckets.
 BUCKET_BYTES = 25 * 1024 * 1024
 
-REPLICATED = -1  # owner id of a tensor every rank holds and steps
 
 # torch 2.14 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -71,11 +72,11 @@ class DistributedStepError(RuntimeError):
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Who owns which tensor, and where it sits in its owner's flat communication buffer.
+    """Who owns which tensor, and how it travels.
 
-    owners[i] is a rank, or REPLICATED (-1). For each dtype of the sharded tensors, rank r's owned
-    tensors of that dtype are laid end to end (in tensor order) in a flat segment of length
-    seg_len[dtype]: the largest rank's total; shorter ranks are zero-padded.
+    owners[i] is the rank that flattens and steps tensor i. Tensors in `solo` are reduced to their
+    owner and broadcast back one by one. The others, per dtype, are laid end to end (in tensor
+    order) in each owner's flat segment; segments are zero-padded to the longest (`layout`).
     """
 
     world_size: int
@@ -83,13 +84,10 @@ class ShardPlan:
     dtypes: tuple[torch.dtype, ...]
     costs: tuple[int, ...]
     owners: tuple[int, ...]
+    solo: frozenset[int] = frozenset()
 
     def owned(self, rank: int) -> list[int]:
         return [i for i, o in enumerate(self.owners) if o == rank]
-
-    @property
-    def replicated(self) -> list[int]:
-        return [i for i, o in enumerate(self.owners) if o == REPLICATED]
 
     def numel(self, i: int) -> int:
         n = 1
@@ -102,7 +100,7 @@ class ShardPlan:
         per_rank: list[list[tuple[int, int]]] = [[] for _ in range(self.world_size)]
         fill = [0] * self.world_size
         for i, (o, dt) in enumerate(zip(self.owners, self.dtypes)):
-            if o != REPLICATED and dt == dtype:
+            if i not in self.solo and dt == dtype:
                 per_rank[o].append((i, fill[o]))
                 fill[o] += self.numel(i)
         return per_rank, max(fill, default=0)
@@ -110,37 +108,36 @@ class ShardPlan:
     @property
     def sharded_dtypes(self) -> list[torch.dtype]:
         seen: list[torch.dtype] = []
-        for o, dt in zip(self.owners, self.dtypes):
-            if o != REPLICATED and dt not in seen:
+        for i, dt in enumerate(self.dtypes):
+            if i not in self.solo and dt not in seen:
                 seen.append(dt)
         return seen
 
     def loads(self) -> list[int]:
-        """Flatten cost per rank (replicated tensors count on every rank)."""
-        rep = sum(self.costs[i] for i in self.replicated)
-        out = [rep] * self.world_size
+        """Flatten cost per rank."""
+        out = [0] * self.world_size
         for i, o in enumerate(self.owners):
-            if o != REPLICATED:
-                out[o] += self.costs[i]
+            out[o] += self.costs[i]
         return out
 
     def wire_elements(self) -> dict[str, int]:
-        """Elements each rank puts into collectives, padding included, vs. a plain all-reduce.
+        """Elements handed to collectives per step, padding included, next to a plain all-reduce.
 
-        'sharded': world · Σ_dtype padded segment (reduce-scatter input, = all-gather output);
-        'replicated': elements all-reduced; 'allreduce': all elements (what DiLoCo all-reduces).
+        'segments': world · Σ_dtype padded segment (the reduce-scatter's input and the all-gather's
+        output, each); 'solo': elements reduced to owners (and broadcast back, each);
+        'allreduce': all elements (what a replicated step all-reduces).
         """
         seg = sum(self.layout(dt)[1] for dt in self.sharded_dtypes)
         return {
-            "sharded": self.world_size * seg,
-            "replicated": sum(self.numel(i) for i in self.replicated),
+            "segments": self.world_size * seg,
+            "solo": sum(self.numel(i) for i in self.solo),
             "allreduce": sum(self.numel(i) for i in range(len(self.shapes))),
         }
 
     @property
     def fingerprint(self) -> int:
         """A 63-bit hash of the whole plan; equal on every rank that built the same plan."""
-        text = repr((self.world_size, self.shapes, [str(d) for d in self.dtypes], self.owners))
+        text = repr((self.world_size, self.shapes, [str(d) for d in self.dtypes], self.owners, sorted(self.solo)))
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
@@ -160,13 +157,13 @@ def plan_shards(
     *,
     dtypes: Optional[Sequence[torch.dtype]] = None,
     iso: Sequence[bool] | bool = True,
-    replicate_above: Optional[float] = 1.0,
+    solo_above: Optional[float] = 1.0,
 ) -> ShardPlan:
     """Assign whole tensors to ranks, balancing flatten cost; deterministic from the arguments.
 
     Greedy longest-processing-time: tensors in order of decreasing cost (ties: lower index first)
     each go to the rank with the least cost so far (ties: lowest rank). A tensor with more than
-    replicate_above · (total elements) / world_size elements is replicated instead (None: never).
+    solo_above · (total elements) / world_size elements travels solo (None: none does).
     """
     if world_size < 1:
         raise ValueError(f"plan_shards: world_size must be >= 1, got {world_size}")
@@ -178,17 +175,16 @@ def plan_shards(
     costs = tuple(flatten_cost(sh, i) for sh, i in zip(shapes, isos))
     numels = [flatten_cost(sh, False) for sh in shapes]
     owners = [0] * len(shapes)
-    if world_size > 1:
-        limit = None if replicate_above is None else replicate_above * sum(numels) / world_size
-        load = [0] * world_size
-        for i in sorted(range(len(shapes)), key=lambda i: (-costs[i], i)):
-            if limit is not None and numels[i] > limit:
-                owners[i] = REPLICATED
-                continue
-            r = min(range(world_size), key=lambda r: (load[r], r))
-            owners[i] = r
-            load[r] += costs[i]
-    return ShardPlan(world_size, shapes, dtypes, costs, tuple(owners))
+    load = [0] * world_size
+    for i in sorted(range(len(shapes)), key=lambda i: (-costs[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += costs[i]
+    solo = frozenset()
+    if world_size > 1 and solo_above is not None:
+        limit = solo_above * sum(numels) / world_size
+        solo = frozenset(i for i, n in enumerate(numels) if n > limit)
+    return ShardPlan(world_size, shapes, dtypes, costs, tuple(owners), solo)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -341,6 +337,39 @@ def _all_gather_segments(plan: ShardPlan, dtype, own, dst, rank, group, bucket_b
     flight.drain()
 
 
+def _reduce_to_owner(src, numel, dtype, device, owner, rank, group, bucket_bytes) -> Optional[torch.Tensor]:
+    """Mean over ranks of one flat tensor, delivered to `owner` only (returned there, else None).
+
+    src: this rank's flat values, or None (sent as zeros). Sent in chunks through a scratch buffer
+    (a reduce may use a non-root's input as scratch, so grads are never handed to it directly).
+    """
+    world = dist.get_world_size(group)
+    dst = dist.get_global_rank(group, owner) if group is not None else owner
+    per = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+    out = torch.empty(numel, dtype=dtype, device=device) if rank == owner else None
+    bufs = None if rank == owner else [torch.empty(min(per, numel), dtype=dtype, device=device) for _ in range(3)]
+    flight = _InFlight(2)
+    for k, (a, b) in enumerate(_chunks(numel, per)):
+        buf = out[a:b] if rank == owner else bufs[k % 3][: b - a]
+        if src is None:
+            buf.zero_()
+        else:
+            buf.copy_(src[a:b])
+        flight.add(dist.reduce(buf, dst=dst, group=group, async_op=True), lambda: None)
+    flight.drain()
+    return out.div_(world) if out is not None else None
+
+
+def _broadcast_from_owner(flat: torch.Tensor, owner: int, group, bucket_bytes) -> None:
+    """flat (contiguous) ← the owner's flat, in chunks, in place on every rank."""
+    src = dist.get_global_rank(group, owner) if group is not None else owner
+    per = max(1, bucket_bytes // flat.element_size())
+    flight = _InFlight(2)
+    for a, b in _chunks(flat.numel(), per):
+        flight.add(dist.broadcast(flat[a:b], src=src, group=group, async_op=True), lambda: None)
+    flight.drain()
+
+
 def _owned_views(plan: ShardPlan, dtype, own: torch.Tensor, rank: int) -> dict[int, torch.Tensor]:
     per_rank, _ = plan.layout(dtype)
     return {i: own[off : off + plan.numel(i)].view(plan.shapes[i]) for i, off in per_rank[rank]}
@@ -385,17 +414,16 @@ def sharded_iso_merge_(
     *,
     method: str = "auto",
     bucket_bytes: int = BUCKET_BYTES,
-    replicate_above: Optional[float] = 1.0,
+    solo_above: Optional[float] = 1.0,
 ) -> list[torch.Tensor]:
     """`iso_merge_` for buckets that are already equal on every rank, with the work split.
 
     The unit of work is one matrix (a [B, m, n] bucket is B units), so a few large buckets still
     spread over many ranks. Each rank flattens the matrices `plan_shards` gives it, batched per
-    bucket, and the results are all-gathered into every rank's buckets; matrices over the
-    replicate_above share are flattened by every rank locally. The result equals
-    `iso_merge_(buckets, method=method)` on every rank. All-or-nothing across the group: bad input
-    on any rank (type, dtype, shape, NaN/Inf, ranks passing different shapes) raises
-    DistributedStepError on every rank and no bucket changes anywhere.
+    bucket; the results are all-gathered into every rank's buckets (solo matrices: broadcast from
+    their owner). The result equals `iso_merge_(buckets, method=method)` on every rank.
+    All-or-nothing across the group: bad input on any rank (type, dtype, shape, NaN/Inf, ranks
+    passing different shapes) raises DistributedStepError on every rank and no bucket changes.
     """
     buckets = list(buckets)
     rank, world = _group_info(group)
@@ -409,9 +437,9 @@ def sharded_iso_merge_(
         units = [(k, j) for k, b in enumerate(buckets) for j in (range(b.shape[0]) if b.ndim == 3 else (None,))]
         plan = plan_shards(
             [buckets[k].shape[-2:] for k, _ in units], world, dtypes=[buckets[k].dtype for k, _ in units],
-            replicate_above=replicate_above,
+            solo_above=solo_above,
         )
-        mine = sorted({units[u][0] for u in plan.owned(rank) + plan.replicated})
+        mine = sorted({units[u][0] for u in plan.owned(rank)})
         check_all_finite([buckets[k] for k in mine], [names[k] for k in mine])
     except (TypeError, ValueError) as e:
         error = _error_text(e)
@@ -421,8 +449,8 @@ def sharded_iso_merge_(
         k, j = units[u]
         return buckets[k] if j is None else buckets[k][j]
 
-    # My matrices: copied into my flat segment (where a bucket's share is one [b, m, n] block),
-    # replicated ones into fresh batches; all flattened before anyone writes.
+    # My matrices, copied aside and flattened before anyone writes: the segment ones inside my
+    # flat segment (a bucket's share is one [b, m, n] block there), solo ones in fresh batches.
     owns, batches = {}, []
     for dt in plan.sharded_dtypes:
         per_rank, seg = plan.layout(dt)
@@ -436,10 +464,11 @@ def sharded_iso_merge_(
             torch._foreach_copy_(list(block.unbind(0)), [unit(u) for u, _ in members])
             batches.append((block, None))
         owns[dt] = own
-    reps: dict[int, list[int]] = {}
-    for u in plan.replicated:
-        reps.setdefault(units[u][0], []).append(u)
-    for k, us in reps.items():
+    solo_mine: dict[int, list[int]] = {}
+    for u in sorted(plan.solo):
+        if plan.owners[u] == rank:
+            solo_mine.setdefault(units[u][0], []).append(u)
+    for us in solo_mine.values():
         batches.append((torch.stack([unit(u) for u in us]), us))
     try:
         iso_merge_([blk for blk, _ in batches], method=method)
@@ -454,7 +483,17 @@ def sharded_iso_merge_(
     flat_units = [unit(u) for u in range(len(units))]
     for dt, own in owns.items():
         _scatter_into(plan, dt, own, flat_units, rank, group, bucket_bytes)
+    for u in sorted(plan.solo):
+        _broadcast_into(flat_units[u], plan.owners[u], group, bucket_bytes)
     return buckets
+
+
+def _broadcast_into(t: torch.Tensor, owner: int, group, bucket_bytes) -> None:
+    """t ← the owner's t (non-contiguous t through a flat copy)."""
+    flat = _flat(t)
+    _broadcast_from_owner(flat, owner, group, bucket_bytes)
+    if not t.is_contiguous():
+        t.copy_(flat.view(t.shape))
 
 
 def _comm_device(group, device) -> torch.device:
@@ -497,7 +536,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     θ ← θ − lr·(M + μ·buf)), to the params it owns; an all-gather gives every rank the new θ. The
     result is the replicated IsoLoCo step on the averaged pseudo-gradients.
 
-    Momentum is kept only by the owner (and for replicated tensors by every rank), so state_dict()
+    Momentum is kept only by the owner, so state_dict()
     is per rank; it carries the plan's fingerprint and rank, and load_state_dict refuses a state
     saved under a different plan or by a different rank. param_groups hold lr, momentum and iso.
 
@@ -515,7 +554,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         method: str = "auto",
         group=None,
         bucket_bytes: int = BUCKET_BYTES,
-        replicate_above: Optional[float] = 1.0,
+        solo_above: Optional[float] = 1.0,
     ):
         for name, v in (("lr", lr), ("momentum", momentum)):
             if not isinstance(v, (int, float)) or not (0.0 <= v < float("inf")):
@@ -538,7 +577,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             [p.shape for p in self._params], self.world_size,
             dtypes=[p.dtype for p in self._params],
             iso=[self.param_groups[k]["iso"] and p.ndim == 2 for k, p in zip(self._group_of, self._params)],
-            replicate_above=replicate_above,
+            solo_above=solo_above,
         )
         self._device = _comm_device(group, self._params[0].device if self._params else None)
         _agree(None, group, self._device, "ShardedIsoLoCo()", self.plan.fingerprint)
@@ -546,7 +585,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     @property
     def mine(self) -> list[int]:
         """Indices (over all param groups, in order) of the params this rank steps."""
-        return self.plan.owned(self.rank) + self.plan.replicated
+        return self.plan.owned(self.rank)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -583,7 +622,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             error = _error_text(e)
         flat = [None if grads is None else _flat(g) for g in (grads or self._params)]
 
-        # 1. mean pseudo-gradients of my tensors (sharded: reduce-scatter; replicated: all-reduce)
+        # 1. mean pseudo-gradients of my tensors (segments: reduce-scatter; solo: reduce to owner)
         updates: dict[int, torch.Tensor] = {}
         owns = {}
         for dt in plan.sharded_dtypes:
@@ -591,14 +630,13 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                 if self.world_size > 1 else self._own_single(dt, flat)
             owns[dt] = own
             updates.update(_owned_views(plan, dt, own, rank))
-        reps = {
-            i: (grads[i].to(self._params[i].dtype, memory_format=torch.contiguous_format, copy=True)
-                if grads is not None else torch.zeros_like(self._params[i], memory_format=torch.contiguous_format))
-            for i in plan.replicated
-        }
-        if reps:
-            average_(list(reps.values()), group, bucket_bytes=self.bucket_bytes)
-        updates.update(reps)
+        for i in sorted(plan.solo):
+            p = self._params[i]
+            mean = _reduce_to_owner(
+                flat[i], p.numel(), p.dtype, p.device, plan.owners[i], rank, group, self.bucket_bytes
+            )
+            if mean is not None:
+                updates[i] = mean.view(p.shape)
 
         # 2. everything that can fail, before agreeing
         if error is None:
@@ -633,6 +671,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                 v.copy_(self._params[i])
             if self.world_size > 1:
                 _scatter_into(plan, dt, own, [p.data for p in self._params], rank, group, self.bucket_bytes)
+        for i in sorted(plan.solo):
+            _broadcast_into(self._params[i].data, plan.owners[i], group, self.bucket_bytes)
         return loss
 
     def _iso_c(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -144,20 +144,20 @@ def _pair_checks(group, tmpdir):
     """Checks on a 2-rank subgroup (ranks 0, 1 and ranks 2, 3 each run them at once)."""
     rank, world = dist.get_rank(group), 2
     lr, mu = 1.8, 0.8
-    # several steps, fp32 and fp64, multi-chunk communication (tiny buckets), replication on and off
+    # several steps, fp32 and fp64, multi-chunk communication (tiny buckets), solo tensors on and off
     cases = ((torch.float32, 64, 1.0), (torch.float64, 1 << 20, None), (torch.float32, 1 << 20, 0.2),
              (torch.bfloat16, 1 << 20, 1.0))
     for dtype, bucket, rep in cases:
         params = _model(SHAPES_2, dtype)
-        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, group=group, bucket_bytes=bucket, replicate_above=rep)
+        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, group=group, bucket_bytes=bucket, solo_above=rep)
         if rep == 0.2:
-            assert opt.plan.replicated, "replicate_above=0.2 must replicate the largest tensors"
+            assert opt.plan.solo, "solo_above=0.2 must send the largest tensors solo"
         _run_sharded(params, SHAPES_2, dtype, rank, 3, opt)
         ref_p, _ = _single_process_steps(SHAPES_2, dtype, world, 3, lr, mu)
-        _assert_close_to_ref(params, ref_p, dtype, f"{dtype} bucket {bucket} replicate {rep}")
+        _assert_close_to_ref(params, ref_p, dtype, f"{dtype} bucket {bucket} solo_above {rep}")
         _assert_matches_isoloco(params, _isoloco_steps(SHAPES_2, dtype, world, 3, lr, mu), dtype, f"{dtype}")
         _assert_same_everywhere(params, f"{dtype} params", group)
-        owned = set(opt.plan.owned(rank)) | set(opt.plan.replicated)
+        owned = set(opt.plan.owned(rank))
         held = {i for i, p in enumerate(opt._params) if "momentum_buffer" in opt.state[p]}
         assert held == owned, f"rank {rank} holds momentum for {sorted(held)}, owns {sorted(owned)}"
 
@@ -236,7 +236,7 @@ def _pair_checks(group, tmpdir):
           torch.randn(5, 5, generator=g).to(torch.bfloat16)]
     for rep, bucket in ((1.0, 1 << 20), (None, 48)):
         got = [b.clone() if b.is_contiguous() else b.clone().mT.contiguous().mT for b in bk]
-        D.sharded_iso_merge_(got, group, method="svd", replicate_above=rep, bucket_bytes=bucket)
+        D.sharded_iso_merge_(got, group, method="svd", solo_above=rep, bucket_bytes=bucket)
         want = isoloco_kernels.iso_merge_([b.clone() for b in bk], method="svd")
         for i, (a, b) in enumerate(zip(got, want)):
             e = rel_err(a, b)
@@ -281,19 +281,19 @@ def _body_four_ranks(rank, world, tmpdir):
     lr, mu = 1.8, 0.8
     for rep in (None, 1.0):
         params = _model(SHAPES_4, torch.float64)
-        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, replicate_above=rep, bucket_bytes=640)
+        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, solo_above=rep, bucket_bytes=640)
         if rep is None:
             assert len(set(opt.plan.owners)) == 3 and not opt.plan.owned(3), opt.plan.owners
         _run_sharded(params, SHAPES_4, torch.float64, rank, 3, opt)
         ref_p, _ = _single_process_steps(SHAPES_4, torch.float64, world, 3, lr, mu)
-        _assert_close_to_ref(params, ref_p, torch.float64, f"4 ranks, replicate {rep}")
+        _assert_close_to_ref(params, ref_p, torch.float64, f"4 ranks, solo_above {rep}")
         _assert_matches_isoloco(params, _isoloco_steps(SHAPES_4, torch.float64, world, 3, lr, mu), torch.float64, "4 ranks")
         _assert_same_everywhere(params, "4 ranks")
 
     # 3 matrices on 4 ranks through sharded_iso_merge_
     g = torch.Generator().manual_seed(3)
     bk = [torch.randn(7, 4, generator=g), torch.randn(4, 7, generator=g), torch.randn(2, 3, 3, generator=g)]
-    got = D.sharded_iso_merge_([b.clone() for b in bk], replicate_above=None)
+    got = D.sharded_iso_merge_([b.clone() for b in bk], solo_above=None)
     for i, (a, b) in enumerate(zip(got, bk)):
         assert rel_err(a, iso_flatten_ref(b)) <= TOL[("exact", torch.float32)], f"bucket {i}"
 
@@ -346,14 +346,16 @@ def test_plan_is_deterministic_and_balanced():
     assert D.plan_shards(shapes, 3, dtypes=[torch.bfloat16] * 6).fingerprint != a.fingerprint
 
 
-def test_plan_replicates_oversized_tensors():
+def test_plan_sends_oversized_tensors_solo():
     shapes = [(1000, 64), (64, 64), (64, 64), (64, 64), (64,)]
     p = D.plan_shards(shapes, 4)
-    assert p.owners[0] == D.REPLICATED and D.REPLICATED not in p.owners[1:]
+    assert p.solo == {0}
     w = p.wire_elements()
-    assert w["replicated"] == 64000 and w["sharded"] == 4 * 64 * 64
-    padded = D.plan_shards(shapes, 4, replicate_above=None).wire_elements()
-    assert padded["sharded"] == 4 * 64000 and padded["replicated"] == 0
+    # the 1-D tensor joins a 64×64 owner's segment: 4 ranks × (64·64 + 64) padded elements
+    assert w["solo"] == 64000 and w["segments"] == 4 * (64 * 64 + 64)
+    padded = D.plan_shards(shapes, 4, solo_above=None)
+    assert padded.owners == p.owners  # solo changes how a tensor travels, not who owns it
+    assert padded.wire_elements()["segments"] == 4 * 64000 and padded.wire_elements()["solo"] == 0
 
 
 def test_plan_bad_world_size():
