@@ -13,7 +13,7 @@ import shutil
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_BUILD_HINT = "ISOLOCO_CUDA=1 pip install --no-build-isolation -e ."
+_BUILD_HINT = "ISOLOCO_CUDA=1 pip install --no-build-isolation [-e] ."
 
 LOADED = False
 STATUS = "not loaded yet"

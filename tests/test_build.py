@@ -7,6 +7,7 @@ is what the CuPy path (isoloco_kernels/_cupy.py) relies on.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -91,28 +92,64 @@ def _instantiations() -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_kernel_sources_compile_with_nvrtc(arch):
+def _nvrtc_compile(names: list[str], arch: str) -> tuple[bytes, dict[str, str]]:
+    """Compile the kernel headers for `names` with NVRTC; returns (cubin or PTX, lowered names)."""
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda.bindings (NVRTC) is not installed")
+    ok = nvrtc.nvrtcResult.NVRTC_SUCCESS
     src = b'#include "iso_scale.cuh"\n#include "nesterov.cuh"\n'
     err, prog = nvrtc.nvrtcCreateProgram(src, b"isoloco_nvrtc_check.cu", 0, [], [])
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    assert err == ok
     try:
-        names = _instantiations()
         for n in names:
             (err,) = nvrtc.nvrtcAddNameExpression(prog, n.encode())
-            assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, n
+            assert err == ok, n
         # No include path but the kernel folder: the sources must need no CUDA or C++ headers.
         opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-I{_cupy.kernel_dir()}".encode()]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * size
         nvrtc.nvrtcGetProgramLog(prog, log)
-        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
-        _, cubin_size = nvrtc.nvrtcGetCUBINSize(prog)
-        assert cubin_size > 0
-        for n in names:  # every instantiation made it into the cubin under a mangled name
-            err, lowered = nvrtc.nvrtcGetLoweredName(prog, n.encode())
-            assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS and lowered.startswith(b"_Z"), n
+        assert err == ok, log.decode(errors="replace")
+        lowered = {}
+        for n in names:
+            err, low = nvrtc.nvrtcGetLoweredName(prog, n.encode())
+            assert err == ok and low.startswith(b"_Z"), n
+            lowered[n] = low.decode()
+        get_size, get = (
+            (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if arch.startswith("sm_")
+            else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
+        )
+        _, size = get_size(prog)
+        out = b" " * size
+        (err,) = get(prog, out)
+        assert err == ok and size > 0
+        return out, lowered
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_kernel_sources_compile_with_nvrtc(arch):
+    cubin, lowered = _nvrtc_compile(_instantiations(), arch)
+    assert cubin[:4] == b"\x7fELF"
+    for name, low in lowered.items():  # every instantiation is in the cubin under its mangled name
+        assert low.encode() in cubin, name
+
+
+def test_kernels_use_vector_loads_and_stores():
+    """With aligned operands the kernels move kVec elements per instruction (compiled to PTX)."""
+    want = {  # instantiation -> vector instructions its PTX must hold
+        "ik::iso_scale_partial<float, float, float>": [r"ld\.global\.nc\.v4\.f32"],
+        "ik::iso_scale_apply<ik::bf16_t, float, float>": [r"ld\.global(\.nc)?\.v4\.f32", r"st\.global\.v4\.u16"],
+        # table addresses are generic: ld/st without a state space
+        "ik::nesterov_outer<float, float, ik::bf16_t, float>": [r"ld\.v4\.f32", r"st\.v4\.f32", r"ld\.v4\.u16"],
+        "ik::nesterov_outer<double, double, double, double>": [r"ld\.v2\.f64", r"st\.v2\.f64"],
+    }
+    ptx, lowered = _nvrtc_compile(list(want), "compute_90")
+    text = ptx.decode(errors="replace")
+    for name, patterns in want.items():
+        start = text.index(f".entry {lowered[name]}(")
+        end = text.find(".entry ", start + 1)
+        body = text[start:end if end > 0 else None]
+        for pat in patterns:
+            assert re.search(pat, body), f"{name}: no {pat} in its PTX"
