@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 
 import numpy as np
 import torch
@@ -25,6 +26,8 @@ BLOCK = 256
 VEC = 4
 NESTEROV_CHUNK = 8192
 NESTEROV_FIELDS = 6
+
+_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.M)
 
 _STORAGE = {
     torch.float32: "float",
@@ -42,12 +45,26 @@ def kernel_dir() -> str | None:
     return None
 
 
-def kernel_source(name: str) -> str:
+def kernel_code(*headers: str) -> str:
+    """One self-contained source holding `headers` with their local includes expanded in place.
+
+    Inlining (rather than an include path) keeps NVRTC free of any search path and makes CuPy's
+    compile cache, keyed by the source text, see every change to the kernels.
+    """
     d = kernel_dir()
     if d is None:
         raise FileNotFoundError("isoloco_kernels: the CUDA kernel sources (csrc/kernels) are not installed")
-    with open(os.path.join(d, name), encoding="utf-8") as f:
-        return f.read()
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        with open(os.path.join(d, name), encoding="utf-8") as f:
+            text = f.read()
+        return _LOCAL_INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return "\n".join(expand(h) for h in headers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,11 +91,7 @@ def _kernels(device: int, header: str, names: tuple[str, ...]):
     import cupy
 
     with cupy.cuda.Device(device):
-        mod = cupy.RawModule(
-            code=f'#include "{header}"\n',
-            options=("-std=c++17", f"-I{kernel_dir()}"),
-            name_expressions=names,
-        )
+        mod = cupy.RawModule(code=kernel_code(header), options=("-std=c++17",), name_expressions=names)
         return tuple(mod.get_function(n) for n in names)
 
 

@@ -78,6 +78,13 @@ def test_kernel_sources_are_found():
         assert os.path.isfile(os.path.join(d, name))
 
 
+def test_kernel_code_is_self_contained():
+    code = _cupy.kernel_code("iso_scale.cuh", "nesterov.cuh")
+    assert "#include" not in code  # local includes inlined, and no others exist
+    assert code.count("struct half_t") == 1  # common.cuh once, though both headers include it
+    assert "iso_scale_partial" in code and "nesterov_outer" in code
+
+
 def _instantiations() -> list[str]:
     """Template instantiations as _cupy.py names them, every storage type in every role."""
     st = _cupy._STORAGE
@@ -93,18 +100,18 @@ def _instantiations() -> list[str]:
 
 
 def _nvrtc_compile(names: list[str], arch: str) -> tuple[bytes, dict[str, str]]:
-    """Compile the kernel headers for `names` with NVRTC; returns (cubin or PTX, lowered names)."""
+    """Compile the kernel source _cupy.py hands CuPy, for `names`, with NVRTC and no include path
+    (so it needs no CUDA or C++ header); returns (cubin or PTX, lowered names)."""
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda.bindings (NVRTC) is not installed")
     ok = nvrtc.nvrtcResult.NVRTC_SUCCESS
-    src = b'#include "iso_scale.cuh"\n#include "nesterov.cuh"\n'
+    src = _cupy.kernel_code("iso_scale.cuh", "nesterov.cuh").encode()
     err, prog = nvrtc.nvrtcCreateProgram(src, b"isoloco_nvrtc_check.cu", 0, [], [])
     assert err == ok
     try:
         for n in names:
             (err,) = nvrtc.nvrtcAddNameExpression(prog, n.encode())
             assert err == ok, n
-        # No include path but the kernel folder: the sources must need no CUDA or C++ headers.
-        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-I{_cupy.kernel_dir()}".encode()]
+        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * size
