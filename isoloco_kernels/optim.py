@@ -70,6 +70,23 @@ def _check_group(group: dict, where: str) -> None:
         raise ValueError(f"{where}: iso must be a bool, got {group['iso']!r}")
 
 
+def _check_finite(grads: list[torch.Tensor], names: list[str]) -> None:
+    """Raise ValueError naming the first grad holding NaN/Inf. A one-pass screen (norms in the
+    compute dtype, one host sync per device and dtype) finds the suspects; `check_all_finite` then confirms and describes
+    them (a finite grad whose norm overflows float32 passes there)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(grads):
+        if g.numel():
+            groups.setdefault((g.device, compute_dtype(g.dtype)), []).append(i)
+    suspects: list[int] = []
+    for (_, dt), idx in groups.items():
+        norms = torch.stack(torch._foreach_norm([grads[i] for i in idx], 2, dtype=dt))
+        suspects += [i for i, ok in zip(idx, torch.isfinite(norms).tolist()) if not ok]
+    if suspects:
+        suspects.sort()
+        check_all_finite([grads[i] for i in suspects], [names[i] for i in suspects])
+
+
 class IsoLoCo(torch.optim.Optimizer):
     """Iso-C + Nesterov outer optimizer (see the module docstring).
 
@@ -146,8 +163,9 @@ class IsoLoCo(torch.optim.Optimizer):
                 if g.dtype not in SUPPORTED_DTYPES:
                     raise TypeError(f"IsoLoCo: {where}: grad dtype {g.dtype} is not supported")
                 entries.append((gi, pi, p, g, group))
-        check_all_finite(
-            [e[3] for e in entries], [f"IsoLoCo: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) grad" for gi, pi, p, _, _ in entries]
+        _check_finite(
+            [e[3] for e in entries],
+            [f"IsoLoCo: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) grad" for gi, pi, p, _, _ in entries],
         )
         return entries
 

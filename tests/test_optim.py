@@ -310,6 +310,17 @@ def test_nonfinite_grad_raises_and_changes_nothing(bad):
         assert torch.equal(after["state"][k]["momentum_buffer"], snap["state"][k]["momentum_buffer"])
 
 
+def test_huge_finite_grads_are_not_mistaken_for_inf():
+    """The finite screen uses norms; a float32 norm overflowing must not reject finite grads."""
+    p = nn.Parameter(torch.zeros(6))
+    h = nn.Parameter(torch.zeros(300, dtype=torch.float16))
+    opt = ik.IsoLoCo([p, h], lr=1e-3, momentum=0.0, iso=False)
+    p.grad = torch.full((6,), 1e30)  # ‖g‖² = 6e60 overflows float32
+    h.grad = torch.full((300,), 6e4, dtype=torch.float16)  # ‖g‖ ≈ 1e6 overflows float16
+    opt.step()
+    assert rel_err(p, torch.full((6,), -1e27)) <= 1e-6 and torch.isfinite(h).all()
+
+
 def test_argument_validation():
     p = [nn.Parameter(torch.randn(2, 2))]
     with pytest.raises(ValueError, match="learning rate: -0.1"):
