@@ -21,7 +21,7 @@ its size. Such "solo" tensors travel on their own instead: reduce to the owner, 
 again an all-reduce's bytes, no padding — and the owner alone flattens and steps them.
 
 Failure handling: before any tensor is written, every rank reports ok/failed in one small
-all-reduce (checks, reductions and flattens all run before it). If any rank failed, every rank
+all-gather (checks, reductions and flattens all run before it). If any rank failed, every rank
 raises `DistributedStepError` naming the ranks and their errors, and nothing changed anywhere. A rank
 that dies or stalls outside the step is caught by the process group timeout.
 
@@ -381,7 +381,7 @@ def _agree(error: Optional[str], group, device, what: str, fingerprint: Optional
     One all-gather of (failed, plan fingerprint) per rank; the error texts are gathered only when
     something failed.
     """
-    rank, world = _group_info(group)
+    _, world = _group_info(group)
     mine = torch.tensor([int(error is not None), fingerprint or 0], dtype=torch.int64, device=device)
     every = torch.empty(2 * world, dtype=torch.int64, device=device)
     _all_gather_single(every, mine, group=group)
@@ -392,12 +392,15 @@ def _agree(error: Optional[str], group, device, what: str, fingerprint: Optional
     texts: list = [None] * world
     dist.all_gather_object(texts, error, group=group)
     if failed:
+        head = f"{what} failed on {len(failed)} of {world} ranks"
         detail = "; ".join(f"rank {r}: {texts[r]}" for r in failed)
     else:
-        detail = "the ranks built different shard plans (fingerprints " + ", ".join(
-            f"rank {r}: {p:#x}" for r, p in enumerate(prints.tolist())
-        ) + "); every rank must pass the same tensor shapes and dtypes in the same order"
-    raise DistributedStepError(f"{what} failed on {len(failed) or world} of {world} ranks, nothing was changed on any rank: {detail}")
+        head = f"{what}: the ranks built different shard plans"
+        detail = (
+            "fingerprints " + ", ".join(f"rank {r}: {p:#x}" for r, p in enumerate(prints.tolist()))
+            + "; every rank must pass the same tensor shapes and dtypes in the same order"
+        )
+    raise DistributedStepError(f"{head}, nothing was changed on any rank: {detail}")
 
 
 def _error_text(e: BaseException) -> str:
@@ -572,14 +575,18 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             if p.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"ShardedIsoLoCo: param {i} has unsupported dtype {p.dtype}")
             if p.device != self._params[0].device:
-                raise ValueError(f"ShardedIsoLoCo: param {i} is on {p.device}, param 0 on {self._params[0].device}")
+                raise ValueError(
+                    f"ShardedIsoLoCo: param {i} is on {p.device}, param 0 on {self._params[0].device}; "
+                    "one device per rank"
+                )
         self.plan = plan_shards(
             [p.shape for p in self._params], self.world_size,
             dtypes=[p.dtype for p in self._params],
             iso=[self.param_groups[k]["iso"] and p.ndim == 2 for k, p in zip(self._group_of, self._params)],
             solo_above=solo_above,
         )
-        self._device = _comm_device(group, self._params[0].device if self._params else None)
+        self._data_device = self._params[0].device if self._params else torch.device("cpu")
+        self._device = _comm_device(group, self._data_device)  # for the small control tensors
         _agree(None, group, self._device, "ShardedIsoLoCo()", self.plan.fingerprint)
 
     @property
@@ -626,8 +633,12 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         updates: dict[int, torch.Tensor] = {}
         owns = {}
         for dt in plan.sharded_dtypes:
-            own = _reduce_scatter_mean(plan, dt, lambda i: flat[i], rank, group, self._device, self.bucket_bytes) \
-                if self.world_size > 1 else self._own_single(dt, flat)
+            if self.world_size > 1:
+                own = _reduce_scatter_mean(
+                    plan, dt, lambda i: flat[i], rank, group, self._data_device, self.bucket_bytes
+                )
+            else:
+                own = self._own_single(dt, flat)
             owns[dt] = own
             updates.update(_owned_views(plan, dt, own, rank))
         for i in sorted(plan.solo):
@@ -661,7 +672,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                     buf = torch.zeros_like(p, dtype=compute_dtype(p.dtype), memory_format=torch.preserve_format)
                     fresh.append((p, buf))
                 bufs.append(buf)
-            torch.ops.isoloco.nesterov_outer_(ps, bufs, [updates[i] for i in idx], float(g["lr"]), float(g["momentum"]), None)
+            us = [updates[i] for i in idx]
+            torch.ops.isoloco.nesterov_outer_(ps, bufs, us, float(g["lr"]), float(g["momentum"]), None)
             for p, buf in fresh:
                 self.state[p]["momentum_buffer"] = buf
 
@@ -693,7 +705,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     def _own_single(self, dtype, flat) -> torch.Tensor:
         """World size 1: my segment is just my grads, copied (the grads stay untouched)."""
         per_rank, seg = self.plan.layout(dtype)
-        own = torch.empty(seg, dtype=dtype, device=self._device)
+        own = torch.empty(seg, dtype=dtype, device=self._data_device)
         for i, off in per_rank[0]:
             if flat[i] is None:
                 own[off : off + self.plan.numel(i)].zero_()
@@ -719,7 +731,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             raise ValueError(
                 f"ShardedIsoLoCo.load_state_dict: the state was saved under a different shard plan "
                 f"(world size {info['world_size']}, plan {info['fingerprint']:#x}); this optimizer has world "
-                f"size {self.world_size}, plan {self.plan.fingerprint:#x}. Same params, dtypes and world size needed"
+                f"size {self.world_size}, plan {self.plan.fingerprint:#x}; it needs the same params (shapes, "
+                "dtypes, order) and world size"
             )
         if info["rank"] != self.rank:
             raise ValueError(

@@ -167,7 +167,8 @@ def _pair_checks(group, tmpdir):
     _run_sharded(params, SHAPES_2, torch.float64, rank, 2, opt)
     ref_p, _ = _single_process_steps(SHAPES_2, torch.float64, world, 2, 0.7, 0.9, iso_on=False)
     _assert_close_to_ref(params, ref_p, torch.float64, "iso off")
-    _assert_matches_isoloco(params, _isoloco_steps(SHAPES_2, torch.float64, world, 2, 0.7, 0.9, False), torch.float64, "iso off")
+    want = _isoloco_steps(SHAPES_2, torch.float64, world, 2, 0.7, 0.9, iso_on=False)
+    _assert_matches_isoloco(params, want, torch.float64, "iso off")
 
     # state_dict save, fresh optimizer, load, resume: same trajectory as running straight through
     dtype = torch.float64
@@ -211,6 +212,14 @@ def _pair_checks(group, tmpdir):
     with pytest.raises(D.DistributedStepError, match=r"rank 1: .*param 2.*NaN"):
         opt.step()
     assert time.monotonic() - t0 < PG_TIMEOUT_S
+    _assert_unchanged(opt, params, before_p, before_b)
+    # a missing grad on one rank is bad input too
+    saved = params[4].grad
+    if rank == 0:
+        params[4].grad = None
+    with pytest.raises(D.DistributedStepError, match=r"rank 0: ValueError: param 4 .* has no grad"):
+        opt.step()
+    params[4].grad = saved
     _assert_unchanged(opt, params, before_p, before_b)
     # a flatten that fails on one rank (not bad input): same all-or-nothing behaviour
     for p, g in zip(params, _pseudo_grads(SHAPES_2, torch.float32, rank, 1)):
@@ -287,7 +296,8 @@ def _body_four_ranks(rank, world, tmpdir):
         _run_sharded(params, SHAPES_4, torch.float64, rank, 3, opt)
         ref_p, _ = _single_process_steps(SHAPES_4, torch.float64, world, 3, lr, mu)
         _assert_close_to_ref(params, ref_p, torch.float64, f"4 ranks, solo_above {rep}")
-        _assert_matches_isoloco(params, _isoloco_steps(SHAPES_4, torch.float64, world, 3, lr, mu), torch.float64, "4 ranks")
+        want = _isoloco_steps(SHAPES_4, torch.float64, world, 3, lr, mu)
+        _assert_matches_isoloco(params, want, torch.float64, "4 ranks")
         _assert_same_everywhere(params, "4 ranks")
 
     # 3 matrices on 4 ranks through sharded_iso_merge_
@@ -317,8 +327,19 @@ def _body_four_ranks(rank, world, tmpdir):
     assert time.monotonic() - t0 < PG_TIMEOUT_S + 10
 
 
+def _single_checks(group):
+    """A group of one: the sharded step is IsoLoCo's on this rank's own pseudo-gradients."""
+    params = _model(SHAPES_2, torch.float32)
+    opt = D.ShardedIsoLoCo(params, group=group)
+    _run_sharded(params, SHAPES_2, torch.float32, 0, 2, opt)
+    _assert_matches_isoloco(params, _isoloco_steps(SHAPES_2, torch.float32, 1, 2, 1.8, 0.8), torch.float32, "1 rank")
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
+
+
 def _body(rank, world, tmpdir):
+    singles = [dist.new_group([r]) for r in range(world)]
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    _single_checks(singles[rank])
     _pair_checks(pairs[rank // 2], tmpdir)
     dist.barrier()
     _body_four_ranks(rank, world, tmpdir)
