@@ -173,10 +173,15 @@ def reset_stats() -> None:
 # The iteration
 
 
+# GEMMs on CUDA: "torch" (cuBLAS) or "triton" (symmetric Gram / fused step kernels). cuBLAS until
+# the Triton kernels are measured faster on a GPU (bench/); ISOLOCO_POLAR_GEMM overrides.
+CUDA_GEMM_BACKEND = "torch"
+
+
 def _gemm_backend(x: torch.Tensor, backend: str | None) -> str:
-    """"torch" (cuBLAS / CPU BLAS) or "triton" (isoloco_kernels.triton, CUDA only)."""
+    """"torch" (cuBLAS / CPU BLAS) or "triton" (isoloco_kernels.triton, where it can run)."""
     if backend is None:
-        backend = os.environ.get("ISOLOCO_POLAR_GEMM", "triton" if x.is_cuda else "torch")
+        backend = os.environ.get("ISOLOCO_POLAR_GEMM", CUDA_GEMM_BACKEND if x.is_cuda else "torch")
     if backend not in ("torch", "triton"):
         raise ValueError(f"polar: backend must be 'torch' or 'triton', got {backend!r}")
     if backend == "triton":
@@ -199,7 +204,8 @@ def polar_factor(
     for float64 input), residual[b] = |r − ‖Q_b‖_F²| / √r (see the module docstring; 0 for r = 0).
 
     gemm_dtypes: one dtype per step for the GEMM operands (default: the compute dtype throughout);
-    backend: "torch" or "triton" (default: Triton on CUDA when available, torch elsewhere);
+    backend: "torch" or "triton" (default: `CUDA_GEMM_BACKEND` on CUDA, torch elsewhere; Triton
+    falls back to torch where its kernels cannot run);
     steps: an object with gram / square / step like `_TorchSteps`, overriding backend (the
     accuracy benchmark passes one that rounds GEMM operands to TF32).
     """

@@ -224,3 +224,8 @@ def test_polar_rejects_unknown_mode_and_backend():
         polar.flatten_polar_(x, mode="fp8")
     with pytest.raises(ValueError, match="backend must be"):
         polar.polar_factor(x, backend="cutlass")
+
+
+def test_opcheck_iso_flatten_polar():
+    x = torch.randn(2, 6, 9, generator=_gen(13))
+    torch.library.opcheck(torch.ops.isoloco.iso_flatten_.default, (x, "polar"))
