@@ -43,6 +43,40 @@ def test_kernels_under_the_interpreter():
     assert "failed" not in proc.stdout.splitlines()[-1], tail
 
 
+def _compile_sm90(fn, signature: dict, constexprs: dict) -> int:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+    return len(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"])
+
+
+@pytest.mark.skipif(INTERPRETER, reason="compiles real GPU code; the interpreter builds no kernels")
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """The interpreter accepts things the compiler rejects: build the real cubins (ptxas ships with
+    triton), for the dtypes the polar path and the epilogue launch."""
+    from isoloco_kernels.triton import gram, iso_scale, polar_step
+
+    i32 = "i32"
+    st = lambda *names: {n: i32 for n in names}  # noqa: E731
+    for dt in ("fp32", "bf16"):
+        assert _compile_sm90(gram._gram_kernel, {"x_ptr": f"*{dt}", "a_ptr": f"*{dt}", **st("M", "K", "sxb", "sxm", "sxk", "sab", "sam", "san")},
+                             {"BLOCK_M": 64, "BLOCK_K": 32, "PRECISION": "ieee"}) > 0
+        assert _compile_sm90(polar_step._poly_kernel, {"a_ptr": f"*{dt}", "out_ptr": f"*{dt}", "M": i32, "coef_b": "fp32", "coef_c": "fp32",
+                                                       **st("sab", "sam", "san", "sob", "som", "son")},
+                             {"BLOCK_M": 64, "BLOCK_K": 32, "HAS_LINEAR": True, "PRECISION": "ieee"}) > 0
+        assert _compile_sm90(polar_step._step_kernel, {"x_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}", "M": i32, "N": i32, "coef_a": "fp32",
+                                                       **st("sxb", "sxm", "sxn", "sbb", "sbm", "sbn", "sob", "som", "son")},
+                             {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "PRECISION": "ieee"}) > 0
+    for dt, acc in (("bf16", "fp32"), ("fp64", "fp64")):
+        strides = st("N", "NUMEL", "S", "sxb", "sxm", "sxn", "sqb", "sqm", "sqn")
+        assert _compile_sm90(iso_scale._iso_dot_kernel, {"x_ptr": f"*{dt}", "q_ptr": "*fp32", "part_ptr": f"*{acc}", **strides},
+                             {"BLOCK": 1024, "ACC_F64": acc == "fp64"}) > 0
+        assert _compile_sm90(iso_scale._iso_write_kernel, {"x_ptr": f"*{dt}", "q_ptr": "*fp32", "part_ptr": f"*{acc}", "sbar_ptr": f"*{acc}",
+                                                           **strides, "inv_r0": "fp32"},
+                             {"BLOCK": 1024, "S_POW2": 256}) > 0
+
+
 needs_kernels = pytest.mark.skipif(
     not (CUDA or INTERPRETER), reason="Triton kernels need a GPU or TRITON_INTERPRET=1 from process start"
 )
