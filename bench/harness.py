@@ -1,0 +1,341 @@
+"""What every benchmark case shares: machine ceilings, the timed run, work models, error, memory.
+
+Timing. Cases are timed by pytest-benchmark (`benchmark.pedantic`) with a host clock; on a GPU the
+timed function ends with `torch.cuda.synchronize()` and the untimed setup (restoring the inputs)
+ends with one too, so each round measures exactly the kernels of that round (plus one sync,
+~10 µs). Before timing, one untimed run gives the error, the peak memory and a first time, from
+which the number of rounds is chosen to fill `--bench-seconds` (at least 1, at most 200 rounds);
+methods that may compile kernels on first use get a second untimed run first.
+
+Ceilings. Measured once per device in the same run:
+  copy     dst.copy_(src) of a buffer far larger than the last-level cache; bytes = read + write.
+  matmul   a square GEMM per dtype: 2·n³ flops.
+On a GPU with triton.testing.do_bench (CUDA events, L2 flushed before every rep, median); on the
+CPU the median of several perf_counter runs after a warm-up.
+
+Work models (what "TFLOP/s" and "GB/s" count; per matrix, k = long side, r = short side):
+  svd      8·k·r² + 20·r³   thin R-SVD computing Σ, U₁, V (6kr² + 20r³, Golub & Van Loan,
+                            Matrix Computations, 4th ed., §8.6) plus Q = U·Vᵀ (2kr²)
+  eigh     4·k·r² + 11·r³   Gram A·Aᵀ and Q = (V Σ⁻¹ Vᵀ)·A (2kr² each), symmetric eigensolver
+                            with vectors (~9r³), V Σ⁻¹ Vᵀ (2r³)
+  polar    s·(4·k·r² + 2·r³) per step: A = X·Xᵀ, A², (bA + cA²)·X, s steps
+  bytes    compulsory traffic only: a flatten reads Δ and writes the result (2 × its size); a
+           Nesterov step reads p, buf, u and writes p, buf (5 × the params' size).
+The roofline time of a case is max(Σ flops / matmul ceiling of the dtype the GEMMs run in (svd in
+the compute dtype, eigh in fp64, polar_bf16 in bf16 but its last steps), bytes / copy bandwidth);
+"frac_roofline" is that time over the measured median, "frac_matmul" and "frac_copy" the two
+bounds alone over the median.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+MAX_ROUNDS = 200
+
+
+# ----------------------------------------------------------------------------------------------
+# devices and timing
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median seconds of fn() over `reps` runs after one warm-up (host clock, synced)."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _device_time(fn: Callable[[], object], device: torch.device) -> float:
+    """Median seconds of fn() on a GPU with device events, L2 flushed between reps."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:  # events by hand, no flush (inputs are far larger than L2 anyway)
+        fn()
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(50):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        return statistics.median(times)
+    return do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+
+
+def measure_ceilings(device: torch.device | str) -> dict:
+    """Copy bandwidth (GB/s) and matmul throughput (TFLOP/s per dtype) of `device`."""
+    device = torch.device(device)
+    gpu = device.type == "cuda"
+    out: dict = {"device": _device_name(device)}
+    n_copy = (1 << 28) if gpu else (1 << 26)  # fp32 elements: 1 GiB on a GPU, 256 MiB on a CPU
+    src = torch.randn(n_copy, device=device)
+    dst = torch.empty_like(src)
+    t = _device_time(lambda: dst.copy_(src), device) if gpu else _median_time(lambda: dst.copy_(src), device, 7)
+    out["copy_GBps"] = 2 * src.numel() * src.element_size() / t / 1e9
+    out["copy_bytes"] = 2 * src.numel() * src.element_size()
+    del src, dst
+
+    plans = (
+        [
+            ("bf16", torch.bfloat16, 8192, False),
+            ("fp32", torch.float32, 8192, False),
+            ("tf32", torch.float32, 8192, True),
+            ("fp64", torch.float64, 4096, False),
+        ]
+        if gpu
+        else [("fp32", torch.float32, 2048, False), ("fp64", torch.float64, 1536, False)]
+    )
+    out["matmul_TFLOPs"], out["matmul_n"] = {}, {}
+    for name, dt, n, tf32 in plans:
+        a = torch.randn(n, n, device=device, dtype=dt)
+        b = torch.randn(n, n, device=device, dtype=dt)
+        c = torch.empty(n, n, device=device, dtype=dt)
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            fn = lambda: torch.mm(a, b, out=c)  # noqa: E731
+            t = _device_time(fn, device) if gpu else _median_time(fn, device, 5)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = prev
+        out["matmul_TFLOPs"][name] = 2 * n**3 / t / 1e12
+        out["matmul_n"][name] = n
+        del a, b, c
+    if gpu:
+        torch.cuda.empty_cache()
+    else:
+        out["threads"] = torch.get_num_threads()
+    return out
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
+def run_timed(
+    benchmark,
+    target: Callable[[], object],
+    setup: Callable[[], object],
+    *,
+    device: torch.device | str,
+    seconds: float,
+    first_s: float,
+    may_compile: bool,
+) -> float | None:
+    """Time `target` with pytest-benchmark; `setup` (untimed) restores inputs before each round.
+
+    `first_s` is the time of an untimed run already made. Returns the median in seconds, or None
+    when benchmarking is disabled (--benchmark-disable runs target once, untimed).
+    """
+
+    def _setup():
+        setup()
+        sync(device)
+
+    est = first_s
+    if may_compile and first_s > seconds / 4:  # the first run may have included a JIT compile
+        _setup()
+        t0 = time.perf_counter()
+        target()
+        est = time.perf_counter() - t0
+    rounds = max(1, min(MAX_ROUNDS, math.ceil(seconds / max(est, 1e-6))))
+
+    benchmark.pedantic(target, setup=_setup, rounds=rounds, warmup_rounds=0, iterations=1)
+    if benchmark.stats is None:
+        return None
+    return benchmark.stats.stats.median
+
+
+# ----------------------------------------------------------------------------------------------
+# work models
+
+
+def svd_flops(k: int, r: int) -> float:
+    return 8.0 * k * r * r + 20.0 * r**3
+
+
+def eigh_flops(k: int, r: int) -> float:
+    return 4.0 * k * r * r + 11.0 * r**3
+
+
+def polar_flops(k: int, r: int, steps: int) -> float:
+    return steps * (4.0 * k * r * r + 2.0 * r**3)
+
+
+def roofline(flops: dict[str, float] | None, nbytes: float, ceilings: dict) -> dict:
+    """The case's roofline time: max(Σ flops[dt] / matmul ceiling[dt], bytes / copy bandwidth).
+
+    flops maps a GEMM dtype ("fp32", "bf16", "fp64", …) to the flops done in it; None when the
+    method's work is not modelled (then only the bandwidth bound counts)."""
+    t_flop = 0.0
+    for dt, f in (flops or {}).items():
+        peak = ceilings["matmul_TFLOPs"].get(dt)
+        if peak is None:  # no ceiling measured for this dtype here: the bound is left out
+            continue
+        t_flop += f / (peak * 1e12)
+    t_byte = nbytes / (ceilings["copy_GBps"] * 1e9)
+    return {"roofline_s": max(t_flop, t_byte), "roofline_flop_s": t_flop, "roofline_byte_s": t_byte}
+
+
+def rates(median_s: float | None, flops: dict[str, float] | None, nbytes: float, roof: dict) -> dict:
+    """Achieved rates of a case with median `median_s` seconds and its fractions of the ceilings."""
+    if not median_s:
+        return {}
+    out = {
+        "median_s": median_s,
+        "GBps": nbytes / median_s / 1e9,
+        "frac_copy": roof["roofline_byte_s"] / median_s,
+        "frac_roofline": roof["roofline_s"] / median_s,
+    }
+    if flops:
+        out["TFLOPs"] = sum(flops.values()) / median_s / 1e12
+        out["frac_matmul"] = roof["roofline_flop_s"] / median_s
+    return out
+
+
+def resolved_backends(impl: str, shapes, device) -> list[str]:
+    """The backend each [B, m, n] bucket runs: isoloco methods ask flatten.resolve_method (which
+    looks at shape and device only; a zero-stride stand-in avoids allocating), others are
+    themselves (the baselines)."""
+    from isoloco_kernels import flatten
+
+    if impl not in flatten.METHODS:
+        return [impl] * len(shapes)
+    one = torch.empty(1, device=device)
+    return [flatten.resolve_method(impl, one.expand(b, m, n)) for b, m, n in shapes]
+
+
+def polar_schedule(backend: str) -> dict[str, int] | None:
+    """Steps per GEMM dtype of a polar backend, from isoloco_kernels.polar (None: unknown)."""
+    try:
+        from isoloco_kernels import polar
+    except ImportError:
+        return None
+    steps = getattr(polar, "STEPS", None)
+    if not isinstance(steps, int):
+        return None
+    if backend == "polar_bf16":
+        hi = min(getattr(polar, "BF16_FP32_STEPS", steps), steps)
+        return {"bf16": steps - hi, "fp32": hi}
+    return {"fp32": steps}
+
+
+def flatten_work(resolved: Sequence[str], shapes, dtype: str) -> dict[str, float] | None:
+    """Modelled flops per GEMM dtype of flattening `shapes` with these backends (None: unknown)."""
+    cd = "fp64" if dtype == "fp64" else "fp32"
+    out: dict[str, float] = {}
+    for r, (b, m, n) in zip(resolved, shapes):
+        k, s = max(m, n), min(m, n)
+        if r in ("svd", "svd-loop", "svd-batched"):
+            out[cd] = out.get(cd, 0.0) + b * svd_flops(k, s)
+        elif r == "eigh":
+            out["fp64"] = out.get("fp64", 0.0) + b * eigh_flops(k, s)
+        elif r in ("polar", "polar_bf16"):
+            sched = polar_schedule(r)
+            if sched is None:
+                return None
+            for dt, steps in sched.items():
+                dt = cd if dt == "fp32" else dt
+                out[dt] = out.get(dt, 0.0) + b * polar_flops(k, s, steps)
+        else:
+            return None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# error and memory
+
+
+def rel_fro(outs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """(aggregate ‖out − ref‖_F / ‖ref‖_F over all pairs, largest per-pair relative error), float64.
+
+    A NaN anywhere makes both NaN (never passes as small)."""
+    num = den = 0.0
+    worst = 0.0
+    for o, r in zip(outs, refs):
+        o64 = o.detach().to("cpu", torch.float64)
+        r64 = r.detach().to("cpu", torch.float64)
+        d = (o64 - r64).norm().item() ** 2
+        n = r64.norm().item() ** 2
+        num, den = num + d, den + n
+        e = math.sqrt(d / n) if n > 0 else math.sqrt(d)
+        worst = e if (e != e or e > worst) else worst
+    agg = math.sqrt(num / den) if den > 0 else math.sqrt(num)
+    return agg, worst
+
+
+def _proc_status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux ≥ 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def peak_extra_memory(fn: Callable[[], object], device: torch.device | str) -> tuple[float, dict]:
+    """Run fn() once; returns (seconds, {"peak_extra_bytes", "mem_method"}).
+
+    GPU: torch.cuda.max_memory_allocated() during the call minus memory_allocated() before — exact
+    for the caching allocator's live tensors. CPU: peak RSS (VmHWM, reset through
+    /proc/self/clear_refs) minus RSS before — an estimate: freed heap pages that the allocator keeps
+    are not counted again, and other threads' allocations are. None where /proc is not writable.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        t = time.perf_counter() - t0
+        extra = torch.cuda.max_memory_allocated(device) - base
+        return t, {"peak_extra_bytes": float(extra), "mem_method": "cuda max_memory_allocated"}
+    ok = _reset_peak_rss()
+    rss0 = _proc_status_kb("VmRSS")
+    t0 = time.perf_counter()
+    fn()
+    t = time.perf_counter() - t0
+    hwm = _proc_status_kb("VmHWM")
+    if not ok or rss0 is None or hwm is None:
+        return t, {"peak_extra_bytes": None, "mem_method": "unavailable (/proc/self/clear_refs)"}
+    return t, {"peak_extra_bytes": float(max(hwm - rss0, 0) * 1024), "mem_method": "cpu peak RSS estimate"}
+
