@@ -71,7 +71,9 @@ class BucketPlan:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"BucketPlan: tensor {i} is a {type(t).__name__}, not a torch.Tensor")
             if t.ndim != 2:
-                raise ValueError(f"BucketPlan: tensor {i} has shape {tuple(t.shape)}; only 2-D tensors are bucketed")
+                raise ValueError(
+                    f"BucketPlan: tensor {i} has shape {tuple(t.shape)}; only 2-D tensors are bucketed"
+                )
             if t.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"BucketPlan: tensor {i} has unsupported dtype {t.dtype}")
         self.signature = signature(tensors)
@@ -98,7 +100,9 @@ class BucketPlan:
         return len(self.where)
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{len(b.members)}×{b.shape[0]}×{b.shape[1]} {str(b.dtype)[6:]}" for b in self.buckets)
+        parts = ", ".join(
+            f"{len(b.members)}×{b.shape[0]}×{b.shape[1]} {str(b.dtype)[6:]}" for b in self.buckets
+        )
         return f"BucketPlan({len(self)} matrices in {len(self.buckets)} buckets: {parts})"
 
     @property
@@ -118,9 +122,10 @@ class BucketPlan:
     def _check(self, tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         tensors = list(tensors)
         if not self.matches(tensors):
+            more = "…" if len(self) > 4 else ""
             raise ValueError(
-                f"BucketPlan.{what}: the tensors do not match the plan (made for {len(self)} tensors with "
-                f"shapes/dtypes/devices {self.signature[:4]}{'…' if len(self) > 4 else ''}); make a new plan"
+                f"BucketPlan.{what}: the tensors do not match the plan (made for {len(self)} tensors "
+                f"with shapes/dtypes/devices {self.signature[:4]}{more}); make a new plan"
             )
         return tensors
 

@@ -134,4 +134,5 @@ def nesterov_outer_cuda(params, bufs, updates, lr: float, momentum: float, scale
     for idx, run in ((fast, mod.nesterov_outer_triton), (slow, nesterov_outer_torch)):
         if idx:
             sub = None if scales is None else scales[idx]
-            run([params[i] for i in idx], [bufs[i] for i in idx], [updates[i] for i in idx], lr, momentum, sub)
+            pick = [params[i] for i in idx], [bufs[i] for i in idx], [updates[i] for i in idx]
+            run(*pick, lr, momentum, sub)

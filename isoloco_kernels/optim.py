@@ -72,8 +72,8 @@ def _check_group(group: dict, where: str) -> None:
 
 def _check_finite(grads: list[torch.Tensor], names: list[str]) -> None:
     """Raise ValueError naming the first grad holding NaN/Inf. A one-pass screen (norms in the
-    compute dtype, one host sync per device and dtype) finds the suspects; `check_all_finite` then confirms and describes
-    them (a finite grad whose norm overflows float32 passes there)."""
+    compute dtype, one host sync per device and dtype) finds the suspects; `check_all_finite`
+    then confirms and describes them (a finite grad whose norm overflows passes there)."""
     groups: dict[tuple, list[int]] = {}
     for i, g in enumerate(grads):
         if g.numel():
@@ -99,7 +99,9 @@ class IsoLoCo(torch.optim.Optimizer):
             not in the state dict.
     """
 
-    def __init__(self, params, lr: float = 1.8, momentum: float = 0.8, *, iso: bool = True, method: str = "auto"):
+    def __init__(
+        self, params, lr: float = 1.8, momentum: float = 0.8, *, iso: bool = True, method: str = "auto"
+    ):
         _check_hyper(lr, momentum, "IsoLoCo")
         check_method(method)
         if not isinstance(iso, bool):
@@ -115,7 +117,9 @@ class IsoLoCo(torch.optim.Optimizer):
         for i, p in enumerate(self.param_groups[-1]["params"]):
             if p.dtype not in SUPPORTED_DTYPES:
                 self.param_groups.pop()
-                raise TypeError(f"{where}: param {i} has dtype {p.dtype}; IsoLoCo supports {SUPPORTED_DTYPES}")
+                raise TypeError(
+                    f"{where}: param {i} has dtype {p.dtype}; IsoLoCo supports {SUPPORTED_DTYPES}"
+                )
 
     # -- state dict ------------------------------------------------------------------------------
 
@@ -125,7 +129,8 @@ class IsoLoCo(torch.optim.Optimizer):
         refused dict nothing changes."""
         saved = state_dict["param_groups"]
         for gi, g in enumerate(saved):
-            _check_group({**self.defaults, **{k: v for k, v in g.items() if k != "params"}}, f"IsoLoCo.load_state_dict: param group {gi}")
+            settings = {**self.defaults, **{k: v for k, v in g.items() if k != "params"}}
+            _check_group(settings, f"IsoLoCo.load_state_dict: param group {gi}")
         iso_now = [g["iso"] for g in self.param_groups]
         super().load_state_dict(state_dict)
         for g, iso in zip(self.param_groups, iso_now):
@@ -158,20 +163,22 @@ class IsoLoCo(torch.optim.Optimizer):
                     raise RuntimeError(f"IsoLoCo: {where} has a sparse grad; IsoLoCo needs dense grads")
                 if g.shape != p.shape or g.device != p.device:
                     raise ValueError(
-                        f"IsoLoCo: {where}: grad has shape {tuple(g.shape)} on {g.device}, param is on {p.device}"
+                        f"IsoLoCo: {where}: grad has shape {tuple(g.shape)} on {g.device}, "
+                        f"param is on {p.device}"
                     )
                 if g.dtype not in SUPPORTED_DTYPES:
                     raise TypeError(f"IsoLoCo: {where}: grad dtype {g.dtype} is not supported")
                 entries.append((gi, pi, p, g, group))
-        _check_finite(
-            [e[3] for e in entries],
-            [f"IsoLoCo: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) grad" for gi, pi, p, _, _ in entries],
-        )
+        names = [
+            f"IsoLoCo: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) grad"
+            for gi, pi, p, _, _ in entries
+        ]
+        _check_finite([e[3] for e in entries], names)
         return entries
 
     def _iso_updates(self, entries) -> dict[int, torch.Tensor]:
         """Iso-C of every 2-D grad in an iso group, via the bucket buffers: entry index → result view."""
-        chosen = [k for k, (_, _, p, g, group) in enumerate(entries) if group["iso"] and g.ndim == 2 and g.numel()]
+        chosen = [k for k, e in enumerate(entries) if e[4]["iso"] and e[3].ndim == 2 and e[3].numel()]
         if not chosen:
             return {}
         grads = [entries[k][3] for k in chosen]
@@ -197,8 +204,9 @@ class IsoLoCo(torch.optim.Optimizer):
                 fresh.append((p, buf))
             elif buf.shape != p.shape or buf.device != p.device or buf.dtype not in SUPPORTED_DTYPES:
                 raise ValueError(
-                    f"IsoLoCo: param_groups[{entries[k][0]}]['params'][{entries[k][1]}] (shape {tuple(p.shape)}): "
-                    f"momentum_buffer has shape {tuple(buf.shape)}, dtype {buf.dtype} on {buf.device}"
+                    f"IsoLoCo: param_groups[{entries[k][0]}]['params'][{entries[k][1]}] "
+                    f"(shape {tuple(p.shape)}): momentum_buffer has shape {tuple(buf.shape)}, "
+                    f"dtype {buf.dtype} on {buf.device}"
                 )
             key = (p.device, float(group["lr"]), float(group["momentum"]))
             ps, bs, us = calls.setdefault(key, ([], [], []))

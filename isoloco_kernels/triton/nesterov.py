@@ -7,12 +7,13 @@ For tensor t, with s_t = scales[t] (1 without scales), in the compute dtype C:
 (Nesterov momentum as in torch.optim.SGD(nesterov=True, dampening=0); see nesterov.py.)
 
 Layout: the host writes one int64 row per tensor — addresses of p, buf and update, numel, the
-tensor's index into `scales`, and its first block — and copies the table to the device in one go.
-Program c handles BLOCK elements of one tensor; `block_tensor[c]` says which (cached per list of
-sizes). Full blocks run unmasked and, when every address is 16-byte aligned (the usual case), with
-that alignment declared, so loads and stores vectorize although the pointers come from a table. lr and μ head the table as float64 bit patterns. The addresses become typed pointers in the kernel (int → pointer casts), so any number of
-tensors share one launch; dtypes are constexpr, one launch per (param, buf, update) dtype triple.
-Works under TRITON_INTERPRET=1 on CPU tensors too.
+tensor's index into `scales`, and its first block — after lr and μ (as float64 bit patterns), and
+copies the table to the device in one go. The addresses become typed pointers in the kernel
+(int → pointer casts), so any number of tensors share one launch; dtypes are constexpr, one
+launch per (param, buf, update) dtype triple. Program c handles BLOCK elements of one tensor;
+`block_tensor[c]` says which (cached per list of sizes). Full blocks run unmasked and, when every
+address is 16-byte aligned (the usual case), with that alignment declared, so loads and stores
+vectorize although the pointers come from a table. Works under TRITON_INTERPRET=1 on CPU tensors.
 
 Requirements (the caller, nesterov.nesterov_outer_cuda, routes other tensors to torch): params
 and bufs contiguous; updates are made contiguous here.
@@ -155,7 +156,15 @@ def _launch(params, bufs, updates, scale_index, lr, momentum, scales, block, num
 
 
 def nesterov_outer_triton(
-    params, bufs, updates, lr: float, momentum: float, scales=None, *, block: int = BLOCK, num_warps: int = NUM_WARPS
+    params,
+    bufs,
+    updates,
+    lr: float,
+    momentum: float,
+    scales=None,
+    *,
+    block: int = BLOCK,
+    num_warps: int = NUM_WARPS,
 ) -> None:
     """The update over every tensor: one kernel launch per (param, buf, update) dtype triple.
 
