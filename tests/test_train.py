@@ -165,6 +165,9 @@ def test_text_file_and_folder(tmp_path, corpus):
     (d / "skip.bin").write_bytes(b"\0" * 10)
     c = load_corpus(d)
     assert c.n_docs == 12 and c.train.numel() > 0 and c.heldout.numel() > 0
+    (tmp_path / "short.txt").write_text("print('hello')\n" * 20)
+    with pytest.raises(ValueError, match="too little to split"):
+        load_corpus(tmp_path / "short.txt")
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 HELDOUT_PERCENT = 10  # share of documents (by name hash) held out
-SINGLE_FILE_CHUNK = 1 << 14  # a lone text file is cut into 16 KiB documents before the split
+SINGLE_FILE_CHUNK = 1 << 14  # fewer than 10 files are cut into 16 KiB documents before the split
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git"}
 
 
@@ -82,12 +82,18 @@ class Corpus:
 
 
 def _split(docs: list[tuple[str, bytes]], source: str) -> Corpus:
+    if len(docs) < 10:  # a lone file or a few: split by 16 KiB pieces instead of by file
+        docs = [(f"{name}#{i}", d[o : o + SINGLE_FILE_CHUNK])
+                for name, d in docs for i, o in enumerate(range(0, len(d), SINGLE_FILE_CHUNK))]
     train, held = [], []
     for name, data in docs:
         (held if _h("split:" + name) % 100 < HELDOUT_PERCENT else train).append(data)
     if not held or not train:  # too few documents for the hash to fill both sides
         if len(docs) < 2:
-            raise ValueError(f"data {source}: need at least 2 documents to split, got {len(docs)}")
+            raise ValueError(
+                f"data {source}: {sum(len(d) for _, d in docs)} bytes of text is too little to split "
+                f"into train and held-out parts (need more than {SINGLE_FILE_CHUNK} bytes)"
+            )
         train, held = [d for _, d in docs[:-1]], [docs[-1][1]]
     as_tensor = lambda parts: torch.frombuffer(bytearray(b"\n".join(parts)), dtype=torch.uint8)
     return Corpus(as_tensor(train), as_tensor(held), source, len(docs), len(held))
@@ -116,8 +122,7 @@ def load_corpus(path: str | os.PathLike | None = None, max_bytes: int = 4_000_00
                 raise ValueError(
                     f"data file {source} is not UTF-8 text (binary content); pass a text file or folder"
                 )
-            chunks = [data[i : i + SINGLE_FILE_CHUNK] for i in range(0, len(data), SINGLE_FILE_CHUNK)]
-            return _split([(f"{root.name}#{i}", c) for i, c in enumerate(chunks)], source)
+            return _split([(root.name, data)], source)
         files = _folder_files(root)
     docs, total, skipped = [], 0, 0
     for name, p in sorted(files, key=lambda t: (_h("order:" + t[0]), t[0])):
