@@ -36,7 +36,9 @@ def _case(pd, bd, ud=None, shapes=SHAPES, seed=0, with_scales=False):
     params = [_rand(s, pd, g) for s in shapes]
     bufs = [_rand(s, bd, g) for s in shapes]
     updates = [_rand(s, ud or pd, g) for s in shapes]
-    scales = (torch.rand(len(shapes), generator=g, dtype=torch.float64) + 0.5).float() if with_scales else None
+    scales = None
+    if with_scales:
+        scales = (torch.rand(len(shapes), generator=g, dtype=torch.float64) + 0.5).float()
     return params, bufs, updates, scales
 
 
@@ -84,7 +86,7 @@ def test_op_cpu_mixed_dtypes_and_strides_in_one_call():
         _rand((20, 4), torch.float32, g)[::2],  # strided param
         _rand((4, 4), torch.float16, g),
     ]
-    bufs = [torch.zeros(p.shape, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32) for p in params]
+    bufs = [torch.zeros(p.shape, dtype=nesterov.update_compute_dtype(p.dtype, p.dtype)) for p in params]
     bufs[1] = _rand((8,), torch.float64, g)
     updates = [_rand(p.shape, torch.float32, g) for p in params]
     updates[2] = _rand((6, 10), torch.float32, g).t()  # non-contiguous update
@@ -125,7 +127,8 @@ def test_bad_arguments_change_nothing():
 
 
 def test_opcheck():
-    params, bufs, updates, scales = _case(torch.float32, torch.float32, shapes=[(3, 4), (5,)], seed=5, with_scales=True)
+    params, bufs, updates, scales = _case(torch.float32, torch.float32, shapes=[(3, 4), (5,)], seed=5,
+                                          with_scales=True)
     torch.library.opcheck(torch.ops.isoloco.nesterov_outer_.default, (params, bufs, updates, LR, MU, scales))
     torch.library.opcheck(torch.ops.isoloco.nesterov_outer_.default, (params, bufs, updates, LR, MU, None))
 
@@ -184,7 +187,8 @@ def test_triton_kernel_interpreted_mixed_groups_and_strided_updates(interp):
     g = torch.Generator().manual_seed(7)
     params = [_rand((5, 6), torch.float32, g), _rand((40,), torch.bfloat16, g), _rand((6, 5), torch.float32, g)]
     bufs = [torch.zeros(5, 6), _rand((40,), torch.float32, g), _rand((6, 5), torch.float32, g)]
-    updates = [_rand((6, 5), torch.float32, g).t(), _rand((40,), torch.bfloat16, g), _rand((6, 5), torch.float32, g)]
+    updates = [_rand((6, 5), torch.float32, g).t(), _rand((40,), torch.bfloat16, g),
+               _rand((6, 5), torch.float32, g)]
     # contiguous views 4 bytes off a 16-byte boundary: the unaligned launch
     params.append(_rand((41,), torch.float32, g)[1:])
     bufs.append(_rand((41,), torch.float32, g)[1:])
@@ -248,7 +252,8 @@ def test_triton_kernel_compiles_for_sm90(pd, bd, has_scales, aligned, vector_op)
         )
     except TypeError as e:  # another triton's ASTSource API
         pytest.skip(f"ASTSource API differs in triton {triton.__version__}: {e}")
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tn.NUM_WARPS}).asm["ptx"]
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tn.NUM_WARPS})
+    ptx = compiled.asm["ptx"]
     assert ".entry _nesterov_outer_kernel" in ptx
     if vector_op:
         assert vector_op in ptx and vector_op.replace("ld.", "st.") in ptx
@@ -276,9 +281,10 @@ def test_triton_kernel_cuda_matches_torch():
         pytest.skip("triton not importable")
     from isoloco_kernels.triton import nesterov as tn
 
-    params, bufs, updates, scales = _case(torch.bfloat16, torch.float32, torch.float32, shapes=SHAPES + [(300, 257)], seed=10, with_scales=True)
-    params, bufs, updates, scales = ([t.cuda() for t in ts] for ts in (params, bufs, updates, [scales]))
-    scales = scales[0]
+    case = _case(torch.bfloat16, torch.float32, torch.float32, shapes=SHAPES + [(300, 257)], seed=10,
+                 with_scales=True)
+    params, bufs, updates = ([t.cuda() for t in ts] for ts in case[:3])
+    scales = case[3].cuda()
     p2, b2 = _clone(params), _clone(bufs)
     ref = _reference(params, bufs, updates, scales)
     tn.nesterov_outer_triton(params, bufs, updates, LR, MU, scales)

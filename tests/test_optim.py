@@ -42,9 +42,9 @@ def _check_step(opt, groups, grads, dtype):
     expect = []
     for group, gs in zip(groups, grads):
         ps = group["params"]
-        bufs = [b if b is not None else torch.zeros_like(p, dtype=torch.float64) for p, b in zip(ps, _state(opt, ps))]
-        rp, rb = isoloco_step_ref(ps, bufs, gs, group["lr"], group["momentum"], iso=group.get("iso", opt.defaults["iso"]))
-        expect.append([(p.detach().clone(), a, b) for p, a, b in zip(ps, rp, rb)])
+        bufs = [torch.zeros_like(p, dtype=torch.float64) if b is None else b for p, b in zip(ps, _state(opt, ps))]
+        rp, rb = isoloco_step_ref(ps, bufs, gs, group["lr"], group["momentum"], iso=group["iso"])
+        expect.append([(p.detach().to("cpu", copy=True), a, b) for p, a, b in zip(ps, rp, rb)])
         for p, gr in zip(ps, gs):
             p.grad = gr.clone()
     opt.step()
@@ -129,7 +129,8 @@ def test_state_dict_is_sgd_shaped():
         assert v is None or type(v) in (int, float, bool), (k, v)
     sgd_keys = set(torch.optim.SGD(ps, lr=0.1).state_dict()["param_groups"][0])
     assert sgd_keys <= set(sd["param_groups"][0]), sgd_keys - set(sd["param_groups"][0])
-    assert all(set(s) == {"momentum_buffer"} and isinstance(s["momentum_buffer"], torch.Tensor) for s in sd["state"].values())
+    for s in sd["state"].values():
+        assert set(s) == {"momentum_buffer"} and isinstance(s["momentum_buffer"], torch.Tensor)
     assert len(sd["state"]) == len(ps)
 
 
@@ -403,7 +404,10 @@ def test_cuda_matches_reference(dtype):
     ps = [nn.Parameter(p.detach().cuda()) for p in _params(dtype, seed=16)]
     opt = ik.IsoLoCo([{"params": ps[:6]}, {"params": ps[6:], "lr": 0.4, "iso": False}], method="svd")
     for step in range(2):
-        grads = [[g.cuda() for g in _grads(gr["params"], seed=200 + 10 * step + k)] for k, gr in enumerate(opt.param_groups)]
+        grads = [
+            [g.cuda() for g in _grads(gr["params"], seed=200 + 10 * step + k)]
+            for k, gr in enumerate(opt.param_groups)
+        ]
         _check_step(opt, opt.param_groups, grads, dtype)
 
 
