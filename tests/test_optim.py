@@ -10,7 +10,7 @@ from torch import nn
 
 import isoloco_kernels as ik
 from isoloco_kernels.reference import iso_flatten_ref, isoloco_step_ref
-from tests.helpers import TOL, rel_err
+from tests.helpers import DTYPES, TOL, rel_err
 
 # Matrices (with a transposed twin, 1×n and n×1), vectors, a 3-D tensor and a strided param.
 SHAPES = [(6, 9), (9, 6), (6, 9), (1, 7), (7, 1), (5,), (1,), (2, 3, 4), (4, 4)]
@@ -62,7 +62,7 @@ def _check_step(opt, groups, grads, dtype):
 
 
 @pytest.mark.parametrize("method", ["auto", "svd", "eigh"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_reference_over_steps(dtype, method):
     ps = _params(dtype, seed=1)
     groups = [
