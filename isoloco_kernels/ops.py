@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from . import _ext
+from . import _ext, flatten
 from ._validate import SUPPORTED_DTYPES, check_all_finite, check_matrix_tensor
 from . import epilogue, nesterov
 from .flatten import check_method, iso_flatten_impl
@@ -142,7 +142,9 @@ def iso_merge_(buckets: Sequence[torch.Tensor], *, method: str = "auto") -> list
     Zero-size buckets pass through; buckets may live on different devices.
 
     method: "svd" (exact, torch.linalg.svd), "eigh" (float64 eigh of the short-side Gram
-    matrix), or "auto" (currently "svd" everywhere).
+    matrix), "polar" (matmul-only Polar Express iteration, residual-checked, exact fallback),
+    "polar_bf16" (bf16 GEMMs; well-conditioned inputs only) or "auto" ("polar" on CUDA, the
+    faster exact method on the CPU; see flatten.resolve_method).
     """
     buckets = list(buckets)
     check_method(method)
@@ -169,6 +171,6 @@ def backends() -> dict[str, str]:
     return {
         "cuda_extension": _ext.STATUS,
         "iso_scale_[CUDA]": "csrc kernel" if _ext.LOADED and _ext.has_kernel("iso_scale_") else "torch",
-        "methods": ", ".join(m for m in ("svd", "eigh")),
+        "methods": ", ".join(m for m in flatten.METHODS if m != "auto"),
         "dtypes": ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES),
     }
