@@ -209,10 +209,11 @@ def test_cli_end_to_end(tmp_path, capsys):
 def test_cli_sweep_and_outer_lr_override(tmp_path):
     out = tmp_path / "sweep"
     args = CLI_SMALL + ["--out", str(out), "--mode", "diloco,isoloco", "--sweep", "workers=1,3",
-                        "--outer-lr", "isoloco=1.2"]
+                        "--outer-lr", "isoloco=1.2", "--tie-embeddings"]
     assert main(args) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["sweep"]["param"] == "workers" and res["sweep"]["values"] == [1, 3]
+    assert res["config"]["model_config"]["tie_embeddings"] is True
     runs = res["sweep"]["runs"]
     assert [r["config"]["workers"] for r in runs] == [1, 3]
     for r in runs:

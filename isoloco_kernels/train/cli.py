@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", "-R", type=int, default=d.rounds, help="outer steps (default %(default)s)")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per worker per inner step")
     p.add_argument("--seq-len", type=int, default=None, help="bytes per sequence (default: the model's)")
+    p.add_argument("--tie-embeddings", action="store_true", help="share input embedding and output head")
     p.add_argument("--inner-lr", type=float, default=d.inner_lr, help="AdamW peak lr")
     p.add_argument("--warmup", type=int, default=d.warmup, help="inner warmup steps")
     p.add_argument("--outer-lr", type=_parse_outer_lr, default=None,
@@ -139,8 +140,8 @@ def main(argv=None) -> int:
         outer_lr = a.outer_lr or {}
     base = TrainConfig(
         model=a.model, workers=a.workers, inner_steps=a.inner_steps, rounds=a.rounds, batch=a.batch,
-        seq_len=a.seq_len, inner_lr=a.inner_lr, warmup=a.warmup, outer_lr=outer_lr,
-        iso_method=a.iso_method, eval_windows=a.eval_windows, seed=a.seed, device=device,
+        seq_len=a.seq_len, tie_embeddings=a.tie_embeddings, inner_lr=a.inner_lr, warmup=a.warmup,
+        outer_lr=outer_lr, iso_method=a.iso_method, eval_windows=a.eval_windows, seed=a.seed, device=device,
     )
     param, values = a.sweep if a.sweep else (None, [None])
     cfgs = [base if param is None else replace(base, **{SWEEPABLE[param]: v}) for v in values]

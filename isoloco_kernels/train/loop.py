@@ -39,6 +39,7 @@ class TrainConfig:
     rounds: int = 12  # outer steps
     batch: int = 4  # sequences per worker per inner step
     seq_len: int | None = None  # None: the preset's
+    tie_embeddings: bool = False  # share the input embedding with the output head
     inner_lr: float = 3e-3  # AdamW peak lr
     warmup: int = 20  # inner steps of linear warmup, then cosine to min_lr_ratio·inner_lr
     min_lr_ratio: float = 0.1
@@ -55,10 +56,11 @@ class TrainConfig:
     def model_config(self) -> ModelConfig:
         if self.model not in PRESETS:
             raise ValueError(f"model must be one of {sorted(PRESETS)}, got {self.model!r}")
-        cfg = PRESETS[self.model]
-        if self.seq_len is not None and self.seq_len != cfg.seq_len:
-            cfg = ModelConfig(**{**cfg.as_dict(), "seq_len": self.seq_len})
-        return cfg
+        cfg = PRESETS[self.model].as_dict()
+        if self.seq_len is not None:
+            cfg["seq_len"] = self.seq_len
+        cfg["tie_embeddings"] = self.tie_embeddings
+        return ModelConfig(**cfg)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting; call before any training."""
