@@ -46,16 +46,18 @@ def _describe_nonfinite(x: torch.Tensor, what: str) -> str:
 def check_all_finite(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
     """Raise ValueError naming the first tensor (and matrix) holding NaN or Inf.
 
-    One reduction per tensor and one host sync per device, so the check is cheap on a GPU.
+    A one-pass screen finds the suspects: the 2-norm of every tensor in its compute dtype, one
+    `_foreach_norm` and one host sync per (device, dtype). Only a tensor whose norm is not finite
+    is then searched element by element (a finite tensor whose norm overflows passes there).
     """
-    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         if t.numel():
-            by_device.setdefault(t.device, []).append((i, torch.isfinite(t).all()))
-    bad: list[int] = []
-    for items in by_device.values():
-        ok = torch.stack([f for _, f in items]).cpu()
-        bad += [i for (i, _), good in zip(items, ok.tolist()) if not good]
-    if bad:
-        i = min(bad)
-        raise ValueError(_describe_nonfinite(tensors[i], names[i]))
+            groups.setdefault((t.device, compute_dtype(t.dtype)), []).append(i)
+    suspects: list[int] = []
+    for (_, dt), idx in groups.items():
+        norms = torch.stack(torch._foreach_norm([tensors[i] for i in idx], 2, dtype=dt))
+        suspects += [i for i, ok in zip(idx, torch.isfinite(norms).tolist()) if not ok]
+    for i in sorted(suspects):
+        if not bool(torch.isfinite(tensors[i]).all()):
+            raise ValueError(_describe_nonfinite(tensors[i], names[i]))

@@ -152,10 +152,15 @@ def iso_merge_(buckets: Sequence[torch.Tensor], *, method: str = "auto") -> list
     for b, name in zip(buckets, names):
         check_matrix_tensor(b, name)
     check_all_finite(buckets, names)
+    flatten_buckets_(buckets, method)
+    return buckets
+
+
+def flatten_buckets_(buckets: Sequence[torch.Tensor], method: str) -> None:
+    """The op over every non-empty bucket, for callers that already checked all of them."""
     for b in buckets:
         if b.numel():
             torch.ops.isoloco.iso_flatten_(b, method)
-    return buckets
 
 
 def iso_flatten(x: torch.Tensor, *, method: str = "auto") -> torch.Tensor:

@@ -11,7 +11,7 @@ Per step, for each parameter with a gradient Δ:
 With iso=False this is exactly SGD(lr, momentum, nesterov=True).
 
 How: the 2-D gradients are packed into one [B, m, n] buffer per shape (a matrix and its transpose
-share one; buckets.py), flattened bucket by bucket with `iso_merge_`, and the fused multi-tensor
+share one; buckets.py), flattened bucket by bucket with the `iso_flatten_` op, and the fused multi-tensor
 op `torch.ops.isoloco.nesterov_outer_` reads the results straight from the buffers — one call per
 (device, lr, momentum). The buffers are kept between steps (extra memory: the size of the 2-D
 gradients in the compute dtype) and rebuilt only when the set of parameters with gradients or
@@ -38,7 +38,7 @@ import torch
 from ._validate import SUPPORTED_DTYPES, check_all_finite, compute_dtype
 from .buckets import BucketPlan
 from .flatten import check_method
-from .ops import iso_merge_
+from .ops import flatten_buckets_
 
 __all__ = ["IsoLoCo"]
 
@@ -68,23 +68,6 @@ def _check_group(group: dict, where: str) -> None:
             )
     if not isinstance(group.get("iso", True), bool):
         raise ValueError(f"{where}: iso must be a bool, got {group['iso']!r}")
-
-
-def _check_finite(grads: list[torch.Tensor], names: list[str]) -> None:
-    """Raise ValueError naming the first grad holding NaN/Inf. A one-pass screen (norms in the
-    compute dtype, one host sync per device and dtype) finds the suspects; `check_all_finite`
-    then confirms and describes them (a finite grad whose norm overflows passes there)."""
-    groups: dict[tuple, list[int]] = {}
-    for i, g in enumerate(grads):
-        if g.numel():
-            groups.setdefault((g.device, compute_dtype(g.dtype)), []).append(i)
-    suspects: list[int] = []
-    for (_, dt), idx in groups.items():
-        norms = torch.stack(torch._foreach_norm([grads[i] for i in idx], 2, dtype=dt))
-        suspects += [i for i, ok in zip(idx, torch.isfinite(norms).tolist()) if not ok]
-    if suspects:
-        suspects.sort()
-        check_all_finite([grads[i] for i in suspects], [names[i] for i in suspects])
 
 
 class IsoLoCo(torch.optim.Optimizer):
@@ -173,7 +156,7 @@ class IsoLoCo(torch.optim.Optimizer):
             f"IsoLoCo: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) grad"
             for gi, pi, p, _, _ in entries
         ]
-        _check_finite([e[3] for e in entries], names)
+        check_all_finite([e[3] for e in entries], names)
         return entries
 
     def _iso_updates(self, entries) -> dict[int, torch.Tensor]:
@@ -184,7 +167,7 @@ class IsoLoCo(torch.optim.Optimizer):
         grads = [entries[k][3] for k in chosen]
         if self._plan is None or not self._plan.matches(grads):
             self._plan = BucketPlan(grads)
-        iso_merge_(self._plan.pack(grads), method=self.method)
+        flatten_buckets_(self._plan.pack(grads), self.method)  # grads were checked in _gather
         return dict(zip(chosen, self._plan.views()))
 
     @torch.no_grad()

@@ -103,12 +103,14 @@ def test_bad_input_names_the_bucket_and_changes_nothing(bad):
             assert torch.equal(b.view(torch.uint8), b0.view(torch.uint8))  # bit-identical, NaN included
 
 
-def test_op_level_nonfinite_leaves_input_untouched():
+@pytest.mark.parametrize("method", ["svd", "eigh", "polar", "polar_bf16", "auto"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_op_level_nonfinite_leaves_input_untouched(method, value):
     x = _rand((4, 6, 6), torch.float32, 10)
-    x[3, 0, 0] = float("nan")
+    x[3, 0, 0] = float(value)
     before = x.clone()
-    with pytest.raises(ValueError, match="matrix 3 contains NaN"):
-        torch.ops.isoloco.iso_flatten_(x, "svd")
+    with pytest.raises(ValueError, match="matrix 3 (contains|gave a non-finite)"):
+        torch.ops.isoloco.iso_flatten_(x, method)
     assert torch.equal(x.view(torch.int32), before.view(torch.int32))
 
 
