@@ -58,8 +58,11 @@ BUCKET_BYTES = 25 * 1024 * 1024
 
 
 # torch 2.14 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# (Builds without torch.distributed have neither: importing stays fine, calling raises in _group_info.)
+_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+_reduce_scatter_single = (
+    getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+)
 
 
 class DistributedStepError(RuntimeError):
@@ -541,7 +544,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
 
     Momentum is kept only by the owner, so state_dict()
     is per rank; it carries the plan's fingerprint and rank, and load_state_dict refuses a state
-    saved under a different plan or by a different rank. param_groups hold lr, momentum and iso.
+    saved under a different plan or by a different rank. param_groups are IsoLoCo's (SGD's keys plus
+    iso); half-precision params keep float32 momentum, as in IsoLoCo.
 
     If any rank finds bad input (missing grad, wrong shape or dtype, NaN/Inf, a failed flatten),
     every rank raises DistributedStepError and no param or buffer changes on any rank.
