@@ -41,7 +41,7 @@ import torch.distributed as dist
 from ._validate import SUPPORTED_DTYPES, check_all_finite, check_matrix_tensor, compute_dtype
 from .buckets import BucketPlan
 from .flatten import check_method
-from .ops import iso_merge_
+from .ops import flatten_buckets_
 from .optim import _SGD_KEYS
 
 __all__ = [
@@ -477,7 +477,7 @@ def sharded_iso_merge_(
     for us in solo_mine.values():
         batches.append((torch.stack([unit(u) for u in us]), us))
     try:
-        iso_merge_([blk for blk, _ in batches], method=method)
+        flatten_buckets_([blk for blk, _ in batches], method)  # checked above
     except Exception as e:  # any failure must reach the other ranks before they write
         error = _error_text(e)
     _agree(error, group, device, "sharded_iso_merge_")
@@ -703,7 +703,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         views = [updates[i] for i in idx]
         if self._buckets is None or not self._buckets.matches(views):
             self._buckets = BucketPlan(views)
-        iso_merge_(self._buckets.pack(views), method=self.method)
+        flatten_buckets_(self._buckets.pack(views), self.method)  # checked by the caller
         return dict(zip(idx, self._buckets.views()))
 
     def _own_single(self, dtype, flat) -> torch.Tensor:
