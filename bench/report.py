@@ -217,6 +217,9 @@ def plot(run, out_png: str) -> None:
     cases = run["cases"]
     fl = [c for c in cases if c["kind"] == "flatten"]
     ne = [c for c in cases if c["kind"] == "nesterov"]
+    ou = [c for c in cases if c["kind"] == "outer_step"]
+    names = list(dict.fromkeys(c["impl"] for c in cases))
+    color = {n: f"C{i % 10}" for i, n in enumerate(names)}
     groups = sorted({(c["device"], c["dtype"]) for c in fl})
     ncol = max(len(groups), 1) + (1 if ne else 0)
     fig, axes = plt.subplots(2, ncol, figsize=(6.5 * ncol, 8.5), squeeze=False)
@@ -233,8 +236,11 @@ def plot(run, out_png: str) -> None:
                     xs.append(j + (k - (len(impls) - 1) / 2) * w)
                     ts.append(c["median_s"])
                     es.append(max(c["err_rel_fro"], 1e-17))
-            axes[0][col].bar(xs, ts, w, label=impl)
-            axes[1][col].bar(xs, es, w, label=impl)
+            axes[0][col].bar(xs, ts, w, label=impl, color=color[impl])
+            axes[1][col].bar(xs, es, w, label=impl, color=color[impl])
+        errs = [max(c["err_rel_fro"], 1e-17) for c in cs if c["err_rel_fro"] == c["err_rel_fro"]]
+        if errs:
+            axes[1][col].set_ylim(min(errs) / 4, max(errs) * 4)
         for j, s in enumerate(sets):
             roof = [c["roofline_s"] for c in cs if c["set"] == s and c.get("flops")]
             if roof:
@@ -260,7 +266,8 @@ def plot(run, out_png: str) -> None:
             for k, impl in enumerate(impls):
                 pts = [(j, _find(cs, set=s, impl=impl)) for j, s in enumerate(sets)]
                 pts = [(j, c) for j, c in pts if c]
-                ax.bar([j + (k - (len(impls) - 1) / 2) * w for j, _ in pts], [c["GBps"] for _, c in pts], w, label=impl)
+                ax.bar([j + (k - (len(impls) - 1) / 2) * w for j, _ in pts], [c["GBps"] for _, c in pts], w,
+                       label=impl, color=color[impl])
             ceil = run.get("isoloco", {}).get("ceilings", {}).get(dev, {}).get("copy_GBps")
             if ceil:
                 ax.axhline(ceil, color="k", ls="--", label="copy ceiling")
@@ -271,11 +278,35 @@ def plot(run, out_png: str) -> None:
             ax.legend(fontsize=7)
             ax.grid(axis="y", alpha=0.3)
         if len({c["device"] for c in ne}) < 2:
-            axes[1][col].axis("off")
+            _outer_panel(axes[1][col], ou, color)
     fig.suptitle(_title(run))
     fig.tight_layout()
     fig.savefig(out_png, dpi=90)
     plt.close(fig)
+
+
+def _outer_panel(ax, cases, color) -> None:
+    """Whole outer step time per set and impl (first device only)."""
+    if not cases:
+        ax.axis("off")
+        return
+    dev = sorted({c["device"] for c in cases})[0]
+    cs = [c for c in cases if c["device"] == dev]
+    sets = sorted({c["set"] for c in cs}, key=lambda s: _find(cs, set=s)["n_params"])
+    impls = list(dict.fromkeys(c["impl"] for c in cs))
+    w = 0.8 / len(impls)
+    for k, impl in enumerate(impls):
+        pts = [(j, _find(cs, set=s, impl=impl)) for j, s in enumerate(sets)]
+        pts = [(j, c) for j, c in pts if c]
+        ax.bar([j + (k - (len(impls) - 1) / 2) * w for j, _ in pts], [c["median_s"] for _, c in pts], w,
+               label=impl, color=color[impl])
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(sets)))
+    ax.set_xticklabels(sets)
+    ax.set_ylabel("median time [s]")
+    ax.set_title(f"whole outer step — {dev}")
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
 
 
 def short_table(run) -> str:

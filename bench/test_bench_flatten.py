@@ -121,8 +121,7 @@ def test_flatten(benchmark, impl, set_name, device, dtype, bench_seconds, ceilin
     if impl in BASELINES and dtype != "fp32":
         pytest.skip("the torch.linalg.svd baselines run in fp32 only")
 
-    entry = _inputs(spec, device, DTYPES[dtype])
-    shapes, src = entry["shapes"], entry["src"]
+    shapes = bucket_shapes(s for _, s in decoder_weight_shapes(spec))
     resolved = harness.resolved_backends(impl, shapes, device)
     if dtype != "fp32" and any(r in EXACT for r in resolved):
         pytest.skip(f"{impl} resolves to {sorted(set(resolved) & EXACT)}: exact methods compute in "
@@ -130,6 +129,8 @@ def test_flatten(benchmark, impl, set_name, device, dtype, bench_seconds, ceilin
     if device.type == "cuda" and set_name == "llama-1b" and any(r in EXACT for r in resolved):
         pytest.skip(f"{impl} ({', '.join(sorted(set(resolved)))}) on llama-1b: minutes per call on a "
                     "GPU, beyond the device script's budget")
+    entry = _inputs(spec, device, DTYPES[dtype])
+    src = entry["src"]
 
     work = [s.clone() for s in src]
     fn = _impl_fn(impl)

@@ -243,9 +243,15 @@ def _outer_error(impl: str, st: dict) -> tuple[float, str]:
     step()
     iso = impl != "sgd-foreach"
     lr, mu = (DILOCO_LR, DILOCO_MU) if not iso else (ISOLOCO_LR, ISOLOCO_MU)
+    ref_cache = st.setdefault("iso_ref", {})
     outs, refs = [], []
-    for p, q0, g in zip(ps, p0, gs):
-        m = iso_flatten_ref(g) if (iso and g.ndim == 2) else g.to("cpu", torch.float64)
+    for i, p, q0, g in zip(idx, ps, p0, gs):
+        if iso and g.ndim == 2:
+            if i not in ref_cache:
+                ref_cache[i] = iso_flatten_ref(g)
+            m = ref_cache[i]
+        else:
+            m = g.to("cpu", torch.float64)
         rp, _ = nesterov_ref(q0, torch.zeros_like(q0), m, lr, mu)
         q64 = q0.to("cpu", torch.float64)
         outs.append(p.to("cpu", torch.float64) - q64)
@@ -271,6 +277,9 @@ def test_outer_step(benchmark, impl, set_name, device, bench_seconds, ceilings):
     resolved = harness.resolved_backends(method, shapes2d, device)
     if device.type == "cuda" and set_name == "llama-1b" and set(resolved) & EXACT:
         pytest.skip(f"{impl} on llama-1b: minutes per call on a GPU, beyond the device script's budget")
+    if device.type == "cuda" and spec.n_params > 100e6 and impl.startswith("isoloco-") and set(resolved) <= EXACT:
+        pytest.skip(f"{impl} on {set_name}: exact flatten methods are timed in test_flatten; on big "
+                    "sets the GPU run spends its budget on the matmul methods and the svd-loop baseline")
 
     st = _outer_state(spec, device)
     err, sample = _outer_error(impl, st)
