@@ -78,18 +78,31 @@ class IsoLoCo(torch.optim.Optimizer):
         lr: outer learning rate (released IsoLoCo config: 1.8).
         momentum: Nesterov momentum μ (released IsoLoCo config: 0.8).
         iso: flatten 2-D pseudo-gradients with Iso-C; False gives SGD(nesterov=True).
-        method: flatten backend for `iso_merge_` ("auto", "svd", "eigh"); kept on the optimizer,
-            not in the state dict.
+        method: flatten backend ("auto", "svd", "eigh", "polar", "polar_bf16"; see `iso_merge_`);
+            kept on the optimizer, not in the state dict.
+        process_group: a torch.distributed group whose ranks all hold the same, already averaged
+            grads (torchft, OpenDiLoCo): the flatten work is split across its ranks and the
+            results all-gathered. None (default): this process flattens everything.
     """
 
     def __init__(
-        self, params, lr: float = 1.8, momentum: float = 0.8, *, iso: bool = True, method: str = "auto"
+        self,
+        params,
+        lr: float = 1.8,
+        momentum: float = 0.8,
+        *,
+        iso: bool = True,
+        method: str = "auto",
+        process_group=None,
     ):
         _check_hyper(lr, momentum, "IsoLoCo")
         check_method(method)
         if not isinstance(iso, bool):
             raise ValueError(f"IsoLoCo: iso must be a bool, got {iso!r}")
         self.method = method
+        # Set when p.grad is already averaged and equal on every rank of this group (torchft,
+        # OpenDiLoCo): each rank flattens only its share of the matrices (sharded_iso_merge_).
+        self.process_group = process_group
         self._plan: Optional[BucketPlan] = None  # bucket buffers, reused while the grads' shapes hold
         super().__init__(params, dict(lr=lr, momentum=momentum, iso=iso, **_SGD_KEYS))
 
@@ -167,7 +180,13 @@ class IsoLoCo(torch.optim.Optimizer):
         grads = [entries[k][3] for k in chosen]
         if self._plan is None or not self._plan.matches(grads):
             self._plan = BucketPlan(grads)
-        flatten_buckets_(self._plan.pack(grads), self.method)  # grads were checked in _gather
+        buffers = self._plan.pack(grads)
+        if self.process_group is None:
+            flatten_buckets_(buffers, self.method)  # grads were checked in _gather
+        else:
+            from .distributed import sharded_iso_merge_  # torch.distributed only when asked for
+
+            sharded_iso_merge_(buffers, self.process_group, method=self.method)
         return dict(zip(chosen, self._plan.views()))
 
     @torch.no_grad()

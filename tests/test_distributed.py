@@ -170,6 +170,25 @@ def _pair_checks(group, tmpdir):
     want = _isoloco_steps(SHAPES_2, torch.float64, world, 2, 0.7, 0.9, iso_on=False)
     _assert_matches_isoloco(params, want, torch.float64, "iso off")
 
+    # IsoLoCo(process_group=...): grads already averaged on every rank, flatten work split
+    calls = []
+    real_sharded = D.sharded_iso_merge_
+    D.sharded_iso_merge_ = lambda *a, **k: (calls.append(a[1]), real_sharded(*a, **k))[1]
+    for dtype in (torch.float32, torch.float64):
+        params = _model(SHAPES_2, dtype)
+        opt = IsoLoCo(params, lr=lr, momentum=mu, process_group=group)
+        for s in range(2):
+            gs = [_pseudo_grads(SHAPES_2, dtype, r, s) for r in range(world)]
+            for i, p in enumerate(params):
+                p.grad = torch.stack([g[i].double() for g in gs]).mean(0).to(dtype)
+            opt.step()
+        want = _isoloco_steps(SHAPES_2, dtype, world, 2, lr, mu)
+        for i, (p, w) in enumerate(zip(params, want)):
+            assert torch.equal(p, w), f"IsoLoCo(process_group) {dtype}: param {i} differs from IsoLoCo"
+        _assert_same_everywhere(params, f"IsoLoCo(process_group) {dtype} params", group)
+    D.sharded_iso_merge_ = real_sharded
+    assert calls == [group] * 4, "IsoLoCo(process_group=...) must split the flatten over the group"
+
     # state_dict save, fresh optimizer, load, resume: same trajectory as running straight through
     dtype = torch.float64
     params = _model(SHAPES_2, dtype)
