@@ -29,7 +29,6 @@ bounds alone over the median.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from typing import Callable, Sequence
