@@ -121,6 +121,17 @@ class Comm:
     def average_(self, tensors: Sequence[torch.Tensor]) -> None:
         torch._foreach_div_(list(tensors), float(self.world_workers))
 
+    def outer_optimizer(self, mode: str, params, cfg: TrainConfig) -> torch.optim.Optimizer:
+        """The outer optimizer over this process's copy of the global params (replicated)."""
+        return outer_optimizer(mode, params, cfg)
+
+    def pseudo_gradients_(self, delta: Sequence[torch.Tensor]) -> None:
+        """Δ summed over this process's workers → the outer optimizer's p.grad: the mean over all K.
+
+        A launcher whose outer optimizer averages by itself (a sharded step) leaves Δ as it is.
+        """
+        self.average_(delta)
+
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     """Linear warmup over `warmup` steps, then cosine from 1 to min_ratio at step `total`."""
@@ -266,7 +277,7 @@ def run_mode(
             work = ByteLM(setup.mcfg).to(setup.device)  # the scratch model every worker trains
             inner = {k: inner_optimizer(work, cfg) for k in comm.local_workers}
             params = list(model.parameters())
-            outer = outer_optimizer(mode, params, cfg)
+            outer = comm.outer_optimizer(mode, params, cfg)
             for r in range(R):
                 delta = [torch.zeros_like(p) for p in params]
                 for k in comm.local_workers:
@@ -284,7 +295,7 @@ def run_mode(
                     with torch.no_grad():  # Δ_k = global − local, summed over this process's workers
                         torch._foreach_add_(delta, params)
                         torch._foreach_sub_(delta, list(work.parameters()))
-                comm.average_(delta)
+                comm.pseudo_gradients_(delta)
                 for p, d in zip(params, delta):
                     p.grad = d
                 outer.step()
