@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .data import check_fits, load_corpus
+from .dist import OUTER_PLACEMENTS, check_outer, torchrun_launch
 from .loop import MODES, OUTER_DEFAULTS, Comm, Setup, TrainConfig, run_mode
 from .model import PRESETS
 from .report import mode_table, plot, sweep_table
@@ -99,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out", default="runs/latest", help="folder for results.json and loss.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--outer", choices=OUTER_PLACEMENTS, default="replicated",
+                   help="under torchrun: the outer step on every rank (replicated, default) or each "
+                        "tensor's on one owner rank (sharded: ShardedIsoLoCo)")
     return p
 
 
@@ -127,6 +131,7 @@ def _progress_factory(quiet: bool):
 
 def main(argv=None) -> int:
     parser = build_parser()
+    launch = torchrun_launch(parser)  # None unless started by torchrun: then one worker per rank
     a = parser.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if a.threads is not None:
@@ -149,6 +154,7 @@ def main(argv=None) -> int:
     try:
         for c in cfgs:
             c.validate()
+        check_outer(launch, cfgs, param, device, a.outer)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {device} requested but CUDA is not available")
         corpus = load_corpus(a.data, a.max_bytes)
@@ -156,6 +162,8 @@ def main(argv=None) -> int:
             check_fits(corpus, c.workers, c.batch, c.model_config().seq_len)
     except ValueError as e:
         parser.error(str(e))
+    if launch is not None:
+        launch.start(device)
 
     if device.startswith("cuda"):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -163,9 +171,13 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     make_progress = _progress_factory(a.quiet)
+    say = print
+    if launch is not None:
+        make_progress = launch.progress(make_progress)
+        say = print if launch.is_main else (lambda *args, **kwargs: None)
     t_start = time.perf_counter()
     setup0 = Setup(cfgs[0], corpus)
-    print(
+    say(
         f"model {a.model}: {setup0.n_params:,} params, seq {setup0.mcfg.seq_len}; data: {corpus.source}, "
         f"{corpus.train.numel():,} train / {corpus.heldout.numel():,} held-out bytes; device {device}",
         file=sys.stderr,
@@ -178,11 +190,13 @@ def main(argv=None) -> int:
             tag = m if param is None else f"{m} {param}={v}"
             cb, close = make_progress(tag, c.workers * c.inner_steps * c.rounds)
             try:
-                runs.append(run_mode(m, setup, Comm(c.workers), cb))
+                runs.append(run_mode(m, setup, Comm(c.workers) if launch is None else launch.comm(c), cb))
             finally:
                 close()
+            if launch is not None:
+                launch.check_run(runs[-1])
             if "diverged" in runs[-1]:
-                print(f"warning: {tag} diverged: {runs[-1]['diverged']}", file=sys.stderr)
+                say(f"warning: {tag} diverged: {runs[-1]['diverged']}", file=sys.stderr)
         per_value.append(runs)
 
     result = {
@@ -206,6 +220,11 @@ def main(argv=None) -> int:
                             for c, runs in zip(cfgs, per_value)]},
         )
         table = sweep_table(param, values, per_value)
+    if launch is not None:
+        result["launch"] = launch.describe()
+        launch.close()
+        if not launch.is_main:
+            return 0
     (out / "results.json").write_text(json.dumps(result, indent=1))
     wrote_png = plot(out / "loss.png", per_value, param, values)
     print(table)
