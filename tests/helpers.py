@@ -28,6 +28,10 @@ TOL = {
     ("epilogue", torch.float32): 1e-5,
     ("epilogue", torch.float16): 2e-3,
     ("epilogue", torch.bfloat16): 1e-2,
+    # Held-out loss of a torchrun run (one worker per rank) vs the single-process simulation: the
+    # same float32 math with the pseudo-gradient sums taken in another order (~1 ulp per round;
+    # measured ≤ 1e-7 after 2 rounds of the tiny model). A wrong shard or average moves it ≥ 1e-3.
+    ("train_dist", torch.float32): 1e-5,
 }
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
