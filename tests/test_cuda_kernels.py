@@ -50,6 +50,15 @@ def _iso_scale_ref(x, q):
     return s[..., None, None] * q64, s
 
 
+def _pair(shape, gen, xd, qd=None):
+    """x and q shaped like a matrix and its polar factor: ⟨x, q⟩ > 0 without cancellation in the
+    sum, ‖q‖_F ≈ √min(m, n), so s̄·q has x's magnitude (and fits in float16)."""
+    m, n = shape[-2:]
+    x64 = torch.randn(shape, generator=gen, dtype=torch.float64)
+    q64 = (0.5 * x64 + torch.randn(shape, generator=gen, dtype=torch.float64)) * (min(m, n) / (m * n)) ** 0.5
+    return x64.to(DEV, xd), q64.to(DEV, qd or xd)
+
+
 # ---------------------------------------------------------------------------------------------
 # iso_scale_
 
@@ -72,8 +81,7 @@ SHAPES = [
 def test_iso_scale_matches_reference(backend, shape, dtype):
     _need(backend)
     gen = torch.Generator().manual_seed(zlib.crc32(f"{shape}{dtype}".encode()))
-    x = torch.randn(shape, generator=gen, dtype=torch.float64).to(DEV, dtype)
-    q = torch.randn(shape, generator=gen, dtype=torch.float64).to(DEV, dtype)
+    x, q = _pair(shape, gen, dtype)
     want_x, want_s = _iso_scale_ref(x, q)
     s = ISO_SCALE[backend](x, q)
     torch.cuda.synchronize()
@@ -89,8 +97,7 @@ def test_iso_scale_matches_reference(backend, shape, dtype):
 def test_iso_scale_mixed_dtypes(backend, xd, qd):
     _need(backend)
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(3, 50, 31, generator=gen, dtype=torch.float64).to(DEV, xd)
-    q = torch.randn(3, 50, 31, generator=gen, dtype=torch.float64).to(DEV, qd)
+    x, q = _pair((3, 50, 31), gen, xd, qd)
     want_x, want_s = _iso_scale_ref(x, q)
     s = ISO_SCALE[backend](x, q)
     tol = max(TOL[("epilogue", xd)], TOL[("epilogue", qd)])
@@ -119,8 +126,9 @@ def test_iso_scale_non_contiguous_writes_only_the_view(backend, dtype):
     # x: every other column of a NaN-poisoned buffer, transposed; q: a transposed view.
     base = torch.full((3, 40, 2 * 23), float("nan"), dtype=dtype, device=DEV)
     x = base[:, :, ::2].transpose(-1, -2)
-    x.copy_(torch.randn(x.shape, generator=gen, dtype=torch.float64).to(dtype))
-    q = torch.randn(3, 40, 23, generator=gen, dtype=torch.float64).to(DEV, dtype).transpose(-1, -2)
+    x0, q = _pair((3, 40, 23), gen, dtype)
+    x.copy_(x0.transpose(-1, -2))
+    q = q.transpose(-1, -2)
     assert not x.is_contiguous() and not q.is_contiguous()
     want_x, want_s = _iso_scale_ref(x, q)
     s = ISO_SCALE[backend](x, q)
@@ -133,9 +141,10 @@ def test_iso_scale_non_contiguous_writes_only_the_view(backend, dtype):
 def test_iso_scale_misaligned_storage_uses_the_scalar_path(backend):
     _need(backend)
     gen = torch.Generator().manual_seed(5)
-    buf = torch.randn(1 + 2 * 64 * 48, generator=gen, dtype=torch.float64).to(DEV, torch.float32)
+    x0, q = _pair((2, 64, 48), gen, torch.float32)
+    buf = torch.empty(1 + x0.numel(), device=DEV)
     x = buf[1:].view(2, 64, 48)  # 4-byte offset: not 16-byte aligned
-    q = torch.randn(2, 64, 48, generator=gen).to(DEV)
+    x.copy_(x0)
     want_x, want_s = _iso_scale_ref(x, q)
     s = ISO_SCALE[backend](x, q)
     assert rel_err(s, want_s) <= TOL[("epilogue", torch.float32)]
@@ -146,8 +155,7 @@ def test_iso_scale_misaligned_storage_uses_the_scalar_path(backend):
 def test_iso_scale_is_deterministic_and_aliasing_safe(backend):
     _need(backend)
     gen = torch.Generator().manual_seed(2)
-    x0 = torch.randn(2, 513, 257, generator=gen).to(DEV)
-    q = torch.randn(2, 513, 257, generator=gen).to(DEV)
+    x0, q = _pair((2, 513, 257), gen, torch.float32)
     s1 = ISO_SCALE[backend](x0.clone(), q)
     s2 = ISO_SCALE[backend](x0.clone(), q)
     assert torch.equal(s1, s2)  # fixed reduction order: bit-identical
