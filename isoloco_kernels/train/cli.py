@@ -3,6 +3,10 @@
 With no flags: K=8 workers, H=30 inner steps, 10 rounds, the tiny (~0.5M) byte-level model on
 Python's standard-library source; prints a table of final held-out loss per mode and writes
 results.json and loss.png under --out.
+
+Under torchrun (`torchrun --nproc_per_node=K -m isoloco_kernels.train ...`) each of the K ranks trains
+one worker and the ranks average over torch.distributed (dist.py); --outer sharded splits the outer
+step over the ranks.
 """
 from __future__ import annotations
 
