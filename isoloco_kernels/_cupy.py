@@ -68,6 +68,7 @@ def kernel_code(*headers: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def available() -> tuple[bool, str]:
     """(True, "cupy <version>") when the CuPy path can run here, else (False, why not)."""
     if not torch.cuda.is_available():

@@ -15,7 +15,7 @@ def iso_scale_torch(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     m, n = x.shape[-2:]
     cd = compute_dtype(x.dtype)
     xc, qc = x.to(cd), q.to(cd)
-    sbar = (xc * qc).sum((-2, -1)) / min(m, n)
+    sbar = (xc * qc).sum((-2, -1)) / max(min(m, n), 1)  # 0, not NaN, for empty matrices
     x.copy_(sbar[..., None, None] * qc)
     return sbar.to(torch.float32) if cd != torch.float64 else sbar
 
@@ -40,8 +40,13 @@ def _triton_iso_scale():
 
 
 def iso_scale_cuda(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """What serves iso_scale_ on CUDA when the compiled extension is absent: the Triton epilogue
-    (triton/iso_scale.py, two launches, deterministic) when triton imports, else the torch one."""
+    """What serves iso_scale_ on CUDA when the compiled extension is absent: the same CUDA kernels
+    through CuPy (_cupy.py) when CuPy works here, else the Triton epilogue (triton/iso_scale.py,
+    two launches, deterministic), else the torch one."""
+    from . import _cupy
+
+    if x.is_cuda and _cupy.available()[0]:
+        return _cupy.iso_scale_(x, q)
     fn = _triton_iso_scale()
     if fn and x.is_cuda:
         return fn(x, q)

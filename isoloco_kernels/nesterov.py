@@ -121,7 +121,15 @@ def triton_available() -> bool:
 
 def nesterov_outer_cuda(params, bufs, updates, lr: float, momentum: float, scales) -> None:
     """CUDA without the compiled extension: the Triton multi-tensor kernel for contiguous
-    params/bufs (one launch per dtype triple), torch foreach for the rest and when triton is absent."""
+    params/bufs (one launch per dtype triple), torch foreach for the rest and when triton is absent.
+    Where CuPy works, the csrc kernels compiled through it serve first."""
+    from . import _cupy
+
+    if params and params[0].is_cuda and _cupy.available()[0] and all(
+        b.dtype in (torch.float32, p.dtype) for p, b in zip(params, bufs)
+    ):
+        _cupy.nesterov_outer_(params, bufs, updates, lr, momentum, scales)
+        return
     mod = _triton_module()
     if not mod:
         nesterov_outer_torch(params, bufs, updates, lr, momentum, scales)

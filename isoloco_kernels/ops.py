@@ -172,10 +172,23 @@ def iso_flatten(x: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
 
 
 def backends() -> dict[str, str]:
-    """What serves each op here: the compiled extension's status and the available methods."""
+    """What serves each op here: the compiled extension, CuPy, Triton, and the flatten methods."""
+    from . import _cupy, nesterov
+    from . import triton as _tk
+
+    def cuda_chain(op: str, triton_ok: bool) -> str:
+        if _ext.LOADED and _ext.has_kernel(op):
+            return "csrc kernel (compiled extension)"
+        if _cupy.available()[0]:
+            return "csrc kernel through CuPy/NVRTC"
+        return "triton" if triton_ok else "torch"
+
     return {
         "cuda_extension": _ext.STATUS,
-        "iso_scale_[CUDA]": "csrc kernel" if _ext.LOADED and _ext.has_kernel("iso_scale_") else "torch",
+        "cupy": _cupy.available()[1],
+        "triton": "available" if _tk.AVAILABLE else "not importable",
+        "iso_scale_[CUDA]": cuda_chain("iso_scale_", _tk.AVAILABLE),
+        "nesterov_outer_[CUDA]": cuda_chain("nesterov_outer_", nesterov.triton_available()),
         "methods": ", ".join(m for m in flatten.METHODS if m != "auto"),
         "dtypes": ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES),
     }
