@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -47,7 +48,16 @@ def _torchrun(args: list[str], out) -> subprocess.CompletedProcess:
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), "-m", "isoloco_kernels.train", *args, "--out", str(out)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    # its own session, so a hung launch is killed with its workers, not just the torchrun agent
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {LAUNCH_TIMEOUT_S} s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +148,26 @@ def test_cli_refuses_before_training(monkeypatch, tmp_path, data_file, capsys):
         main(["--mode", "diloco", "-K", "3", "--data", str(data_file), *FLAGS, "--out", str(out)])
     assert e.value.code == 2 and "does not match the torchrun world size 2" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_divergence_ends_a_torchrun_run():
+    # one rank's non-finite loss leaves the others in a collective: that rank must raise, not go on
+    Launch(1, 2, 1).check_run({"mode": "isoloco", "heldout_loss": [5.5, 5.0]})
+    with pytest.raises(RuntimeError, match=r"rank 1: isoloco diverged \(round 0 worker 1: loss is nan\)"):
+        Launch(1, 2, 1).check_run({"mode": "isoloco", "diverged": "round 0 worker 1: loss is nan"})
+
+
+def test_progress_on_rank_0_only_counts_every_rank():
+    seen, closed = [], []
+
+    def make(label, total):
+        return (lambda done, loss: seen.append((label, total, done, loss))), (lambda: closed.append(label))
+
+    cb, close = Launch(0, 2, 0).progress(make)("diloco", 40)
+    cb(3, 5.5)
+    close()
+    assert seen == [("diloco", 40, 6, 5.5)] and closed == ["diloco"]
+    cb, close = Launch(1, 2, 1).progress(make)("diloco", 40)
+    assert cb is None
+    close()
+    assert closed == ["diloco"] and len(seen) == 1
