@@ -9,6 +9,8 @@ methods that may compile kernels on first use get a second untimed run first.
 
 Ceilings. Measured once per device in the same run:
   copy     dst.copy_(src) of a buffer far larger than the last-level cache; bytes = read + write.
+           On a CPU dst.add_(src) instead (bytes = 2 reads + 1 write): a CPU copy_ pays a hidden
+           read of dst before writing it, so counting read + write would understate the bandwidth.
   matmul   a square GEMM per dtype: 2·n³ flops.
 On a GPU with triton.testing.do_bench (CUDA events, L2 flushed before every rep, median); on the
 CPU the fastest of several perf_counter runs after a warm-up (other jobs on a shared CPU only slow
@@ -89,9 +91,17 @@ def measure_ceilings(device: torch.device | str) -> dict:
     n_copy = (1 << 28) if gpu else (1 << 26)  # fp32 elements: 1 GiB on a GPU, 256 MiB on a CPU
     src = torch.randn(n_copy, device=device)
     dst = torch.empty_like(src)
-    t = _device_time(lambda: dst.copy_(src), device) if gpu else _best_time(lambda: dst.copy_(src), device, 9)
-    out["copy_GBps"] = 2 * src.numel() * src.element_size() / t / 1e9
-    out["copy_bytes"] = 2 * src.numel() * src.element_size()
+    if gpu:
+        t = _device_time(lambda: dst.copy_(src), device)
+        moved, out["copy_kind"] = 2 * src.nbytes, "dst.copy_(src): read + write"
+    else:
+        # A CPU copy_ also reads dst before writing it (read-for-ownership), which a byte count of
+        # read + write misses; an in-place dst.add_(src) has no hidden traffic, like an optimizer.
+        dst.copy_(src)
+        t = _best_time(lambda: dst.add_(src), device, 9)
+        moved, out["copy_kind"] = 3 * src.nbytes, "dst.add_(src): read dst, src + write dst"
+    out["copy_GBps"] = moved / t / 1e9
+    out["copy_bytes"] = moved
     del src, dst
 
     plans = (

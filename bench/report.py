@@ -142,7 +142,7 @@ def markdown(run) -> list[str]:
     for dev, c in iso.get("ceilings", {}).items():
         mm = ", ".join(f"{k} {v:.3g} TFLOP/s (n={c['matmul_n'][k]})" for k, v in c["matmul_TFLOPs"].items())
         lines.append(f"Ceilings, {dev} ({c['device']}): copy {c['copy_GBps']:.3g} GB/s "
-                     f"({c['copy_bytes'] / 2**30:.2g} GiB moved); matmul {mm}.")
+                     f"({c.get('copy_kind', 'copy')}, {c['copy_bytes'] / 2**30:.2g} GiB moved); matmul {mm}.")
     lines.append("")
     notes = sorted({f"{c['set']} on {c['device']}: {c['set_note']}" for c in cases if c.get("set_note")})
     for n in notes:
