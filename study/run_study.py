@@ -75,6 +75,8 @@ def main() -> None:
     p.add_argument("--out", required=True, help="JSONL file to append to (its folder holds all results)")
     p.add_argument("--cells", default=None, help="K:H,... (default: all)")
     p.add_argument("--part", choices=PARTS, default="all")
+    p.add_argument("--lrs", default=None,
+                   help="run only these outer lrs instead of a part, e.g. diloco=0.35,isoloco=3.2")
     a = p.parse_args()
     torch.set_num_threads(1)  # one core per study process
     torch.use_deterministic_algorithms(True)
@@ -83,7 +85,11 @@ def main() -> None:
     seeds = [int(s) for s in a.seeds.split(",")]
     cells = CELLS if a.cells is None else [tuple(int(x) for x in c.split(":")) for c in a.cells.split(",")]
     corpus = load_corpus()
-    for K, H, mode, lr in jobs(cells, a.part):
+    todo = jobs(cells, a.part)
+    if a.lrs:  # extend the grid where its best point sits on an edge
+        pairs = [(m, float(v)) for m, v in (x.split("=") for x in a.lrs.split(","))]
+        todo = [(K, H, m, lr) for K, H in cells for m, lr in pairs]
+    for K, H, mode, lr in todo:
         for seed in seeds:
             k = (seed, K, H, mode, lr)
             if k in finished(out.parent) or not claim(out.parent, k):

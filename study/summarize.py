@@ -17,11 +17,23 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def load(folder: Path) -> list[dict]:
-    recs = []
+def load(folder: Path) -> tuple[list[dict], dict]:
+    """Unique runs, and how many repeats of a run were found and whether each matched exactly
+    (a run repeated by two processes must give bit-identical losses: the loop is deterministic)."""
+    recs, seen, dup = [], {}, {"repeats": 0, "identical": 0}
     for f in sorted(folder.glob("*.jsonl")):
-        recs += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-    return recs
+        for line in f.read_text().splitlines():
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            k = (r["seed"], r["workers"], r["inner_steps"], r["mode"], r["outer_lr"])
+            if k in seen:
+                dup["repeats"] += 1
+                dup["identical"] += seen[k]["heldout_loss"] == r["heldout_loss"]
+                continue
+            seen[k] = r
+            recs.append(r)
+    return recs, dup
 
 
 def _std(xs):
@@ -51,19 +63,29 @@ def summarize(recs: list[dict]) -> dict:
                     "std": _std(ok) if len(ok) == len(vals) else None,
                     "diverged": len(vals) - len(ok),
                 }
-            finite = {lr: s for lr, s in scored.items() if s["mean"] is not None}
-            best = min(finite, key=lambda lr: finite[lr]["mean"]) if finite else None
+            # lrs are ranked on the seeds every grid point has (≥ 2), so an extra seed run at one
+            # point, or a lone lucky seed, cannot decide; diverged points never win
+            multi = [set(x["seeds"]) for x in scored.values() if len(x["seeds"]) >= 2]
+            common = set.intersection(*multi) if multi else set()
+            finite = {lr: s for lr, s in scored.items()
+                      if s["mean"] is not None and common and common <= set(s["seeds"])}
+            rank = lambda lr: statistics.fmean(finite[lr]["finals"][finite[lr]["seeds"].index(x)] for x in common)
+            best = min(finite, key=rank) if finite else None
             methods[mode] = {"grid": {str(lr): s for lr, s in scored.items()}, "best_lr": best,
-                             "best": finite.get(best)}
+                             "best": finite.get(best), "ranked": [str(x) for x in sorted(finite, key=lambda v: -1 if v is None else v)],
+                             "ranked_on_seeds": sorted(common)}
         cell = {"workers": K, "inner_steps": H, "methods": methods}
-        d, i = methods.get("diloco", {}).get("best"), methods.get("isoloco", {}).get("best")
-        if d and i:
-            common = sorted(set(d["seeds"]) & set(i["seeds"]))
-            diffs = [i["finals"][i["seeds"].index(s)] - d["finals"][d["seeds"].index(s)] for s in common]
-            cell["paired_iso_minus_diloco"] = {
-                "seeds": common, "diffs": diffs, "mean": statistics.fmean(diffs) if diffs else None,
-                "std": _std(diffs), "min": min(diffs, default=None), "max": max(diffs, default=None),
-            }
+        released = (methods.get("diloco", {}).get("grid", {}).get("0.7"),
+                    methods.get("isoloco", {}).get("grid", {}).get("1.8"))
+        best = (methods.get("diloco", {}).get("best"), methods.get("isoloco", {}).get("best"))
+        for name, (d, i) in (("paired_released", released), ("paired_best", best)):
+            if d and i:
+                common = sorted(set(d["seeds"]) & set(i["seeds"]))
+                diffs = [i["finals"][i["seeds"].index(s)] - d["finals"][d["seeds"].index(s)] for s in common]
+                if any(x is None for x in diffs):
+                    continue
+                cell[name] = {"seeds": common, "diffs": diffs,
+                              "mean": statistics.fmean(diffs) if diffs else None, "std": _std(diffs)}
         out.append(cell)
     return {"cells": out}
 
@@ -72,37 +94,51 @@ def _f(x, nd=4):
     return "—" if x is None or x != x else f"{x:.{nd}f}"
 
 
+def _paired(p) -> str:
+    if not p or p["mean"] is None:
+        return "—"
+    return f"{p['mean']:+.3f} ({', '.join(f'{x:+.3f}' for x in p['diffs'])})"
+
+
+def _ms(e) -> str:
+    return "—" if not e or e["mean"] is None else f"{e['mean']:.3f} ± {_f(e['std'], 3)}"
+
+
 def markdown(summary: dict) -> str:
     lines = [
-        "| K | H | DDP | DiLoCo (best lr) | IsoLoCo (best lr) | Iso-C μ=0 (lr 1.0) | IsoLoCo − DiLoCo, paired |",
-        "|---|---|---|---|---|---|---|",
+        "Released outer configs (DiLoCo lr 0.7 μ 0.9, IsoLoCo lr 1.8 μ 0.8); mean ± std over seeds:",
+        "",
+        "| K | H | seeds | DDP | DiLoCo | IsoLoCo | IsoLoCo − DiLoCo, paired (per seed) | Iso-C μ=0, lr 1.0 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in summary["cells"]:
         m = c["methods"]
-
-        def cellv(mode):
-            e = m.get(mode)
-            if not e or not e["best"]:
-                return "—"
-            b = e["best"]
-            lr = "" if mode == "ddp" or mode == "isoloco-sgd" else f" (lr {e['best_lr']})"
-            return f"{_f(b['mean'])} ± {_f(b['std'], 3)}{lr}"
-
-        p = c.get("paired_iso_minus_diloco")
-        pd = "—" if not p or p["mean"] is None else (
-            f"{p['mean']:+.4f} (seeds: {', '.join(f'{x:+.3f}' for x in p['diffs'])})")
-        lines.append(f"| {c['workers']} | {c['inner_steps']} | {cellv('ddp')} | {cellv('diloco')} | "
-                     f"{cellv('isoloco')} | {cellv('isoloco-sgd')} | {pd} |")
-    lines += ["", "Every grid point (mean ± std over seeds; `div` = diverged seeds):", "",
-              "| K | H | method | outer lr | mean | std | per seed |", "|---|---|---|---|---|---|---|"]
+        g = lambda mode, lr: m.get(mode, {}).get("grid", {}).get(lr)
+        d, i = g("diloco", "0.7"), g("isoloco", "1.8")
+        seeds = len(c["paired_released"]["seeds"]) if "paired_released" in c else "—"
+        lines.append(f"| {c['workers']} | {c['inner_steps']} | {seeds} | {_ms(g('ddp', 'None'))} | {_ms(d)} | "
+                     f"{_ms(i)} | {_paired(c.get('paired_released'))} | {_ms(g('isoloco-sgd', '1.0'))} |")
+    lines += [
+        "",
+        "Each method at its best outer lr of its grid (ranked on the seeds all its grid points share):",
+        "",
+        "| K | H | DiLoCo best lr | DiLoCo | IsoLoCo best lr | IsoLoCo | IsoLoCo − DiLoCo, paired (per seed) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in summary["cells"]:
+        d, i = c["methods"].get("diloco", {}), c["methods"].get("isoloco", {})
+        grids = lambda e: "/".join(e.get("ranked", [])) if e else ""
+        lines.append(f"| {c['workers']} | {c['inner_steps']} | {d.get('best_lr')} of {grids(d)} | "
+                     f"{_ms(d.get('best'))} | {i.get('best_lr')} of {grids(i)} | {_ms(i.get('best'))} | "
+                     f"{_paired(c.get('paired_best'))} |")
+    lines += ["", "Every run (final held-out loss, nats/byte; `div` = diverged):", "",
+              "| K | H | method | outer lr | mean | std | per seed (seed order) |", "|---|---|---|---|---|---|---|"]
     for c in summary["cells"]:
         for mode, e in c["methods"].items():
-            if mode == "ddp":
-                continue
-            for lr, s in sorted(e["grid"].items(), key=lambda t: float(t[0])):
+            for lr, s in sorted(e["grid"].items(), key=lambda t: -1 if t[0] == "None" else float(t[0])):
                 per = ", ".join("div" if v is None else f"{v:.4f}" for v in s["finals"])
-                lines.append(f"| {c['workers']} | {c['inner_steps']} | {mode} | {lr} | {_f(s['mean'])} | "
-                             f"{_f(s['std'], 3)} | {per} |")
+                lines.append(f"| {c['workers']} | {c['inner_steps']} | {mode} | {'-' if lr == 'None' else lr} | "
+                             f"{_f(s['mean'])} | {_f(s['std'], 3)} | {per} |")
     return "\n".join(lines)
 
 
@@ -137,7 +173,7 @@ def plots(summary: dict, recs: list[dict], folder: Path) -> None:
     if cell:
         for mode, col in colors.items():
             e = cell["methods"].get(mode)
-            if not e or e["best_lr"] is None:
+            if not e or e["best"] is None:
                 continue
             for r in recs:
                 if (r["workers"], r["inner_steps"], r["mode"], r["outer_lr"]) == (4, 30, mode, e["best_lr"]):
@@ -154,15 +190,17 @@ def plots(summary: dict, recs: list[dict], folder: Path) -> None:
 
 
 def main() -> None:
-    recs = load(HERE / "results")
+    recs, dup = load(HERE / "results")
     s = summarize(recs)
     s["runs"] = len(recs)
+    s["repeated_runs"] = dup
     s["cpu_s_total"] = sum(r.get("cpu_s", 0.0) for r in recs)
     s["wall_s_total"] = sum(r["wall_s"] for r in recs)
     (HERE / "summary.json").write_text(json.dumps(s, indent=1))
     plots(s, recs, HERE)
     print(markdown(s))
-    print(f"\n{len(recs)} runs, {s['cpu_s_total'] / 60:.1f} CPU-min, {s['wall_s_total'] / 60:.1f} run-wall-min")
+    print(f"\n{len(recs)} runs, {s['cpu_s_total'] / 60:.1f} CPU-min, {s['wall_s_total'] / 60:.1f} run-wall-min; "
+          f"{dup['repeats']} runs repeated by a second process, {dup['identical']} of them bit-identical")
 
 
 if __name__ == "__main__":
