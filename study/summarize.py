@@ -108,7 +108,7 @@ def markdown(summary: dict) -> str:
     lines = [
         "Released outer configs (DiLoCo lr 0.7 μ 0.9, IsoLoCo lr 1.8 μ 0.8); mean ± std over seeds:",
         "",
-        "| K | H | seeds | DDP | DiLoCo | IsoLoCo | IsoLoCo − DiLoCo, paired (per seed) | Iso-C μ=0, lr 1.0 |",
+        "| K | H | seeds | DDP | DiLoCo | IsoLoCo | IsoLoCo − DiLoCo, paired (per seed) | Iso-C μ=0 lr 1.0 / 3.0 |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for c in summary["cells"]:
@@ -117,7 +117,8 @@ def markdown(summary: dict) -> str:
         d, i = g("diloco", "0.7"), g("isoloco", "1.8")
         seeds = len(c["paired_released"]["seeds"]) if "paired_released" in c else "—"
         lines.append(f"| {c['workers']} | {c['inner_steps']} | {seeds} | {_ms(g('ddp', 'None'))} | {_ms(d)} | "
-                     f"{_ms(i)} | {_paired(c.get('paired_released'))} | {_ms(g('isoloco-sgd', '1.0'))} |")
+                     f"{_ms(i)} | {_paired(c.get('paired_released'))} | "
+                     f"{_ms(g('isoloco-sgd', '1.0'))} / {_ms(g('isoloco-sgd', '3.0'))} |")
     lines += [
         "",
         "Each method at its best outer lr of its grid (ranked on the seeds all its grid points share):",

@@ -1,6 +1,6 @@
 """`python -m isoloco_kernels.train`: train DDP / DiLoCo / IsoLoCo on the same data and compare.
 
-With no flags: K=8 workers, H=30 inner steps, 10 rounds, the tiny (~0.5M) byte-level model on
+With no flags: K=8 workers, H=30 inner steps, 12 rounds, the tiny (~0.5M) byte-level model on
 Python's standard-library source; prints a table of final held-out loss per mode and writes
 results.json and loss.png under --out.
 
