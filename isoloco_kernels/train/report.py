@@ -43,6 +43,7 @@ def plot(path, runs_by_value: Sequence[Sequence[dict]], param: str | None = None
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return False
     n = len(runs_by_value)
@@ -54,6 +55,7 @@ def plot(path, runs_by_value: Sequence[Sequence[dict]], param: str | None = None
         for r in runs:
             ax.plot(r["tokens"], r["heldout_loss"], marker=".", label=r["mode"])
         ax.set_xlabel("training tokens (all workers)")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter())  # 200k, 400k, … not 200000
         ax.set_ylabel("held-out loss (nats/byte)")
         ax.set_title(f"{param}={values[i]}" if param is not None else "held-out loss")
         # the first points (init ≈ ln 256) squash the interesting range
