@@ -42,7 +42,7 @@ from ._validate import SUPPORTED_DTYPES, check_all_finite, check_matrix_tensor, 
 from .buckets import BucketPlan
 from .flatten import check_method
 from .ops import flatten_buckets_
-from .optim import _SGD_KEYS
+from .optim import _SGD_KEYS, _check_group
 
 __all__ = [
     "DistributedStepError",
@@ -658,6 +658,19 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             try:
                 idx = sorted(updates)
                 check_all_finite([updates[i] for i in idx], [f"mean pseudo-gradient of param {i}" for i in idx])
+                # hyper-parameters (a scheduler may have set them) and held momentum, before agreeing
+                for k in sorted({self._group_of[i] for i in idx}):
+                    _check_group(self.param_groups[k], f"ShardedIsoLoCo.step: param group {k}")
+                held = [(i, self.state[self._params[i]].get("momentum_buffer")) for i in idx]
+                held = [(i, b) for i, b in held if isinstance(b, torch.Tensor)]
+                for i, b in held:
+                    p = self._params[i]
+                    if b.shape != p.shape or b.device != p.device or b.dtype not in (p.dtype, compute_dtype(p.dtype)):
+                        raise ValueError(
+                            f"param {i} (shape {tuple(p.shape)}): momentum_buffer has shape {tuple(b.shape)}, "
+                            f"dtype {b.dtype} on {b.device}"
+                        )
+                check_all_finite([b for _, b in held], [f"momentum_buffer of param {i}" for i, _ in held])
                 updates.update(self._iso_c(updates))
             except Exception as e:
                 error = _error_text(e)
@@ -752,3 +765,11 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             )
         rest = {k: v for k, v in state_dict.items() if k != "sharding"}
         super().load_state_dict(rest)
+        # torch casts state to each param's dtype; half params keep float32 momentum (as IsoLoCo),
+        # converted from the saved tensor itself so nothing is lost to rounding
+        for g, sg in zip(self.param_groups, rest["param_groups"]):
+            for p, pid in zip(g["params"], sg["params"]):
+                src = rest["state"].get(pid, {}).get("momentum_buffer")
+                want = compute_dtype(p.dtype)
+                if isinstance(src, torch.Tensor) and want != p.dtype:
+                    self.state[p]["momentum_buffer"] = src.detach().to(device=p.device, dtype=want, copy=True)

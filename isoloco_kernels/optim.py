@@ -51,9 +51,9 @@ _SGD_KEYS = dict(
 def _check_hyper(lr: Any, momentum: Any, where: str) -> None:
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError(f"{where}: a Tensor lr must have one element, got shape {tuple(lr.shape)}")
-    if not 0.0 <= lr:
+    if not 0.0 <= lr < float("inf"):
         raise ValueError(f"{where}: invalid learning rate: {lr}")
-    if not 0.0 <= momentum:
+    if not 0.0 <= momentum < float("inf"):
         raise ValueError(f"{where}: invalid momentum value: {momentum}")
 
 
@@ -170,6 +170,10 @@ class IsoLoCo(torch.optim.Optimizer):
             for gi, pi, p, _, _ in entries
         ]
         check_all_finite([e[3] for e in entries], names)
+        # a NaN/Inf momentum buffer (a corrupted checkpoint, say) would poison the params just the same
+        held = [(n, self.state[e[2]].get("momentum_buffer")) for n, e in zip(names, entries) if e[2] in self.state]
+        held = [(n, b) for n, b in held if isinstance(b, torch.Tensor)]
+        check_all_finite([b for _, b in held], [n.replace(") grad", ") momentum_buffer") for n, _ in held])
         return entries
 
     def _iso_updates(self, entries) -> dict[int, torch.Tensor]:

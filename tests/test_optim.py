@@ -419,3 +419,18 @@ def test_cpu_and_cuda_params_in_one_optimizer():
     for step in range(2):
         grads = [g.to(p.device) for g, p in zip(_grads(ps, seed=300 + step), ps)]
         _check_step(opt, opt.param_groups, [grads], torch.float32)
+
+
+def test_infinite_lr_and_nonfinite_momentum_are_refused():
+    with pytest.raises(ValueError, match="invalid learning rate: inf"):
+        ik.IsoLoCo([nn.Parameter(torch.randn(3, 3))], lr=float("inf"))
+    w, b = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(4))
+    opt = ik.IsoLoCo([w, b], lr=0.5, momentum=0.9)
+    w.grad, b.grad = torch.randn(6, 4), torch.randn(4)
+    opt.step()
+    opt.state[b]["momentum_buffer"][2] = float("nan")  # e.g. a corrupted checkpoint
+    before = [t.clone() for t in (w, b, opt.state[w]["momentum_buffer"], opt.state[b]["momentum_buffer"])]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] \(shape \(4,\)\) momentum_buffer"):
+        opt.step()
+    after = (w, b, opt.state[w]["momentum_buffer"], opt.state[b]["momentum_buffer"])
+    assert all(torch.equal(x.detach().view(torch.int32), y.detach().view(torch.int32)) for x, y in zip(before, after))

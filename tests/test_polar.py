@@ -4,6 +4,8 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import zlib
+
 import pytest
 import torch
 
@@ -78,7 +80,7 @@ SPECTRUM_SHAPES = [(3, 40, 40), (2, 16, 512), (2, 512, 16), (2, 24, 100), (1, 90
 @pytest.mark.parametrize("shape", SPECTRUM_SHAPES, ids=str)
 def test_fp32_contract_on_spectra(kind, shape):
     b, m, n = shape
-    x = with_spectrum(b, m, n, spectrum(kind, min(m, n), cond=1e4), _gen(hash((kind, shape)) % 2**31))
+    x = with_spectrum(b, m, n, spectrum(kind, min(m, n), cond=1e4), _gen(zlib.crc32(repr((kind, shape)).encode())))
     x = x * 3.7  # not normalised
     x32 = x.to(torch.float32)
     out = _flatten_quiet(x32)
@@ -94,7 +96,7 @@ ODD_SHAPES = [(1, 9), (9, 1), (1, 1), (7, 7), (13, 5), (5, 13), (3, 6, 4), (4, 5
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", ODD_SHAPES, ids=str)
 def test_dtypes_and_odd_shapes(dtype, shape):
-    x = torch.randn(shape, generator=_gen(hash((shape, str(dtype))) % 2**31), dtype=torch.float64).to(dtype)
+    x = torch.randn(shape, generator=_gen(zlib.crc32(repr((shape, str(dtype))).encode())), dtype=torch.float64).to(dtype)
     out = _flatten_quiet(x)
     assert out.dtype == dtype and out.shape == x.shape
     assert rel_err(out, iso_flatten_ref(x)) <= TOL[("polar", dtype)]
