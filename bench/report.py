@@ -260,14 +260,7 @@ def plot(run, out_png: str) -> None:
         for r, dev in enumerate(sorted({c["device"] for c in ne})[:2]):
             ax = axes[r][col]
             cs = [c for c in ne if c["device"] == dev]
-            sets = sorted({c["set"] for c in cs}, key=lambda s: _find(cs, set=s)["n_params"])
-            impls = list(dict.fromkeys(c["impl"] for c in cs))
-            w = 0.8 / len(impls)
-            for k, impl in enumerate(impls):
-                pts = [(j, _find(cs, set=s, impl=impl)) for j, s in enumerate(sets)]
-                pts = [(j, c) for j, c in pts if c]
-                ax.bar([j + (k - (len(impls) - 1) / 2) * w for j, _ in pts], [c["GBps"] for _, c in pts], w,
-                       label=impl, color=color[impl])
+            sets = _grouped_bars(ax, cs, "GBps", color)
             ceil = run.get("isoloco", {}).get("ceilings", {}).get(dev, {}).get("copy_GBps")
             if ceil:
                 ax.axhline(ceil, color="k", ls="--", label="copy ceiling")
@@ -285,6 +278,20 @@ def plot(run, out_png: str) -> None:
     plt.close(fig)
 
 
+def _grouped_bars(ax, cs, key: str, color) -> list:
+    """One group of bars per bucket set (ordered by size), one bar per impl, height c[key];
+    returns the sets in x order."""
+    sets = sorted({c["set"] for c in cs}, key=lambda s: _find(cs, set=s)["n_params"])
+    impls = list(dict.fromkeys(c["impl"] for c in cs))
+    w = 0.8 / len(impls)
+    for k, impl in enumerate(impls):
+        pts = [(j, _find(cs, set=s, impl=impl)) for j, s in enumerate(sets)]
+        pts = [(j, c) for j, c in pts if c]
+        ax.bar([j + (k - (len(impls) - 1) / 2) * w for j, _ in pts], [c[key] for _, c in pts], w,
+               label=impl, color=color[impl])
+    return sets
+
+
 def _outer_panel(ax, cases, color) -> None:
     """Whole outer step time per set and impl (first device only)."""
     if not cases:
@@ -292,14 +299,7 @@ def _outer_panel(ax, cases, color) -> None:
         return
     dev = sorted({c["device"] for c in cases})[0]
     cs = [c for c in cases if c["device"] == dev]
-    sets = sorted({c["set"] for c in cs}, key=lambda s: _find(cs, set=s)["n_params"])
-    impls = list(dict.fromkeys(c["impl"] for c in cs))
-    w = 0.8 / len(impls)
-    for k, impl in enumerate(impls):
-        pts = [(j, _find(cs, set=s, impl=impl)) for j, s in enumerate(sets)]
-        pts = [(j, c) for j, c in pts if c]
-        ax.bar([j + (k - (len(impls) - 1) / 2) * w for j, _ in pts], [c["median_s"] for _, c in pts], w,
-               label=impl, color=color[impl])
+    sets = _grouped_bars(ax, cs, "median_s", color)
     ax.set_yscale("log")
     ax.set_xticks(range(len(sets)))
     ax.set_xticklabels(sets)
