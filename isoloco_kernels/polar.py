@@ -11,10 +11,8 @@ A = X Xᵀ is the small m×m one):
    quintic p(σ) = aσ + bσ³ + cσ⁵ while the singular vectors stay put (Polar Express: N. Amsel,
    D. Persson, C. Musco, R. M. Gower, "The Polar Express: Optimal Matrix Sign Methods and Their
    Application to the Muon Algorithm", arXiv:2505.16932). Step t uses the minimax odd quintic for
-   the interval [ℓ_t, u_t] the previous steps left the singular values in, found by a small Remez
-   solver (`remez_odd_quintic`); `polar_express_coefficients` chains them as the paper does
-   (cushion, recentring to 1, safety factor on all but the last step) and `COEFFS` is its output
-   for ℓ_0 = `ELL`, `STEPS` steps (tests/test_polar.py checks that the two agree).
+   the interval [ℓ_t, u_t] the previous steps left the singular values in; `COEFFS` is the
+   schedule for ℓ_0 = `ELL`, `STEPS` steps, derived offline by isoloco_kernels/coefficients.py.
 3. s̄ = ⟨Δ, X⟩ / min(m, n) and Δ ← s̄·X in one pass: `torch.ops.isoloco.iso_scale_`.
 
 Accuracy. The contract is condition number ≤ 1e4. The scaling costs up to r^{1/8} ≤ 4, so the
@@ -39,26 +37,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import warnings
 
-import numpy as np
 import torch
 
-from ._validate import compute_dtype
+from ._validate import check_result_fits, compute_dtype, pow2_scale
 
 __all__ = [
-    "ELL", "STEPS", "CUSHION", "SAFETY", "CHECK_TOL", "COEFFS",
-    "remez_odd_quintic", "polar_express_coefficients", "polar_factor", "flatten_polar_",
+    "ELL", "STEPS", "CHECK_TOL", "COEFFS", "polar_factor", "flatten_polar_",
     "PolarStats", "PolarFallbackWarning", "last_stats", "reset_stats",
 ]
 
 ELL = 2.5e-5      # smallest scaled singular value the schedule covers: 1e-4 / (65536^{1/8} = 4)
 STEPS = 10        # 9 reach 2e-4, the 10th reaches round-off (needed by the residual check)
-CUSHION = 0.024   # never design a step for an interval narrower than [CUSHION·u, u] (the paper's
-                  # cushioning, value ≈ its 0.02407): keeps the early quintics monotone and tame
-SAFETY = 0.01     # steps but the last use p(x / 1.01): slack for round-off pushing σ above u
 CHECK_TOL = 5e-4  # flag a matrix when |r − ‖X‖_F²| > CHECK_TOL·√r (relative error bound of X)
 BF16_FP32_STEPS = 2  # "polar_bf16": all steps but the last two run their GEMMs in bfloat16
 
@@ -67,73 +59,31 @@ BF16_FP32_STEPS = 2  # "polar_bf16": all steps but the last two run their GEMMs 
 # Coefficients
 
 
-def remez_odd_quintic(lo: float, hi: float, iters: int = 100) -> tuple[float, float, float, float]:
-    """(a, b, c, E): the odd quintic p(x) = ax + bx³ + cx⁵ minimising max |1 − p| on [lo, hi].
-
-    Remez exchange in float64: p − 1 equioscillates at 4 points lo < x₁ < x₂ < hi
-    (p = 1 − E, 1 + E, 1 − E, 1 + E); solve for (a, b, c, E) on the current points, move x₁, x₂ to
-    the roots of p'(x) = a + 3bx² + 5cx⁴, repeat until the points stop moving.
-    """
-    if not 0 < lo < hi:
-        raise ValueError(f"remez_odd_quintic: need 0 < lo < hi, got lo={lo}, hi={hi}")
-    x = lo + (hi - lo) * (1 - np.cos(np.pi * np.arange(4) / 3)) / 2
-    sign = np.array([-1.0, 1.0, -1.0, 1.0])
-    for _ in range(iters):
-        a, b, c, e = np.linalg.solve(np.stack([x, x**3, x**5, -sign], 1), np.ones(4))
-        y = np.roots([5 * c, 3 * b, a])  # p'(x) = 0 with y = x²
-        y = np.sort(y[np.isreal(y)].real)
-        y = y[(y > lo * lo) & (y < hi * hi)]
-        if len(y) != 2:
-            raise RuntimeError(f"remez_odd_quintic: {len(y)} interior extrema on [{lo}, {hi}]")
-        new = np.array([lo, math.sqrt(y[0]), math.sqrt(y[1]), hi])
-        done = np.max(np.abs(new - x)) <= 1e-15 * hi
-        x = new
-        if done:
-            break
-    return float(a), float(b), float(c), float(abs(e))
-
-
-def polar_express_coefficients(
-    ell: float = ELL, steps: int = STEPS, cushion: float = CUSHION, safety: float = SAFETY
-) -> tuple[tuple[float, float, float], ...]:
-    """The per-step (a, b, c) that take singular values from [ell, 1] to 1 (arXiv:2505.16932, §4).
-
-    Step t: p = minimax quintic on [max(ℓ, cushion·u), u]; rescale p so that it is centred on 1
-    over the true interval, 1 − p(ℓ) = p(u) − 1; unless it is the last step, use p(x / (1 + safety));
-    then ℓ ← p(ℓ), u ← 2 − ℓ. Once the interval is narrower than Remez can resolve
-    (u − ℓ < 1e-9) the step is the limit polynomial p(1) = 1, p'(1) = p''(1) = 0: (15, −10, 3) / 8.
-    """
-    lo, hi = float(ell), 1.0
-    out = []
-    for t in range(steps):
-        if hi - lo < 1e-9:
-            a, b, c = 15 / 8, -10 / 8, 3 / 8
-        else:
-            a, b, c, _ = remez_odd_quintic(max(lo, cushion * hi), hi)
-            r = 2.0 / (a * lo + b * lo**3 + c * lo**5 + a * hi + b * hi**3 + c * hi**5)
-            a, b, c = a * r, b * r, c * r
-        if t < steps - 1:
-            a, b, c = a / (1 + safety), b / (1 + safety) ** 3, c / (1 + safety) ** 5
-        out.append((a, b, c))
-        lo = a * lo + b * lo**3 + c * lo**5
-        hi = 2.0 - lo
-    return tuple(out)
-
-
-# Generated by polar_express_coefficients() with the defaults above (ELL, STEPS, CUSHION, SAFETY);
-# tests/test_polar.py regenerates it and compares. Regenerate with `python -m isoloco_kernels.polar`.
+# The Polar Express schedule for ℓ_0 = ELL, STEPS steps, derived offline by
+# isoloco_kernels/coefficients.py (`python -m isoloco_kernels.coefficients 2.5e-5 10` prints it;
+# tests/test_polar.py regenerates and compares). The comment on each row bounds |1 − σ| after
+# that step for every σ that started in [ELL, 1] (all steps but the last keep a safety margin).
 COEFFS = (
-    (8.239027264703385, -22.99944761343482, 16.531457811585994),
-    (4.118601331055138, -2.8748863999847094, 0.5167064744241613),
-    (4.114425362817655, -2.87381737754005, 0.5168463180588514),
-    (4.097338171493219, -2.8694619332677886, 0.5174297650760094),
-    (4.028890545749679, -2.8523327720399316, 0.5199567215964706),
-    (3.758709091215854, -2.753212894733794, 0.5229250397090853),
-    (2.905797394247624, -2.131385582595685, 0.4538979124390318),
-    (2.0395878588893117, -1.4005924111860948, 0.37560792800759735),
-    (1.8585250332465313, -1.2155115503442282, 0.3570226123986914),
-    (1.875000038949702, -1.25000004403449, 0.37500000508478876),
+    (8.239027264703385, -22.99944761343482, 16.531457811585994),  # |1 − σ| ≤ 1.0e+00
+    (4.118601331055138, -2.8748863999847094, 0.5167064744241613),  # |1 − σ| ≤ 1.0e+00
+    (4.114425362817658, -2.8738173775400564, 0.5168463180588528),  # |1 − σ| ≤ 1.0e+00
+    (4.09733817149322, -2.8694619332677904, 0.5174297650760099),  # |1 − σ| ≤ 9.9e-01
+    (4.028890545749679, -2.8523327720399356, 0.5199567215964717),  # |1 − σ| ≤ 9.4e-01
+    (3.758709091215832, -2.7532128947337804, 0.522925039709084),  # |1 − σ| ≤ 7.8e-01
+    (2.9057973942475894, -2.1313855825956574, 0.4538979124390287),  # |1 − σ| ≤ 3.9e-01
+    (2.039587858889295, -1.4005924111860786, 0.37560792800759585),  # |1 − σ| ≤ 4.5e-02
+    (1.858525033246525, -1.2155115503442169, 0.3570226123986866),  # |1 − σ| ≤ 1.9e-04
+    (1.8750000592631568, -1.250000084661656, 0.3750000253984968),  # |1 − σ| ≤ 4.3e-12
 )
+
+
+def __getattr__(name: str):
+    """The offline generator, for code that still asks polar for it (numpy only when asked)."""
+    if name in ("polar_express_coefficients", "remez_odd_quintic", "CUSHION", "SAFETY"):
+        from . import coefficients
+
+        return getattr(coefficients, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -365,8 +315,3 @@ def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", backend: str | None 
             PolarFallbackWarning,
             stacklevel=3,
         )
-
-
-if __name__ == "__main__":  # print the table in the form COEFFS is written above
-    for abc in polar_express_coefficients():
-        print("    (" + ", ".join(repr(v) for v in abc) + "),")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
-from isoloco_kernels import exact, polar
+from isoloco_kernels import coefficients, exact, polar
 from isoloco_kernels.flatten import resolve_method
 from isoloco_kernels.reference import iso_flatten_ref
 from tests.helpers import DTYPES, TOL, rel_err, spectrum, with_spectrum
@@ -30,36 +30,72 @@ def _flatten_quiet(x: torch.Tensor, method: str = "polar") -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Coefficients
+# Coefficients: what the schedule is for, not its last digits
+
+_EPS64 = float(np.finfo(np.float64).eps)
 
 
 def test_coefficient_table_matches_generator():
-    gen = polar.polar_express_coefficients()
-    assert len(polar.COEFFS) == len(gen) == polar.STEPS
-    np.testing.assert_allclose(np.array(polar.COEFFS), np.array(gen), rtol=1e-12, atol=0)
+    s = coefficients.schedule(polar.ELL, polar.STEPS)
+    assert len(polar.COEFFS) == len(s.coeffs) == polar.STEPS
+    # A backward-stable 4×4 solve moves Remez's answer by ≲ cond·eps64 (×10 for the exchange
+    # iterations); a row inherits the noise of the rows that fixed its interval, hence the running max.
+    worst = 1.0
+    for t, (got, want, cond) in enumerate(zip(polar.COEFFS, s.coeffs, s.conds)):
+        worst = max(worst, cond)
+        np.testing.assert_allclose(got, want, rtol=10 * worst * _EPS64, atol=0, err_msg=f"row {t}")
 
 
-def test_schedule_takes_the_whole_interval_to_one():
-    """Composing the table in float64 sends every σ in [ELL, 1] within round-off of 1, keeps σ
-    below ELL in (0, 1] (monotone growth), and 9 steps already reach 2e-4."""
-    x = np.concatenate([np.geomspace(polar.ELL, 1.0, 20001), np.linspace(polar.ELL, 1, 20001)])
-    y = x.copy()
-    for t, (a, b, c) in enumerate(polar.COEFFS):
+def _compose(coeffs, sigma: np.ndarray):
+    """Yield |1 − p_t(…p_0(σ))| after each step, in float64."""
+    y = sigma.copy()
+    for a, b, c in coeffs:
         y = a * y + b * y**3 + c * y**5
-        if t == polar.STEPS - 2:
-            assert np.abs(1 - y).max() < 2e-4
-    assert np.abs(1 - y).max() < 1e-8
-    small = np.geomspace(1e-9, polar.ELL, 101)
-    z = small.copy()
+        yield np.abs(1 - y)
+
+
+def _grid(ell: float) -> np.ndarray:
+    return np.concatenate([np.geomspace(ell, 1.0, 20001), np.linspace(ell, 1.0, 20001)])
+
+
+@pytest.mark.parametrize("ell,steps", [(2.5e-5, 10), (1e-8, 20), (2.5e-8, 15), (2.5e-8, 17), (1e-10, 24), (0.5, 4)])
+def test_every_sigma_stays_within_the_schedule_bound(ell, steps):
+    """Each step's promise: every σ in [ℓ0, 1] is within bounds[t] of 1 after step t (float64
+    round-off of a quintic near 1 adds ~1e-15 a step)."""
+    s = coefficients.schedule(ell, steps)
+    for t, err in enumerate(_compose(s.coeffs, _grid(ell))):
+        assert err.max() <= s.bounds[t] + 1e-14 * (t + 1), f"step {t}"
+    assert s.bounds[-1] <= 1e-11  # every schedule above is long enough to converge
+
+
+def test_shipped_table_keeps_its_documented_promises():
+    """polar.py's docstring: 9 steps reach 2e-4, the 10th round-off; σ below ELL only grow."""
+    err = list(_compose(polar.COEFFS, _grid(polar.ELL)))
+    assert err[polar.STEPS - 2].max() < 2e-4
+    assert err[-1].max() < 1e-8
+    z = np.geomspace(1e-9, polar.ELL, 101)
     for a, b, c in polar.COEFFS:
         z2 = a * z + b * z**3 + c * z**5
         assert (z2 > z).all() and (z2 <= 1 + 1e-8).all()
         z = z2
 
 
+def test_generator_is_defined_on_the_whole_range():
+    """ℓ0 in [1e-10, 0.5] and 1 to 30 steps: a schedule, never an exception, bounds that never grow
+    past the first step and that converge once there are enough steps."""
+    for ell in [1e-10, 3e-9, 1e-8, 2.5e-8, 1e-6, 2.5e-5, 1e-3, 0.05, 0.5]:
+        final = []
+        for steps in range(1, 31):
+            s = coefficients.schedule(ell, steps)
+            assert len(s.coeffs) == steps and all(np.isfinite(s.coeffs).ravel())
+            assert all(0 <= e <= 1 for e in s.bounds)
+            final.append(s.bounds[-1])
+        assert min(final) <= 1e-12, ell
+
+
 @pytest.mark.parametrize("lo,hi", [(0.024, 1.0), (0.3, 1.7), (0.9, 1.1)])
 def test_remez_equioscillates(lo, hi):
-    a, b, c, e = polar.remez_odd_quintic(lo, hi)
+    a, b, c, e = coefficients.remez_odd_quintic(lo, hi)
     x = np.linspace(lo, hi, 200001)
     err = 1 - (a * x + b * x**3 + c * x**5)
     assert abs(np.abs(err).max() - e) <= 1e-9 * max(e, 1e-12) + 1e-15
@@ -67,7 +103,37 @@ def test_remez_equioscillates(lo, hi):
     assert err[0] == pytest.approx(e, rel=1e-9) and err[-1] == pytest.approx(-e, rel=1e-9)
     assert err.max() == pytest.approx(e, rel=1e-6) and err.min() == pytest.approx(-e, rel=1e-6)
     with pytest.raises(ValueError, match="lo=0.5, hi=0.5"):
-        polar.remez_odd_quintic(0.5, 0.5)
+        coefficients.remez_odd_quintic(0.5, 0.5)
+
+
+@pytest.mark.parametrize("delta", [1e-2, 3e-3, 1e-3])
+def test_near_one_closed_form_is_the_minimax_to_leading_order(delta):
+    """Where both are defined, the closed form's max error is within 1 + 4δ of Remez's (it is the
+    minimax up to O(δ⁴)), and centred on 1 to the same order."""
+    lo, hi = 1 - delta, 1 + delta
+    *_, e = coefficients.remez_odd_quintic(lo, hi)
+    a, b, c = coefficients.near_one_quintic(lo, hi)
+    x = np.linspace(lo, hi, 200001)
+    err = 1 - (a * x + b * x**3 + c * x**5)
+    assert e <= np.abs(err).max() <= (1 + 4 * delta) * e
+    assert abs(err[0] + err[-1]) <= 8 * delta * e  # the schedule recentres it anyway
+
+
+def test_narrow_intervals_switch_on_conditioning():
+    """The Remez system's condition grows like 2.8/δ²; past REMEZ_MAX_ERR/eps the step is closed form."""
+    assert coefficients.remez_condition(0.9, 1.1) * _EPS64 < coefficients.REMEZ_MAX_ERR
+    assert coefficients.remez_condition(1 - 1e-4, 1 + 1e-4) * _EPS64 > coefficients.REMEZ_MAX_ERR
+    s = coefficients.schedule(2.5e-8, 17)  # once raised: Remez on [1 − 2.5e-6, 1 + 2.5e-6]
+    assert s.conds[-1] == 0 and s.bounds[-1] <= 1e-15
+
+
+def test_generator_refuses_nonsense():
+    with pytest.raises(ValueError, match="ell"):
+        coefficients.schedule(0.0, 10)
+    with pytest.raises(ValueError, match="ell"):
+        coefficients.schedule(1.0, 10)
+    with pytest.raises(ValueError, match="steps"):
+        coefficients.schedule(1e-3, 0)
 
 
 # ----------------------------------------------------------------------------------------------
