@@ -1,7 +1,8 @@
 """Input checks shared by the ops and the optimizer. Every check runs before anything is written."""
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Optional, Sequence
 
 import torch
 
@@ -61,3 +62,123 @@ def check_all_finite(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> N
     for i in sorted(suspects):
         if not bool(torch.isfinite(tensors[i]).all()):
             raise ValueError(_describe_nonfinite(tensors[i], names[i]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensors that will be written: checked all together, before the first write
+
+
+def _written_problem(t: torch.Tensor) -> Optional[str]:
+    """Why t cannot be written in place here, or None."""
+    if t.device.type == "meta":
+        return "is a meta tensor (it holds no data to compute from or write to)"
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        return "is an inference tensor; it cannot be updated in place outside torch.inference_mode()"
+    if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
+        return "is a leaf tensor that requires grad; update it under torch.no_grad() (or pass .detach())"
+    if t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:
+        return (
+            f"has internal overlap (strides {tuple(t.stride())} for shape {tuple(t.shape)}: an expanded "
+            "or otherwise self-overlapping view), so several of its elements share memory"
+        )
+    return None
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, one past the last byte] t can touch."""
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+    start = t.data_ptr()
+    return start, start + extent * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors whose byte spans intersect share an element (exact for same-sized
+    elements on a common grid, else conservatively True)."""
+    es = a.element_size()
+    if b.element_size() != es or (a.data_ptr() - b.data_ptr()) % es:
+        return True
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    lo, hi = min(a0, b0), max(a1, b1)
+    mark = torch.zeros((hi - lo) // es, dtype=torch.uint8, device=a.device)
+    mark.as_strided(a.shape, a.stride(), (a0 - lo) // es).fill_(1)
+    return bool(mark.as_strided(b.shape, b.stride(), (b0 - lo) // es).any())
+
+
+def check_writable(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    """Raise RuntimeError naming the first tensor that cannot be written in place — a meta or
+    inference tensor, a leaf that requires grad (with grad mode on), one with internal overlap
+    (an expanded view) — or two tensors that share memory. No device sync unless two tensors'
+    byte ranges intersect (then one small exact test on their device)."""
+    for t, name in zip(tensors, names):
+        why = _written_problem(t)
+        if why:
+            raise RuntimeError(f"{name} {why}; nothing was written")
+    spans = sorted(
+        ((*_span(t), i) for i, t in enumerate(tensors) if t.numel()),
+        key=lambda s: (tensors[s[2]].device.type, tensors[s[2]].device.index or 0, s[0]),
+    )
+    active: list[tuple[int, int]] = []  # (end, index) of earlier tensors on this device
+    device = None
+    for start, end, i in spans:
+        if tensors[i].device != device:
+            device, active = tensors[i].device, []
+        active = [(e, j) for e, j in active if e > start]
+        for _, j in active:
+            if _overlap(tensors[j], tensors[i]):
+                raise RuntimeError(
+                    f"{names[j]} and {names[i]} overlap in memory (views of one storage); each "
+                    "tensor written in place must have its own memory; nothing was written"
+                )
+        active.append((end, i))
+
+
+# ----------------------------------------------------------------------------------------------
+# Overflow: Iso-C is positively homogeneous, iso(c·Δ) = c·iso(Δ)
+
+
+class ResultOverflowError(ValueError):
+    """A finite input whose Iso-C result (or outer update) does not fit the output dtype.
+
+    matrix: index inside the [B, m, n] batch (None when not a matrix); bucket: set by callers that
+    flatten several buckets."""
+
+    def __init__(self, msg: str, matrix: Optional[int] = None, bucket: Optional[int] = None):
+        super().__init__(msg)
+        self.matrix, self.bucket = matrix, bucket
+
+
+def pow2_scale(x3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per matrix of a [B, m, n] batch, the power of two s (in `dtype`) with amax/s in [1, 2)
+    (1 for a zero matrix). Dividing by it is exact, so a scaled computation gives bit for bit
+    what the unscaled one gives whenever that one neither overflows nor underflows."""
+    amax = x3.abs().amax((-2, -1)).to(dtype)
+    _, e = torch.frexp(amax)
+    s = torch.ldexp(torch.ones_like(amax), e - 1)
+    return torch.where(amax > 0, s, torch.ones_like(s))
+
+
+def overflow_limit(dtype: torch.dtype) -> float:
+    """Smallest magnitude that rounds to Inf in `dtype` (max + half an ulp of max)."""
+    fi = torch.finfo(dtype)
+    top = 2.0 ** math.floor(math.log2(fi.max))
+    return fi.max + fi.eps * top / 2
+
+
+def check_result_fits(out: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """out: [B, m, n] results in the compute dtype, to be stored as `dtype`. Raise
+    ResultOverflowError naming the first matrix that is not finite or does not fit `dtype`."""
+    if not out.numel():
+        return
+    amax = out.abs().amax((-2, -1))
+    if out.dtype == dtype or torch.finfo(out.dtype).max <= torch.finfo(dtype).max:
+        ok = torch.isfinite(amax)
+    else:
+        ok = amax < overflow_limit(dtype)
+    bad = (~ok).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise ResultOverflowError(
+            f"{what}: matrix {i}: the Iso-C result does not fit {dtype} (largest entry "
+            f"{float(amax[i]):.4g}, the input is finite); nothing was written",
+            matrix=i,
+        )

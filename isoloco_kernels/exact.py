@@ -14,32 +14,43 @@ Tolerances (which directions count as nonzero, σ_i > tol·σ_1):
         max(sqrt(max(m, n))·eps64, 1e-7) for float64 inputs. Forming Δ Δᵀ squares the condition
         number, so for float64 input eigh is accurate to float64 only up to cond ~1e4 (1.4e-8 at
         cond 1e5, measured); method="auto" therefore uses svd for float64.
+
+Scaling: Iso-C is positively homogeneous, iso(c·Δ) = c·iso(Δ), so each matrix is divided by a
+power of two near its largest entry before the decomposition and the result multiplied back (both
+exact): every finite input whose result fits the output dtype gets it, however large or small (an
+unscaled 1e37 matrix overflows σ or the Gram matrix). A result that does not fit the output dtype
+(float16/bfloat16 outputs, or float32 near its max) raises ResultOverflowError naming the matrix,
+with nothing written.
 """
 from __future__ import annotations
 
 import torch
 
-from ._validate import compute_dtype
+from ._validate import check_result_fits, compute_dtype, pow2_scale
 
 
-def _write(x3: torch.Tensor, a: torch.Tensor, sbar: torch.Tensor, q: torch.Tensor) -> None:
-    """x3 ← s̄·Q. Rows and columns that are exactly zero in Δ are exactly zero in Q (in exact
-    arithmetic); LAPACK leaves ~eps there, so they are masked to keep "zero in, zero out" exact."""
-    nz = a != 0
+def _write(x3: torch.Tensor, sbar: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, method: str) -> None:
+    """x3 ← scale·s̄·Q (s̄ of the scaled matrix), once every result is known to fit x3's dtype.
+    Rows and columns that are exactly zero in Δ are exactly zero in Q (in exact arithmetic);
+    LAPACK leaves ~eps there, so they are masked to keep "zero in, zero out" exact."""
+    nz = x3 != 0
     mask = nz.any(-1, keepdim=True) & nz.any(-2, keepdim=True)
-    x3.copy_(torch.where(mask, sbar[:, None, None].to(q.dtype) * q, 0))
+    out = torch.where(mask, (sbar * scale.to(sbar.dtype))[:, None, None].to(q.dtype) * q, 0)
+    check_result_fits(out, x3.dtype, f"iso_flatten_ ({method})")
+    x3.copy_(out)
 
 
 def flatten_svd_(x3: torch.Tensor) -> None:
     """In place Iso-C via torch.linalg.svd (the fallback and the published code's way)."""
     _, m, n = x3.shape
     cd = compute_dtype(x3.dtype)
-    a = x3.to(cd)
+    scale = pow2_scale(x3, cd)
+    a = x3.to(cd) / scale[:, None, None]
     u, s, vh = torch.linalg.svd(a, full_matrices=False)
     tol = max(m, n) ** 0.5 * torch.finfo(cd).eps
     keep = s > tol * s[:, :1]
     q = (u * keep.unsqueeze(1).to(cd)) @ vh
-    _write(x3, a, s.sum(-1) / min(m, n), q)
+    _write(x3, s.sum(-1) / min(m, n), q, scale, "svd")
 
 
 def flatten_eigh_(x3: torch.Tensor) -> None:
@@ -51,7 +62,8 @@ def flatten_eigh_(x3: torch.Tensor) -> None:
     """
     _, m, n = x3.shape
     tall = m > n
-    a = x3.to(torch.float64)
+    scale = pow2_scale(x3, torch.float64)
+    a = x3.to(torch.float64) / scale[:, None, None]
     if tall:
         a = a.mT
     lam, v = torch.linalg.eigh(a @ a.mT)
@@ -64,6 +76,6 @@ def flatten_eigh_(x3: torch.Tensor) -> None:
     inv = torch.where(keep, 1.0 / torch.where(keep, sig, 1.0), 0.0)
     q = ((v * inv.unsqueeze(1)) @ v.mT) @ a
     if tall:
-        q, a = q.mT, a.mT
+        q = q.mT
     # σ below tol are Gram round-off (≈ sqrt(eps64)·σ_1), not signal: they join neither Q nor s̄.
-    _write(x3, a, (sig * keep).sum(-1) / min(m, n), q)
+    _write(x3, (sig * keep).sum(-1) / min(m, n), q, scale, "eigh")

@@ -14,12 +14,20 @@ Backends: CPU ops run in torch. CUDA ops run the compiled extension's kernels wh
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
 from . import _ext, flatten
-from ._validate import SUPPORTED_DTYPES, check_all_finite, check_matrix_tensor
+from ._validate import (
+    SUPPORTED_DTYPES,
+    ResultOverflowError,
+    check_all_finite,
+    check_matrix_tensor,
+    check_writable,
+    compute_dtype,
+)
 from . import epilogue, nesterov
 from .flatten import check_method, iso_flatten_impl
 
@@ -106,13 +114,26 @@ def check_nesterov_args(params, bufs, updates, lr, momentum, scales) -> None:
             )
         if params and scales.device != params[0].device:
             raise ValueError("nesterov_outer_: scales must be on the params' device")
-    if not (lr == lr and momentum == momentum):  # NaN
-        raise ValueError(f"nesterov_outer_: lr and momentum must be numbers, got lr={lr}, momentum={momentum}")
+    if not (math.isfinite(lr) and math.isfinite(momentum)):  # NaN or ±Inf: every param would be NaN/Inf
+        raise ValueError(
+            f"nesterov_outer_: lr and momentum must be finite numbers, got lr={lr}, momentum={momentum}"
+        )
+
+
+def check_nesterov_written(params, bufs) -> None:
+    """The tensors nesterov_outer_ writes (params and bufs), checked all together before any is
+    written: no meta/inference tensor, no grad-requiring leaf with grad mode on, no internal
+    overlap, no two sharing memory (every CPU/CUDA backend runs this; fake tensors skip it)."""
+    check_writable(
+        [*params, *bufs], [f"nesterov_outer_: param {i}" for i in range(len(params))]
+        + [f"nesterov_outer_: buf {i}" for i in range(len(bufs))],
+    )
 
 
 @torch.library.impl(_lib, "nesterov_outer_", "CPU")
 def _nesterov_outer_cpu(params, bufs, updates, lr, momentum, scales) -> None:
     check_nesterov_args(params, bufs, updates, lr, momentum, scales)
+    check_nesterov_written(params, bufs)
     nesterov.nesterov_outer_torch(params, bufs, updates, lr, momentum, scales)
 
 
@@ -126,6 +147,7 @@ if not _ext.has_kernel("nesterov_outer_", "CUDA"):
     @torch.library.impl(_lib, "nesterov_outer_", "CUDA")
     def _nesterov_outer_cuda_fallback(params, bufs, updates, lr, momentum, scales) -> None:
         check_nesterov_args(params, bufs, updates, lr, momentum, scales)
+        check_nesterov_written(params, bufs)
         nesterov.nesterov_outer_cuda(params, bufs, updates, lr, momentum, scales)
 
 
@@ -151,16 +173,41 @@ def iso_merge_(buckets: Sequence[torch.Tensor], *, method: str = "auto") -> list
     names = [f"bucket {i}" for i in range(len(buckets))]
     for b, name in zip(buckets, names):
         check_matrix_tensor(b, name)
+    check_writable(buckets, names)
     check_all_finite(buckets, names)
-    flatten_buckets_(buckets, method)
+    # All or nothing across buckets: those whose result might not fit their dtype (a bound from
+    # the Frobenius norm) are flattened aside first; only when all of them fit is anything written.
+    risky = [i for i, b in enumerate(buckets) if b.numel() and _may_not_fit(b)]
+    done = {}
+    for i in risky:
+        done[i] = buckets[i].clone()
+        flatten_buckets_([done[i]], method, first=i)
+    flatten_buckets_([b for i, b in enumerate(buckets) if i not in done], method,
+                     index=[i for i in range(len(buckets)) if i not in done])
+    for i, r in done.items():
+        buckets[i].copy_(r)
     return buckets
 
 
-def flatten_buckets_(buckets: Sequence[torch.Tensor], method: str) -> None:
-    """The op over every non-empty bucket, for callers that already checked all of them."""
-    for b in buckets:
+def _may_not_fit(b: torch.Tensor) -> bool:
+    """Whether an Iso-C result of bucket b could exceed half its dtype's range: every entry of
+    iso(Δ) is at most s̄ ≤ ‖Δ‖_F / √r0 (r0 = min(m, n)), bounded here by the whole bucket's norm."""
+    r0 = min(b.shape[-2:])
+    norm = float(torch.linalg.vector_norm(b, dtype=compute_dtype(b.dtype)))
+    return not norm / math.sqrt(r0) < torch.finfo(b.dtype).max / 2
+
+
+def flatten_buckets_(buckets: Sequence[torch.Tensor], method: str, *, first: int = 0, index=None) -> None:
+    """The op over every non-empty bucket, for callers that already checked all of them.
+    A result that does not fit its dtype raises ResultOverflowError naming the bucket (its
+    position in `index`, or first + its position) and the matrix; that bucket is untouched."""
+    for k, b in enumerate(buckets):
         if b.numel():
-            torch.ops.isoloco.iso_flatten_(b, method)
+            try:
+                torch.ops.isoloco.iso_flatten_(b, method)
+            except ResultOverflowError as e:
+                i = index[k] if index is not None else first + k
+                raise ResultOverflowError(f"bucket {i}: {e}", matrix=e.matrix, bucket=i) from None
 
 
 def iso_flatten(x: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
