@@ -10,8 +10,13 @@ import pytest
 import torch
 
 from isoloco_kernels.train import MODES, Comm, Setup, TrainConfig, load_corpus, run_mode
+from isoloco_kernels.train.capture import load_pseudo_gradients
 from isoloco_kernels.train.cli import main
 from isoloco_kernels.train.data import Batches, check_fits, heldout_windows, worker_seed
+from isoloco_kernels.train.divergence import DivergenceMeter
+from isoloco_kernels.train.loop import DEFAULT_MODES
+from isoloco_kernels.train import tokenizer
+from isoloco_kernels.train.model import ByteLM, ModelConfig
 
 SMALL = dict(model="tiny", seq_len=16, workers=2, inner_steps=3, rounds=2, batch=2, warmup=1, eval_windows=8)
 CLI_SMALL = ["-K", "2", "-H", "2", "-R", "2", "--batch", "2", "--seq-len", "16", "--eval-windows", "8",
@@ -178,7 +183,14 @@ def test_text_file_and_folder(tmp_path, corpus):
      (["--batch", "100000"], "larger than each of the 2 workers' data shard"),
      (["--sweep", "workers=2,0"], "values must be integers ≥ 1"),
      (["--outer-lr", "diloco=fast"], "--outer-lr takes a number"),
-     (["--mode", "adam"], "unknown mode")],
+     (["--mode", "adam"], "unknown mode"),
+     (["--iso-method", "bogus"], "iso_method must be one of"),
+     (["--mode", "ddp", "--iso-method", "bogus"], "iso_method must be one of"),
+     (["--device", "tpu"], "device must be cpu, cuda or cuda:N, got 'tpu'"),
+     (["--device", "meta"], "device must be cpu, cuda or cuda:N, got 'meta'"),
+     (["--vocab", "100"], "--vocab takes bytes, 256 or an integer > 256"),
+     (["--init", "xavier"], "invalid choice: 'xavier'"),
+     (["--save-pseudo-gradients", "cap", "--save-rounds", "5"], "round 5 is outside 1..2")],
 )
 def test_cli_refuses_bad_input_before_training(tmp_path, capsys, args, msg):
     out = tmp_path / "out"
@@ -193,7 +205,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(CLI_SMALL + ["--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
-    assert set(res["modes"]) == set(MODES)
+    assert set(res["modes"]) == set(DEFAULT_MODES)
     assert res["config"]["workers"] == 2 and res["config"]["inner_steps"] == 2
     assert res["wall_s"] > 0 and res["params"] > 0
     init = res["modes"]["ddp"]["heldout_loss"][0]
@@ -203,7 +215,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert res["modes"]["isoloco"]["outer_lr"] == 1.8 and res["modes"]["diloco"]["outer_momentum"] == 0.9
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
-    assert all(m in table for m in MODES) and "final held-out loss" in table
+    assert all(m in table for m in DEFAULT_MODES) and "final held-out loss" in table
 
 
 def test_cli_sweep_and_outer_lr_override(tmp_path):
@@ -222,3 +234,141 @@ def test_cli_sweep_and_outer_lr_override(tmp_path):
     # 3 workers see 3x the tokens of 1 per round
     assert runs[1]["modes"]["diloco"]["tokens"][1] == 3 * runs[0]["modes"]["diloco"]["tokens"][1]
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("where", ["out", "under"])
+def test_cli_out_naming_a_file_is_refused_before_training(tmp_path, capsys, where):
+    f = tmp_path / "results.txt"
+    f.write_text("not a folder")
+    out = f if where == "out" else f / "run"
+    with pytest.raises(SystemExit) as e:
+        main(CLI_SMALL + ["--out", str(out)])
+    assert e.value.code == 2
+    assert "a file, not a folder" in capsys.readouterr().err
+    assert f.read_text() == "not a folder"
+
+
+def test_utf8_file_cut_mid_character_is_text(tmp_path):
+    # 2-byte characters throughout: an odd --max-bytes cuts the last one in two
+    f = tmp_path / "accents.txt"
+    f.write_text("déjà vu — naïve café, smörgåsbord\n" * 2000, encoding="utf-8")
+    raw = f.read_bytes()
+    cut = next(n for n in range(40_001, 40_010) if (raw[n] & 0xC0) == 0x80)  # n falls inside a character
+    c = load_corpus(f, max_bytes=cut)
+    text = bytes(c.train.tolist()).decode("utf-8") + bytes(c.heldout.tolist()).decode("utf-8")
+    # the streams hold the first cut−1 bytes (the broken character dropped) plus the "\n" joins
+    assert c.train.numel() + c.heldout.numel() - (c.n_docs - 2) == cut - 1
+    assert "smörgåsbord" in text
+    # a folder whose byte cap falls inside a character keeps valid UTF-8 too
+    d = tmp_path / "folder"
+    d.mkdir()
+    for i in range(12):
+        (d / f"p{i}.txt").write_bytes(raw[: 5000 + i])
+    c = load_corpus(d, max_bytes=cut)
+    bytes(c.train.tolist()).decode("utf-8")
+    bytes(c.heldout.tolist()).decode("utf-8")
+
+
+def test_divergence_meter_matches_pairwise_brute_force():
+    torch.manual_seed(0)
+    model = ByteLM(ModelConfig(d_model=16, n_layers=2, n_heads=2, seq_len=8))
+    params = list(model.parameters())
+    K = 3
+    common = [torch.randn_like(p) for p in params]
+    deltas = [[c + 0.7 * torch.randn_like(c) for c in common] for _ in range(K)]
+    meter = DivergenceMeter(model)
+    meter.start_round()
+    for d in deltas:
+        meter.add_worker(d)
+    mean = [sum(ds) / K for ds in zip(*deltas)]
+    res = meter.finish(Comm(K), mean)
+    for g, idx in meter.groups.items():
+        flat = [torch.cat([d[i].flatten() for i in idx]).double() for d in deltas]
+        cos = [torch.nn.functional.cosine_similarity(flat[i], flat[j], dim=0)
+               for i in range(K) for j in range(i + 1, K)]
+        assert res["cosine"][g] == pytest.approx(float(sum(cos) / len(cos)), rel=1e-5), g
+        shrink = (sum(flat) / K).norm() / (sum(f.norm() for f in flat) / K)
+        assert res["shrinkage"][g] == pytest.approx(float(shrink), rel=1e-5), g
+    s = torch.linalg.svdvals(mean[meter.groups["head"][0]].double())
+    spec = res["spectrum"]["head.weight"]
+    assert spec["top_over_mean"] == pytest.approx(float(s[0] / s.mean()), rel=1e-9)
+    assert spec["cond"] == pytest.approx(float(s[0] / s[-1]), rel=1e-9)
+    assert 1 <= spec["erank"] <= min(mean[meter.groups["head"][0]].shape)
+
+
+def test_bpe_vocab_trains_caches_and_reports_nats_per_byte(corpus, tmp_path):
+    cfg = TrainConfig(**{**SMALL, "vocab": 300})
+    s = Setup(cfg, corpus, cache_dir=tmp_path)
+    assert s.corpus.vocab == 300 and s.corpus.train.dtype == torch.int32
+    assert int(s.corpus.train.max()) < 300 and s.corpus.train.numel() < corpus.train.numel()
+    # every token stands for its bytes: the streams still hold exactly the corpus bytes
+    assert s.corpus.token_bytes[s.corpus.train.long()].sum() == corpus.train.numel()
+    assert s.corpus.token_bytes[s.corpus.heldout.long()].sum() == corpus.heldout.numel()
+    assert len(list(tmp_path.glob("bpe300-*.json"))) == 1
+    r = run_mode("isoloco", s)
+    # near-uniform init: log(300) nats per token, spread over the bytes the targets stand for
+    per_byte = math.log(300) * s.hy.numel() / s.heldout_bytes
+    assert abs(r["heldout_loss"][0] - per_byte) < 0.1
+    assert r["final_loss"] < r["heldout_loss"][0] - 0.05
+
+
+def test_cli_vocab_and_torch_init(tmp_path):
+    out = tmp_path / "bpe"
+    args = CLI_SMALL + ["--out", str(out), "--mode", "ddp,diloco", "--vocab", "300", "--init", "torch"]
+    assert main(args) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["vocab"] == 300 and res["config"]["init"] == "torch"
+    assert res["data"]["vocab"] == 300 and res["data"]["tokenizer"]["loaded_from_cache"] is False
+    assert res["data"]["train_tokens"] < res["data"]["train_bytes"]
+    tokenizer._MEMO.clear()  # as a new process would start
+    assert main(args) == 0  # the second run loads the tokenizer trained by the first
+    again = json.loads((out / "results.json").read_text())
+    assert again["data"]["tokenizer"]["loaded_from_cache"] is True
+    assert again["modes"]["diloco"]["heldout_loss"] == res["modes"]["diloco"]["heldout_loss"]
+
+
+def test_init_choices_differ_in_scale():
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=2, seq_len=16)
+    torch.manual_seed(0)
+    g = ByteLM(cfg).requires_grad_(False)
+    torch.manual_seed(0)
+    t = ByteLM(replace(cfg, init="torch")).requires_grad_(False)
+    assert g.tok.weight.std() == pytest.approx(0.02, rel=0.1)
+    assert t.tok.weight.std() == pytest.approx(1.0, rel=0.1)  # nn.Embedding's N(0, 1)
+    bound = 1 / math.sqrt(64)  # nn.Linear's Kaiming-uniform: U(−1/sqrt(fan_in), 1/sqrt(fan_in))
+    w = t.blocks[0].up.weight
+    assert float(w.abs().max()) <= bound and w.std() == pytest.approx(bound / math.sqrt(3), rel=0.1)
+    assert g.blocks[0].proj.weight.std() == pytest.approx(0.02 / 2, rel=0.15)  # 0.02/sqrt(2·layers)
+
+
+def test_cli_saves_pseudo_gradients_and_records_divergence(tmp_path):
+    out, cap = tmp_path / "run", tmp_path / "cap"
+    args = CLI_SMALL + ["--out", str(out), "--mode", "ddp,isoloco,avg", "--save-pseudo-gradients", str(cap),
+                        "--save-rounds", "all", "--save-dtype", "float16"]
+    assert main(args) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert "divergence" not in res["modes"]["ddp"]
+    saved = load_pseudo_gradients(cap)
+    assert [(b["run"], b["round"]) for b in saved] == [("avg", 1), ("avg", 2), ("isoloco", 1), ("isoloco", 2)]
+    names = [n for n, _ in ByteLM(TrainConfig(**SMALL).model_config()).named_parameters()]
+    for b in saved:
+        assert list(b["delta"]) == names and all(t.dtype == torch.float16 for t in b["delta"].values())
+        div = res["modes"][b["mode"]]["divergence"][b["round"] - 1]
+        norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in b["delta"].values()))
+        assert norm == pytest.approx(div["norm"]["all"], rel=1e-3)
+        assert b["cond"]["head.weight"] == pytest.approx(div["spectrum"]["head.weight"]["cond"], rel=1e-9)
+    for m in ("isoloco", "avg"):
+        rounds = res["modes"][m]["divergence"]
+        assert [d["round"] for d in rounds] == [1, 2]
+        for d in rounds:
+            for g in ("all", "embedding", "head", "middle"):
+                assert -1 <= d["cosine"][g] <= 1 and 0 < d["shrinkage"][g] <= 1
+    # avg is θ ← mean_k θ_k: after round 1 the global model is the workers' mean
+    assert res["modes"]["avg"]["outer_lr"] == 1.0 and res["modes"]["avg"]["outer_momentum"] == 0.0
+
+
+def test_one_worker_has_no_pairs_and_no_shrinkage(corpus):
+    r = run_mode("diloco", Setup(TrainConfig(**{**SMALL, "workers": 1}), corpus))
+    for d in r["divergence"]:
+        assert d["cosine"]["all"] is None
+        assert d["shrinkage"]["all"] == pytest.approx(1.0, rel=1e-6)

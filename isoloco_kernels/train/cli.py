@@ -2,7 +2,10 @@
 
 With no flags: K=8 workers, H=30 inner steps, 12 rounds, the tiny (~0.5M) byte-level model on
 Python's standard-library source; prints a table of final held-out loss per mode and writes
-results.json and loss.png under --out.
+results.json and loss.png under --out. --vocab N trains a BPE tokenizer on the training split
+first (cached in --out); --init picks the initialisation; --save-pseudo-gradients DIR saves the
+averaged Δ of chosen rounds. Every option, the data and the output folder are checked before any
+training starts.
 
 Under torchrun (`torchrun --nproc_per_node=K -m isoloco_kernels.train ...`) each of the K ranks trains
 one worker and the ranks average over torch.distributed (dist.py); --outer sharded splits the outer
@@ -22,10 +25,12 @@ from pathlib import Path
 
 import torch
 
+from .capture import SAVE_DTYPES, PseudoGradientWriter, parse_rounds
 from .data import check_fits, load_corpus
 from .dist import OUTER_PLACEMENTS, check_outer, torchrun_launch
-from .loop import MODES, OUTER_DEFAULTS, Comm, Setup, TrainConfig, run_mode
-from .model import PRESETS
+from .loop import DEFAULT_MODES, MODES, OUTER_DEFAULTS, Comm, Setup, TrainConfig, check_device, run_mode
+from .model import INITS, PRESETS
+from .tokenizer import tokenize
 from .report import mode_table, plot, sweep_table
 
 SWEEPABLE = {"workers": "workers", "inner-steps": "inner_steps", "rounds": "rounds", "batch": "batch"}
@@ -72,14 +77,39 @@ def _parse_outer_lr(s: str) -> dict | float:
         ) from None
 
 
+def _parse_vocab(s: str) -> int:
+    if s == "bytes":
+        return 256
+    try:
+        v = int(s)
+    except ValueError:
+        v = None
+    if v is None or v < 256:
+        raise argparse.ArgumentTypeError(f"--vocab takes bytes, 256 or an integer > 256 (BPE), got {s!r}")
+    return v
+
+
+def check_folder(flag: str, path: str) -> None:
+    """A folder the run will create or write into: refused when it, or a parent, is a file."""
+    p = Path(path)
+    for q in (p, *p.parents):
+        if q.exists() or q.is_symlink():
+            if not q.is_dir():
+                what = "is" if q == p else f"lies under {q}, which is"
+                raise ValueError(f"{flag} {path} {what} a file, not a folder")
+            if not os.access(q, os.W_OK | os.X_OK):
+                raise ValueError(f"{flag} {path}: {q} is not writable")
+            return
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(
         prog="python -m isoloco_kernels.train",
         description="Compare DDP, DiLoCo and IsoLoCo on a byte-level LM (same init, data and tokens).",
     )
-    p.add_argument("--mode", type=_parse_modes, default=list(MODES),
-                   help=f"all (default) or a comma list of {', '.join(MODES)}")
+    p.add_argument("--mode", type=_parse_modes, default=list(DEFAULT_MODES),
+                   help=f"a comma list of {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)}), or all")
     p.add_argument("--model", choices=sorted(PRESETS), default=d.model,
                    help="tiny ~0.5M params (CPU), small ~5M, base ~100M (GPU)")
     p.add_argument("--workers", "-K", type=int, default=d.workers, help="K workers (default %(default)s)")
@@ -88,12 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per worker per inner step")
     p.add_argument("--seq-len", type=int, default=None, help="bytes per sequence (default: the model's)")
     p.add_argument("--tie-embeddings", action="store_true", help="share input embedding and output head")
+    p.add_argument("--vocab", type=_parse_vocab, default=d.vocab,
+                   help="bytes/256 (default): byte-level; N > 256: a BPE vocabulary of N tokens (HF tokenizers) "
+                        "trained on the training split at first use and cached in --out; held-out loss "
+                        "stays in nats/byte")
+    p.add_argument("--init", choices=INITS, default=d.init,
+                   help="gpt2 (default): every matrix N(0, 0.02), residual projections /sqrt(2·layers); "
+                        "torch: PyTorch's module defaults (embeddings N(0, 1), Kaiming-uniform linears)")
     p.add_argument("--inner-lr", type=float, default=d.inner_lr, help="AdamW peak lr")
     p.add_argument("--warmup", type=int, default=d.warmup, help="inner warmup steps")
     p.add_argument("--outer-lr", type=_parse_outer_lr, default=None,
                    help="outer lr for every outer mode, or MODE=LR,... "
                         + ", ".join(f"{m} {lr}" for m, (lr, _) in OUTER_DEFAULTS.items()))
-    p.add_argument("--iso-method", default=d.iso_method, help="IsoLoCo flatten method (auto, svd, eigh, ...)")
+    p.add_argument("--iso-method", default=d.iso_method, help="IsoLoCo flatten method (auto, svd, eigh, polar, ...)")
     p.add_argument("--data", default=None, help="a text file or folder (default: Python's stdlib source)")
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="read at most this much text")
     p.add_argument("--eval-windows", type=int, default=d.eval_windows, help="held-out windows per eval")
@@ -104,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out", default="runs/latest", help="folder for results.json and loss.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--save-pseudo-gradients", metavar="DIR", default=None,
+                   help="save the averaged pseudo-gradient Δ of the rounds --save-rounds picks, one .pt per "
+                        "round under DIR/<mode>/ (capture.py)")
+    p.add_argument("--save-rounds", default="first,mid,last",
+                   help="rounds to save: all, or a comma list of numbers/first/mid/last (default %(default)s)")
+    p.add_argument("--save-dtype", choices=sorted(SAVE_DTYPES), default="float32",
+                   help="dtype of the saved Δ (default %(default)s)")
+    p.add_argument("--no-divergence", action="store_true",
+                   help="skip the per-round divergence and spectrum measurements (results.json 'divergence')")
     p.add_argument("--outer", choices=OUTER_PLACEMENTS, default="replicated",
                    help="under torchrun: the outer step on every rank (replicated, default) or each "
                         "tensor's on one owner rank (sharded: ShardedIsoLoCo)")
@@ -138,10 +184,8 @@ def main(argv=None) -> int:
     launch = torchrun_launch(parser)  # None unless started by torchrun: then one worker per rank
     a = parser.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if a.threads is not None:
-        if a.threads < 1:
-            parser.error(f"--threads must be ≥ 1, got {a.threads}")
-        torch.set_num_threads(a.threads)
+    if a.threads is not None and a.threads < 1:
+        parser.error(f"--threads must be ≥ 1, got {a.threads}")
     outer_modes = [m for m in a.mode if m in OUTER_DEFAULTS]
     if isinstance(a.outer_lr, float):
         outer_lr = {m: a.outer_lr for m in outer_modes}
@@ -151,21 +195,31 @@ def main(argv=None) -> int:
         model=a.model, workers=a.workers, inner_steps=a.inner_steps, rounds=a.rounds, batch=a.batch,
         seq_len=a.seq_len, tie_embeddings=a.tie_embeddings, inner_lr=a.inner_lr, warmup=a.warmup,
         outer_lr=outer_lr, iso_method=a.iso_method, eval_windows=a.eval_windows, seed=a.seed, device=device,
+        vocab=a.vocab, init=a.init, divergence=not a.no_divergence,
     )
     param, values = a.sweep if a.sweep else (None, [None])
     cfgs = [base if param is None else replace(base, **{SWEEPABLE[param]: v}) for v in values]
     # Every check runs before any training: settings, data, and that the data fits each config.
+    save_rounds = {}
     try:
+        check_device(device)
         for c in cfgs:
             c.validate()
         check_outer(launch, cfgs, param, device, a.outer)
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {device} requested but CUDA is not available")
+        check_folder("--out", a.out)
+        if a.save_pseudo_gradients is not None:
+            check_folder("--save-pseudo-gradients", a.save_pseudo_gradients)
+            save_rounds = {c.rounds: parse_rounds(a.save_rounds, c.rounds) for c in cfgs}
+            if not any(m in OUTER_DEFAULTS for m in a.mode):
+                raise ValueError("--save-pseudo-gradients needs a mode with an outer step (not ddp alone)")
         corpus = load_corpus(a.data, a.max_bytes)
+        corpus = tokenize(corpus, a.vocab, a.out)  # byte-level: unchanged; BPE: trained or loaded
         for c in cfgs:
             check_fits(corpus, c.workers, c.batch, c.model_config().seq_len)
     except ValueError as e:
         parser.error(str(e))
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
     if launch is not None:
         launch.start(device)
 
@@ -182,8 +236,9 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     setup0 = Setup(cfgs[0], corpus)
     say(
-        f"model {a.model}: {setup0.n_params:,} params, seq {setup0.mcfg.seq_len}; data: {corpus.source}, "
-        f"{corpus.train.numel():,} train / {corpus.heldout.numel():,} held-out bytes; device {device}",
+        f"model {a.model}: {setup0.n_params:,} params, seq {setup0.mcfg.seq_len}, vocab {a.vocab}, init {a.init}; "
+        f"data: {corpus.source}, {corpus.train.numel():,} train / {corpus.heldout.numel():,} held-out "
+        f"{corpus.unit}; device {device}",
         file=sys.stderr,
     )
     per_value = []
@@ -193,8 +248,13 @@ def main(argv=None) -> int:
         for m in a.mode:
             tag = m if param is None else f"{m} {param}={v}"
             cb, close = make_progress(tag, c.workers * c.inner_steps * c.rounds)
+            capture = None
+            if a.save_pseudo_gradients is not None and m in OUTER_DEFAULTS and (launch is None or launch.is_main):
+                capture = PseudoGradientWriter(a.save_pseudo_gradients, m if param is None else f"{m}_{param}{v}",
+                                               save_rounds[c.rounds], a.save_dtype, m, c.as_dict())
             try:
-                runs.append(run_mode(m, setup, Comm(c.workers) if launch is None else launch.comm(c), cb))
+                runs.append(run_mode(m, setup, Comm(c.workers) if launch is None else launch.comm(c), cb,
+                                     capture=capture))
             finally:
                 close()
             if launch is not None:
@@ -224,6 +284,9 @@ def main(argv=None) -> int:
                             for c, runs in zip(cfgs, per_value)]},
         )
         table = sweep_table(param, values, per_value)
+    if a.save_pseudo_gradients is not None:
+        result["pseudo_gradients"] = {"dir": a.save_pseudo_gradients, "dtype": a.save_dtype,
+                                      "rounds": {str(k): v for k, v in save_rounds.items()}}
     if launch is not None:
         result["launch"] = launch.describe()
         launch.close()

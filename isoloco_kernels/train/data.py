@@ -35,6 +35,23 @@ def _is_text(data: bytes) -> bool:
     return True
 
 
+def _cut(data: bytes, n: int) -> bytes:
+    """data[:n], shortened by at most 3 bytes so a multi-byte UTF-8 character is not cut in two.
+
+    Only a character the cut made incomplete is dropped: bytes that are not UTF-8 anyway stay, so
+    `_is_text` still calls them binary.
+    """
+    if n >= len(data):
+        return data
+    head = data[:n]
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.reason == "unexpected end of data" and e.end == len(head) and len(head) - e.start <= 3:
+            return head[: e.start]
+    return head
+
+
 def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
@@ -63,28 +80,68 @@ def _folder_files(root: Path) -> list[tuple[str, Path]]:
 
 @dataclass
 class Corpus:
-    """Train and held-out byte streams (uint8 tensors) and where they came from."""
+    """Train and held-out streams and where they came from.
+
+    Byte-level (vocab 256): uint8 byte streams. After `tokenizer.tokenize`: int32 token-id streams,
+    `token_bytes[i]` the number of bytes token i stands for, `heldout_bytes` the held-out bytes.
+    """
 
     train: torch.Tensor
     heldout: torch.Tensor
     source: str
     n_docs: int
     n_heldout_docs: int
+    vocab: int = 256
+    token_bytes: torch.Tensor | None = None
+    heldout_bytes: torch.Tensor | None = None
+    tokenizer_path: str | None = None
+    tokenizer_cached: bool = False
+
+    @property
+    def unit(self) -> str:
+        return "bytes" if self.vocab == 256 else "tokens"
 
     def describe(self) -> dict:
+        if self.vocab == 256:
+            return {
+                "source": self.source,
+                "docs": self.n_docs,
+                "heldout_docs": self.n_heldout_docs,
+                "train_bytes": int(self.train.numel()),
+                "heldout_bytes": int(self.heldout.numel()),
+            }
         return {
             "source": self.source,
             "docs": self.n_docs,
             "heldout_docs": self.n_heldout_docs,
-            "train_bytes": int(self.train.numel()),
-            "heldout_bytes": int(self.heldout.numel()),
+            "train_bytes": int(self.token_bytes[self.train.long()].sum().item()),
+            "heldout_bytes": int(self.heldout_bytes.numel()),
+            "vocab": self.vocab,
+            "tokenizer": {"kind": "bpe (HF tokenizers, byte-level)", "path": self.tokenizer_path,
+                          "loaded_from_cache": self.tokenizer_cached},
+            "train_tokens": int(self.train.numel()),
+            "heldout_tokens": int(self.heldout.numel()),
         }
+
+
+def _pieces(d: bytes) -> list[bytes]:
+    """d in SINGLE_FILE_CHUNK-byte pieces, each cut moved back (≤ 3 bytes) to a UTF-8 character start."""
+    out, o = [], 0
+    while o < len(d):
+        end = min(len(d), o + SINGLE_FILE_CHUNK)
+        back = end
+        while back < len(d) and back > end - 3 and (d[back] & 0xC0) == 0x80:  # a continuation byte
+            back -= 1
+        if back < len(d) and (d[back] & 0xC0) != 0x80:
+            end = back
+        out.append(d[o:end])
+        o = end
+    return out
 
 
 def _split(docs: list[tuple[str, bytes]], source: str) -> Corpus:
     if len(docs) < 10:  # a lone file or a few: split by 16 KiB pieces instead of by file
-        docs = [(f"{name}#{i}", d[o : o + SINGLE_FILE_CHUNK])
-                for name, d in docs for i, o in enumerate(range(0, len(d), SINGLE_FILE_CHUNK))]
+        docs = [(f"{name}#{i}", piece) for name, d in docs for i, piece in enumerate(_pieces(d))]
     train, held = [], []
     for name, data in docs:
         (held if _h("split:" + name) % 100 < HELDOUT_PERCENT else train).append(data)
@@ -115,7 +172,7 @@ def load_corpus(path: str | os.PathLike | None = None, max_bytes: int = 4_000_00
         if not root.exists():
             raise ValueError(f"data path {source} does not exist")
         if root.is_file():
-            data = root.read_bytes()[:max_bytes]
+            data = _cut(root.read_bytes(), max_bytes)
             if not data.strip():
                 raise ValueError(f"data file {source} is empty")
             if not _is_text(data):
@@ -138,7 +195,9 @@ def load_corpus(path: str | os.PathLike | None = None, max_bytes: int = 4_000_00
         if not _is_text(data):
             skipped += 1
             continue
-        data = data[: max_bytes - total]
+        data = _cut(data, max_bytes - total)
+        if not data:  # the cap fell inside this file's first character
+            break
         docs.append((name, data))
         total += len(data)
     if not docs:
@@ -148,18 +207,20 @@ def load_corpus(path: str | os.PathLike | None = None, max_bytes: int = 4_000_00
 
 
 def check_fits(corpus: Corpus, workers: int, batch: int, seq_len: int) -> None:
-    """Every worker's shard must hold `batch` windows of seq_len+1 bytes; held-out at least one."""
+    """Every worker's shard must hold `batch` windows of seq_len+1 bytes (tokens after BPE);
+    held-out at least one."""
     win = seq_len + 1
     shard = corpus.train.numel() // workers
+    u = getattr(corpus, "unit", "bytes")
     if batch * win > shard:
         raise ValueError(
-            f"batch {batch} × sequence {seq_len} (+1) = {batch * win} bytes is larger than each of the "
-            f"{workers} workers' data shard ({shard} of {corpus.train.numel()} train bytes); "
+            f"batch {batch} × sequence {seq_len} (+1) = {batch * win} {u} is larger than each of the "
+            f"{workers} workers' data shard ({shard} of {corpus.train.numel()} train {u}); "
             "use more data, fewer workers, or a smaller batch/sequence"
         )
     if win > corpus.heldout.numel():
         raise ValueError(
-            f"sequence {seq_len} (+1) is longer than the held-out data ({corpus.heldout.numel()} bytes)"
+            f"sequence {seq_len} (+1) is longer than the held-out data ({corpus.heldout.numel()} {u})"
         )
 
 

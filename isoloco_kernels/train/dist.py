@@ -11,7 +11,9 @@ AdamW state, its seed), every rank holds the same global weights, and the only c
     replicated  on every rank (torch.optim.SGD for diloco, IsoLoCo for isoloco/isoloco-sgd), or
     sharded     with `ShardedIsoLoCo`: reduce-scatter of the local Δ, each tensor flattened and
                 stepped (Nesterov, momentum kept) by its one owner, all-gather of the new weights.
-                For diloco it runs with iso off, which is the same Nesterov SGD step.
+                For diloco (and avg) it runs with iso off, which is the same SGD step.
+                Measuring divergence or saving pseudo-gradients then costs one more all-reduce
+                of Δ per round (--no-divergence turns the measurement off).
 
 ddp runs too: each rank takes its worker's b sequences of the K×b batch and the gradients are
 all-reduced before the AdamW step. Either way the held-out losses equal the simulation's to float
@@ -30,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from .loop import Comm, TrainConfig, outer_optimizer
+from .loop import SGD_MODES, Comm, TrainConfig, outer_optimizer
 
 OUTER_PLACEMENTS = ("replicated", "sharded")
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -70,7 +72,7 @@ class DistComm(Comm):
 
         lr, momentum = cfg.outer(mode)
         return ShardedIsoLoCo(
-            params, lr=lr, momentum=momentum, iso=mode != "diloco", method=cfg.iso_method,
+            params, lr=lr, momentum=momentum, iso=mode not in SGD_MODES, method=cfg.iso_method,
             group=self.group, bucket_bytes=self.bucket_bytes,
         )
 
@@ -78,6 +80,13 @@ class DistComm(Comm):
         if self.outer == "replicated":
             self.average_(delta)
         # sharded: ShardedIsoLoCo.step averages the local Δ in its reduce-scatter
+
+    def mean_pseudo_gradients(self, delta: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        if self.outer == "replicated":
+            return delta  # already the mean
+        mean = [d.clone() for d in delta]  # sharded: Δ is local; one extra all-reduce to measure
+        self.average_(mean)
+        return mean
 
 
 class Launch:

@@ -10,6 +10,12 @@
                  same step size. lr 1 (the bare Iso-C merge) is too small: the flatten keeps only
                  the mean singular value, so ‖iso(Δ)‖_F < ‖Δ‖_F. Measured (study/README.md, K 4,
                  H 30, 2 seeds): held-out 2.50 at lr 3.0 vs 3.18 at lr 1.0.
+    avg          plain averaging (local SGD / FedAvg): outer SGD lr 1, μ 0, so θ ← mean_k θ_k.
+                 Not in the default set of modes (`--mode all` or `--mode avg` runs it).
+
+Every round of a mode with an outer step also records how far the workers drifted apart
+(divergence.py: pairwise cosine and shrinkage of the Δ_k, spectrum of the averaged Δ), and a
+`capture` callback can save the averaged Δ (the CLI's --save-pseudo-gradients).
 
 Workers are simulated one after another in this process. Each keeps its own data stream and its
 own AdamW state across rounds (as in DiLoCo); they share one scratch model that is reset to the
@@ -26,11 +32,15 @@ from typing import Callable, Sequence
 import torch
 
 from .data import Batches, Corpus, check_fits, heldout_windows, worker_seed, worker_shards
-from .model import PRESETS, ByteLM, ModelConfig, count_params
+from .divergence import DivergenceMeter
+from .model import INITS, PRESETS, ByteLM, ModelConfig, count_params
+from .tokenizer import check_vocab, tokenize
 
-MODES = ("ddp", "diloco", "isoloco", "isoloco-sgd")
+MODES = ("ddp", "diloco", "isoloco", "isoloco-sgd", "avg")
+DEFAULT_MODES = ("ddp", "diloco", "isoloco", "isoloco-sgd")  # the CLI's default comparison
 # (outer lr, outer momentum) per mode; ddp has no outer step.
-OUTER_DEFAULTS = {"diloco": (0.7, 0.9), "isoloco": (1.8, 0.8), "isoloco-sgd": (3.0, 0.0)}
+OUTER_DEFAULTS = {"diloco": (0.7, 0.9), "isoloco": (1.8, 0.8), "isoloco-sgd": (3.0, 0.0), "avg": (1.0, 0.0)}
+SGD_MODES = ("diloco", "avg")  # outer torch.optim.SGD (no Iso-C)
 
 
 @dataclass
@@ -51,9 +61,12 @@ class TrainConfig:
     clip: float = 1.0
     outer_lr: dict = field(default_factory=dict)  # mode -> lr, overrides OUTER_DEFAULTS
     iso_method: str = "auto"  # IsoLoCo's flatten method
-    eval_windows: int = 64  # held-out windows of seq_len bytes, the same for every mode
+    eval_windows: int = 64  # held-out windows of seq_len tokens, the same for every mode
     seed: int = 0
     device: str = "cpu"
+    vocab: int = 256  # 256: bytes; more: a BPE vocabulary trained on the training split
+    init: str = "gpt2"  # a key of model.INITS: "gpt2" N(0, 0.02) or "torch" (PyTorch defaults)
+    divergence: bool = True  # measure the workers' drift every round (divergence.py)
 
     def model_config(self) -> ModelConfig:
         if self.model not in PRESETS:
@@ -62,6 +75,8 @@ class TrainConfig:
         if self.seq_len is not None:
             cfg["seq_len"] = self.seq_len
         cfg["tie_embeddings"] = self.tie_embeddings
+        cfg["vocab"] = self.vocab
+        cfg["init"] = self.init
         return ModelConfig(**cfg)
 
     def validate(self) -> None:
@@ -94,9 +109,19 @@ class TrainConfig:
                 )
             if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
                 raise ValueError(f"outer lr for {mode} must be a finite number > 0, got {lr!r}")
+        from ..flatten import METHODS
+
+        if self.iso_method not in METHODS:
+            raise ValueError(f"iso_method must be one of {METHODS}, got {self.iso_method!r}")
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
+        check_vocab(self.vocab)
+        check_device(self.device)
         self.model_config()
 
     def outer(self, mode: str) -> tuple[float, float]:
+        if mode not in OUTER_DEFAULTS:
+            raise ValueError(f"mode {mode!r} has no outer step; modes with one: {sorted(OUTER_DEFAULTS)}")
         lr, mom = OUTER_DEFAULTS[mode]
         return float(self.outer_lr.get(mode, lr)), mom
 
@@ -104,6 +129,21 @@ class TrainConfig:
         d = asdict(self)
         d["model_config"] = self.model_config().as_dict()
         return d
+
+
+def check_device(device) -> None:
+    """cpu, cuda or cuda:N (N a visible GPU); anything else is a ValueError naming it."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}") from None
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r} (the loop runs on CPUs and CUDA GPUs)")
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device} requested but CUDA is not available")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
 
 
 class Comm:
@@ -134,6 +174,10 @@ class Comm:
         """
         self.average_(delta)
 
+    def mean_pseudo_gradients(self, delta: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """The mean Δ over all K workers, after pseudo_gradients_ (read only: measured, saved)."""
+        return delta
+
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     """Linear warmup over `warmup` steps, then cosine from 1 to min_ratio at step `total`."""
@@ -156,8 +200,8 @@ def inner_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
 
 def outer_optimizer(mode: str, params, cfg: TrainConfig) -> torch.optim.Optimizer:
     lr, mom = cfg.outer(mode)
-    if mode == "diloco":
-        return torch.optim.SGD(params, lr=lr, momentum=mom, nesterov=True)
+    if mode in SGD_MODES:
+        return torch.optim.SGD(params, lr=lr, momentum=mom, nesterov=mom > 0)
     from ..optim import IsoLoCo
 
     return IsoLoCo(params, lr=lr, momentum=mom, iso=True, method=cfg.iso_method)
@@ -173,29 +217,45 @@ def _check_finite(loss: torch.Tensor, where: str) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: ByteLM, hx: torch.Tensor, hy: torch.Tensor, chunk: int = 64) -> float:
-    """Mean held-out loss (nats/byte) over the fixed windows."""
+def evaluate(model: ByteLM, hx: torch.Tensor, hy: torch.Tensor, chunk: int = 64,
+             heldout_bytes: float | None = None) -> float:
+    """Held-out loss in nats/byte over the fixed windows.
+
+    Byte-level: the mean loss. Tokens: the summed loss over every target token divided by
+    `heldout_bytes`, the number of bytes those targets stand for.
+    """
     model.eval()
     total = 0.0
     for i in range(0, hx.shape[0], chunk):
         with torch.autocast("cuda", torch.bfloat16, enabled=hx.is_cuda):
             total += model.loss(hx[i : i + chunk], hy[i : i + chunk]).item() * hx[i : i + chunk].shape[0]
     model.train()
-    return total / hx.shape[0]
+    if heldout_bytes is None:
+        return total / hx.shape[0]
+    return total * hx.shape[1] / heldout_bytes
 
 
 class Setup:
-    """Everything a mode needs that must be identical across modes: init, shards, eval set."""
+    """Everything a mode needs that must be identical across modes: init, shards, eval set.
 
-    def __init__(self, cfg: TrainConfig, corpus: Corpus):
+    With cfg.vocab > 256 a byte corpus is tokenized first (tokenizer.py; the tokenizer is trained
+    on its training split and kept in `cache_dir` when given).
+    """
+
+    def __init__(self, cfg: TrainConfig, corpus: Corpus, cache_dir=None):
         cfg.validate()
         self.cfg = cfg
         self.mcfg = cfg.model_config()
+        if corpus.vocab != cfg.vocab:
+            corpus = tokenize(corpus, cfg.vocab, cache_dir)
+        self.corpus = corpus
         check_fits(corpus, cfg.workers, cfg.batch, self.mcfg.seq_len)
         self.device = torch.device(cfg.device)
         self.shards = [s.to(self.device) for s in worker_shards(corpus.train, cfg.workers)]
         hx, hy = heldout_windows(corpus.heldout, self.mcfg.seq_len, cfg.eval_windows)
         self.hx, self.hy = hx.to(self.device), hy.to(self.device)
+        # nats/byte for tokens: the bytes the held-out targets stand for (None: they are bytes)
+        self.heldout_bytes = None if corpus.token_bytes is None else float(corpus.token_bytes[hy].sum())
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(cfg.seed)
         init = ByteLM(self.mcfg)
@@ -212,6 +272,9 @@ class Setup:
         """Worker k's stream depends on (seed, k) only, so every mode sees the same bytes."""
         T = self.mcfg.seq_len
         return [Batches(s, self.cfg.batch, T, worker_seed(self.cfg.seed, k)) for k, s in enumerate(self.shards)]
+
+    def evaluate(self, model: ByteLM) -> float:
+        return evaluate(model, self.hx, self.hy, heldout_bytes=self.heldout_bytes)
 
     def tokens_per_round(self) -> int:
         c = self.cfg
@@ -237,10 +300,14 @@ def run_mode(
     setup: Setup,
     comm: Comm | None = None,
     progress: Callable[[int, float | None], None] | None = None,
+    capture: Callable[[int, list[str], Sequence[torch.Tensor]], None] | None = None,
 ) -> dict:
     """Train one mode from the shared init; return its held-out curve and timings.
 
     progress(inner_steps_done, last_heldout_loss) is called after every inner step (per worker).
+    capture(round, names, mean_delta) is called in every round of an outer mode (1-based round)
+    with the averaged pseudo-gradient before the outer step; it must not modify it.
+    With cfg.divergence, out["divergence"] holds one dict per round (divergence.py).
     A non-finite loss stops the mode and is reported under "diverged" (never silently).
     """
     if mode not in MODES:
@@ -251,7 +318,7 @@ def run_mode(
     total = H * R
     model = setup.model()
     batches = setup.batches()
-    losses = [evaluate(model, setup.hx, setup.hy)]
+    losses = [setup.evaluate(model)]
     tokens = [0]
     out = {"mode": mode}
     if mode != "ddp":
@@ -270,7 +337,7 @@ def run_mode(
                 _check_finite(loss, f"ddp step {step}")
                 done += len(local)
                 if (step + 1) % H == 0:
-                    losses.append(evaluate(model, setup.hx, setup.hy))
+                    losses.append(setup.evaluate(model))
                     tokens.append((step + 1) // H * setup.tokens_per_round())
                     _check_finite(torch.tensor(losses[-1]), f"ddp held-out after step {step + 1}")
                 if progress:
@@ -279,9 +346,15 @@ def run_mode(
             work = ByteLM(setup.mcfg).to(setup.device)  # the scratch model every worker trains
             inner = {k: inner_optimizer(work, cfg) for k in comm.local_workers}
             params = list(model.parameters())
+            names = [n for n, _ in model.named_parameters()]
             outer = comm.outer_optimizer(mode, params, cfg)
+            meter = DivergenceMeter(model) if cfg.divergence else None
+            if meter is not None:
+                out["divergence"] = []
             for r in range(R):
                 delta = [torch.zeros_like(p) for p in params]
+                if meter is not None:
+                    meter.start_round()
                 for k in comm.local_workers:
                     with torch.no_grad():
                         torch._foreach_copy_(list(work.parameters()), params)
@@ -297,12 +370,20 @@ def run_mode(
                     with torch.no_grad():  # Δ_k = global − local, summed over this process's workers
                         torch._foreach_add_(delta, params)
                         torch._foreach_sub_(delta, list(work.parameters()))
+                        if meter is not None:
+                            meter.add_worker(torch._foreach_sub(params, list(work.parameters())))
                 comm.pseudo_gradients_(delta)
+                if meter is not None or capture is not None:
+                    mean_delta = comm.mean_pseudo_gradients(delta)
+                    if meter is not None:
+                        out["divergence"].append({"round": r + 1, **meter.finish(comm, mean_delta)})
+                    if capture is not None:
+                        capture(r + 1, names, mean_delta)
                 for p, d in zip(params, delta):
                     p.grad = d
                 outer.step()
                 outer.zero_grad(set_to_none=True)
-                losses.append(evaluate(model, setup.hx, setup.hy))
+                losses.append(setup.evaluate(model))
                 tokens.append((r + 1) * setup.tokens_per_round())
                 _check_finite(torch.tensor(losses[-1]), f"{mode} held-out after round {r + 1}")
     except Diverged as e:

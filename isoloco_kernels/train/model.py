@@ -1,8 +1,20 @@
-"""A small decoder-only transformer over bytes (vocab 256): the model the reference loop trains.
+"""A small decoder-only transformer over bytes (vocab 256) or BPE tokens: the model the
+reference loop trains.
 
 Pre-norm blocks (RMSNorm → causal self-attention → RMSNorm → GELU MLP), learned positions, no
 biases. Every weight except the norms' gains is a 2-D matrix, so IsoLoCo flattens all of them
 (embeddings and the output head included); the gains and nothing else take the plain Nesterov step.
+
+Two initialisations (`ModelConfig.init`, the CLI's --init):
+
+    gpt2   (default) GPT-2 / Llama style: every matrix N(0, 0.02), the residual output projections
+           (attention proj, MLP down) N(0, 0.02/sqrt(2·layers)); embeddings N(0, 0.02) too.
+    torch  PyTorch's module defaults, a much larger scale: embeddings (token and position) N(0, 1),
+           every nn.Linear Kaiming-uniform U(−1/sqrt(fan_in), 1/sqrt(fan_in)) (std 0.051 at d 128,
+           0.026 for the 512-wide MLP down projection), no residual scaling.
+
+The init scale changes how far apart the workers' pseudo-gradients drift and how anisotropic
+their spectra are, which is a first-order factor of the DiLoCo / IsoLoCo gap (study/README.md).
 """
 from __future__ import annotations
 
@@ -13,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-VOCAB = 256  # bytes: no tokenizer
+VOCAB = 256  # bytes: no tokenizer (the default vocabulary)
+INITS = ("gpt2", "torch")
 
 
 @dataclass(frozen=True)
@@ -24,12 +37,16 @@ class ModelConfig:
     seq_len: int
     mlp_ratio: int = 4
     tie_embeddings: bool = False
+    vocab: int = VOCAB
+    init: str = "gpt2"
 
     def __post_init__(self):
-        for name in ("d_model", "n_layers", "n_heads", "seq_len", "mlp_ratio"):
+        for name in ("d_model", "n_layers", "n_heads", "seq_len", "mlp_ratio", "vocab"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"model {name} must be a positive integer, got {v!r}")
+        if self.init not in INITS:
+            raise ValueError(f"model init must be one of {INITS}, got {self.init!r}")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"model d_model={self.d_model} must be divisible by n_heads={self.n_heads}"
@@ -85,17 +102,19 @@ class ByteLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok = nn.Embedding(VOCAB, cfg.d_model)
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, VOCAB, bias=False)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok.weight
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        if self.cfg.init == "torch":  # keep what the modules' own constructors drew
+            return
         # GPT-2 style: N(0, 0.02), residual output projections scaled by 1/sqrt(2·layers).
         resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
@@ -104,7 +123,7 @@ class ByteLM(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits [b, t, 256] for byte ids idx [b, t] (t ≤ seq_len)."""
+        """Logits [b, t, vocab] for token (byte) ids idx [b, t] (t ≤ seq_len)."""
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds the model's seq_len {self.cfg.seq_len}")
@@ -114,7 +133,7 @@ class ByteLM(nn.Module):
         return self.head(self.norm(x))
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean next-byte cross-entropy in nats/byte."""
+        """Mean next-token cross-entropy in nats/token (nats/byte at vocab 256)."""
         logits = self.forward(x)
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
