@@ -114,6 +114,8 @@ def _decide() -> tuple[dict | None, str]:
     return tools, why
 
 
+TRAIN_EXTRA = ["tqdm", "matplotlib", "tokenizers>=0.15"]
+
 TOOLS, SKIP_REASON = _decide()
 FORCED = os.environ.get("ISOLOCO_CUDA", "").strip() == "1"
 
@@ -186,9 +188,12 @@ setup(
     description="Fast Iso-C merging and the IsoLoCo outer optimizer for DiLoCo-style training",
     packages=find_packages(include=["isoloco_kernels", "isoloco_kernels.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "numpy", "tqdm", "matplotlib"],
+    install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", 'triton; platform_system == "Linux"'],
+        # the reference training loop (python -m isoloco_kernels.train): progress bars, plots, BPE
+        "train": TRAIN_EXTRA,
+        # the tests, the training-loop tests included
+        "test": ["pytest", "pytest-benchmark", 'triton; platform_system == "Linux"', *TRAIN_EXTRA],
         "cupy": ["cupy-cuda13x"],
     },
     ext_modules=[CMakeExtension("isoloco_kernels._C")] if TOOLS is not None else [],

@@ -372,3 +372,29 @@ def test_one_worker_has_no_pairs_and_no_shrinkage(corpus):
     for d in r["divergence"]:
         assert d["cosine"]["all"] is None
         assert d["shrinkage"]["all"] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_runs_without_the_train_extra(tmp_path):
+    """The package and a byte-level run need none of tqdm, matplotlib, tokenizers; --vocab says why not."""
+    code = f"""
+import sys
+for name in ("tqdm", "matplotlib", "tokenizers"):
+    sys.modules[name] = None  # any import of them raises ImportError
+import isoloco_kernels, isoloco_kernels.train
+from isoloco_kernels.train.cli import main
+args = {CLI_SMALL!r} + ["--mode", "diloco", "--out", {str(tmp_path / "run")!r}]
+assert main(args) == 0
+try:
+    main(args + ["--vocab", "300"])
+except SystemExit as e:
+    assert e.code == 2
+"""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "no PNG: matplotlib is not installed" in p.stdout
+    assert 'vocab 300 needs the `tokenizers` package: pip install -e ".[train]"' in p.stderr
+    assert (tmp_path / "run" / "results.json").exists() and not (tmp_path / "run" / "loss.png").exists()
