@@ -22,7 +22,7 @@ from .helpers import TOL
 
 FLAGS = ["-H", "2", "-R", "2", "--batch", "2", "--seq-len", "16", "--eval-windows", "8",
          "--max-bytes", "200000", "--quiet", "--seed", "3"]
-OUTER_MODES = ["diloco", "isoloco", "isoloco-sgd"]
+OUTER_MODES = ["diloco", "isoloco", "isoloco-sgd", "avg"]
 LAUNCH_TIMEOUT_S = 240
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
@@ -96,6 +96,11 @@ def test_torchrun_matches_the_simulation(simulation, data_file, tmp_path, outer,
         assert a[-1] < a[0] - 0.05, (m, a)  # it trained
         err = max(abs(x - y) / abs(y) for x, y in zip(a, b))
         assert err <= tol, f"{m} ({outer}): held-out {a} vs simulation {b}, rel err {err:.2e} > {tol}"
+        # the divergence measurements all-reduce the per-worker sums: the same numbers on 2 ranks
+        for d, e in zip(run.get("divergence", []), ref.get("divergence", []), strict=True):
+            for what in ("cosine", "shrinkage", "norm"):
+                for g, x in d[what].items():
+                    assert x == pytest.approx(e[what][g], rel=1e-4, abs=1e-6), (m, outer, what, g)
     # the modes differ by far more than the tolerance, so a mode mix-up cannot pass
     finals = [simulation["modes"][m]["final_loss"] for m in modes]
     assert min(abs(x - y) for i, x in enumerate(finals) for y in finals[i + 1 :]) > 100 * tol
