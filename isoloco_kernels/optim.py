@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import dtensor  # DTensor (FSDP2 / TP) params
 from ._validate import SUPPORTED_DTYPES, check_all_finite, compute_dtype
 from .buckets import BucketPlan
 from .flatten import check_method
@@ -116,6 +117,12 @@ class IsoLoCo(torch.optim.Optimizer):
                 raise TypeError(
                     f"{where}: param {i} has dtype {p.dtype}; IsoLoCo supports {SUPPORTED_DTYPES}"
                 )
+        # -- DTensor params (FSDP2 / tensor parallel): refused here if unsupported; see dtensor.py --
+        try:
+            dtensor.check_params(self)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
 
     # -- state dict ------------------------------------------------------------------------------
 
@@ -195,6 +202,8 @@ class IsoLoCo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _update(self) -> None:
+        if dtensor.uses_dtensor(self):  # -- DTensor params: the sharded step lives in dtensor.py --
+            return dtensor.step_(self)
         entries = self._gather()
         if not entries:
             return

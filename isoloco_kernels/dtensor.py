@@ -1,0 +1,588 @@
+"""IsoLoCo on DTensor params: FSDP2 (`fully_shard`) and tensor parallelism (`parallelize_module`).
+
+torchtitan + torchft shard every replica with FSDP2, so the outer optimizer sees DTensor params and
+grads (torchft writes `p.grad = DTensor.from_local(avg_shard, mesh, placements, ...)`). `IsoLoCo`
+hands such a model to this module (see `check_params` and `step_`); plain tensors never come here.
+
+The step, per parameter with a grad, on the param's own device mesh:
+
+- Nesterov is elementwise, so it runs on the local shards (`to_local()`), no communication.
+  Momentum buffers are DTensors with the param's placements, as torch's optimizers keep them under
+  FSDP2, so `state_dict()` holds DTensors and torch.distributed.checkpoint saves and loads them.
+- 1-D params, and 2-D params in groups with iso off: the local shard of Δ is the update.
+- 2-D params with iso on, on a 1-D mesh, by placement of the m×n matrix (d = min(m, n)):
+
+  Replicate                      flatten the local (whole) matrix, as plain IsoLoCo does.
+  Shard along the long side,     "gram": A₀ = Σᵢ YᵢᵀYᵢ (d×d, float64) over the shards Yᵢ (the
+  long/short > 16 / elem size      shard, transposed so the long side runs down), one all-reduce
+                                   for all such matrices of the step (one flat float64 buffer);
+                                   then on every rank eigh(A₀) = V diag(σ²) Vᵀ, the directions with
+                                   σ ≤ sqrt(max(m, n))·eps32·σ₁ cut (exact.py's rule), and each
+                                   rank writes its own shard s̄·Yᵢ·V diag(1/σ) Vᵀ, s̄ = Σσ / d.
+  anything else sharded          "gather": one padded all-gather per dtype of every such local
+                                   shard; each rank rebuilds the matrices, flattens them with the
+                                   optimizer's `method` (batched by shape, as plain IsoLoCo) and
+                                   keeps its own shard.
+
+  The rule is bytes per rank (ring collectives): the Gram all-reduce sends 2·(W−1)/W · 8·d² bytes,
+  the all-gather (W−1)/W · b·m·n (b = element size), so the Gram is cheaper exactly when
+  long/short > 16 / b (4 for float32, 8 for bfloat16): embeddings and LM heads (vocab × hidden)
+  under FSDP, Colwise/Rowwise MLP weights when ffn > 4·hidden. For a square or near-square matrix
+  the d² float64 Gram is bigger than the matrix itself. FLOPs: the Gram route splits the two big
+  GEMMs (2·(m/W)·d² each) over the ranks and repeats only the d×d eigh; the gather route repeats
+  the whole flatten on every rank. A shard along the short side is never a Gram candidate: the
+  short-side Gram needs products across shards, and the long-side one (n² float64 for an m×n
+  matrix with m < n) is always bigger than the matrix. `opt.dtensor_route = "gram"` sends every
+  long-side shard through the Gram, `"gather"` sends everything through the all-gather; the default
+  is `"auto"` (the rule). The Gram route always uses float64 eigh (the "eigh" method's math); the
+  optimizer's `method` applies to the Replicate and gather routes.
+  Uneven shards (dimension not divisible by the mesh size: torch.chunk sizes, as DTensor and
+  FSDP2 use) are handled; the all-gather pads every rank's segment to the longest one.
+- 2-D params on a mesh with more than one dimension (HSDP Replicate × Shard(0), FSDP × TP): the
+  general path, one `full_tensor()` per matrix, flatten on every rank, then the local shard through
+  `distribute_tensor(..., src_data_rank=None)` (no communication). Correct, not batched.
+
+All-or-nothing across ranks: every check (grads present and shaped like their params, dtypes,
+placements, NaN/Inf in the local grad or momentum shards, hyper-parameters) runs first and the ranks
+agree (one all-reduce of a per-rank failure flag vector and a layout fingerprint, per mesh
+dimension) before any collective of the step; the collectives always run in full (a rank that
+failed sends zeros), every flatten runs, and the ranks agree again before anything is written. A
+failure on any rank raises `isoloco_kernels.distributed.DistributedStepError` on every rank naming
+the ranks and their errors; no param or momentum buffer changes anywhere.
+
+Refused when the optimizer is built: DTensor and plain params in one optimizer, `process_group=`
+together with DTensor params, Partial or strided-shard placements, and meshes whose ranks are not
+all inside the largest mesh of the optimizer (the agreement runs over that mesh).
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ._validate import SUPPORTED_DTYPES, check_all_finite, compute_dtype
+from .buckets import BucketPlan
+
+# torch 2.14 renamed the single-tensor all-gather; older releases only have the old name
+_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+
+# torch.distributed.tensor takes seconds to import; it is imported only once a DTensor exists
+# (then it is in sys.modules already), so plain-tensor users never pay for it.
+
+
+def _dt():
+    return sys.modules.get("torch.distributed.tensor")
+
+__all__ = ["ROUTES", "check_params", "is_dtensor", "local", "route_for", "step_", "uses_dtensor", "wire_bytes"]
+
+ROUTES = ("auto", "gram", "gather")
+
+
+def is_dtensor(t) -> bool:
+    mod = _dt()
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def uses_dtensor(opt) -> bool:
+    """True when the optimizer's params are DTensors (checked by `check_params`: all or none)."""
+    return any(is_dtensor(p) for g in opt.param_groups for p in g["params"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Construction checks
+
+
+def _placement_ok(pl, ndim: int) -> Optional[str]:
+    """None if this placement is supported, else why not."""
+    if pl.is_replicate():
+        return None
+    if type(pl).__name__ == "Shard":  # exactly Shard: _StridedShard (FSDP over TP on one dim) is a subclass
+        return None if 0 <= pl.dim < max(ndim, 1) else f"{pl} is out of range for a {ndim}-D tensor"
+    return f"placement {pl} is not supported (only Shard(dim) and Replicate)"
+
+
+def _shard_dim(pl) -> Optional[int]:
+    return pl.dim if pl.is_shard() else None
+
+
+def _ranks(mesh) -> frozenset:
+    return frozenset(mesh.mesh.flatten().tolist())
+
+
+def check_params(opt) -> bool:
+    """Refuse what the DTensor step cannot run; True when the params are DTensors.
+
+    Called by IsoLoCo whenever a param group is added (so also at construction)."""
+    params = [(gi, pi, p) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])]
+    kinds = [is_dtensor(p) for _, _, p in params]
+    if not any(kinds):
+        return False
+    if not all(kinds):
+        gi, pi, _ = params[kinds.index(False)]
+        raise TypeError(
+            f"IsoLoCo: param_groups[{gi}]['params'][{pi}] is a plain tensor while other params are "
+            "DTensors; put all params on a device mesh (e.g. fully_shard the whole model) or use "
+            "one optimizer per kind"
+        )
+    if getattr(opt, "process_group", None) is not None:
+        raise ValueError(
+            "IsoLoCo: process_group= splits the flatten of replicated params; DTensor params "
+            "communicate over their own device mesh, so leave process_group=None"
+        )
+    for gi, pi, p in params:
+        for pl in p.placements:
+            why = _placement_ok(pl, p.ndim)
+            if why:
+                raise ValueError(
+                    f"IsoLoCo: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, placements "
+                    f"{p.placements}): {why}"
+                )
+    _agreement_mesh(opt)  # raises if the meshes do not nest
+    return True
+
+
+def _meshes(opt) -> list:
+    seen = []
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if p.device_mesh not in seen:
+                seen.append(p.device_mesh)
+    return seen
+
+
+def _agreement_mesh(opt):
+    """The mesh the ranks agree over: the one with most ranks; every other mesh must lie inside."""
+    meshes = _meshes(opt)
+    big = max(meshes, key=lambda m: (m.size(), m.ndim))
+    for m in meshes:
+        if not _ranks(m) <= _ranks(big):
+            raise ValueError(
+                f"IsoLoCo: params live on meshes with ranks {sorted(_ranks(m))} and {sorted(_ranks(big))}; "
+                "every mesh must lie inside the largest one (the step agrees over it)"
+            )
+    return big
+
+
+# ----------------------------------------------------------------------------------------------
+# The route of one matrix, and what it costs on the wire
+
+
+def shard_sizes(length: int, world: int) -> list[tuple[int, int]]:
+    """(start, size) of each rank's piece of a dimension of `length` over `world` ranks
+    (torch.chunk sizes, empty pieces at the end: DTensor's Shard and FSDP2's layout)."""
+    chunk = -(-length // world) if length else 0
+    out = []
+    for r in range(world):
+        a = min(r * chunk, length)
+        out.append((a, min(a + chunk, length) - a))
+    return out
+
+
+def route_for(shape, dim: Optional[int], world: int, elem_size: int, mode: str = "auto") -> str:
+    """"local", "gram" or "gather" for an m×n matrix sharded along `dim` (None: replicated) on a 1-D
+    mesh of `world` ranks (see the module docstring for the rule)."""
+    if world == 1 or dim is None:
+        return "local"
+    m, n = shape
+    long_side = (dim == 0 and m >= n) or (dim == 1 and n >= m)
+    if not long_side or mode == "gather":
+        return "gather"
+    if mode == "gram":
+        return "gram"
+    return "gram" if gram_bytes(shape, world) < gather_bytes(shape, dim, world, elem_size) else "gather"
+
+
+def gram_bytes(shape, world: int) -> float:
+    """Bytes one rank sends in a ring all-reduce of the d×d float64 Gram matrix."""
+    d = min(shape)
+    return 2 * (world - 1) / world * 8 * d * d
+
+
+def gather_bytes(shape, dim: int, world: int, elem_size: int) -> float:
+    """Bytes one rank sends in a ring all-gather of the matrix (segments padded to the largest shard)."""
+    longest = max(s for _, s in shard_sizes(shape[dim], world))
+    return (world - 1) * longest * shape[1 - dim] * elem_size
+
+
+def owner_bytes(shape, dim: int, world: int, elem_size: int) -> float:
+    """Bytes sent per rank, averaged over the ranks, when one owner gathers the matrix, flattens it and
+    scatters the result back (owners balanced over the ranks): 2·(W−1)/W² of the matrix."""
+    return 2 * (world - 1) / world * shape[0] * shape[1] * elem_size / world
+
+
+def wire_bytes(shapes, world: int, elem_size: int = 4, mode: str = "auto", dim: int = 0) -> dict[str, float]:
+    """Bytes sent per rank in one outer step for the 2-D `shapes` under FSDP's Shard(dim) on a 1-D
+    mesh of `world` ranks: each route alone (Gram where it applies, else all-gather), and the
+    route `mode` picks. 1-D params cost nothing (Nesterov is local)."""
+    out = {"gram_or_gather": 0.0, "owner": 0.0, "allgather": 0.0, mode: 0.0}
+    for sh in shapes:
+        if len(sh) != 2:
+            continue
+        ag = gather_bytes(sh, dim, world, elem_size)
+        out["allgather"] += ag
+        out["owner"] += owner_bytes(sh, dim, world, elem_size)
+        out["gram_or_gather"] += gram_bytes(sh, world) if route_for(sh, dim, world, elem_size, "gram") == "gram" else ag
+        r = route_for(sh, dim, world, elem_size, mode)
+        out[mode] += gram_bytes(sh, world) if r == "gram" else (ag if r == "gather" else 0.0)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Agreement
+
+
+def _error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _agree(error: Optional[str], mesh, what: str, fingerprint: int = 0) -> None:
+    """Every rank of `mesh` learns whether any failed or laid its grads out differently; all raise then.
+
+    One all-reduce per mesh dimension of a [2·size] int64 vector: this rank's failure flag and layout
+    fingerprint at its own slot (the sum over the dimensions fills every slot). Error texts travel
+    (all_gather_object) only when something failed."""
+    from .distributed import DistributedStepError  # torch.distributed only when used
+
+    size = mesh.size()
+    me = _mesh_index(mesh)
+    v = torch.zeros(2 * size, dtype=torch.int64)
+    v[me], v[size + me] = int(error is not None), fingerprint
+    for d in range(mesh.ndim):
+        dist.all_reduce(v, group=mesh.get_group(d))
+    flags, prints = v[:size], v[size:]
+    failed = flags.nonzero().flatten().tolist()
+    if not failed and prints.unique().numel() == 1:
+        return
+    texts = {me: error}
+    for d in range(mesh.ndim):
+        g = mesh.get_group(d)
+        got = [None] * dist.get_world_size(g)
+        dist.all_gather_object(got, texts, group=g)
+        texts = {k: t for part in got for k, t in part.items()}
+    ranks = mesh.mesh.flatten().tolist()
+    if failed:
+        head = f"{what} failed on {len(failed)} of {size} ranks"
+        detail = "; ".join(f"rank {ranks[i]}: {texts.get(i)}" for i in failed)
+    else:
+        head = f"{what}: the ranks hold different sets of grads (shapes, placements or dtypes)"
+        detail = "every rank must set p.grad for the same params"
+    raise DistributedStepError(f"{head}, nothing was changed on any rank: {detail}")
+
+
+def _mesh_index(mesh) -> int:
+    """This rank's position in mesh.mesh, flattened."""
+    flat = mesh.mesh.flatten().tolist()
+    return flat.index(dist.get_rank())
+
+
+def _fingerprint(entries) -> int:
+    text = repr([(gi, pi, tuple(p.shape), str(p.placements), str(g.dtype)) for gi, pi, p, g, _ in entries])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+# ----------------------------------------------------------------------------------------------
+# The step
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: in-place writes reach the DTensor); other tensors as they are."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+_local = local
+
+
+def _gather_entries(opt) -> list:
+    """(group index, param index, param, grad, group) for every param with a grad; checked locally."""
+    from .optim import _check_group
+
+    rank = dist.get_rank()
+    entries = []
+    for gi, group in enumerate(opt.param_groups):
+        _check_group(group, f"IsoLoCo.step: param group {gi}")
+        for pi, p in enumerate(group["params"]):
+            g = p.grad
+            if g is None:
+                continue
+            where = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
+            if not is_dtensor(g):
+                raise TypeError(f"IsoLoCo: {where} is a DTensor but its grad is a {type(g).__name__}")
+            if g.shape != p.shape or g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
+                raise ValueError(
+                    f"IsoLoCo: {where}: grad has shape {tuple(g.shape)}, placements {g.placements}; the "
+                    f"param has placements {p.placements} on its mesh (set p.grad with the param's placements)"
+                )
+            if g.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"IsoLoCo: {where}: grad dtype {g.dtype} is not supported")
+            if _local(g).shape != _local(p).shape:
+                raise ValueError(
+                    f"IsoLoCo: {where}: local grad shard {tuple(_local(g).shape)} differs from the "
+                    f"param's {tuple(_local(p).shape)} on rank {rank}"
+                )
+            if p.device_mesh.ndim == 1 and p.ndim >= 1:
+                pl = p.placements[0]
+                if pl.is_shard():
+                    w, me = p.device_mesh.size(), p.device_mesh.get_local_rank()
+                    want = shard_sizes(p.shape[pl.dim], w)[me][1]
+                    if _local(p).shape[pl.dim] != want:
+                        raise ValueError(
+                            f"IsoLoCo: {where}: local shard has {_local(p).shape[pl.dim]} rows along dim "
+                            f"{pl.dim}, the torch.chunk layout gives {want} on mesh rank {me}"
+                        )
+            buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
+            if buf is not None and (
+                not is_dtensor(buf) or buf.shape != p.shape or tuple(buf.placements) != tuple(p.placements)
+                or buf.dtype not in SUPPORTED_DTYPES
+            ):
+                raise ValueError(
+                    f"IsoLoCo: {where}: momentum_buffer must be a DTensor shaped and placed like the param, "
+                    f"got {type(buf).__name__} {tuple(buf.shape)}"
+                )
+            entries.append((gi, pi, p, g, group))
+    names = [f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) grad shard on rank {rank}"
+             for gi, pi, p, _, _ in entries]
+    check_all_finite([_local(e[3]) for e in entries], names)
+    held = [(n, opt.state[e[2]]["momentum_buffer"]) for n, e in zip(names, entries)
+            if e[2] in opt.state and "momentum_buffer" in opt.state[e[2]]]
+    check_all_finite([_local(b) for _, b in held], [n.replace("grad shard", "momentum_buffer shard") for n, _ in held])
+    return entries
+
+
+class _Stats:
+    """What the last step handed to collectives (elements, by route), for tests and benchmarks."""
+
+    def __init__(self):
+        self.gram_elements = 0  # float64 elements all-reduced
+        self.gather_elements = 0  # elements in all-gather outputs (all ranks' padded segments)
+        self.full_tensor_elements = 0  # elements materialized by the general (multi-dim mesh) path
+
+    def __repr__(self):
+        return f"_Stats(gram={self.gram_elements}, gather={self.gather_elements}, full={self.full_tensor_elements})"
+
+
+def step_(opt) -> None:
+    """One IsoLoCo outer step over DTensor params (IsoLoCo.step calls this). All-or-nothing."""
+    mesh0 = _agreement_mesh(opt)
+    mode = getattr(opt, "dtensor_route", "auto")
+    entries, error = [], None
+    try:
+        if mode not in ROUTES:
+            raise ValueError(f"IsoLoCo: dtensor_route must be one of {ROUTES}, got {mode!r}")
+        entries = _gather_entries(opt)
+    except Exception as e:
+        error = _error_text(e)
+    _agree(error, mesh0, "IsoLoCo.step", _fingerprint(entries) if error is None else 0)
+    if not entries:
+        return
+    stats = _Stats()
+    error = None
+    try:
+        updates = _iso_updates(opt, entries, mode, stats)
+    except Exception as e:  # the collectives inside always ran; see _iso_updates
+        error = _error_text(e)
+    _agree(error, mesh0, "IsoLoCo.step")
+    opt.dtensor_stats = stats
+
+    # Nesterov on the local shards: one fused call per (device, lr, momentum); new buffers join
+    # the state only after the update ran.
+    calls: dict[tuple, tuple[list, list, list]] = {}
+    fresh = []
+    for k, (_, _, p, g, group) in enumerate(entries):
+        buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
+        if buf is None:
+            buf = torch.zeros_like(p, dtype=compute_dtype(p.dtype))
+            fresh.append((p, buf))
+        key = (_local(p).device, float(group["lr"]), float(group["momentum"]))
+        ps, bs, us = calls.setdefault(key, ([], [], []))
+        ps.append(_local(p))
+        bs.append(_local(buf))
+        us.append(updates.get(k, _local(g)))
+    for (_, lr, momentum), (ps, bs, us) in calls.items():
+        torch.ops.isoloco.nesterov_outer_(ps, bs, us, lr, momentum, None)
+    for p, buf in fresh:
+        opt.state[p]["momentum_buffer"] = buf
+
+
+def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tensor]:
+    """Local shard of iso(Δ) for every 2-D grad of an iso group: entry index → tensor.
+
+    Collectives are issued in entry order whatever happens locally (a failed local step sends
+    zeros), so one rank's exception cannot leave the others waiting; the first local error is
+    raised after all of them ran."""
+    from .ops import flatten_buckets_
+
+    first_error: list[BaseException] = []
+
+    def attempt(fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:
+            if not first_error:
+                first_error.append(e)
+            return None
+
+    chosen = [k for k, e in enumerate(entries) if e[4]["iso"] and e[3].ndim == 2 and e[3].numel()]
+    routes: dict[int, str] = {}
+    for k in chosen:
+        p, g = entries[k][2], entries[k][3]
+        mesh = p.device_mesh
+        if mesh.ndim > 1:
+            routes[k] = "general" if any(pl.is_shard() for pl in p.placements) else "local"
+        else:
+            routes[k] = route_for(tuple(p.shape), _shard_dim(p.placements[0]), mesh.size(), g.element_size(), mode)
+    out: dict[int, torch.Tensor] = {}
+    full: dict[int, torch.Tensor] = {}  # whole matrices flattened on every rank (local, gather, general)
+
+    # Gram route: one float64 all-reduce per mesh
+    by_mesh: dict = {}
+    for k in chosen:
+        if routes[k] == "gram":
+            by_mesh.setdefault(entries[k][2].device_mesh, []).append(k)
+    for mesh, ks in by_mesh.items():
+        ds = [min(entries[k][2].shape) for k in ks]
+        buf = torch.zeros(sum(d * d for d in ds), dtype=torch.float64, device=_local(entries[ks[0]][3]).device)
+        ys, off = {}, 0
+        for k, d in zip(ks, ds):
+            ys[k] = attempt(_gram_into, entries[k], buf[off : off + d * d].view(d, d))
+            off += d * d
+        dist.all_reduce(buf, group=mesh.get_group(0))
+        stats.gram_elements += buf.numel()
+        off = 0
+        grams = {}
+        for k, d in zip(ks, ds):
+            grams[k] = buf[off : off + d * d].view(d, d)
+            off += d * d
+        res = attempt(_gram_polar, [(k, entries[k], ys[k], grams[k]) for k in ks if ys[k] is not None])
+        if res:
+            out.update(res)
+
+    # gather route: one padded all-gather per (mesh, dtype)
+    by_kind: dict = {}
+    for k in chosen:
+        if routes[k] == "gather":
+            g = entries[k][3]
+            by_kind.setdefault((g.device_mesh, g.dtype), []).append(k)
+    for (mesh, dtype), ks in by_kind.items():
+        got = _all_gather_shards(mesh, dtype, [entries[k] for k in ks], attempt, stats)
+        if got is not None:
+            full.update(zip(ks, got))
+
+    # general path (meshes with several dimensions): full_tensor() per matrix
+    for k in chosen:
+        if routes[k] == "general":
+            f = entries[k][3].full_tensor()
+            stats.full_tensor_elements += f.numel()
+            full[k] = f
+        elif routes[k] == "local":
+            full[k] = _local(entries[k][3])
+
+    # flatten the whole matrices with the optimizer's method, batched by shape, then keep my shard
+    ks = [k for k in chosen if k in full]
+    if ks and not first_error:
+        mats = [full[k] for k in ks]
+        plan = attempt(BucketPlan, mats)
+        if plan is not None:
+            buffers = plan.pack(mats)
+            if attempt(check_all_finite, mats, [f"matrix {k}" for k in ks]) is None and not first_error:
+                attempt(flatten_buckets_, buffers, opt.method)
+            for k, v in zip(ks, plan.views()):
+                out[k] = attempt(_my_shard, entries[k], v)
+    if first_error:
+        raise first_error[0]
+    return out
+
+
+def _gram_into(entry, slot: torch.Tensor) -> torch.Tensor:
+    """slot ← YᵀY for this rank's shard Y (long side down, float64); returns Y."""
+    p, g = entry[2], entry[3]
+    x = _local(g).to(torch.float64)
+    y = x if p.placements[0].dim == 0 else x.mT
+    slot.copy_(y.mT @ y)
+    return y
+
+
+def _gram_polar(items) -> dict[int, torch.Tensor]:
+    """This rank's shard of s̄·Q for each (entry index, entry, Y, A₀), batched eigh per d."""
+    out = {}
+    by_d: dict[int, list] = {}
+    for it in items:
+        by_d.setdefault(it[3].shape[0], []).append(it)
+    for d, its in by_d.items():
+        a = torch.stack([it[3] for it in its])
+        check_all_finite([a], ["Gram matrix"])
+        lam, v = torch.linalg.eigh(a)
+        sig = lam.clamp_min(0).sqrt()  # ascending
+        for (k, entry, y, _), s, vv, aa in zip(its, sig, v, a):
+            p, g = entry[2], entry[3]
+            m, n = p.shape
+            if g.dtype == torch.float64:
+                tol = max(max(m, n) ** 0.5 * torch.finfo(torch.float64).eps, 1e-7)
+            else:
+                tol = max(m, n) ** 0.5 * torch.finfo(torch.float32).eps
+            keep = s > tol * s[-1]
+            inv = torch.where(keep, 1.0 / torch.where(keep, s, 1.0), 0.0)
+            w = (vv * inv) @ vv.mT
+            sbar = (s * keep).sum() / d
+            q = (y @ w) * sbar
+            # exact zeros stay zero: rows of Y are zero by construction; zero columns from diag(A₀)
+            q = q * (aa.diagonal() != 0).to(q.dtype)
+            res = q if p.placements[0].dim == 0 else q.mT
+            out[k] = res.to(g.dtype)
+    return out
+
+
+def _all_gather_shards(mesh, dtype, ents, attempt, stats) -> Optional[list[torch.Tensor]]:
+    """Whole matrices from every rank's shards: one all-gather of padded flat segments."""
+    world, me = mesh.size(), mesh.get_local_rank()
+    dev = _local(ents[0][3]).device
+    layouts = []  # per entry: per rank (start, size) along its shard dim
+    seg = [0] * world
+    offs = []  # per entry: per rank offset in that rank's segment
+    for e in ents:
+        p = e[2]
+        dim = p.placements[0].dim
+        sizes = shard_sizes(p.shape[dim], world)
+        other = p.shape[1 - dim]
+        layouts.append(sizes)
+        offs.append(list(seg))
+        for r in range(world):
+            seg[r] += sizes[r][1] * other
+    longest = max(seg)
+    send = torch.zeros(longest, dtype=dtype, device=dev)
+    for e, o in zip(ents, offs):
+        loc = _local(e[3])
+        attempt(lambda: send[o[me] : o[me] + loc.numel()].copy_(loc.reshape(-1)))
+    recv = torch.empty(world * longest, dtype=dtype, device=dev)
+    _all_gather_single(recv, send, group=mesh.get_group(0))
+    stats.gather_elements += recv.numel()
+    recv = recv.view(world, longest)
+    out = []
+    for e, sizes, o in zip(ents, layouts, offs):
+        p = e[2]
+        dim = p.placements[0].dim
+        other = p.shape[1 - dim]
+        pieces = []
+        for r in range(world):
+            n = sizes[r][1]
+            flat = recv[r, o[r] : o[r] + n * other]
+            pieces.append(flat.view(n, other) if dim == 0 else flat.view(other, n))
+        out.append(torch.cat(pieces, dim=dim))
+    return out
+
+
+def _my_shard(entry, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a whole (flattened) matrix, laid out like the param's local shard."""
+    p = entry[2]
+    mesh = p.device_mesh
+    if not any(pl.is_shard() for pl in p.placements):
+        return whole
+    if mesh.ndim == 1:
+        dim = p.placements[0].dim
+        a, n = shard_sizes(p.shape[dim], mesh.size())[mesh.get_local_rank()]
+        return whole.narrow(dim, a, n)
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole, mesh, p.placements, src_data_rank=None).to_local()

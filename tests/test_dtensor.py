@@ -1,0 +1,324 @@
+"""IsoLoCo on DTensor params: FSDP2 (`fully_shard`) and tensor parallelism, gloo on 127.0.0.1.
+
+One spawned group of 2 ranks runs every check (spawning costs tens of seconds on a busy 2-core
+machine). The reference is single-process IsoLoCo on the same whole grads, on an unsharded copy of
+the same model.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
+from isoloco_kernels import IsoLoCo
+from isoloco_kernels import dtensor as DT
+from isoloco_kernels.distributed import DistributedStepError
+from tests.helpers import rel_err, spectrum, with_spectrum
+from tests.test_distributed import PG_TIMEOUT_S, _spawn
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+
+TOL_FP32 = 1e-5  # whole-model relative error vs single-process IsoLoCo after several outer steps
+
+VOCAB, HIDDEN, FFN, LAYERS, HEADS = 101, 16, 45, 2, 2  # odd vocabulary and ffn: uneven shards
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
+        self.q, self.k, self.v, self.o = (nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(HIDDEN, FFN, bias=False), nn.Linear(HIDDEN, FFN, bias=False)
+        self.down = nn.Linear(FFN, HIDDEN, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (f(h).view(b, t, HEADS, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.o(a)
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.RMSNorm(HIDDEN)
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def _pseudo_grad(shape, seed):
+    """A pseudo-gradient stand-in: geometric spectrum (cond 1e2) for matrices, Gaussian otherwise."""
+    g = torch.Generator().manual_seed(seed)
+    if len(shape) == 2:
+        x = with_spectrum(1, *shape, spectrum("geometric", min(shape), 1e2), g)[0]
+    else:
+        x = torch.randn(shape, generator=g, dtype=torch.float64)
+    return (1e-2 * x).float()
+
+
+def _set_grads(sharded, ref, step):
+    """Whole grads on the reference model; their shards (as torchft writes them) on the DTensors."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for i, ((name, p), (rname, r)) in enumerate(zip(sharded.named_parameters(), ref.named_parameters())):
+        assert name == rname
+        full = _pseudo_grad(tuple(p.shape), 1000 * step + i)
+        if ref is not None:
+            r.grad = full.clone()
+        local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+
+def _compare(sharded, ref, opt, ref_opt, what, tol=TOL_FP32):
+    for (name, p), r in zip(sharded.named_parameters(), ref.parameters()):
+        e = rel_err(p.full_tensor(), r)
+        assert e <= tol, f"{what}: {name} {tuple(p.shape)} differs from single-process IsoLoCo by {e:.3g}"
+        buf = opt.state[p]["momentum_buffer"]
+        assert isinstance(buf, type(p)) and buf.placements == p.placements, f"{what}: {name} momentum"
+        assert buf.to_local().shape == p.to_local().shape
+        e = rel_err(buf.full_tensor(), ref_opt.state[r]["momentum_buffer"])
+        assert e <= tol, f"{what}: {name} momentum differs by {e:.3g}"
+
+
+def _fsdp_llama(mesh, seed=0):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = TinyLlama()
+    ref = copy.deepcopy(model)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, ref
+
+
+# ----------------------------------------------------------------------------------------------
+# The checks (each rank runs them all)
+
+
+def _check_fsdp_matches_single_process(mesh, rank):
+    """Several outer steps over DTensor grads == single-process IsoLoCo on the whole grads."""
+    # the first step's grads come from a real backward through the FSDP2 model (reduce-scattered)
+    model, ref = _fsdp_llama(mesh)
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(5))
+    for m in (model, ref):
+        F.cross_entropy(m(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
+    opt, ref_opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8), IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8)
+    opt.step()
+    ref_opt.step()
+    _compare(model, ref, opt, ref_opt, "after a backward under FSDP2")
+
+    world = mesh.size()
+    for method in ("svd", "auto"):
+        for route in ("auto", "gram", "gather"):
+            model, ref = _fsdp_llama(mesh)
+            opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8, method=method)
+            opt.dtensor_route = route
+            ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method=method)
+            for s in range(3):
+                _set_grads(model, ref, s)
+                opt.step()
+                ref_opt.step()
+            _compare(model, ref, opt, ref_opt, f"FSDP2 {world} ranks, method {method}, route {route}")
+            # what went over the wire, against the routes' rule
+            shapes = [tuple(p.shape) for p in ref.parameters() if p.ndim == 2]
+            routes = [DT.route_for(sh, 0, world, 4, route) for sh in shapes]
+            gram = sum(min(sh) ** 2 for sh, r in zip(shapes, routes) if r == "gram")
+            longest = sum(-(-sh[0] // world) * sh[1] for sh, r in zip(shapes, routes) if r == "gather")
+            st = opt.dtensor_stats
+            assert (st.gram_elements, st.gather_elements) == (gram, world * longest), (route, st)
+            if route == "auto":  # embed and lm_head (101 × 16) ride the Gram, the rest the all-gather
+                assert routes.count("gram") == 2 and gram == 2 * HIDDEN**2, routes
+
+
+def _check_sgd(mesh):
+    """iso=False is torch.optim.SGD(nesterov=True) on the same DTensor params and grads."""
+    model, ref_plain = _fsdp_llama(mesh, seed=1)
+    other, _ = _fsdp_llama(mesh, seed=1)
+    opt = IsoLoCo(model.parameters(), lr=0.7, momentum=0.9, iso=False)
+    sgd = torch.optim.SGD(other.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    for s in range(3):
+        _set_grads(model, ref_plain, s)
+        _set_grads(other, ref_plain, s)
+        opt.step()
+        sgd.step()
+    for (name, a), b in zip(model.named_parameters(), other.parameters()):
+        assert rel_err(a.to_local(), b.to_local()) <= 1e-6, f"iso=False vs SGD: {name}"
+        ba, bb = opt.state[a]["momentum_buffer"], sgd.state[b]["momentum_buffer"]
+        assert ba.placements == bb.placements and rel_err(ba.to_local(), bb.to_local()) <= 1e-6, name
+
+
+def _check_tp(mesh):
+    """ColwiseParallel / RowwiseParallel MLP (Shard(0) and Shard(1) weights, uneven ffn)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for route in ("auto", "gather"):
+        torch.manual_seed(3)
+        mlp = nn.Sequential()
+        mlp.add_module("w1", nn.Linear(12, 69))  # 69 × 12: Colwise → Shard(0), 35/34 rows
+        mlp.add_module("w2", nn.Linear(69, 12))  # 12 × 69: Rowwise → Shard(1), bias replicated
+        ref = copy.deepcopy(mlp)
+        parallelize_module(mlp, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        places = {n: p.placements for n, p in mlp.named_parameters()}
+        assert places["w1.weight"][0].dim == 0 and places["w2.weight"][0].dim == 1
+        assert places["w2.bias"][0].is_replicate()
+        opt = IsoLoCo(mlp.parameters(), lr=1.8, momentum=0.8, method="svd")
+        opt.dtensor_route = route
+        ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method="svd")
+        for s in range(3):
+            _set_grads(mlp, ref, s)
+            opt.step()
+            ref_opt.step()
+        _compare(mlp, ref, opt, ref_opt, f"TP, route {route}")
+        want = (2 * 12 * 12, 0) if route == "auto" else (0, 2 * 35 * 12 * 2)
+        assert (opt.dtensor_stats.gram_elements, opt.dtensor_stats.gather_elements) == want, opt.dtensor_stats
+
+
+def _snapshot(model, opt):
+    ps = [p.to_local().clone() for p in model.parameters()]
+    bs = [opt.state[p]["momentum_buffer"].to_local().clone() for p in model.parameters()]
+    return ps, bs
+
+
+def _assert_unchanged(model, opt, snap, what):
+    ps, bs = snap
+    for (name, p), a, b in zip(model.named_parameters(), ps, bs):
+        assert torch.equal(p.to_local(), a), f"{what}: {name} changed although the step failed"
+        assert torch.equal(opt.state[p]["momentum_buffer"].to_local(), b), f"{what}: {name} momentum changed"
+
+
+def _check_all_or_nothing(mesh, rank):
+    model, ref = _fsdp_llama(mesh)
+    opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8)
+    _set_grads(model, ref, 0)
+    opt.step()
+    snap = _snapshot(model, opt)
+    _set_grads(model, ref, 1)
+    if rank == 1:  # a NaN in rank 1's shard of the embedding only
+        model.embed.weight.grad.to_local()[3, 2] = float("nan")
+    t0 = time.monotonic()
+    with pytest.raises(DistributedStepError, match=r"1 of 2 ranks.*rank 1: ValueError: .*\(shape \(101, 16\)\) grad shard on rank 1.*NaN"):
+        opt.step()
+    assert time.monotonic() - t0 < PG_TIMEOUT_S / 3
+    _assert_unchanged(model, opt, snap, "NaN on rank 1")
+    # a missing grad on one rank: told, not hung
+    _set_grads(model, ref, 1)
+    if rank == 0:
+        model.norm.weight.grad = None
+    with pytest.raises(DistributedStepError, match="different sets of grads"):
+        opt.step()
+    _assert_unchanged(model, opt, snap, "missing grad")
+    # a flatten that fails on one rank after the collectives
+    _set_grads(model, ref, 1)
+    real = DT._gram_polar
+    if rank == 0:
+        def broken(items):
+            real(items)
+            raise RuntimeError("injected Gram failure")
+        DT._gram_polar = broken
+    with pytest.raises(DistributedStepError, match="rank 0: RuntimeError: injected Gram failure"):
+        opt.step()
+    DT._gram_polar = real
+    _assert_unchanged(model, opt, snap, "failed flatten")
+    opt.step()  # and it still works
+    assert not torch.equal(model.embed.weight.to_local(), snap[0][0])
+
+
+def _check_dcp(mesh, rank, tmpdir):
+    """torch.distributed.checkpoint save/load of the DTensor momentum: bit-exact, same trajectory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model, ref = _fsdp_llama(mesh)
+    opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8)
+    for s in range(2):
+        _set_grads(model, ref, s)
+        opt.step()
+    sd = opt.state_dict()
+    assert all(isinstance(v["momentum_buffer"], type(p)) for p, v in zip(model.parameters(), sd["state"].values()))
+    path = os.path.join(tmpdir, "dcp")
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+
+    model2, _ = _fsdp_llama(mesh)  # the same params, a fresh optimizer
+    with torch.no_grad():
+        for p, p2 in zip(model.parameters(), model2.parameters()):
+            p2.to_local().copy_(p.to_local())
+    opt2 = IsoLoCo(model2.parameters(), lr=1.8, momentum=0.8)
+    want = {"optim": get_optimizer_state_dict(model2, opt2)}  # fills state through a zero step
+    dcp.load(want, checkpoint_id=path)
+    set_optimizer_state_dict(model2, opt2, want["optim"])
+    for (name, p), p2 in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(p.to_local(), p2.to_local()), f"DCP: {name} param changed by the zero step"
+        b, b2 = opt.state[p]["momentum_buffer"], opt2.state[p2]["momentum_buffer"]
+        assert b2.placements == b.placements and torch.equal(b.to_local(), b2.to_local()), f"DCP: {name}"
+    _set_grads(model, ref, 2)
+    _set_grads(model2, ref, 2)
+    opt.step()
+    opt2.step()
+    for (name, p), p2 in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(p.to_local(), p2.to_local()), f"DCP: {name} differs after resuming"
+
+
+def _check_refusals(mesh):
+    from torch.distributed.tensor import DTensor, Partial
+
+    model, _ = _fsdp_llama(mesh)
+    with pytest.raises(TypeError, match="plain tensor"):
+        IsoLoCo([*model.parameters(), nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match="leave process_group=None"):
+        IsoLoCo(model.parameters(), process_group=dist.group.WORLD)
+    partial = nn.Parameter(DTensor.from_local(torch.zeros(4, 4), mesh, [Partial()]))
+    with pytest.raises(ValueError, match="Partial.*not supported"):
+        IsoLoCo([partial])
+    opt = IsoLoCo(model.parameters())
+    with pytest.raises(ValueError, match="not supported"):
+        opt.add_param_group({"params": [partial]})
+    assert len(opt.param_groups) == 1
+
+
+def _body_two_ranks(rank, world, tmpdir):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    _check_refusals(mesh)
+    _check_fsdp_matches_single_process(mesh, rank)
+    _check_sgd(mesh)
+    _check_tp(mesh)
+    _check_all_or_nothing(mesh, rank)
+    _check_dcp(mesh, rank, tmpdir)
+
+
+def test_dtensor_two_ranks(tmp_path):
+    _spawn(_body_two_ranks, 2, tmp_path)
+
+
+def test_routes_and_bytes():
+    """The route rule (bytes per rank) and the wire-byte counts, no process group needed."""
+    assert DT.shard_sizes(101, 2) == [(0, 51), (51, 50)]
+    assert DT.shard_sizes(5, 4) == [(0, 2), (2, 2), (4, 1), (5, 0)]
+    assert DT.route_for((32000, 1024), 0, 8, 4) == "gram"  # vocab × hidden: the Gram
+    assert DT.route_for((1024, 1024), 0, 8, 4) == "gather"  # square: d² float64 > the matrix
+    assert DT.route_for((1024, 1024), 0, 8, 4, "gram") == "gram"
+    assert DT.route_for((1024, 2688), 0, 8, 4, "gram") == "gather"  # short side sharded: never Gram
+    assert DT.route_for((2688, 1024), 0, 8, 2) == "gather" and DT.route_for((9000, 1024), 0, 8, 2) == "gram"
+    assert DT.route_for((7, 5), None, 8, 4) == "local" and DT.route_for((7, 5), 0, 1, 4) == "local"
+    b = DT.wire_bytes([(32000, 1024), (1024,)], 4)
+    assert b["gram_or_gather"] == b["auto"] == 2 * 3 / 4 * 8 * 1024**2
+    assert b["allgather"] == 3 * 8000 * 1024 * 4
