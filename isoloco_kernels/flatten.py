@@ -5,8 +5,10 @@ batch is computed, so a failure leaves the input untouched.
 
 Methods: "svd" and "eigh" (exact.py), "polar" (polar.py: matmul-only Polar Express iteration in
 the compute dtype, residual-checked, exact fallback for the matrices that miss the check),
-"polar_bf16" (the same with bfloat16 GEMMs in all but the last steps; ~1e-2 relative error) and
-"auto" (see `resolve_method`).
+"polar_bf16" (the same with bfloat16 GEMMs in all but the last steps; ~1e-2 relative error), "gram"
+(gram.py: the Polar Express iteration on the small Gram matrix in float64, exact to condition number
+~1e5 for float32 input; residual-checked, SVD for the matrices that miss) and "auto" (see
+`resolve_method`).
 """
 from __future__ import annotations
 
@@ -14,17 +16,20 @@ import functools
 
 import torch
 
-from . import exact, polar
+from . import exact, gram, polar
 from ._validate import check_all_finite, check_matrix_tensor
 
-METHODS = ("auto", "svd", "eigh", "polar", "polar_bf16")
+METHODS = ("auto", "svd", "eigh", "polar", "polar_bf16", "gram")
 
 _BACKENDS = {
     "svd": exact.flatten_svd_,
     "eigh": exact.flatten_eigh_,
     "polar": functools.partial(polar.flatten_polar_, mode="fp32"),
     "polar_bf16": functools.partial(polar.flatten_polar_, mode="bf16"),
+    "gram": gram.flatten_gram_,
 }
+# Methods that refuse non-finite input themselves before writing (no separate pass needed).
+_SELF_CHECKED = ("polar", "polar_bf16", "gram")
 
 
 def check_method(method) -> None:
@@ -54,14 +59,51 @@ def exact_method_for(x3: torch.Tensor) -> str:
     return "eigh" if (k >= 2 * r or r <= 64) else "svd"
 
 
+# float64 : float32 GEMM throughput of CUDA devices by compute capability (data sheets; float32
+# without TF32, the polar path refuses TF32). Only these have a float64 unit worth using; every
+# other device (consumer and workstation parts, 1:32 to 1:64, and unknown ones) counts as 0.
+FP64_RATE = {
+    (6, 0): 0.5,  # P100: 5.3 vs 10.6 TFLOP/s
+    (7, 0): 0.5,  # V100: 7.8 vs 15.7
+    (8, 0): 1.0,  # A100: 19.5 (float64 tensor cores) vs 19.5
+    (9, 0): 1.0,  # H100 / H200: 67 vs 67
+    (10, 0): 0.5,  # B200: 40 vs 80
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _fp64_rate(device: torch.device) -> float:
+    return FP64_RATE.get(torch.cuda.get_device_capability(device), 0.0)
+
+
+def gram_beats_polar(m: int, n: int, fp64_rate: float) -> bool:
+    """Whether "gram" is modelled faster than "polar" for an m×n matrix on a device whose float64
+    GEMM rate is `fp64_rate` × its float32 rate: r = short side, k = long side, float64 work
+    4kr² + 4·(T+1)·r³ (A₀ and Q = Y·X; T steps of two r³ products for p and Y plus two for p·A·p,
+    and the σ_max bound) against float32 T'·(4kr² + 2r³) for polar. At rate 1 (A100/H100/H200) gram
+    wins from k ≳ 1.2r (3.5× at k = 8r; polar is 12 % cheaper on square matrices); at rate 0.5 from k ≳ 3.4r."""
+    if fp64_rate <= 0:
+        return False
+    r, k = min(m, n), max(m, n)
+    t_gram = (4.0 * k * r * r + 4.0 * (gram.STEPS + 1) * r**3) / fp64_rate
+    t_polar = polar.STEPS * (4.0 * k * r * r + 2.0 * r**3)
+    return t_gram <= t_polar
+
+
 def resolve_method(method: str, x3: torch.Tensor) -> str:
-    """The backend `method` means for this tensor: "auto" is "polar" on CUDA (batched GEMMs on
-    tensor cores, residual-checked with an exact fallback) and the faster exact method on the CPU
-    (`exact_method_for`), where LAPACK beats the ~30 GEMMs of the iteration."""
+    """The backend `method` means for this tensor. "auto":
+    - CUDA: "gram" where the device has a strong float64 unit (`FP64_RATE`) and the shape makes it
+      cheaper (`gram_beats_polar`), else "polar" (batched float32 GEMMs on tensor cores). Either
+      way accurate: polar's matrices that miss its residual check go to "gram".
+    - CPU: the faster exact method (`exact_method_for`), where LAPACK beats the iterations
+      (bench/results: gram is 3–10× slower than eigh on this CPU class, whose float64 GEMMs run at
+      half the float32 rate).
+    """
     if method != "auto":
         return method
     if x3.is_cuda:
-        return "polar"
+        _, m, n = x3.shape
+        return "gram" if gram_beats_polar(m, n, _fp64_rate(x3.device)) else "polar"
     return exact_method_for(x3)
 
 
@@ -72,8 +114,8 @@ def iso_flatten_impl(x: torch.Tensor, method: str) -> None:
         return
     x3 = x if x.ndim == 3 else x.unsqueeze(0)
     backend = resolve_method(method, x3)
-    if not backend.startswith("polar"):
-        # The polar path needs no separate pass: a NaN/Inf anywhere in a matrix makes its s̄
-        # non-finite, which flatten_polar_ refuses before writing. LAPACK gets checked input.
+    if backend not in _SELF_CHECKED:
+        # The polar and gram paths need no separate pass: a NaN/Inf makes polar's s̄ and gram's
+        # amax non-finite, which they refuse before writing. LAPACK gets checked input.
         check_all_finite([x], ["iso_flatten_: x"])
     _BACKENDS[backend](x3)

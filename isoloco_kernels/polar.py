@@ -248,11 +248,13 @@ class _TorchSteps:
 
 
 def _exact_flatten(sub: torch.Tensor) -> None:
-    """The fallback for flagged matrices: the SVD, whose rank cut (max(m, n)·eps of the compute
-    dtype) is the closest to reference.py's; eigh's float64 Gram cannot resolve σ < ~1e-7·σ_1."""
-    from . import exact
+    """The fallback for flagged matrices: the Gram-space float64 iteration (gram.py, exact to
+    condition number ~1e5 for float32, matmul-only), which itself recomputes the matrices it cannot
+    resolve (cond beyond ~1e7, rank-deficient) with the SVD, whose rank cut is the closest to
+    reference.py's."""
+    from . import gram
 
-    exact.flatten_svd_(sub)
+    gram.flatten_gram_(sub)
 
 
 def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", backend: str | None = None) -> None:
