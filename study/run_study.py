@@ -13,6 +13,13 @@ Design (see README.md): cells (K, H) = (4, 30), (8, 30), (2, 30), (4, 100) at a 
 {0.5, 0.7, 1.0} (μ 0.9), IsoLoCo in {1.2, 1.8, 2.4} (μ 0.8), isoloco-sgd at 1.0, and the
 data-matched DDP baseline; run order in `jobs`. The seed fixes the global init and every worker's
 data order, so all methods of one seed see identical bytes.
+
+Study v2 (`--part v2`): every method at its default outer lr — DDP, plain averaging (avg, outer
+SGD lr 1 μ 0), DiLoCo 0.7, Iso-C without momentum (isoloco-sgd 3.0), IsoLoCo 1.8 — for each
+`--init` (gpt2, torch) and `--vocab`; its records carry "study": "v2", "init", "vocab" and the
+per-round divergence measurements, and summarize.py keeps them out of the v1 tables:
+
+    python study/run_study.py --part v2 --init gpt2,torch --cells 4:30 --seeds 0,1 --out study/results/v2_init.jsonl
 """
 from __future__ import annotations
 
@@ -33,7 +40,8 @@ DEFAULTS = [("diloco", 0.7), ("isoloco", 1.8)]
 NEIGHBOURS = [("diloco", 1.0), ("isoloco", 2.4), ("diloco", 0.5), ("isoloco", 1.2)]
 
 
-PARTS = ("all", "defaults", "grid", "extra")
+PARTS = ("all", "defaults", "grid", "extra", "v2")
+V2_METHODS = [("ddp", None), ("avg", 1.0), ("diloco", 0.7), ("isoloco-sgd", 3.0), ("isoloco", 1.8)]
 
 
 def jobs(cells, part: str = "all") -> list[tuple[int, int, str, float | None]]:
@@ -45,12 +53,14 @@ def jobs(cells, part: str = "all") -> list[tuple[int, int, str, float | None]]:
     grid = [(K, H, m, lr) for K, H in cells for m, lr in NEIGHBOURS]
     extra = [(K, H, "ddp", None) for K, H in cells if H != 100]  # ddp does not depend on H
     extra += [(K, H, "isoloco-sgd", 1.0) for K, H in cells]
-    chosen = {"all": defaults + grid + extra, "defaults": defaults, "grid": grid, "extra": extra}[part]
+    v2 = [(K, H, m, lr) for K, H in cells for m, lr in V2_METHODS]
+    chosen = {"all": defaults + grid + extra, "defaults": defaults, "grid": grid, "extra": extra, "v2": v2}[part]
     return list(dict.fromkeys(chosen))
 
 
 def key(rec: dict) -> tuple:
-    return (rec["seed"], rec["workers"], rec["inner_steps"], rec["mode"], rec["outer_lr"])
+    return (rec["seed"], rec["workers"], rec["inner_steps"], rec["mode"], rec["outer_lr"],
+            rec.get("study", "v1"), rec.get("init", "gpt2"), rec.get("vocab", 256))
 
 
 def finished(folder: Path) -> set:
@@ -77,7 +87,13 @@ def main() -> None:
     p.add_argument("--part", choices=PARTS, default="all")
     p.add_argument("--lrs", default=None,
                    help="run only these outer lrs instead of a part, e.g. diloco=0.35,isoloco=3.2")
+    p.add_argument("--init", default="gpt2", help="v2: comma list of inits (gpt2, torch)")
+    p.add_argument("--vocab", type=int, default=256, help="v2: 256 (bytes) or a BPE vocabulary size")
     a = p.parse_args()
+    study = "v2" if a.part == "v2" else "v1"
+    inits = [x for x in a.init.split(",") if x]
+    if study == "v1" and (inits != ["gpt2"] or a.vocab != 256):
+        p.error("--init and --vocab are study v2 settings: add --part v2")
     torch.set_num_threads(1)  # one core per study process
     torch.use_deterministic_algorithms(True)
     out = Path(a.out)
@@ -85,26 +101,31 @@ def main() -> None:
     seeds = [int(s) for s in a.seeds.split(",")]
     cells = CELLS if a.cells is None else [tuple(int(x) for x in c.split(":")) for c in a.cells.split(",")]
     corpus = load_corpus()
+    cache = out.parent / ".tokenizers"  # BPE tokenizers, trained once on the training split
     todo = jobs(cells, a.part)
     if a.lrs:  # extend the grid where its best point sits on an edge
         pairs = [(m, float(v)) for m, v in (x.split("=") for x in a.lrs.split(","))]
         todo = [(K, H, m, lr) for K, H in cells for m, lr in pairs]
-    for K, H, mode, lr in todo:
+    todo = [(K, H, mode, lr, init) for init in inits for K, H, mode, lr in todo]
+    for K, H, mode, lr, init in todo:
         for seed in seeds:
-            k = (seed, K, H, mode, lr)
-            if k in finished(out.parent) or not claim(out.parent, k):
+            k = (seed, K, H, mode, lr, study, init, a.vocab)
+            if k in finished(out.parent) or not claim(out.parent, k if study == "v2" else k[:5]):
                 continue
-            cfg = TrainConfig(workers=K, inner_steps=H, rounds=STEPS_PER_WORKER // H, seed=seed)
+            cfg = TrainConfig(workers=K, inner_steps=H, rounds=STEPS_PER_WORKER // H, seed=seed,
+                              init=init, vocab=a.vocab, divergence=study == "v2")
             if lr is not None:
                 cfg = replace(cfg, outer_lr={mode: lr})
             t0, c0 = time.perf_counter(), time.process_time()
-            r = run_mode(mode, Setup(cfg, corpus))
+            r = run_mode(mode, Setup(cfg, corpus, cache_dir=cache))
             r.update(seed=seed, workers=K, inner_steps=H, rounds=cfg.rounds, outer_lr=lr,
                      cpu_s=time.process_time() - c0, wall_s=time.perf_counter() - t0)
+            if study == "v2":
+                r.update(study="v2", init=init, vocab=a.vocab)
             with out.open("a") as f:
                 f.write(json.dumps(r) + "\n")
             fl = "diverged" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
-            print(f"seed {seed} K={K} H={H} {mode} lr={lr}: final {fl}  "
+            print(f"seed {seed} K={K} H={H} {mode} lr={lr} {init} vocab {a.vocab}: final {fl}  "
                   f"({r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s cpu)", flush=True)
 
 

@@ -6,6 +6,10 @@ For each cell (K, H) and method, each outer lr is scored by its mean final held-
 seeds; the best lr per method is reported with its mean, its seed-to-seed spread (sample std and
 min..max) and the paired difference IsoLoCo − DiLoCo (same seed = same init and data), whose
 mean and spread say whether the gap is larger than the noise.
+
+Study v2 records ("study": "v2" in the JSONL) are kept out of the v1 tables and summarized apart:
+per (init, vocab, K, H) cell, every method's final loss per seed, the paired gaps to DiLoCo, and
+the divergence measurements averaged over rounds (markdown_v2, study_v2.png).
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ def load(folder: Path) -> tuple[list[dict], dict]:
             if not line.strip():
                 continue
             r = json.loads(line)
-            k = (r["seed"], r["workers"], r["inner_steps"], r["mode"], r["outer_lr"])
+            k = (r["seed"], r["workers"], r["inner_steps"], r["mode"], r["outer_lr"],
+                 r.get("study", "v1"), r.get("init", "gpt2"), r.get("vocab", 256))
             if k in seen:
                 dup["repeats"] += 1
                 dup["identical"] += seen[k]["heldout_loss"] == r["heldout_loss"]
@@ -43,6 +48,8 @@ def _std(xs):
 def summarize(recs: list[dict]) -> dict:
     by = defaultdict(dict)  # (K, H, mode, lr) -> {seed: final}
     for r in recs:
+        if r.get("study", "v1") != "v1":
+            continue
         by[(r["workers"], r["inner_steps"], r["mode"], r["outer_lr"])][r["seed"]] = r["final_loss"]
     cells = sorted({(k[0], k[1]) for k in by}, key=lambda c: (c[1], c[0]))
     out = []
@@ -190,8 +197,149 @@ def plots(summary: dict, recs: list[dict], folder: Path) -> None:
     plt.close(fig)
 
 
+V2_ORDER = ("ddp", "avg", "diloco", "isoloco-sgd", "isoloco")
+V2_GROUPS = ("all", "embedding", "head", "middle")
+
+
+def _round_mean(r: dict, what: str, group: str, rounds=None):
+    ds = r.get("divergence") or []
+    if rounds is not None:
+        ds = [d for d in ds if d["round"] in rounds]
+    xs = [d[what][group] for d in ds if d[what].get(group) is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def _spec_mean(r: dict, key: str, rounds=None):
+    ds = r.get("divergence") or []
+    if rounds is not None:
+        ds = [d for d in ds if d["round"] in rounds]
+    xs = [d["spectrum_median"][key] for d in ds if d.get("spectrum_median", {}).get(key) is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def summarize_v2(recs: list[dict]) -> dict:
+    """Per (init, vocab, K, H): per method {seeds, finals, mean, std, divergence means}; paired gaps."""
+    cells = defaultdict(lambda: defaultdict(dict))
+    for r in recs:
+        if r.get("study") != "v2":
+            continue
+        c = (r["init"], r["vocab"], r["workers"], r["inner_steps"])
+        cells[c][(r["mode"], r["outer_lr"])][r["seed"]] = r
+    out = []
+    for (init, vocab, K, H), methods in sorted(cells.items(), key=lambda t: (t[0][2], t[0][3], t[0][1], t[0][0])):
+        cell = {"init": init, "vocab": vocab, "workers": K, "inner_steps": H, "methods": {}}
+        for (mode, lr), seeds in sorted(methods.items(), key=lambda t: V2_ORDER.index(t[0][0])):
+            finals = [seeds[x]["final_loss"] for x in sorted(seeds)]
+            ok = [v for v in finals if v is not None]
+            e = {"outer_lr": lr, "seeds": sorted(seeds), "finals": finals,
+                 "mean": statistics.fmean(ok) if ok and len(ok) == len(finals) else None,
+                 "std": _std(ok) if len(ok) == len(finals) else None}
+            if mode != "ddp":
+                runs = [seeds[x] for x in sorted(seeds)]
+                e["divergence"] = {
+                    f"{what}_{g}": statistics.fmean(v for v in (_round_mean(r, what, g) for r in runs) if v is not None)
+                    for what in ("cosine", "shrinkage") for g in V2_GROUPS
+                    if any(_round_mean(r, what, g) is not None for r in runs)
+                }
+                for key in ("erank_over_r0", "top_over_mean"):
+                    vals = [v for v in (_spec_mean(r, key) for r in runs) if v is not None]
+                    if vals:
+                        e["divergence"][key] = statistics.fmean(vals)
+                # the first round alone: before any outer step has acted
+                r1 = [v for v in (_round_mean(r, "shrinkage", "all", {1}) for r in runs) if v is not None]
+                if r1:
+                    e["divergence"]["shrinkage_all_round1"] = statistics.fmean(r1)
+            cell["methods"][mode] = e
+        dil = methods.get(("diloco", 0.7))
+        for mode, lr in methods:
+            if mode == "diloco" or not dil:
+                continue
+            common = sorted(set(methods[(mode, lr)]) & set(dil))
+            diffs = [methods[(mode, lr)][x]["final_loss"] - dil[x]["final_loss"] for x in common
+                     if methods[(mode, lr)][x]["final_loss"] is not None and dil[x]["final_loss"] is not None]
+            if diffs:
+                cell["methods"][mode]["minus_diloco"] = {"seeds": common, "diffs": diffs,
+                                                         "mean": statistics.fmean(diffs), "std": _std(diffs)}
+        out.append(cell)
+    return {"cells": out}
+
+
+def markdown_v2(v2: dict) -> str:
+    if not v2["cells"]:
+        return "(no study v2 runs yet)"
+    lines = ["Final held-out loss (nats/byte), mean ± std over seeds, each method at its default outer lr; "
+             "'− DiLoCo' is paired per seed:", "",
+             "| init | vocab | K | H | method | lr | seeds | final | per seed | − DiLoCo (per seed) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in v2["cells"]:
+        for mode, e in c["methods"].items():
+            per = ", ".join("div" if v is None else f"{v:.4f}" for v in e["finals"])
+            md = e.get("minus_diloco")
+            gap = "—" if not md else f"{md['mean']:+.3f} ({', '.join(f'{x:+.3f}' for x in md['diffs'])})"
+            lines.append(f"| {c['init']} | {c['vocab']} | {c['workers']} | {c['inner_steps']} | {mode} | "
+                         f"{'-' if e['outer_lr'] is None else e['outer_lr']} | {len(e['seeds'])} | {_ms(e)} | {per} | {gap} |")
+    lines += ["", "Divergence, averaged over the rounds and seeds of each run (cosine: mean pairwise cosine of the "
+              "workers' Δ_k; shrinkage: ‖mean Δ_k‖ / mean ‖Δ_k‖; spectrum of the averaged Δ: median over matrices "
+              "of effective rank / min(m, n) and of σ₁/σ̄):", "",
+              "| init | vocab | K | H | method | cosine all / emb / head / middle | shrinkage all / emb / head / middle "
+              "| shrinkage round 1 | erank / r₀ | σ₁/σ̄ |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in v2["cells"]:
+        for mode, e in c["methods"].items():
+            d = e.get("divergence")
+            if not d:
+                continue
+            f = lambda k, nd=3: _f(d.get(k), nd)
+            lines.append(f"| {c['init']} | {c['vocab']} | {c['workers']} | {c['inner_steps']} | {mode} | "
+                         + " / ".join(f("cosine_" + g) for g in V2_GROUPS) + " | "
+                         + " / ".join(f("shrinkage_" + g) for g in V2_GROUPS) + " | "
+                         + f"{f('shrinkage_all_round1')} | {f('erank_over_r0')} | {f('top_over_mean', 2)} |")
+    return "\n".join(lines)
+
+
+def plots_v2(v2: dict, recs: list[dict], folder: Path) -> None:
+    """Left: held-out curves per init (DiLoCo, IsoLoCo, DDP, avg); right: per-round shrinkage."""
+    if not v2["cells"]:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"ddp": "k", "avg": "tab:gray", "diloco": "tab:blue", "isoloco-sgd": "tab:green", "isoloco": "tab:red"}
+    cells = v2["cells"]
+    fig, axes = plt.subplots(2, len(cells), figsize=(5.2 * len(cells), 7.5), squeeze=False)
+    for j, c in enumerate(cells):
+        runs = [r for r in recs if r.get("study") == "v2" and (r["init"], r["vocab"], r["workers"], r["inner_steps"])
+                == (c["init"], c["vocab"], c["workers"], c["inner_steps"])]
+        title = f"init {c['init']}, vocab {c['vocab']}, K {c['workers']}, H {c['inner_steps']}"
+        for r in runs:
+            col = colors.get(r["mode"], "tab:purple")
+            first = r["seed"] == min(x["seed"] for x in runs if x["mode"] == r["mode"])
+            axes[0][j].plot(r["tokens"][1:], r["heldout_loss"][1:], color=col, alpha=0.7,
+                            label=r["mode"] if first else None)
+            if r.get("divergence"):
+                axes[1][j].plot([d["round"] for d in r["divergence"]], [d["shrinkage"]["all"] for d in r["divergence"]],
+                                color=col, alpha=0.7, marker=".", label=r["mode"] if first else None)
+        axes[0][j].set_title(title)
+        axes[0][j].set_xlabel("training tokens (all workers)")
+        axes[0][j].set_ylabel("held-out loss (nats/byte)")
+        axes[1][j].set_xlabel("round")
+        axes[1][j].set_ylabel("shrinkage ‖mean Δ_k‖ / mean ‖Δ_k‖")
+        for ax in axes[:, j]:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(folder / "study_v2.png", dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     recs, dup = load(HERE / "results")
+    v2 = summarize_v2(recs)
+    v1_recs = [r for r in recs if r.get("study", "v1") == "v1"]
+    v2_recs = [r for r in recs if r.get("study") == "v2"]
+    recs = v1_recs
     s = summarize(recs)
     s["runs"] = len(recs)
     s["repeated_runs"] = dup
@@ -202,6 +350,18 @@ def main() -> None:
     print(markdown(s))
     print(f"\n{len(recs)} runs, {s['cpu_s_total'] / 60:.1f} CPU-min, {s['wall_s_total'] / 60:.1f} run-wall-min; "
           f"{dup['repeats']} runs repeated by a second process, {dup['identical']} of them bit-identical")
+    v2["runs"] = len(v2_recs)
+    v2["cpu_s_total"] = sum(r.get("cpu_s", 0.0) for r in v2_recs)
+    # v2 gpt2/bytes runs repeat v1 configurations: the loop is deterministic, so they must agree
+    v1_final = {(r["seed"], r["workers"], r["inner_steps"], r["mode"], r["outer_lr"]): r["final_loss"] for r in v1_recs}
+    same = [(v1_final[k], r["final_loss"]) for r in v2_recs if r["init"] == "gpt2" and r["vocab"] == 256
+            for k in [(r["seed"], r["workers"], r["inner_steps"], r["mode"], r["outer_lr"])] if k in v1_final]
+    v2["v1_repeats"] = {"runs": len(same), "identical": sum(a == b for a, b in same)}
+    (HERE / "summary_v2.json").write_text(json.dumps(v2, indent=1))
+    plots_v2(v2, v2_recs, HERE)
+    print("\n<!-- v2 -->\n" + markdown_v2(v2))
+    print(f"\n{len(v2_recs)} v2 runs, {v2['cpu_s_total'] / 60:.1f} CPU-min; {same and len(same)} v2 runs repeat a v1 "
+          f"configuration, {v2['v1_repeats']['identical']} of them with a bit-identical final loss")
 
 
 if __name__ == "__main__":
