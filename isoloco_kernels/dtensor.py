@@ -51,7 +51,7 @@ failure on any rank raises `isoloco_kernels.distributed.DistributedStepError` on
 the ranks and their errors; no param or momentum buffer changes anywhere.
 
 Refused when the optimizer is built: DTensor and plain params in one optimizer, `process_group=`
-together with DTensor params, Partial or strided-shard placements, and meshes whose ranks are not
+together with DTensor params, Partial placements (and strided shards on a 1-D mesh), and meshes whose ranks are not
 all inside the largest mesh of the optimizer (the agreement runs over that mesh).
 """
 from __future__ import annotations
@@ -95,11 +95,14 @@ def uses_dtensor(opt) -> bool:
 # Construction checks
 
 
-def _placement_ok(pl, ndim: int) -> Optional[str]:
+def _placement_ok(pl, ndim: int, mesh_ndim: int) -> Optional[str]:
     """None if this placement is supported, else why not."""
     if pl.is_replicate():
         return None
-    if type(pl).__name__ == "Shard":  # exactly Shard: _StridedShard (FSDP over TP on one dim) is a subclass
+    kind = type(pl).__name__
+    # _StridedShard (FSDP over TP on the same dim) only arises on meshes with several dimensions,
+    # which take the general full_tensor() path
+    if kind == "Shard" or (kind == "_StridedShard" and mesh_ndim > 1):
         return None if 0 <= pl.dim < max(ndim, 1) else f"{pl} is out of range for a {ndim}-D tensor"
     return f"placement {pl} is not supported (only Shard(dim) and Replicate)"
 
@@ -134,7 +137,7 @@ def check_params(opt) -> bool:
         )
     for gi, pi, p in params:
         for pl in p.placements:
-            why = _placement_ok(pl, p.ndim)
+            why = _placement_ok(pl, p.ndim, p.device_mesh.ndim)
             if why:
                 raise ValueError(
                     f"IsoLoCo: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, placements "

@@ -293,6 +293,46 @@ def _check_refusals(mesh):
     assert len(opt.param_groups) == 1
 
 
+def _check_general_mesh(mesh, what):
+    """Meshes with two dimensions take the general full_tensor() path: same result as single-process."""
+    model, ref = _fsdp_llama(mesh)
+    opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8, method="svd")
+    ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method="svd")
+    for s in range(2):
+        _set_grads(model, ref, s)
+        opt.step()
+        ref_opt.step()
+    assert all(p.device_mesh.ndim == 2 for p in model.parameters())
+    _compare(model, ref, opt, ref_opt, what)
+    n2d = sum(p.numel() for p in ref.parameters() if p.ndim == 2)
+    assert opt.dtensor_stats.full_tensor_elements == n2d, opt.dtensor_stats
+
+
+def _check_fsdp_tp(mesh):
+    """FSDP over TP on a dp × tp mesh: Colwise weights become _StridedShard × Shard(0); a layer that
+    is not tensor-parallel lives on the dp sub-mesh alone (two meshes in one optimizer)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(4)
+    mlp = nn.Sequential()
+    mlp.add_module("w1", nn.Linear(12, 69))
+    mlp.add_module("w2", nn.Linear(69, 12))
+    mlp.add_module("w3", nn.Linear(12, 53, bias=False))
+    ref = copy.deepcopy(mlp)
+    parallelize_module(mlp, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    fully_shard(mlp, mesh=mesh["dp"])
+    assert type(mlp.w1.weight.placements[0]).__name__ == "_StridedShard", mlp.w1.weight.placements
+    assert mlp.w3.weight.device_mesh.ndim == 1
+    opt = IsoLoCo(mlp.parameters(), lr=1.8, momentum=0.8, method="svd")
+    ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method="svd")
+    for s in range(2):
+        _set_grads(mlp, ref, s)
+        opt.step()
+        ref_opt.step()
+    _compare(mlp, ref, opt, ref_opt, "FSDP x TP 2x2")
+
+
 def _body_two_ranks(rank, world, tmpdir):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -303,10 +343,32 @@ def _body_two_ranks(rank, world, tmpdir):
     _check_tp(mesh)
     _check_all_or_nothing(mesh, rank)
     _check_dcp(mesh, rank, tmpdir)
+    hsdp = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    _check_general_mesh(hsdp, "HSDP 1x2 (general path)")
+
+
+def _body_four_ranks(rank, world, tmpdir):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _check_general_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), "HSDP 2x2")
+    _check_fsdp_tp(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    mesh = init_device_mesh("cpu", (world,))
+    _check_fsdp_matches_single_process(mesh, rank)
 
 
 def test_dtensor_two_ranks(tmp_path):
     _spawn(_body_two_ranks, 2, tmp_path)
+
+
+@pytest.mark.skipif(
+    os.environ.get("ISOLOCO_TEST_4_RANKS") != "1",
+    reason="4 spawned ranks add about a minute on a 2-core machine; set ISOLOCO_TEST_4_RANKS=1",
+)
+def test_dtensor_four_ranks(tmp_path, monkeypatch):
+    import tests.test_distributed as td
+
+    monkeypatch.setattr(td, "DEADLINE_S", 400)
+    _spawn(_body_four_ranks, 4, tmp_path)
 
 
 def test_routes_and_bytes():
