@@ -38,6 +38,8 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ._agree import DistributedStepError, agree, comm_device as _comm_device, describe, error_text as _error_text
+from ._agree import fingerprint as _fingerprint, group_info as _group_info
 from ._validate import SUPPORTED_DTYPES, check_all_finite, check_matrix_tensor, compute_dtype
 from .buckets import BucketPlan
 from .flatten import check_method
@@ -63,10 +65,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "
 _reduce_scatter_single = (
     getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
 )
-
-
-class DistributedStepError(RuntimeError):
-    """A collective outer step failed on at least one rank; no rank changed any tensor."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,12 +190,6 @@ def plan_shards(
 
 # ----------------------------------------------------------------------------------------------
 # Communication helpers
-
-
-def _group_info(group) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _pieces(entries: Sequence[tuple[int, int]], numel_of, a: int, b: int):
@@ -373,41 +365,13 @@ def _broadcast_from_owner(flat: torch.Tensor, owner: int, group, bucket_bytes) -
     flight.drain()
 
 
+def _agree(error: Optional[str], group, device, what: str, fp: Optional[int] = None) -> None:
+    agree(error, group, device, what, fp, mismatch="the ranks built different shard plans")
+
+
 def _owned_views(plan: ShardPlan, dtype, own: torch.Tensor, rank: int) -> dict[int, torch.Tensor]:
     per_rank, _ = plan.layout(dtype)
     return {i: own[off : off + plan.numel(i)].view(plan.shapes[i]) for i, off in per_rank[rank]}
-
-
-def _agree(error: Optional[str], group, device, what: str, fingerprint: Optional[int] = None) -> None:
-    """Every rank learns whether any rank failed (and whether plans match); all raise if so.
-
-    One all-gather of (failed, plan fingerprint) per rank; the error texts are gathered only when
-    something failed.
-    """
-    _, world = _group_info(group)
-    mine = torch.tensor([int(error is not None), fingerprint or 0], dtype=torch.int64, device=device)
-    every = torch.empty(2 * world, dtype=torch.int64, device=device)
-    _all_gather_single(every, mine, group=group)
-    flags, prints = every.view(world, 2).cpu().unbind(1)
-    failed = flags.nonzero().flatten().tolist()
-    if not failed and (fingerprint is None or prints.unique().numel() == 1):
-        return
-    texts: list = [None] * world
-    dist.all_gather_object(texts, error, group=group)
-    if failed:
-        head = f"{what} failed on {len(failed)} of {world} ranks"
-        detail = "; ".join(f"rank {r}: {texts[r]}" for r in failed)
-    else:
-        head = f"{what}: the ranks built different shard plans"
-        detail = (
-            "fingerprints " + ", ".join(f"rank {r}: {p:#x}" for r, p in enumerate(prints.tolist()))
-            + "; every rank must pass the same tensor shapes and dtypes in the same order"
-        )
-    raise DistributedStepError(f"{head}, nothing was changed on any rank: {detail}")
-
-
-def _error_text(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -500,13 +464,6 @@ def _broadcast_into(t: torch.Tensor, owner: int, group, bucket_bytes) -> None:
     _broadcast_from_owner(flat, owner, group, bucket_bytes)
     if not t.is_contiguous():
         t.copy_(flat.view(t.shape))
-
-
-def _comm_device(group, device) -> torch.device:
-    """Where small control tensors live: the CPU for gloo, else the data's device."""
-    if dist.get_backend(group) == "gloo" or device is None:
-        return torch.device("cpu")
-    return torch.device(device)
 
 
 def _scatter_into(plan, dtype, own, tensors, rank, group, bucket_bytes) -> None:

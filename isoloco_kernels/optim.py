@@ -31,14 +31,15 @@ Parameters may live on several devices (CPU and CUDA) in one optimizer.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Optional
 
 import torch
 
-from . import dtensor  # DTensor (FSDP2 / TP) params
-from ._validate import SUPPORTED_DTYPES, check_all_finite, compute_dtype
+from ._validate import SUPPORTED_DTYPES, ResultOverflowError, check_all_finite, check_writable, compute_dtype
 from .buckets import BucketPlan
 from .flatten import check_method
+from .nesterov import prepare_outer_update
 from .ops import flatten_buckets_
 
 __all__ = ["IsoLoCo"]
@@ -49,17 +50,84 @@ _SGD_KEYS = dict(
 )
 
 
+def _number(v: Any, key: str, where: str) -> float:
+    """v as a float; TypeError naming `key` for anything that is not a real number."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise ValueError(f"{where}: a Tensor {key} must have one element, got shape {tuple(v.shape)}")
+        return float(v)
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{where}: '{key}' must be a real number, got {type(v).__name__} {v!r}")
+    return float(v)
+
+
 def _check_hyper(lr: Any, momentum: Any, where: str) -> None:
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError(f"{where}: a Tensor lr must have one element, got shape {tuple(lr.shape)}")
-    if not 0.0 <= lr < float("inf"):
-        raise ValueError(f"{where}: invalid learning rate: {lr}")
-    if not 0.0 <= momentum < float("inf"):
-        raise ValueError(f"{where}: invalid momentum value: {momentum}")
+    if not 0.0 <= _number(lr, "lr", where) < float("inf"):
+        raise ValueError(f"{where}: invalid learning rate: {lr} ('lr' must be a finite number >= 0)")
+    if not 0.0 <= _number(momentum, "momentum", where) < float("inf"):
+        raise ValueError(f"{where}: invalid momentum value: {momentum} ('momentum' must be a finite number >= 0)")
+
+
+def check_state_dict(opt: torch.optim.Optimizer, state_dict: Any, where: str) -> None:
+    """Everything a (torch.optim.SGD or IsoLoCo) state dict must hold for `opt` to load it and
+    step, checked before anything is loaded: the 'state' and 'param_groups' entries, each group's
+    settings (lr, momentum as numbers; SGD's other knobs at IsoLoCo's values) and param count, and
+    each momentum_buffer (a finite floating tensor shaped like its param, with its own memory)."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"{where}: expected a dict, got {type(state_dict).__name__}")
+    for key, kind in (("state", dict), ("param_groups", (list, tuple))):
+        if key not in state_dict:
+            raise ValueError(f"{where}: the state dict has no '{key}' entry")
+        if not isinstance(state_dict[key], kind):
+            raise TypeError(f"{where}: '{key}' must be a {getattr(kind, '__name__', 'list')}, got "
+                            f"{type(state_dict[key]).__name__}")
+    saved = state_dict["param_groups"]
+    if len(saved) != len(opt.param_groups):
+        raise ValueError(
+            f"{where}: the state dict has {len(saved)} param groups, this optimizer {len(opt.param_groups)}"
+        )
+    params, ids = [], []
+    for gi, (g, mine) in enumerate(zip(saved, opt.param_groups)):
+        if not isinstance(g, dict) or "params" not in g:
+            raise ValueError(f"{where}: param group {gi} is not a dict with a 'params' entry")
+        _check_group({k: v for k, v in g.items() if k != "params"}, f"{where}: param group {gi}")
+        if len(g["params"]) != len(mine["params"]):
+            raise ValueError(
+                f"{where}: param group {gi} has {len(g['params'])} params in the state dict, "
+                f"{len(mine['params'])} here"
+            )
+        params += mine["params"]
+        ids += list(g["params"])
+    held: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+    for pid, p in zip(ids, params):
+        entry = state_dict["state"].get(pid)
+        if entry is None:
+            continue
+        if not isinstance(entry, dict):
+            raise TypeError(f"{where}: state of param {pid} must be a dict, got {type(entry).__name__}")
+        if "momentum_buffer" not in entry or entry["momentum_buffer"] is None:
+            continue
+        b = entry["momentum_buffer"]
+        name = f"{where}: param {pid} (shape {tuple(p.shape)}) momentum_buffer"
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(b).__name__} {b!r:.40}")
+        if b.dtype not in SUPPORTED_DTYPES or tuple(b.shape) != tuple(p.shape):
+            raise ValueError(f"{name} has shape {tuple(b.shape)}, dtype {b.dtype}; want {tuple(p.shape)}, "
+                             f"one of {SUPPORTED_DTYPES}")
+        held.append((dtensor.local(b), dtensor.local(p), name))  # DTensors: their local shards (dtensor.py)
+    check_all_finite([b for b, _, _ in held], [n for _, _, n in held])
+    # buffers loaded as they are (same dtype and device) are written in place by later steps
+    kept = [(b, n) for b, p, n in held if b.dtype == p.dtype == compute_dtype(p.dtype) and b.device == p.device]
+    with torch.no_grad():
+        check_writable([b for b, _ in kept], [n for _, n in kept])
+
 
 
 def _check_group(group: dict, where: str) -> None:
     """A group IsoLoCo can run: valid lr/momentum and SGD's other knobs at their IsoLoCo values."""
+    for key in ("lr", "momentum"):
+        if key not in group:
+            raise ValueError(f"{where}: the group has no '{key}'")
     _check_hyper(group["lr"], group["momentum"], where)
     for key, want in (("dampening", 0), ("weight_decay", 0), ("nesterov", True), ("maximize", False)):
         if key in group and group[key] != want:
@@ -107,6 +175,46 @@ class IsoLoCo(torch.optim.Optimizer):
         self._plan: Optional[BucketPlan] = None  # bucket buffers, reused while the grads' shapes hold
         super().__init__(params, dict(lr=lr, momentum=momentum, iso=iso, **_SGD_KEYS))
 
+    @property
+    def process_group(self):
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, group) -> None:
+        self._process_group = group
+        self._group_dropped = False
+
+    # -- copies: deepcopy and pickle keep `method`, rebuild the plan, drop the process group --
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["method"] = self.method
+        state["group_dropped"] = self._process_group is not None or getattr(self, "_group_dropped", False)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        # torch's load_state_dict calls this too, with only "state" and "param_groups": then the
+        # optimizer keeps its method and process group.
+        state = dict(state)
+        copied = "method" in state
+        method = state.pop("method", None)
+        dropped = state.pop("group_dropped", False)
+        super().__setstate__(state)
+        self._plan = None  # rebuilt on the next step
+        if copied:
+            self.method = method
+            self._process_group = None  # a process group cannot be copied or pickled
+            self._group_dropped = dropped
+
+    def _group(self):
+        if self._process_group is None and self._group_dropped:
+            raise RuntimeError(
+                "IsoLoCo.step: this optimizer is a copy (deepcopy/pickle) of one that had a "
+                "process_group, which cannot be copied and was dropped; set opt.process_group to "
+                "the group again (or to None to flatten everything on this process)"
+            )
+        return self._process_group
+
     def add_param_group(self, param_group: dict) -> None:
         where = f"IsoLoCo: param group {len(self.param_groups)}"
         _check_group({**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}, where)
@@ -117,23 +225,15 @@ class IsoLoCo(torch.optim.Optimizer):
                 raise TypeError(
                     f"{where}: param {i} has dtype {p.dtype}; IsoLoCo supports {SUPPORTED_DTYPES}"
                 )
-        # -- DTensor params (FSDP2 / tensor parallel): refused here if unsupported; see dtensor.py --
-        try:
-            dtensor.check_params(self)
-        except (TypeError, ValueError):
-            self.param_groups.pop()
-            raise
 
     # -- state dict ------------------------------------------------------------------------------
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load an IsoLoCo or a torch.optim.SGD state dict (SGD's must be nesterov, no dampening,
         no weight decay). Groups without `iso` keep this optimizer's setting. Checked first: on a
-        refused dict nothing changes."""
+        refused dict nothing changes (see `check_state_dict`)."""
+        check_state_dict(self, state_dict, "IsoLoCo.load_state_dict")
         saved = state_dict["param_groups"]
-        for gi, g in enumerate(saved):
-            settings = {**self.defaults, **{k: v for k, v in g.items() if k != "params"}}
-            _check_group(settings, f"IsoLoCo.load_state_dict: param group {gi}")
         iso_now = [g["iso"] for g in self.param_groups]
         super().load_state_dict(state_dict)
         for g, iso in zip(self.param_groups, iso_now):
@@ -179,8 +279,15 @@ class IsoLoCo(torch.optim.Optimizer):
         check_all_finite([e[3] for e in entries], names)
         # a NaN/Inf momentum buffer (a corrupted checkpoint, say) would poison the params just the same
         held = [(n, self.state[e[2]].get("momentum_buffer")) for n, e in zip(names, entries) if e[2] in self.state]
-        held = [(n, b) for n, b in held if isinstance(b, torch.Tensor)]
+        held = [(n, b) for n, b in held if b is not None]
+        for n, b in held:
+            if not isinstance(b, torch.Tensor):
+                raise TypeError(f"{n.replace(') grad', ') momentum_buffer')} must be a tensor, got {type(b).__name__}")
         check_all_finite([b for _, b in held], [n.replace(") grad", ") momentum_buffer") for n, _ in held])
+        # everything the step writes: params and held momentum buffers, checked before any write
+        written = [e[2] for e in entries] + [b for _, b in held]
+        check_writable(written, [n[: -len(" grad")] for n in names]
+                       + [n.replace(") grad", ") momentum_buffer") for n, _ in held])
         return entries
 
     def _iso_updates(self, entries) -> dict[int, torch.Tensor]:
@@ -192,46 +299,88 @@ class IsoLoCo(torch.optim.Optimizer):
         if self._plan is None or not self._plan.matches(grads):
             self._plan = BucketPlan(grads)
         buffers = self._plan.pack(grads)
-        if self.process_group is None:
-            flatten_buckets_(buffers, self.method)  # grads were checked in _gather
+        if self._process_group is None:
+            try:
+                flatten_buckets_(buffers, self.method)  # grads were checked in _gather
+            except ResultOverflowError as e:  # name the param, not the internal bucket
+                b = self._plan.buckets[e.bucket]
+                gi, pi, p = entries[chosen[b.members[e.matrix]]][:3]
+                raise ResultOverflowError(
+                    f"IsoLoCo: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}): "
+                    f"the Iso-C result of its grad does not fit {b.dtype}; nothing was changed"
+                ) from None
         else:
             from .distributed import sharded_iso_merge_  # torch.distributed only when asked for
 
-            sharded_iso_merge_(buffers, self.process_group, method=self.method)
+            sharded_iso_merge_(buffers, self._process_group, method=self.method)
         return dict(zip(chosen, self._plan.views()))
 
     @torch.no_grad()
     def _update(self) -> None:
-        if dtensor.uses_dtensor(self):  # -- DTensor params: the sharded step lives in dtensor.py --
-            return dtensor.step_(self)
-        entries = self._gather()
+        group = self._group()
+        if group is None:
+            entries = self._gather()
+            if entries:
+                self._prepare_update(entries, self._iso_updates(entries))()
+            return
+        # Over a process group every rank must fail together: agree after the checks (and on the
+        # shapes), sharded_iso_merge_ agrees around the flatten, and once more before writing.
+        from ._agree import agree, comm_device, describe, error_text, fingerprint
+
+        error, entries = None, []
+        try:
+            entries = self._gather()
+        except Exception as e:  # noqa: BLE001 — any failure must reach the other ranks
+            error = error_text(e)
+        device = comm_device(group, entries[0][2].device if entries else None)
+        fp = fingerprint((describe([e[3] for e in entries]), [bool(e[4]["iso"]) for e in entries]))
+        agree(error, group, device, "IsoLoCo.step", fp)
         if not entries:
             return
         iso = self._iso_updates(entries)
-        # One fused op call per (device, lr, momentum). New buffers join the state only after the
-        # update ran, so a failure cannot leave half-made state behind.
-        calls: dict[tuple, tuple[list, list, list]] = {}
+        apply = None
+        try:
+            apply = self._prepare_update(entries, iso)
+        except Exception as e:  # noqa: BLE001
+            error = error_text(e)
+        agree(error, group, device, "IsoLoCo.step")
+        apply()
+
+    def _prepare_update(self, entries, iso) -> Callable[[], None]:
+        """Everything but the writes of the Nesterov update: momentum buffers made or checked, one
+        fused op call per (device, lr, momentum), each checked for overflow
+        (`nesterov.prepare_outer_update`). Returns the function that writes; new buffers join the
+        state only after it ran, so a failure cannot leave half-made state behind."""
+        calls: dict[tuple, tuple[list, list, list, list]] = {}
         fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for k, (_, _, p, g, group) in enumerate(entries):
+        for k, (gi, pi, p, g, group) in enumerate(entries):
+            where = f"IsoLoCo: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
             buf = self.state[p].get("momentum_buffer") if p in self.state else None
             if buf is None:
                 buf = torch.zeros_like(p, dtype=compute_dtype(p.dtype), memory_format=torch.preserve_format)
                 fresh.append((p, buf))
             elif buf.shape != p.shape or buf.device != p.device or buf.dtype not in SUPPORTED_DTYPES:
                 raise ValueError(
-                    f"IsoLoCo: param_groups[{entries[k][0]}]['params'][{entries[k][1]}] "
-                    f"(shape {tuple(p.shape)}): momentum_buffer has shape {tuple(buf.shape)}, "
-                    f"dtype {buf.dtype} on {buf.device}"
+                    f"{where}: momentum_buffer has shape {tuple(buf.shape)}, dtype {buf.dtype} on {buf.device}"
                 )
             key = (p.device, float(group["lr"]), float(group["momentum"]))
-            ps, bs, us = calls.setdefault(key, ([], [], []))
+            ps, bs, us, names = calls.setdefault(key, ([], [], [], []))
             ps.append(p)
             bs.append(buf)
             us.append(iso.get(k, g))
-        for (_, lr, momentum), (ps, bs, us) in calls.items():
-            torch.ops.isoloco.nesterov_outer_(ps, bs, us, lr, momentum, None)
-        for p, buf in fresh:
-            self.state[p]["momentum_buffer"] = buf
+            names.append(where)
+        applies = [
+            prepare_outer_update(ps, bs, us, lr, momentum, names)
+            for (_, lr, momentum), (ps, bs, us, names) in calls.items()
+        ]
+
+        def apply() -> None:
+            for fn in applies:
+                fn()
+            for p, buf in fresh:
+                self.state[p]["momentum_buffer"] = buf
+
+        return apply
 
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One outer step from the `.grad` of each param (params without a grad are skipped).
