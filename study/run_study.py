@@ -106,27 +106,28 @@ def main() -> None:
     if a.lrs:  # extend the grid where its best point sits on an edge
         pairs = [(m, float(v)) for m, v in (x.split("=") for x in a.lrs.split(","))]
         todo = [(K, H, m, lr) for K, H in cells for m, lr in pairs]
-    todo = [(K, H, mode, lr, init) for init in inits for K, H, mode, lr in todo]
-    for K, H, mode, lr, init in todo:
-        for seed in seeds:
-            k = (seed, K, H, mode, lr, study, init, a.vocab)
-            if k in finished(out.parent) or not claim(out.parent, k if study == "v2" else k[:5]):
-                continue
-            cfg = TrainConfig(workers=K, inner_steps=H, rounds=STEPS_PER_WORKER // H, seed=seed,
-                              init=init, vocab=a.vocab, divergence=study == "v2")
-            if lr is not None:
-                cfg = replace(cfg, outer_lr={mode: lr})
-            t0, c0 = time.perf_counter(), time.process_time()
-            r = run_mode(mode, Setup(cfg, corpus, cache_dir=cache))
-            r.update(seed=seed, workers=K, inner_steps=H, rounds=cfg.rounds, outer_lr=lr,
-                     cpu_s=time.process_time() - c0, wall_s=time.perf_counter() - t0)
-            if study == "v2":
-                r.update(study="v2", init=init, vocab=a.vocab)
-            with out.open("a") as f:
-                f.write(json.dumps(r) + "\n")
-            fl = "diverged" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
-            print(f"seed {seed} K={K} H={H} {mode} lr={lr} {init} vocab {a.vocab}: final {fl}  "
-                  f"({r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s cpu)", flush=True)
+    todo = [(K, H, mode, lr, init, seed) for init in inits for K, H, mode, lr in todo for seed in seeds]
+    if study == "v2":  # the paired DiLoCo / IsoLoCo runs of every init first, seed by seed; then the rest
+        todo.sort(key=lambda j: (j[2] not in ("diloco", "isoloco"), j[5]))
+    for K, H, mode, lr, init, seed in todo:
+        k = (seed, K, H, mode, lr, study, init, a.vocab)
+        if k in finished(out.parent) or not claim(out.parent, k if study == "v2" else k[:5]):
+            continue
+        cfg = TrainConfig(workers=K, inner_steps=H, rounds=STEPS_PER_WORKER // H, seed=seed,
+                          init=init, vocab=a.vocab, divergence=study == "v2")
+        if lr is not None:
+            cfg = replace(cfg, outer_lr={mode: lr})
+        t0, c0 = time.perf_counter(), time.process_time()
+        r = run_mode(mode, Setup(cfg, corpus, cache_dir=cache))
+        r.update(seed=seed, workers=K, inner_steps=H, rounds=cfg.rounds, outer_lr=lr,
+                 cpu_s=time.process_time() - c0, wall_s=time.perf_counter() - t0)
+        if study == "v2":
+            r.update(study="v2", init=init, vocab=a.vocab)
+        with out.open("a") as f:
+            f.write(json.dumps(r) + "\n")
+        fl = "diverged" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
+        print(f"seed {seed} K={K} H={H} {mode} lr={lr} {init} vocab {a.vocab}: final {fl}  "
+              f"({r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s cpu)", flush=True)
 
 
 if __name__ == "__main__":
