@@ -40,11 +40,12 @@ import torch.distributed as dist
 
 from ._agree import DistributedStepError, agree, comm_device as _comm_device, describe, error_text as _error_text
 from ._agree import fingerprint as _fingerprint, group_info as _group_info
-from ._validate import SUPPORTED_DTYPES, check_all_finite, check_matrix_tensor, compute_dtype
+from ._validate import SUPPORTED_DTYPES, check_all_finite, check_matrix_tensor, check_writable, compute_dtype
 from .buckets import BucketPlan
 from .flatten import check_method
+from .nesterov import prepare_outer_update
 from .ops import flatten_buckets_
-from .optim import _SGD_KEYS, _check_group
+from .optim import _SGD_KEYS, _check_group, check_state_dict
 
 __all__ = [
     "DistributedStepError",
@@ -244,12 +245,23 @@ def average_(
     DiLoCo pseudo-gradient average). Returns the tensors as a list.
     """
     tensors = list(tensors)
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"average_: tensor {i} is a {type(t).__name__}, not a torch.Tensor")
     _, world = _group_info(group)
+    error = None
+    try:
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"average_: tensor {i} is a {type(t).__name__}, not a torch.Tensor")
+        check_writable(tensors, [f"average_: tensor {i}" for i in range(len(tensors))])
+    except Exception as e:  # noqa: BLE001
+        if world == 1:
+            raise
+        error = _error_text(e)
     if world == 1:
         return tensors
+    # Agree before the first all-reduce: a rank with bad input, or ranks passing different shapes
+    # or dtypes (gloo would abort the process on a size mismatch), fail on every rank.
+    device = _comm_device(group, next((t.device for t in tensors if isinstance(t, torch.Tensor)), None))
+    agree(error, group, device, "average_", _fingerprint(describe(tensors)))
     by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         if t.numel():
@@ -409,9 +421,10 @@ def sharded_iso_merge_(
             [buckets[k].shape[-2:] for k, _ in units], world, dtypes=[buckets[k].dtype for k, _ in units],
             solo_above=solo_above,
         )
+        check_writable(buckets, names)
         mine = sorted({units[u][0] for u in plan.owned(rank)})
         check_all_finite([buckets[k] for k in mine], [names[k] for k in mine])
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 — any failure must reach the other ranks
         error = _error_text(e)
     _agree(error, group, device, "sharded_iso_merge_", plan.fingerprint if plan else None)
 
@@ -574,19 +587,21 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                 raise TypeError(f"{what}: grad dtype {g.dtype} is not supported")
             grads.append(g)
         check_all_finite(grads, [f"pseudo-gradient of param {i} on rank {self.rank}" for i in range(len(grads))])
+        # every param is written (by its owner's update or the all-gather), so all are checked
+        check_writable(self._params, [f"param {i} (shape {tuple(p.shape)}) on rank {self.rank}" for i, p in enumerate(self._params)])
         return grads
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         plan, rank, group = self.plan, self.rank, self.group
         error, grads = None, None
-        try:
+        try:  # a closure that raises on one rank must still reach the agreement below
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
             grads = self._check_grads()
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001
             error = _error_text(e)
         flat = [None if grads is None else _flat(g) for g in (grads or self._params)]
 
@@ -611,6 +626,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                 updates[i] = mean.view(p.shape)
 
         # 2. everything that can fail, before agreeing
+        pending: list = []
         if error is None:
             try:
                 idx = sorted(updates)
@@ -628,12 +644,31 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                             f"dtype {b.dtype} on {b.device}"
                         )
                 check_all_finite([b for _, b in held], [f"momentum_buffer of param {i}" for i, _ in held])
+                check_writable([b for _, b in held], [f"momentum_buffer of param {i} on rank {rank}" for i, _ in held])
                 updates.update(self._iso_c(updates))
-            except Exception as e:
+                pending = self._prepare_nesterov(updates)
+            except Exception as e:  # noqa: BLE001
                 error = _error_text(e)
         _agree(error, group, self._device, "ShardedIsoLoCo.step")
 
-        # 3. Nesterov on my params, per param group
+        # 3. Nesterov on my params, per param group (checked for overflow before agreeing)
+        for apply in pending:
+            apply()
+
+        # 4. every rank gets every updated param
+        for dt, own in owns.items():
+            for i, v in _owned_views(plan, dt, own, rank).items():
+                v.copy_(self._params[i])
+            if self.world_size > 1:
+                _scatter_into(plan, dt, own, [p.data for p in self._params], rank, group, self.bucket_bytes)
+        for i in sorted(plan.solo):
+            _broadcast_into(self._params[i].data, plan.owners[i], group, self.bucket_bytes)
+        return loss
+
+    def _prepare_nesterov(self, updates: dict[int, torch.Tensor]) -> list:
+        """One overflow-checked Nesterov update per param group over my params
+        (`nesterov.prepare_outer_update`), ready to apply once the ranks agree."""
+        pending = []
         for k, g in enumerate(self.param_groups):
             idx = [i for i in sorted(updates) if self._group_of[i] == k]
             if not idx:
@@ -646,20 +681,18 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                     buf = torch.zeros_like(p, dtype=compute_dtype(p.dtype), memory_format=torch.preserve_format)
                     fresh.append((p, buf))
                 bufs.append(buf)
-            us = [updates[i] for i in idx]
-            torch.ops.isoloco.nesterov_outer_(ps, bufs, us, float(g["lr"]), float(g["momentum"]), None)
-            for p, buf in fresh:
-                self.state[p]["momentum_buffer"] = buf
+            names = [f"param {i} (shape {tuple(self._params[i].shape)}) on rank {self.rank}" for i in idx]
+            run = prepare_outer_update(
+                ps, bufs, [updates[i] for i in idx], float(g["lr"]), float(g["momentum"]), names
+            )
 
-        # 4. every rank gets every updated param
-        for dt, own in owns.items():
-            for i, v in _owned_views(plan, dt, own, rank).items():
-                v.copy_(self._params[i])
-            if self.world_size > 1:
-                _scatter_into(plan, dt, own, [p.data for p in self._params], rank, group, self.bucket_bytes)
-        for i in sorted(plan.solo):
-            _broadcast_into(self._params[i].data, plan.owners[i], group, self.bucket_bytes)
-        return loss
+            def apply(run=run, fresh=fresh) -> None:
+                run()
+                for p, buf in fresh:
+                    self.state[p]["momentum_buffer"] = buf
+
+            pending.append(apply)
+        return pending
 
     def _iso_c(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Iso-C of my 2-D mean pseudo-gradients in iso groups, batched by shape as IsoLoCo does
@@ -695,6 +728,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict) -> None:
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"ShardedIsoLoCo.load_state_dict: expected a dict, got {type(state_dict).__name__}")
         info = state_dict.get("sharding")
         if info is None:
             raise ValueError(
@@ -713,6 +748,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                 f"ShardedIsoLoCo.load_state_dict: the state was saved by rank {info['rank']}, this is rank "
                 f"{self.rank}; load each rank's own state"
             )
+        rest = {k: v for k, v in state_dict.items() if k != "sharding"}
+        check_state_dict(self, rest, "ShardedIsoLoCo.load_state_dict")
         mine = set(self.mine)
         extra = sorted(set(state_dict["state"]) - mine)
         if extra:
@@ -720,7 +757,6 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                 f"ShardedIsoLoCo.load_state_dict: the state holds momentum for params {extra[:8]} that rank "
                 f"{self.rank} does not own"
             )
-        rest = {k: v for k, v in state_dict.items() if k != "sharding"}
         super().load_state_dict(rest)
         # torch casts state to each param's dtype; half params keep float32 momentum (as IsoLoCo),
         # converted from the saved tensor itself so nothing is lost to rounding

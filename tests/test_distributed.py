@@ -401,3 +401,95 @@ def test_plan_sends_oversized_tensors_solo():
 def test_plan_bad_world_size():
     with pytest.raises(ValueError, match="world_size"):
         D.plan_shards([(2, 2)], 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2 ranks: a failure on one rank fails every rank, quickly, with nothing changed anywhere
+
+
+def _fails_everywhere(fn, match, tensors, what):
+    """fn() must raise DistributedStepError (matching `match`) on this rank within a few seconds,
+    leaving `tensors` bit-identical."""
+    before = [t.detach().clone() for t in tensors]
+    t0 = time.monotonic()
+    with pytest.raises(D.DistributedStepError, match=match):
+        fn()
+    assert time.monotonic() - t0 < PG_TIMEOUT_S / 2, f"{what}: took {time.monotonic() - t0:.1f} s"
+    for a, b in zip(tensors, before):
+        assert torch.equal(a.detach(), b), f"{what}: a tensor changed"
+
+
+def _body_reliability(rank, world, tmpdir):
+    g = torch.Generator().manual_seed(77)
+    shapes = [(6, 10), (10, 6), (10,)]
+
+    # IsoLoCo(process_group) with a NaN grad on rank 1 only
+    params = [torch.randn(s, generator=g) for s in shapes]
+    opt = IsoLoCo(params, lr=0.5, momentum=0.9, process_group=dist.group.WORLD)
+    grads = [torch.randn(s, generator=torch.Generator().manual_seed(5)) for s in shapes]
+    for p, gr in zip(params, grads):
+        p.grad = gr.clone()
+    if rank == 1:
+        params[1].grad[2, 3] = float("nan")
+    _fails_everywhere(opt.step, r"failed on 1 of 2 ranks.*rank 1.*NaN", params, "IsoLoCo NaN on rank 1")
+    assert not any(opt.state.values())
+    params[1].grad = grads[1].clone()
+    opt.step()  # the group is still usable, and the step now runs
+    assert all(torch.isfinite(p).all() for p in params) and len(opt.state) == 3
+    assert all(torch.equal(p.grad, gr) for p, gr in zip(params, grads))
+
+    # ShardedIsoLoCo: a closure that raises on rank 0 only
+    params = _model(SHAPES_2, torch.float32)
+    opt = D.ShardedIsoLoCo(params, lr=0.5, momentum=0.9)
+    for p, gr in zip(params, _pseudo_grads(SHAPES_2, torch.float32, rank, 0)):
+        p.grad = gr
+
+    def closure():
+        if rank == 0:
+            raise RuntimeError("loss went away")
+        return 1.0
+
+    _fails_everywhere(lambda: opt.step(closure), r"rank 0: RuntimeError: loss went away", params, "closure")
+    assert not any(opt.state.values())
+
+    # ShardedIsoLoCo: huge pseudo-gradients give the right finite step (Iso-C is homogeneous)
+    params = _model(SHAPES_2, torch.float32)
+    before = [p.detach().clone() for p in params]
+    opt = D.ShardedIsoLoCo(params, lr=1.8, momentum=0.8)
+    grads = [gr * 1e37 for gr in _pseudo_grads(SHAPES_2, torch.float32, 0, 0)]
+    for p, gr in zip(params, grads):
+        p.grad = gr.clone()
+    opt.step()
+    ref_p, _ = isoloco_step_ref(before, [torch.zeros_like(p) for p in before], grads, 1.8, 0.8)
+    for p, r in zip(params, ref_p):
+        assert torch.isfinite(p).all() and rel_err(p, r) < 1e-4
+
+    # ... and one whose update overflows float32 is refused on both ranks, nothing changed
+    params = _model(SHAPES_2, torch.float32)
+    opt = D.ShardedIsoLoCo(params, lr=1.8, momentum=0.8)
+    for p in params:
+        p.grad = torch.full_like(p, 3e38)
+    _fails_everywhere(opt.step, r"overflow|not finite|NaN|Inf", params, "overflowing update")
+
+    # sharded_iso_merge_ with an expanded (self-overlapping) bucket on rank 1 only
+    a = torch.randn(4, 6, generator=torch.Generator().manual_seed(8))
+    b = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(9))
+    if rank == 1:
+        b = torch.randn(1, 4, 6).expand(2, 4, 6)
+    _fails_everywhere(lambda: D.sharded_iso_merge_([a, b]), r"rank 1.*bucket 1.*overlap", [a, b], "expanded bucket")
+
+    # average_: different element counts (gloo would abort the process), then same count but
+    # different shapes (would be averaged silently)
+    x = torch.full((6,), float(rank))
+    y = torch.ones(5 if rank == 0 else 7)
+    _fails_everywhere(lambda: D.average_([x, y]), "different tensors", [x, y], "average_ counts")
+    z = torch.ones((2, 3) if rank == 0 else (3, 2))
+    _fails_everywhere(lambda: D.average_([x, z]), "different tensors", [x, z], "average_ shapes")
+    w = torch.ones(3).expand(2, 3) if rank == 1 else torch.ones(2, 3)
+    _fails_everywhere(lambda: D.average_([x, w]), r"rank 1.*tensor 1.*overlap", [x, w], "average_ expanded")
+    D.average_([x])  # still usable
+    assert torch.equal(x, torch.full((6,), 0.5))
+
+
+def test_a_failure_on_one_rank_fails_every_rank_with_nothing_changed(tmp_path):
+    _spawn(_body_reliability, 2, tmp_path)
