@@ -19,6 +19,16 @@ TOL = {
     ("polar_bf16", torch.float32): 4e-2,
     ("polar_bf16", torch.float16): 4e-2,
     ("polar_bf16", torch.bfloat16): 4e-2,
+    # gram (float64 Gram-space iteration): the result rounded to the input dtype (float32: ~2.5e-8
+    # measured, ×8 margin) plus the Gram matrix's conditioning: A₀ = X Xᵀ holds the small σ² to
+    # eps64·κ² relative, so the error grows as κ² (measured 2.5e-7…8.4e-7 at κ 1e5 flat tails, 10×
+    # below the allowance). Use `gram_tol(dtype, cond)`: targets for float32 ≤ 1e-6 at κ ≤ 1e4 and
+    # ≤ 1e-5 at κ 1e5 are met by the formula.
+    ("gram", torch.float64): 1e-11,
+    ("gram", torch.float32): 2e-7,
+    ("gram", torch.float16): 2e-3,
+    ("gram", torch.bfloat16): 1e-2,
+    ("gram_per_cond2", torch.float64): 4 * 2.0**-52,  # × κ², added to the row above
     ("update", torch.float64): 1e-12,
     ("update", torch.float32): 1e-6,
     ("update", torch.float16): 2e-3,
@@ -35,6 +45,11 @@ TOL = {
 }
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def gram_tol(dtype: torch.dtype, cond: float) -> float:
+    """Allowed relative error of method="gram" at condition number `cond` (see the TOL rows)."""
+    return TOL[("gram", dtype)] + TOL[("gram_per_cond2", torch.float64)] * cond**2
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
