@@ -193,7 +193,7 @@ setup(
         # the reference training loop (python -m isoloco_kernels.train): progress bars, plots, BPE
         "train": TRAIN_EXTRA,
         # the tests, the training-loop tests included
-        "test": ["pytest", "pytest-benchmark", 'triton; platform_system == "Linux"', *TRAIN_EXTRA],
+        "test": ["pytest", "pytest-benchmark", 'triton; platform_system == "Linux"', "torchft", *TRAIN_EXTRA],
         "cupy": ["cupy-cuda13x"],
     },
     ext_modules=[CMakeExtension("isoloco_kernels._C")] if TOOLS is not None else [],

@@ -1,14 +1,15 @@
 """IsoLoCo on DTensor params: FSDP2 (`fully_shard`) and tensor parallelism, gloo on 127.0.0.1.
 
-One spawned group of 2 ranks runs every check (spawning costs tens of seconds on a busy 2-core
-machine). The reference is single-process IsoLoCo on the same whole grads, on an unsharded copy of
-the same model.
+One spawned group of 2 ranks runs every check, torchft's DiLoCo end to end included (spawning
+costs tens of seconds on a busy 2-core machine); 4 ranks (HSDP 2×2, FSDP × TP 2×2) are opt-in. The
+reference is single-process IsoLoCo on the same whole grads, on an unsharded copy of the same model.
 """
 from __future__ import annotations
 
 import copy
 import os
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -333,6 +334,96 @@ def _check_fsdp_tp(mesh):
     _compare(mlp, ref, opt, ref_opt, "FSDP x TP 2x2")
 
 
+def _torchft_run(mesh, rank, world, make_outer, lighthouse_addr, store_port, sync_every=2, rounds=2):
+    """One replica group of `world` FSDP2 ranks trained by torchft's DiLoCo (Manager + lighthouse on
+    localhost); returns (model, outer optimizer, [(params, grads, params after) per outer step])."""
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    model, _ = _fsdp_llama(mesh, seed=7)
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    outer = make_outer(model.parameters())
+    seen = []
+    real_step = outer.step
+
+    def recording_step(*a, **k):  # the outer step's inputs and result, as whole tensors
+        before = [(p.full_tensor(), p.grad.full_tensor()) for p in model.parameters()]
+        out = real_step(*a, **k)
+        seen.append((before, [p.full_tensor() for p in model.parameters()]))
+        return out
+
+    outer.step = recording_step
+    timeout = timedelta(seconds=15)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, use_async_quorum=False,
+        load_state_dict=None, state_dict=None, replica_id="isoloco_ft_0", store_addr="127.0.0.1",
+        store_port=store_port, rank=rank, world_size=world, lighthouse_addr=lighthouse_addr, port=0,
+        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+    )
+    try:
+        with DiLoCo(manager, [model], inner, outer, sync_every=sync_every):
+            for step in range(sync_every * rounds):
+                g = torch.Generator().manual_seed(100 * step + rank)  # each FSDP rank its own batch
+                tokens = torch.randint(0, VOCAB, (2, 8), generator=g)
+                F.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
+                inner.step()
+                inner.zero_grad()
+    finally:
+        manager.shutdown(wait=False)
+    return model, outer, seen
+
+
+def _check_torchft(mesh, rank, world):
+    """torchft's own DiLoCo over an FSDP2 model with IsoLoCo as the outer optimizer: the outer steps
+    equal single-process IsoLoCo on the same whole params and pseudo-gradients; IsoLoCo(iso=False)
+    gives the run torch.optim.SGD(nesterov=True) gives."""
+    from torchft._torchft import LighthouseServer
+
+    if rank == 0:
+        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+        # one store per run: a new Manager must not find the previous one's address there
+        stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(3)]
+        info = [lighthouse.address(), [st.port for st in stores]]
+    else:
+        info = [None, None]
+    dist.broadcast_object_list(info, src=0)
+    addr, ports = info
+    runs = {}
+    try:
+        for (name, make), port in zip((
+            ("isoloco", lambda ps: IsoLoCo(ps, lr=1.8, momentum=0.8)),
+            ("iso_off", lambda ps: IsoLoCo(ps, lr=0.7, momentum=0.9, iso=False)),
+            ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)),
+        ), ports):
+            runs[name] = _torchft_run(mesh, rank, world, make, addr, port)
+            dist.barrier()
+    finally:
+        dist.barrier()
+        if rank == 0:
+            lighthouse.shutdown()
+    model, outer, seen = runs["isoloco"]
+    assert len(seen) == 2, f"torchft ran {len(seen)} outer steps, expected 2"
+    ref = [nn.Parameter(p.clone()) for p, _ in seen[0][0]]
+    ref_opt = IsoLoCo(ref, lr=1.8, momentum=0.8)
+    for k, (before, after) in enumerate(seen):
+        with torch.no_grad():
+            for r, (p, g) in zip(ref, before):
+                r.copy_(p)
+                r.grad = g.clone()
+        assert any(g.norm() > 0 for _, g in before), "torchft handed the outer step zero pseudo-gradients"
+        ref_opt.step()
+        for (name, _), r, a in zip(model.named_parameters(), ref, after):
+            e = rel_err(a, r)
+            assert e <= TOL_FP32, f"torchft outer step {k}: {name} differs from single-process IsoLoCo by {e:.3g}"
+    for p in model.parameters():
+        assert outer.state[p]["momentum_buffer"].placements == p.placements
+    (m_off, _, _), (m_sgd, _, _) = runs["iso_off"], runs["sgd"]
+    for (name, a), b in zip(m_off.named_parameters(), m_sgd.parameters()):
+        e = rel_err(a.to_local(), b.to_local())
+        assert e <= 1e-6, f"torchft: IsoLoCo(iso=False) vs SGD(nesterov=True): {name} differs by {e:.3g}"
+
+
 def _body_two_ranks(rank, world, tmpdir):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -345,6 +436,7 @@ def _body_two_ranks(rank, world, tmpdir):
     _check_dcp(mesh, rank, tmpdir)
     hsdp = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
     _check_general_mesh(hsdp, "HSDP 1x2 (general path)")
+    _check_torchft(mesh, rank, world)
 
 
 def _body_four_ranks(rank, world, tmpdir):
