@@ -42,6 +42,10 @@ The step, per parameter with a grad, on the param's own device mesh:
   general path, one `full_tensor()` per matrix, flatten on every rank, then the local shard through
   `distribute_tensor(..., src_data_rank=None)` (no communication). Correct, not batched.
 
+State: `state_dict()` holds DTensor momentum (torch.distributed.checkpoint saves and loads it). A
+plain IsoLoCo or torch.optim.SGD state dict (whole tensors, the same on every rank) loads too: each
+whole momentum buffer is resharded like its param on the next step, locally, values unchanged.
+
 All-or-nothing across ranks: every check (grads present and shaped like their params, dtypes,
 placements, NaN/Inf in the local grad or momentum shards, hyper-parameters) runs first and the ranks
 agree (one all-reduce of a per-rank failure flag vector and a layout fingerprint, per mesh
@@ -336,6 +340,13 @@ def _gather_entries(opt) -> list:
                             f"{pl.dim}, the torch.chunk layout gives {want} on mesh rank {me}"
                         )
             buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
+            if isinstance(buf, torch.Tensor) and not is_dtensor(buf) and buf.shape == p.shape:
+                # a whole-tensor momentum from a plain IsoLoCo / SGD state dict (loaded on every
+                # rank): resharded like its param, locally (no communication); same values
+                from torch.distributed.tensor import distribute_tensor
+
+                buf = distribute_tensor(buf.detach(), p.device_mesh, p.placements, src_data_rank=None)
+                opt.state[p]["momentum_buffer"] = buf
             if buf is not None and (
                 not is_dtensor(buf) or buf.shape != p.shape or tuple(buf.placements) != tuple(p.placements)
                 or buf.dtype not in SUPPORTED_DTYPES

@@ -277,6 +277,35 @@ def _check_dcp(mesh, rank, tmpdir):
         assert torch.equal(p.to_local(), p2.to_local()), f"DCP: {name} differs after resuming"
 
 
+def _check_plain_state_dict(mesh):
+    """A plain (single-process) IsoLoCo or SGD state dict loads into the DTensor optimizer, resharded."""
+    makers = {
+        "IsoLoCo": lambda ps: IsoLoCo(ps, lr=1.8, momentum=0.8),
+        "SGD": lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
+    }
+    for kind, make in makers.items():
+        model, ref = _fsdp_llama(mesh)
+        ref_opt = make(ref.parameters())
+        for s in range(2):
+            _set_grads(model, ref, s)  # the model's grads are unused: it only takes over the state
+            ref_opt.step()
+        with torch.no_grad():
+            for p, r in zip(model.parameters(), ref.parameters()):
+                p.to_local().copy_(_distribute_like(r, p).to_local())
+        opt = IsoLoCo(model.parameters(), lr=0.7, momentum=0.9, iso=False) if kind == "SGD" else make(model.parameters())
+        opt.load_state_dict(ref_opt.state_dict())
+        _set_grads(model, ref, 2)
+        opt.step()
+        ref_opt.step()
+        _compare(model, ref, opt, ref_opt, f"plain {kind} state dict, resharded")
+
+
+def _distribute_like(t, p):
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(t.detach(), p.device_mesh, p.placements, src_data_rank=None)
+
+
 def _check_refusals(mesh):
     from torch.distributed.tensor import DTensor, Partial
 
@@ -434,6 +463,7 @@ def _body_two_ranks(rank, world, tmpdir):
     _check_tp(mesh)
     _check_all_or_nothing(mesh, rank)
     _check_dcp(mesh, rank, tmpdir)
+    _check_plain_state_dict(mesh)
     hsdp = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
     _check_general_mesh(hsdp, "HSDP 1x2 (general path)")
     _check_torchft(mesh, rank, world)
