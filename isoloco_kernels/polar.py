@@ -267,7 +267,9 @@ def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", backend: str | None 
     polar_accuracy.md); the residual check sees singular values, not directions, and does not
     catch that. Use it only for well-conditioned updates.
     Matrices that fail the residual check are recomputed exactly, with a PolarFallbackWarning.
-    Non-finite s̄ (overflowing input) raises ValueError naming the matrix; x3 is then untouched.
+    Δ is scaled by a power of two near its largest entry for the scale s̄ (exact, Iso-C is
+    homogeneous), so finite input never overflows there; a result that does not fit x3's dtype
+    raises ResultOverflowError naming the matrix. Either way x3 is then untouched.
     """
     global _STATS
     if mode not in ("fp32", "bf16"):
@@ -280,22 +282,35 @@ def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", backend: str | None 
         gd = (torch.bfloat16,) * k + (cd,) * (len(COEFFS) - k)
     with _ieee_fp32_matmul(x3.is_cuda and cd == torch.float32):
         q, resid = polar_factor(x3, gemm_dtypes=gd, backend=backend)
-    out = x3.to(cd, copy=True)
-    sbar = torch.ops.isoloco.iso_scale_(out, q)
+    # Iso-C is homogeneous: s̄ = ⟨Δ, Q⟩ / r0 is formed on Δ / scale (a power of two near amax, so
+    # exact) and the result multiplied back: no overflow for any finite Δ whose result fits.
+    scale = pow2_scale(x3, cd)[:, None, None]
+    if x3.shape[-2] > x3.shape[-1]:
+        # Tall: q is the transpose of the iteration's contiguous [B, n, m] result. Run the
+        # epilogue on the transposed pair (⟨Δᵀ, Qᵀ⟩ = ⟨Δ, Q⟩, same r0), both contiguous, so no
+        # kernel reads q with stride m and the extension copies neither operand.
+        out_t = torch.empty(x3.shape[0], x3.shape[-1], x3.shape[-2], dtype=cd, device=x3.device)
+        out_t.copy_(x3.mT).div_(scale.mT)
+        sbar = torch.ops.isoloco.iso_scale_(out_t, q.mT)
+        out = out_t.mT
+    else:
+        out = x3.to(cd, copy=True).div_(scale)
+        sbar = torch.ops.isoloco.iso_scale_(out, q)
     flagged = (~(resid <= CHECK_TOL)).nonzero().flatten()  # NaN counts as failed
-    # Non-finite s̄ can only come from overflow in ⟨Δ, Q⟩ (inputs were checked finite).
+    # Non-finite s̄ can only come from a non-finite Δ here (inputs are checked finite by callers).
     bad = (~torch.isfinite(sbar)).nonzero().flatten()
     if bad.numel():
         i = int(bad[0])
         raise ValueError(
             f"iso_flatten_ (polar): matrix {i} gave a non-finite scale s̄ = {float(sbar[i])} "
-            f"(|Δ| up to {float(x3[i].abs().max())}: ⟨Δ, Q⟩ overflows {cd}, or Δ is not finite); "
-            f"nothing was written"
+            f"(|Δ| up to {float(x3[i].abs().max())}: Δ is not finite); nothing was written"
         )
     if flagged.numel():
-        sub = x3[flagged].clone()
+        sub = x3[flagged].to(cd).div_(scale[flagged])
         _exact_flatten(sub)
-        out[flagged] = sub.to(cd)
+        out[flagged] = sub
+    out.mul_(scale)
+    check_result_fits(out, x3.dtype, "iso_flatten_ (polar)")
     x3.copy_(out)
 
     idx = tuple(int(i) for i in flagged.tolist())

@@ -61,20 +61,54 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     st = lambda *names: {n: i32 for n in names}  # noqa: E731
     for dt in ("fp32", "bf16"):
         assert _compile_sm90(gram._gram_kernel, {"x_ptr": f"*{dt}", "a_ptr": f"*{dt}", **st("M", "K", "sxb", "sxm", "sxk", "sab", "sam", "san")},
-                             {"BLOCK_M": 64, "BLOCK_K": 32, "PRECISION": "ieee"}) > 0
+                             {"BLOCK_M": 64, "BLOCK_K": 32, "PRECISION": "ieee", "INT64": False}) > 0
         assert _compile_sm90(polar_step._poly_kernel, {"a_ptr": f"*{dt}", "out_ptr": f"*{dt}", "M": i32, "coef_b": "fp32", "coef_c": "fp32",
                                                        **st("sab", "sam", "san", "sob", "som", "son")},
-                             {"BLOCK_M": 64, "BLOCK_K": 32, "HAS_LINEAR": True, "PRECISION": "ieee"}) > 0
+                             {"BLOCK_M": 64, "BLOCK_K": 32, "HAS_LINEAR": True, "PRECISION": "ieee", "INT64": False}) > 0
         assert _compile_sm90(polar_step._step_kernel, {"x_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}", "M": i32, "N": i32, "coef_a": "fp32",
                                                        **st("sxb", "sxm", "sxn", "sbb", "sbm", "sbn", "sob", "som", "son")},
-                             {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "PRECISION": "ieee"}) > 0
+                             {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "PRECISION": "ieee", "INT64": False}) > 0
+    # one matrix of 2^31 elements or more: the 64-bit-offset variants build too
+    assert _compile_sm90(gram._gram_kernel, {"x_ptr": "*fp32", "a_ptr": "*fp32", **st("M", "K", "sxb", "sab", "sam", "san"),
+                                             "sxm": "i64", "sxk": i32},
+                         {"BLOCK_M": 64, "BLOCK_K": 32, "PRECISION": "ieee", "INT64": True}) > 0
+    assert _compile_sm90(polar_step._poly_kernel, {"a_ptr": "*fp32", "out_ptr": "*fp32", "M": i32, "coef_b": "fp32", "coef_c": "fp32",
+                                                   **st("sab", "sam", "san", "sob", "som", "son")},
+                         {"BLOCK_M": 64, "BLOCK_K": 32, "HAS_LINEAR": True, "PRECISION": "ieee", "INT64": True}) > 0
+    assert _compile_sm90(polar_step._step_kernel, {"x_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*fp32", "M": i32, "N": i32, "coef_a": "fp32",
+                                                   **st("sxb", "sxm", "sxn", "sbb", "sbm", "sbn", "sob", "som", "son")},
+                         {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "PRECISION": "ieee", "INT64": True}) > 0
     for dt, acc in (("bf16", "fp32"), ("fp64", "fp64")):
         strides = st("N", "NUMEL", "S", "sxb", "sxm", "sxn", "sqb", "sqm", "sqn")
         assert _compile_sm90(iso_scale._iso_dot_kernel, {"x_ptr": f"*{dt}", "q_ptr": "*fp32", "part_ptr": f"*{acc}", **strides},
                              {"BLOCK": 1024, "ACC_F64": acc == "fp64"}) > 0
         assert _compile_sm90(iso_scale._iso_write_kernel, {"x_ptr": f"*{dt}", "q_ptr": "*fp32", "part_ptr": f"*{acc}", "sbar_ptr": f"*{acc}",
-                                                           **strides, "inv_r0": "fp32"},
+                                                           **strides, "R0": i32},
                              {"BLOCK": 1024, "S_POW2": 256}) > 0
+
+
+@pytest.mark.skipif(INTERPRETER, reason="compiles real GPU code; the interpreter builds no kernels")
+def test_iso_scale_divides_by_integer_r0_in_float64_for_float64_input():
+    """A Python float argument is typed fp32 by Triton, so 1/min(m, n) passed as one put ~1e-8
+    relative error into a float64 s̄ (the interpreter hides it). r0 goes in as an integer and
+    the division happens in the accumulator dtype: the compiled kernel takes an i32 and divides
+    in f64."""
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from isoloco_kernels.triton import iso_scale
+
+    params = inspect.signature(iso_scale._iso_write_kernel.fn).parameters
+    assert "R0" in params and "inv_r0" not in params
+    sig = {"x_ptr": "*fp64", "q_ptr": "*fp32", "part_ptr": "*fp64", "sbar_ptr": "*fp64",
+           **{k: "i32" for k in ("N", "NUMEL", "S", "R0", "sxb", "sxm", "sxn", "sqb", "sqm", "sqn")},
+           "BLOCK": "constexpr", "S_POW2": "constexpr"}
+    src = ASTSource(fn=iso_scale._iso_write_kernel, signature=sig, constexprs={"BLOCK": 1024, "S_POW2": 256})
+    ttir = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ttir"]
+    assert re.search(r"arith\.divf .*: f64", ttir), ttir
+    assert re.search(r"arith\.sitofp .*i32 to f64", ttir), ttir
 
 
 needs_kernels = pytest.mark.skipif(
@@ -247,3 +281,26 @@ def test_cuda_polar_flatten_triton_vs_cublas(dtype):
         polar.flatten_polar_(y, backend=backend)
         assert rel_err(y, ref) <= TOL[("polar", dtype)]
     assert rel_err(ik.iso_flatten(xc, method="auto"), ref) <= TOL[("polar", dtype)]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (launches on cuda:1 under its own device guard)")
+def test_kernels_on_the_second_gpu():
+    """Triton launches on the current device: every wrapper must make the tensors' device current."""
+    from isoloco_kernels.triton import gram, iso_scale, nesterov, polar_step
+
+    dev = torch.device("cuda:1")
+    torch.cuda.set_device(0)
+    x = _x((2, 24, 40), torch.float32, dev, 81)
+    assert rel_err(gram.gram(x), x @ x.mT) < GEMM_TOL[torch.float32]
+    a = x @ x.mT
+    assert rel_err(polar_step.poly(a, 0.5, 0.25), 0.5 * a + 0.25 * a @ a) < GEMM_TOL[torch.float32]
+    q = polar_ref(x.double())[0].float().to(dev)
+    y = x.clone()
+    iso_scale.iso_scale_triton(y, q)
+    assert rel_err(y, iso_flatten_ref(x.double())) < TOL[("polar", torch.float32)]
+    ps = [torch.zeros(5, device=dev), torch.zeros(3, device="cuda:0")]
+    bs = [torch.zeros_like(p) for p in ps]
+    us = [torch.ones_like(p) for p in ps]
+    nesterov.nesterov_outer_triton(ps, bs, us, 0.5, 0.0, None)  # one launch per device
+    torch.cuda.synchronize(dev)
+    assert all(torch.equal(p, torch.full_like(p, -0.5)) for p in ps)

@@ -35,3 +35,36 @@ def usable_for(x) -> bool:
     if not AVAILABLE:
         return False
     return x.device.type == "cpu" if interpreted() else x.is_cuda
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch helpers every kernel wrapper uses
+
+#: CUDA caps grid axes 1 and 2 at 65535 blocks; batches on those axes are launched in chunks.
+MAX_GRID_YZ = 65535
+
+
+def on_device(t):
+    """Launch under t's device: Triton launches on the current CUDA device and its current
+    stream, so tensors on cuda:1 need cuda:1 current (no-op for CPU tensors, the interpreter)."""
+    import contextlib
+
+    import torch
+
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def batch_chunks(nb: int, limit: int = MAX_GRID_YZ):
+    """[b0, b1) ranges of at most `limit` matrices covering a batch of nb."""
+    for b0 in range(0, nb, limit):
+        yield b0, min(nb, b0 + limit)
+
+
+def needs_int64(*tensors) -> bool:
+    """Whether an offset inside one matrix (the last two dims, any strides) can reach 2^31: then
+    kernels must form their in-matrix offsets in 64 bits (batch offsets always are)."""
+    for t in tensors:
+        extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape[-2:], t.stride()[-2:]) if s > 0)
+        if extent >= 2**31:
+            return True
+    return False

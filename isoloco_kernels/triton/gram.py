@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import batch_chunks, needs_int64, on_device
+
 
 @triton.jit
 def _lower_tile(pid):
@@ -26,14 +28,17 @@ def _lower_tile(pid):
 def _gram_kernel(
     x_ptr, a_ptr, M, K,
     sxb, sxm, sxk, sab, sam, san,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, INT64: tl.constexpr = False,
 ):
-    """a[b, I, J] = Σ_k x[b, I, k]·x[b, J, k] for tile (I, J) below the diagonal, mirrored."""
+    """a[b, I, J] = Σ_k x[b, I, k]·x[b, J, k] for tile (I, J) below the diagonal, mirrored.
+    INT64: in-matrix offsets in 64 bits (one matrix reaching 2^31 elements)."""
     ti, tj = _lower_tile(tl.program_id(0))
     bid = tl.program_id(1).to(tl.int64)
     rm = ti * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tj * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
+    if INT64:
+        rm, rn, rk = rm.to(tl.int64), rn.to(tl.int64), rk.to(tl.int64)
     x = x_ptr + bid * sxb
     acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -62,9 +67,12 @@ def gram(x: torch.Tensor, *, block_m: int = 64, block_k: int = 32, tf32: bool = 
     a = torch.empty(nb, m, m, device=x.device, dtype=x.dtype)
     if a.numel() == 0:
         return a
-    grid = (num_lower_tiles(m, block_m), nb)
-    _gram_kernel[grid](
-        x, a, m, k, *x.stride(), *a.stride(),
-        BLOCK_M=block_m, BLOCK_K=block_k, PRECISION="tf32" if tf32 else "ieee",
-    )
+    big = needs_int64(x, a)
+    with on_device(x):
+        for b0, b1 in batch_chunks(nb):  # the batch rides grid axis 1 (at most 65535)
+            xs, as_ = x[b0:b1], a[b0:b1]
+            _gram_kernel[(num_lower_tiles(m, block_m), b1 - b0)](
+                xs, as_, m, k, *xs.stride(), *as_.stride(),
+                BLOCK_M=block_m, BLOCK_K=block_k, PRECISION="tf32" if tf32 else "ieee", INT64=big,
+            )
     return a

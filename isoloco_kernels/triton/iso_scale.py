@@ -3,20 +3,25 @@
 Q = U_r V_rᵀ is the polar factor of Δ, so ⟨Δ, Q⟩ = Σσ (the nuclear norm) and s̄·Q is the Iso-C
 merge iso(Δ) (Marczak et al., 2025; the identity is what makes a matmul-only flatten possible).
 
-    _iso_dot_kernel:   program (s, b) sums Δ·Q over the chunks s, s + S, s + 2S, … of matrix b
+    _iso_dot_kernel:   program (b, s) sums Δ·Q over the chunks s, s + S, s + 2S, … of matrix b
                        into partial[b, s] (fixed order: deterministic, no atomics).
-    _iso_write_kernel: program (s, b) adds matrix b's S partials (S ≤ 1024, one vector load),
-                       scales by 1 / min(m, n), writes s̄·Q over the same chunks; program 0 stores s̄.
+    _iso_write_kernel: program (b, s) adds matrix b's S partials (S ≤ 1024, one vector load),
+                       divides by r0 = min(m, n) in the accumulator dtype, writes s̄·Q over the same chunks; program 0 stores s̄.
 
 Δ is read in full by the first kernel before the second writes it, so the op never mixes old and
 new values. Accumulation in float64 for float64 Δ (ACC_F64), else float32, as iso_scale_ specifies.
-Any strides: the flat index inside a matrix is split into (row, column).
+Any strides: the flat index inside a matrix is split into (row, column), in 64 bits, so one
+matrix may exceed 2^31 elements. The batch runs on grid axis 0 (2^31 − 1 blocks, not 65535).
+r0 is passed as an integer: a Python float argument would be typed fp32 and put ~1e-8 relative
+error into a float64 s̄.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from . import on_device
 
 
 @triton.jit
@@ -25,12 +30,12 @@ def _iso_dot_kernel(
     sxb, sxm, sxn, sqb, sqm, sqn,
     BLOCK: tl.constexpr, ACC_F64: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    bid = tl.program_id(1).to(tl.int64)
+    bid = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1)
     acc_t = tl.float64 if ACC_F64 else tl.float32
     acc = tl.zeros((BLOCK,), dtype=acc_t)
     for start in range(pid * BLOCK, NUMEL, S * BLOCK):
-        idx = start + tl.arange(0, BLOCK)
+        idx = start + tl.arange(0, BLOCK).to(tl.int64)
         ok = idx < NUMEL
         row, col = idx // N, idx % N
         xv = tl.load(x_ptr + bid * sxb + row * sxm + col * sxn, mask=ok, other=0.0)
@@ -41,19 +46,20 @@ def _iso_dot_kernel(
 
 @triton.jit
 def _iso_write_kernel(
-    x_ptr, q_ptr, part_ptr, sbar_ptr, N, NUMEL, S, inv_r0,
+    x_ptr, q_ptr, part_ptr, sbar_ptr, N, NUMEL, S, R0,
     sxb, sxm, sxn, sqb, sqm, sqn,
     BLOCK: tl.constexpr, S_POW2: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    bid = tl.program_id(1).to(tl.int64)
+    bid = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1)
     rs = tl.arange(0, S_POW2)
     parts = tl.load(part_ptr + bid * S + rs, mask=rs < S, other=0.0)
-    sbar = tl.sum(parts, axis=0) * inv_r0
+    total = tl.sum(parts, axis=0)
+    sbar = total / R0.to(total.dtype)  # in the accumulator dtype (float64 for float64 x)
     if pid == 0:
         tl.store(sbar_ptr + bid, sbar)
     for start in range(pid * BLOCK, NUMEL, S * BLOCK):
-        idx = start + tl.arange(0, BLOCK)
+        idx = start + tl.arange(0, BLOCK).to(tl.int64)
         ok = idx < NUMEL
         row, col = idx // N, idx % N
         qv = tl.load(q_ptr + bid * sqb + row * sqm + col * sqn, mask=ok, other=0.0)
@@ -76,9 +82,10 @@ def iso_scale_triton(x: torch.Tensor, q: torch.Tensor, *, block: int = 1024, max
         return sbar.reshape(x.shape[:-2])
     splits = max(1, min(max_splits, triton.cdiv(numel, block)))
     part = torch.empty(nb, splits, device=x.device, dtype=acc)
-    grid = (splits, nb)
-    _iso_dot_kernel[grid](x3, q3, part, n, numel, splits, *x3.stride(), *q3.stride(),
-                          BLOCK=block, ACC_F64=acc == torch.float64)
-    _iso_write_kernel[grid](x3, q3, part, sbar, n, numel, splits, 1.0 / min(m, n), *x3.stride(), *q3.stride(),
-                            BLOCK=block, S_POW2=triton.next_power_of_2(splits))
+    grid = (nb, splits)  # the batch on axis 0: no 65535 cap
+    with on_device(x3):
+        _iso_dot_kernel[grid](x3, q3, part, n, numel, splits, *x3.stride(), *q3.stride(),
+                              BLOCK=block, ACC_F64=acc == torch.float64)
+        _iso_write_kernel[grid](x3, q3, part, sbar, n, numel, splits, min(m, n), *x3.stride(), *q3.stride(),
+                                BLOCK=block, S_POW2=triton.next_power_of_2(splits))
     return sbar.reshape(x.shape[:-2])

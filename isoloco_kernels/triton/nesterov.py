@@ -23,6 +23,7 @@ Triton interpreter switched on.
 """
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections import OrderedDict
 
@@ -140,6 +141,13 @@ def _launch(params, bufs, updates, scale_index, lr, momentum, scales, block, num
     device = p0.device
     table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
     bmap = _block_map(blocks, device)
+    # Triton launches on the current CUDA device and stream: make them the tensors' own
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        _launch_kernel(table, bmap, scales, p0, b0, u0, cdt, aligned, first, block, num_warps)
+
+
+def _launch_kernel(table, bmap, scales, p0, b0, u0, cdt, aligned, first, block, num_warps) -> None:
     _nesterov_outer_kernel[(first,)](
         table,
         bmap,
@@ -166,7 +174,8 @@ def nesterov_outer_triton(
     block: int = BLOCK,
     num_warps: int = NUM_WARPS,
 ) -> None:
-    """The update over every tensor: one kernel launch per (param, buf, update) dtype triple.
+    """The update over every tensor: one kernel launch per device and (param, buf, update)
+    dtype triple, each under its device (a list may span GPUs).
 
     params and bufs must be contiguous (checked); updates need not be (copied if not). Empty
     tensors are skipped. `block` (a power of two) is the elements per program.
@@ -178,8 +187,12 @@ def nesterov_outer_triton(
         if not (p.is_contiguous() and b.is_contiguous()):
             raise ValueError(f"nesterov_outer_triton: param and buf {i} must be contiguous")
         if p.numel():
-            groups.setdefault((p.dtype, b.dtype, u.dtype), []).append(i)
-    for idx in groups.values():
+            if not (p.device == b.device == u.device):
+                raise ValueError(f"nesterov_outer_triton: param, buf and update {i} are on different devices")
+            groups.setdefault((p.device, p.dtype, b.dtype, u.dtype), []).append(i)
+    for (device, *_), idx in groups.items():
+        if scales is not None and scales.device != device:
+            raise ValueError(f"nesterov_outer_triton: scales are on {scales.device}, tensors on {device}")
         _launch(
             [params[i] for i in idx],
             [bufs[i] for i in idx],

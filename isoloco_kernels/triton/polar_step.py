@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import batch_chunks, needs_int64, on_device
 from .gram import _lower_tile, gram as _gram, num_lower_tiles
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -26,6 +27,7 @@ def _poly_kernel(
     a_ptr, out_ptr, M, coef_b, coef_c,
     sab, sam, san, sob, som, son,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LINEAR: tl.constexpr, PRECISION: tl.constexpr,
+    INT64: tl.constexpr = False,
 ):
     """out[b, I, J] = coef_b·A[I, J] + coef_c·Σ_k A[I, k]·A[k, J] on lower tiles, mirrored."""
     ti, tj = _lower_tile(tl.program_id(0))
@@ -33,6 +35,8 @@ def _poly_kernel(
     rm = ti * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tj * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
+    if INT64:  # one matrix reaching 2^31 elements: 64-bit in-matrix offsets
+        rm, rn, rk = rm.to(tl.int64), rn.to(tl.int64), rk.to(tl.int64)
     a = a_ptr + bid * sab
     acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, M, BLOCK_K):
@@ -57,6 +61,7 @@ def _step_kernel(
     x_ptr, b_ptr, out_ptr, M, N, coef_a,
     sxb, sxm, sxn, sbb, sbm, sbn, sob, som, son,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    INT64: tl.constexpr = False,
 ):
     """out[b, I, J] = coef_a·X[I, J] + Σ_k B[I, k]·X[k, J]."""
     pid_m = tl.program_id(0)
@@ -65,6 +70,8 @@ def _step_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    if INT64:  # one matrix reaching 2^31 elements: 64-bit in-matrix offsets
+        rm, rn, rk = rm.to(tl.int64), rn.to(tl.int64), rk.to(tl.int64)
     x = x_ptr + bid * sxb
     bm = b_ptr + bid * sbb
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -92,10 +99,15 @@ def poly(a: torch.Tensor, coef_b: float, coef_c: float, *, block_m: int = 64, bl
     out = torch.empty(a.shape, device=a.device, dtype=a.dtype)
     if out.numel() == 0:
         return out
-    _poly_kernel[(num_lower_tiles(m, block_m), nb)](
-        a, out, m, float(coef_b), float(coef_c), *a.stride(), *out.stride(),
-        BLOCK_M=block_m, BLOCK_K=block_k, HAS_LINEAR=coef_b != 0, PRECISION="tf32" if tf32 else "ieee",
-    )
+    big = needs_int64(a, out)
+    with on_device(a):
+        for b0, b1 in batch_chunks(nb):  # the batch rides grid axis 1 (at most 65535)
+            ai, oi = a[b0:b1], out[b0:b1]
+            _poly_kernel[(num_lower_tiles(m, block_m), b1 - b0)](
+                ai, oi, m, float(coef_b), float(coef_c), *ai.stride(), *oi.stride(),
+                BLOCK_M=block_m, BLOCK_K=block_k, HAS_LINEAR=coef_b != 0, PRECISION="tf32" if tf32 else "ieee",
+                INT64=big,
+            )
     return out
 
 
@@ -110,11 +122,16 @@ def axpy_matmul(x: torch.Tensor, b: torch.Tensor, coef_a: float, *, block_m: int
     out = torch.empty(nb, m, n, device=x.device, dtype=x.dtype)
     if out.numel() == 0:
         return out
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), nb)
-    _step_kernel[grid](
-        x, b, out, m, n, float(coef_a), *x.stride(), *b.stride(), *out.stride(),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32" if tf32 else "ieee",
-    )
+    big = needs_int64(x, b, out)
+    with on_device(x):
+        for b0, b1 in batch_chunks(nb):  # the batch rides grid axis 2 (at most 65535)
+            xi, bi, oi = x[b0:b1], b[b0:b1], out[b0:b1]
+            grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), b1 - b0)
+            _step_kernel[grid](
+                xi, bi, oi, m, n, float(coef_a), *xi.stride(), *bi.stride(), *oi.stride(),
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32" if tf32 else "ieee",
+                INT64=big,
+            )
     return out
 
 
