@@ -1,13 +1,19 @@
-"""The reference training loop: DDP vs DiLoCo vs IsoLoCo on a small byte-level language model.
+"""The reference training loop: DDP vs DiLoCo vs IsoLoCo on a small decoder-only language model.
 
 Run `python -m isoloco_kernels.train --help`. The pieces are importable for other loops:
-`ByteLM` (model.py), `load_corpus` (data.py), `TrainConfig`, `Setup`, `run_mode`, `Comm` (loop.py).
+`ByteLM` (model.py), `load_corpus` (data.py), `tokenize` (tokenizer.py: BPE, optional `tokenizers`),
+`TrainConfig`, `Setup`, `run_mode`, `Comm` (loop.py), `DivergenceMeter` (divergence.py),
+`load_pseudo_gradients` (capture.py).
 """
+from .capture import load_pseudo_gradients
 from .data import Corpus, load_corpus
-from .loop import MODES, OUTER_DEFAULTS, Comm, Setup, TrainConfig, run_mode
-from .model import PRESETS, ByteLM, ModelConfig
+from .divergence import DivergenceMeter
+from .loop import DEFAULT_MODES, MODES, OUTER_DEFAULTS, Comm, Setup, TrainConfig, run_mode
+from .model import INITS, PRESETS, ByteLM, ModelConfig
+from .tokenizer import tokenize
 
 __all__ = [
-    "MODES", "OUTER_DEFAULTS", "PRESETS", "ByteLM", "Comm", "Corpus", "ModelConfig", "Setup",
-    "TrainConfig", "load_corpus", "run_mode",
+    "DEFAULT_MODES", "INITS", "MODES", "OUTER_DEFAULTS", "PRESETS", "ByteLM", "Comm", "Corpus",
+    "DivergenceMeter", "ModelConfig", "Setup", "TrainConfig", "load_corpus", "load_pseudo_gradients",
+    "run_mode", "tokenize",
 ]
