@@ -22,10 +22,12 @@ Work models (what "TFLOP/s" and "GB/s" count; per matrix, k = long side, r = sho
   eigh     4·k·r² + 11·r³   Gram A·Aᵀ and Q = (V Σ⁻¹ Vᵀ)·A (2kr² each), symmetric eigensolver
                             with vectors (~9r³), V Σ⁻¹ Vᵀ (2r³)
   polar    s·(4·k·r² + 2·r³) per step: A = X·Xᵀ, A², (bA + cA²)·X, s steps
+  gram     4·k·r² + (8·T + 2)·r³ in fp64: A₀ = X·Xᵀ and Q = Y·X, then T steps on r×r matrices
+           (isoloco_kernels.gram.gram_flops)
   bytes    compulsory traffic only: a flatten reads Δ and writes the result (2 × its size); a
            Nesterov step reads p, buf, u and writes p, buf (5 × the params' size).
 The roofline time of a case is max(Σ flops / matmul ceiling of the dtype the GEMMs run in (svd in
-the compute dtype, eigh in fp64, polar_bf16 in bf16 but its last steps), bytes / copy bandwidth);
+the compute dtype, eigh and gram in fp64, polar_bf16 in bf16 but its last steps), bytes / copy bandwidth);
 "frac_roofline" is that time over the measured median, "frac_matmul" and "frac_copy" the two
 bounds alone over the median.
 """
@@ -267,6 +269,10 @@ def flatten_work(resolved: Sequence[str], shapes, dtype: str) -> dict[str, float
             out[cd] = out.get(cd, 0.0) + b * svd_flops(k, s)
         elif r == "eigh":
             out["fp64"] = out.get("fp64", 0.0) + b * eigh_flops(k, s)
+        elif r == "gram":
+            from isoloco_kernels import gram
+
+            out["fp64"] = out.get("fp64", 0.0) + b * gram.gram_flops(k, s)
         elif r in ("polar", "polar_bf16"):
             sched = polar_schedule(r)
             if sched is None:

@@ -160,7 +160,8 @@ def markdown(run) -> list[str]:
                   "× svd-loop: the per-matrix torch.linalg.svd loop's median over this one's (same run). "
                   "Error: relative Frobenius vs reference.py (float64) on the sample given in the JSON. "
                   "% roofline: max(modelled flops / matmul ceiling, compulsory bytes / copy bandwidth) "
-                  "over the median (models: bench/harness.py).", ""]
+                  "over the median (models: bench/harness.py). Fallbacks: matrices polar sent on "
+                  "(to gram) / matrices gram sent to the SVD, out of all flattened, in the untimed call.", ""]
         rows = []
         for c in sorted(fl, key=lambda c: (c["device"], c.get("n_elements", 0), c["dtype"], c["median_s"])):
             base = _find(fl, device=c["device"], set=c["set"], impl="svd-loop", dtype="fp32")
@@ -171,9 +172,9 @@ def markdown(run) -> list[str]:
                          _fmt_t(c["median_s"]), _fmt(ratio, ".3g"), _fmt(c.get("err_rel_fro"), ".2g"),
                          _fmt(c.get("TFLOPs"), ".3g"), _fmt(c.get("GBps"), ".3g"),
                          _fmt(c.get("frac_roofline"), pct=True),
-                         "–" if mem is None else f"{mem / 2**20:.0f}", c["rounds"]))
+                         "–" if mem is None else f"{mem / 2**20:.0f}", _fallbacks(c), c["rounds"]))
         lines += _md_table(["device", "set", "dtype", "impl", "median", "× svd-loop", "error", "TFLOP/s",
-                            "GB/s", "% roofline", "peak extra MiB", "rounds"], rows) + [""]
+                            "GB/s", "% roofline", "peak extra MiB", "fallbacks", "rounds"], rows) + [""]
 
     ne = [c for c in cases if c["kind"] == "nesterov"]
     if ne:
@@ -206,6 +207,15 @@ def markdown(run) -> list[str]:
         lines += _md_table(["device", "set", "impl", "median", "× svd-loop+sgd", "time / DiLoCo step",
                             "error", "rounds"], rows) + [""]
     return lines
+
+
+def _fallbacks(c) -> str:
+    """"p / g" from the case's polar_fallbacks / gram_fallbacks strings ("–" where not recorded)."""
+    parts = []
+    for key in ("polar_fallbacks", "gram_fallbacks"):
+        v = c.get(key)
+        parts.append(v.split(" matrices")[0].replace(" of ", "/") if v else "–")
+    return "–" if parts == ["–", "–"] else " · ".join(parts)
 
 
 def plot(run, out_png: str) -> None:

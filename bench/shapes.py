@@ -82,7 +82,7 @@ def bucket_shapes(shapes) -> list[tuple[int, int, int]]:
 
 
 # The model sizes every benchmark runs over. "ref-tiny" is the size of the reference training
-# loop's byte-level CPU model; the llama-* sets follow the published configs' hidden / layers / ffn /
+# loop's byte-level CPU model; "wide-vocab" is synthetic (see its note); the llama-* sets follow the published configs' hidden / layers / ffn /
 # vocab, with full-size k and v (no grouped-query attention) and untied embeddings.
 SETS: dict[str, ModelSpec] = {
     s.name: s
@@ -91,6 +91,10 @@ SETS: dict[str, ModelSpec] = {
         ModelSpec("llama-tiny", vocab=4096, hidden=256, layers=4, ffn=688),
         ModelSpec("llama-178m", vocab=32000, hidden=1024, layers=9, ffn=2688),
         ModelSpec("llama-1b", vocab=128256, hidden=2048, layers=16, ffn=8192),
+        # Embedding-dominated: a large vocabulary over a small hidden size, so most elements sit in
+        # 32000 × 256 buckets (aspect 125): the wide case the Gram-space flatten is for.
+        ModelSpec("wide-vocab", vocab=32000, hidden=256, layers=1, ffn=1024,
+                  note="synthetic: large vocabulary, small hidden size (wide buckets)"),
     )
 }
 

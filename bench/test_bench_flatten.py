@@ -6,6 +6,8 @@ One case = (implementation, bucket set, device, dtype). Implementations:
   svd-batched  one batched torch.linalg.svd per bucket, same formula
   <method>     isoloco_kernels.iso_merge_(buckets, method=<method>) for every method in
                isoloco_kernels.flatten.METHODS ("auto" last), so new methods join automatically
+               ("gram": the float64 Gram-space iteration; its fallback count is recorded as
+               gram_fallbacks, polar's as polar_fallbacks)
 Each case records in extra_info its error against reference.iso_flatten_ref (float64), its work
 and compulsory bytes (models in bench/harness.py), the achieved rates, the fraction of this
 machine's ceilings, and the peak extra memory of one call.
@@ -144,17 +146,22 @@ def test_flatten(benchmark, impl, set_name, device, dtype, bench_seconds, ceilin
             w.copy_(s)
 
     # One untimed call: warm-up, first time, peak extra memory, and the output for the error.
-    # The polar methods recompute matrices that fail their accuracy check exactly: count them.
-    uses_polar = any(r.startswith("polar") for r in resolved)
-    if uses_polar:
-        from isoloco_kernels import polar
+    # The polar methods send matrices that fail their accuracy check to gram, and gram sends its
+    # own to the SVD: count both.
+    from isoloco_kernels import gram, polar
 
-        polar.reset_stats()
+    uses_polar = any(r.startswith("polar") for r in resolved)
+    uses_iter = uses_polar or "gram" in resolved
+    polar.reset_stats()
+    gram.reset_stats()
     first_s, mem = harness.peak_extra_memory(target, device)
-    polar_fallbacks = None
+    polar_fallbacks = gram_fallbacks = None
     if uses_polar:
         st = polar.last_stats()
-        polar_fallbacks = f"{st.recomputed} of {st.matrices} matrices recomputed exactly"
+        polar_fallbacks = f"{st.recomputed} of {st.matrices} matrices recomputed (by gram)"
+    if uses_iter:
+        st = gram.last_stats()
+        gram_fallbacks = f"{st.recomputed} of {st.matrices} matrices recomputed by SVD"
     ref = _reference(entry)
     outs = [work[j][:take] for j, take in ref["picks"]]
     err, err_max = harness.rel_fro(outs, ref["refs"])
@@ -187,6 +194,7 @@ def test_flatten(benchmark, impl, set_name, device, dtype, bench_seconds, ceilin
         flops=flops,
         bytes=nbytes,
         polar_fallbacks=polar_fallbacks,
+        gram_fallbacks=gram_fallbacks,
         first_call_s=first_s,
         **mem,
         **roof,

@@ -78,14 +78,14 @@ def _fp64_rate(device: torch.device) -> float:
 
 def gram_beats_polar(m: int, n: int, fp64_rate: float) -> bool:
     """Whether "gram" is modelled faster than "polar" for an m×n matrix on a device whose float64
-    GEMM rate is `fp64_rate` × its float32 rate: r = short side, k = long side, float64 work
-    4kr² + 4·(T+1)·r³ (A₀ and Q = Y·X; T steps of two r³ products for p and Y plus two for p·A·p,
-    and the σ_max bound) against float32 T'·(4kr² + 2r³) for polar. At rate 1 (A100/H100/H200) gram
-    wins from k ≳ 1.2r (3.5× at k = 8r; polar is 12 % cheaper on square matrices); at rate 0.5 from k ≳ 3.4r."""
+    GEMM rate is `fp64_rate` × its float32 rate (r = short side, k = long side): gram's float64
+    FLOPs `gram.gram_flops` = 4kr² + (8T + 2)·r³ (T = 15) over the rate against polar's float32
+    T'·(4kr² + 2r³) (T' = 10). At rate 1 (A100/H100/H200) gram wins from k ≈ 2.9r (2.2× at
+    k = 8r; 2.1× polar's time on square ones); at rate 0.5 from k ≈ 7r."""
     if fp64_rate <= 0:
         return False
     r, k = min(m, n), max(m, n)
-    t_gram = (4.0 * k * r * r + 4.0 * (gram.STEPS + 1) * r**3) / fp64_rate
+    t_gram = gram.gram_flops(k, r) / fp64_rate
     t_polar = polar.STEPS * (4.0 * k * r * r + 2.0 * r**3)
     return t_gram <= t_polar
 

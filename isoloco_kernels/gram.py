@@ -116,7 +116,15 @@ def reset_stats() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Sizes
+# Sizes and work
+
+
+def gram_flops(k: int, r: int, steps: int = STEPS) -> float:
+    """float64 FLOPs of one r×k matrix (r ≤ k): A₀ = X·Xᵀ and Q = Y·X (2kr² each), the σ_max
+    bound (two r³ products), every step but the last A², p·Y, p·A and (p·A)·p (four), the last
+    A² and p·Y (two), and Y·Ã₀ for the scale and the check (one); 2r³ FLOPs per product."""
+    return 4.0 * k * r * r + (8.0 * steps + 2.0) * r**3
+
 
 
 def _plan(b: int, m: int, n: int, itemsize: int, budget: int | None) -> tuple[int, int]:

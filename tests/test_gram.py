@@ -324,10 +324,10 @@ def test_method_gram_everywhere():
 
 def test_auto_rule():
     # the modelled cost rule (flatten.gram_beats_polar): equal float64/float32 rates (A100, H100,
-    # H200) → gram from ~1.2× wider than tall; half rate → from ~3.4×; no float64 unit → never
-    assert not flatten.gram_beats_polar(1024, 1024, 1.0)
-    assert flatten.gram_beats_polar(1024, 1280, 1.0) and flatten.gram_beats_polar(32000, 1024, 1.0)
-    assert not flatten.gram_beats_polar(1024, 2048, 0.5) and flatten.gram_beats_polar(1024, 4096, 0.5)
+    # H200) → gram from ~2.9× wider than tall; half rate → from ~7×; no float64 unit → never
+    assert not flatten.gram_beats_polar(1024, 1024, 1.0) and not flatten.gram_beats_polar(1024, 2048, 1.0)
+    assert flatten.gram_beats_polar(1024, 4096, 1.0) and flatten.gram_beats_polar(32000, 1024, 1.0)
+    assert not flatten.gram_beats_polar(1024, 4096, 0.5) and flatten.gram_beats_polar(1024, 8192, 0.5)
     assert not flatten.gram_beats_polar(128, 128256, 0.0)
     assert flatten.FP64_RATE[(9, 0)] == 1.0 and (8, 9) not in flatten.FP64_RATE
     # on the CPU auto stays an exact LAPACK method
