@@ -332,6 +332,36 @@ def plots_v2(v2: dict, recs: list[dict], folder: Path) -> None:
     fig.tight_layout()
     fig.savefig(folder / "study_v2.png", dpi=100)
     plt.close(fig)
+    # the gap against the divergence: one point per (cell, seed)
+    pts = []
+    for c in cells:
+        d, i = c["methods"].get("diloco"), c["methods"].get("isoloco")
+        if not d or not i:
+            continue
+        runs = {(r["mode"], r["seed"]): r for r in recs if r.get("study") == "v2" and (
+            r["init"], r["vocab"], r["workers"], r["inner_steps"]) == (c["init"], c["vocab"], c["workers"], c["inner_steps"])}
+        for seed in sorted(set(d["seeds"]) & set(i["seeds"])):
+            rd, ri = runs.get(("diloco", seed)), runs.get(("isoloco", seed))
+            if rd and ri and rd["final_loss"] is not None and ri["final_loss"] is not None:
+                pts.append((c, _round_mean(rd, "shrinkage", "all"), _round_mean(rd, "cosine", "all"),
+                            ri["final_loss"] - rd["final_loss"]))
+    if pts:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for ax, j, xl in ((axes[0], 1, "DiLoCo run: shrinkage, mean over rounds"),
+                          (axes[1], 2, "DiLoCo run: mean pairwise cosine, mean over rounds")):
+            for c, *vals in pts:
+                lab = f"{c['init']}, vocab {c['vocab']}, K {c['workers']}, H {c['inner_steps']}"
+                ax.scatter(vals[j - 1], vals[2], label=lab)
+            handles, labels = ax.get_legend_handles_labels()
+            uniq = dict(zip(labels, handles))
+            ax.legend(uniq.values(), uniq.keys(), fontsize=8)
+            ax.set_xlabel(xl)
+            ax.set_ylabel("IsoLoCo − DiLoCo final loss (nats/byte), per seed")
+            ax.axhline(0, color="k", lw=0.5)
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(folder / "study_v2_gap.png", dpi=100)
+        plt.close(fig)
 
 
 def main() -> None:
