@@ -171,8 +171,10 @@ def nesterov_outer_(params, bufs, updates, lr: float, momentum: float, scales=No
             f"nesterov_outer_: params, bufs and updates must have one entry each per tensor, got "
             f"{len(params)}, {len(bufs)} and {len(updates)}"
         )
-    if math.isnan(lr) or math.isnan(momentum):
-        raise ValueError(f"nesterov_outer_: lr and momentum must be numbers, got lr={lr}, momentum={momentum}")
+    if not (math.isfinite(lr) and math.isfinite(momentum)):
+        raise ValueError(
+            f"nesterov_outer_: lr and momentum must be finite numbers, got lr={lr}, momentum={momentum}"
+        )
     if not params:
         return
     dev = params[0].device
@@ -199,6 +201,10 @@ def nesterov_outer_(params, bufs, updates, lr: float, momentum: float, scales=No
         if not scales.is_floating_point():
             raise TypeError(f"nesterov_outer_: scales must be floating point, got {scales.dtype}")
 
+    from ._validate import check_writable  # the check every backend shares (ops.check_nesterov_written)
+
+    check_writable([*params, *bufs], [f"nesterov_outer_: param {i}" for i in range(len(params))]
+                   + [f"nesterov_outer_: buf {i}" for i in range(len(bufs))])
     groups: dict[tuple, list[int]] = {}
     work = {}
     for i, (p, b, u) in enumerate(zip(params, bufs, updates)):

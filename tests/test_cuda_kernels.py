@@ -286,3 +286,21 @@ def test_nesterov_bad_input_changes_nothing(backend):
     with pytest.raises((TypeError, RuntimeError), match="buf 1"):
         NESTEROV[backend](ps, [bs[0], bs[1].half()], us, 0.1, 0.9, None)
     assert unchanged()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nesterov_refuses_bad_written_tensors_before_writing(backend):
+    """Every backend checks all written tensors first: an expanded param, one buffer shared by two
+    params, an infinite lr — an error naming it, nothing written."""
+    _need(backend)
+    gen = torch.Generator().manual_seed(2)
+    ps, bs, us = _nesterov_case(torch.float32, torch.float32, torch.float32, gen, sizes=[(6,), (6,)])
+    snapshot = [t.clone() for t in ps + bs]
+    expanded = torch.randn(1, device=DEV).expand(6)
+    with pytest.raises(RuntimeError, match="param 1 .*overlap"):
+        NESTEROV[backend]([ps[0], expanded], bs, us, 0.1, 0.9, None)
+    with pytest.raises(RuntimeError, match="buf 0 and buf 1 overlap"):
+        NESTEROV[backend](ps, [bs[0], bs[0]], us, 0.1, 0.9, None)
+    with pytest.raises((ValueError, RuntimeError), match="lr"):
+        NESTEROV[backend](ps, bs, us, float("inf"), 0.9, None)
+    assert all(torch.equal(a, b) for a, b in zip(ps + bs, snapshot))
