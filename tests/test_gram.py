@@ -322,6 +322,44 @@ def test_method_gram_everywhere():
     assert args.iso_method == "gram"
 
 
+def test_sharded_entry_points_take_gram():
+    """ShardedIsoLoCo and sharded_iso_merge_ on a one-rank gloo group (the sharded plan and its
+    checks run; the math is iso_merge_'s)."""
+    import os
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        g = _gen("sharded")
+        bk = [torch.randn(3, 16, 40, generator=g), torch.randn(24, 10, generator=g)]
+        want = [iso_flatten_ref(b) for b in bk]
+        got = ik.sharded_iso_merge_([b.clone() for b in bk], method="gram")
+        for o, w, b in zip(got, want, bk):
+            assert rel_err(o, w) <= gram_tol(torch.float32, _cond(b))
+        p = [torch.randn(12, 30, generator=g), torch.randn(5, generator=g)]
+        grads = [torch.randn(12, 30, generator=g), torch.randn(5, generator=g)]
+        ref, _ = isoloco_step_ref(p, [torch.zeros_like(t) for t in p], grads, lr=1.8, momentum=0.8)
+        params = [torch.nn.Parameter(t.clone()) for t in p]
+        opt = ik.ShardedIsoLoCo(params, lr=1.8, momentum=0.8, method="gram")
+        for q, d in zip(params, grads):
+            q.grad = d.clone()
+        opt.step()
+        for q, w in zip(params, ref):
+            assert rel_err(q, w) <= TOL[("update", torch.float32)]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_auto_rule():
     # the modelled cost rule (flatten.gram_beats_polar): equal float64/float32 rates (A100, H100,
     # H200) → gram from ~2.9× wider than tall; half rate → from ~7×; no float64 unit → never
