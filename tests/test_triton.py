@@ -304,3 +304,31 @@ def test_kernels_on_the_second_gpu():
     nesterov.nesterov_outer_triton(ps, bs, us, 0.5, 0.0, None)  # one launch per device
     torch.cuda.synchronize(dev)
     assert all(torch.equal(p, torch.full_like(p, -0.5)) for p in ps)
+
+
+def test_int64_offsets_only_for_matrices_reaching_2_31_elements():
+    from isoloco_kernels.triton import needs_int64
+
+    assert not needs_int64(torch.empty(3, 2**15, 2**15, device="meta"))  # 2^30 per matrix
+    assert needs_int64(torch.empty(1, 2**16, 2**15, device="meta"))  # 2^31
+    assert needs_int64(torch.empty(1, 2**15, 2**16, device="meta").mT)  # any strides
+
+
+@needs_kernels
+def test_batches_beyond_the_grid_axis_cap_run_in_chunks(tk, monkeypatch):
+    """The batch rides grid axis 1/2 (CUDA caps those at 65535): a batch larger than the cap
+    is launched in chunks (the cap lowered to 2 here, so 5 matrices take 3 launches)."""
+    import isoloco_kernels.triton as T
+
+    gram, polar_step, iso_scale, dev = tk
+    monkeypatch.setattr(T, "MAX_GRID_YZ", 2)
+    x = _x((5, 12, 20), torch.float32, dev, 91)
+    a = gram.gram(x)
+    assert rel_err(a, x @ x.mT) < GEMM_TOL[torch.float32]
+    assert rel_err(polar_step.poly(a, 0.5, 0.25), 0.5 * a + 0.25 * a @ a) < GEMM_TOL[torch.float32]
+    b = torch.randn(5, 12, 12, generator=torch.Generator().manual_seed(92)).to(dev)
+    assert rel_err(polar_step.axpy_matmul(x, b, 0.3), 0.3 * x + b @ x) < GEMM_TOL[torch.float32]
+    q = polar_ref(x.double())[0].float().to(dev)
+    y = x.clone()
+    iso_scale.iso_scale_triton(y, q)
+    assert rel_err(y, iso_flatten_ref(x.double())) < TOL[("polar", torch.float32)]

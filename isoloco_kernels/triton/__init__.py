@@ -54,8 +54,9 @@ def on_device(t):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def batch_chunks(nb: int, limit: int = MAX_GRID_YZ):
-    """[b0, b1) ranges of at most `limit` matrices covering a batch of nb."""
+def batch_chunks(nb: int, limit=None):
+    """[b0, b1) ranges of at most `limit` (default MAX_GRID_YZ) matrices covering a batch of nb."""
+    limit = limit or MAX_GRID_YZ
     for b0 in range(0, nb, limit):
         yield b0, min(nb, b0 + limit)
 
