@@ -251,7 +251,11 @@ def average_(
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"average_: tensor {i} is a {type(t).__name__}, not a torch.Tensor")
-        check_writable(tensors, [f"average_: tensor {i}" for i in range(len(tensors))])
+            if not t.is_floating_point():
+                raise TypeError(f"average_: tensor {i} has dtype {t.dtype}; a mean needs a floating dtype")
+        names = [f"average_: tensor {i}" for i in range(len(tensors))]
+        check_writable(tensors, names)
+        check_all_finite(tensors, names)  # NaN/Inf would spread to every rank
     except Exception as e:  # noqa: BLE001
         if world == 1:
             raise

@@ -316,7 +316,9 @@ class IsoLoCo(torch.optim.Optimizer):
         return dict(zip(chosen, self._plan.views()))
 
     @torch.no_grad()
-    def _update(self) -> None:
+    def _update(self, failed: Optional[BaseException] = None) -> None:
+        """failed: what the closure raised (only passed over a process group, where the other
+        ranks must learn of it before anyone writes)."""
         group = self._group()
         if group is None:
             entries = self._gather()
@@ -329,6 +331,8 @@ class IsoLoCo(torch.optim.Optimizer):
 
         error, entries = None, []
         try:
+            if failed is not None:
+                raise failed
             entries = self._gather()
         except Exception as e:  # noqa: BLE001 — any failure must reach the other ranks
             error = error_text(e)
@@ -385,9 +389,14 @@ class IsoLoCo(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One outer step from the `.grad` of each param (params without a grad are skipped).
         closure: re-evaluates the model and returns the loss, as for torch.optim.SGD."""
-        loss = None
+        loss, failed = None, None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._update()
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            except Exception as e:  # noqa: BLE001
+                if self._process_group is None:
+                    raise
+                failed = e  # over a process group: every rank must fail together
+        self._update(failed)
         return loss

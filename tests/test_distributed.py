@@ -415,8 +415,8 @@ def _fails_everywhere(fn, match, tensors, what):
     with pytest.raises(D.DistributedStepError, match=match):
         fn()
     assert time.monotonic() - t0 < PG_TIMEOUT_S / 2, f"{what}: took {time.monotonic() - t0:.1f} s"
-    for a, b in zip(tensors, before):
-        assert torch.equal(a.detach(), b), f"{what}: a tensor changed"
+    for a, b in zip(tensors, before):  # NaN compares equal to NaN here
+        assert torch.equal(a.detach().nan_to_num(nan=7.0), b.nan_to_num(nan=7.0)), f"{what}: a tensor changed"
 
 
 def _body_reliability(rank, world, tmpdir):
@@ -437,6 +437,14 @@ def _body_reliability(rank, world, tmpdir):
     opt.step()  # the group is still usable, and the step now runs
     assert all(torch.isfinite(p).all() for p in params) and len(opt.state) == 3
     assert all(torch.equal(p.grad, gr) for p, gr in zip(params, grads))
+
+    # ... and a closure that raises on rank 1 only
+    def closure1():
+        if rank == 1:
+            raise RuntimeError("no loss here")
+        return 0.0
+
+    _fails_everywhere(lambda: opt.step(closure1), r"rank 1: RuntimeError: no loss here", params, "IsoLoCo closure")
 
     # ShardedIsoLoCo: a closure that raises on rank 0 only
     params = _model(SHAPES_2, torch.float32)
@@ -487,6 +495,12 @@ def _body_reliability(rank, world, tmpdir):
     _fails_everywhere(lambda: D.average_([x, z]), "different tensors", [x, z], "average_ shapes")
     w = torch.ones(3).expand(2, 3) if rank == 1 else torch.ones(2, 3)
     _fails_everywhere(lambda: D.average_([x, w]), r"rank 1.*tensor 1.*overlap", [x, w], "average_ expanded")
+    v = torch.ones(4)
+    if rank == 0:
+        v[1] = float("nan")
+    _fails_everywhere(lambda: D.average_([x, v]), r"rank 0.*tensor 1.*NaN", [x, v], "average_ NaN")
+    n = torch.ones(4, dtype=torch.int64)
+    _fails_everywhere(lambda: D.average_([x, n]), r"tensor 1 has dtype torch.int64", [x, n], "average_ int")
     D.average_([x])  # still usable
     assert torch.equal(x, torch.full((6,), 0.5))
 
