@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._validate import SUPPORTED_DTYPES, compute_dtype
+from ._validate import SUPPORTED_DTYPES, check_writable, compute_dtype
 
 __all__ = ["Bucket", "BucketPlan", "bucket_key", "signature"]
 
@@ -142,7 +142,10 @@ class BucketPlan:
         return self.buffers
 
     def unpack(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy each slot back into its tensor (cast to the tensor's dtype), in place."""
+        """Copy each slot back into its tensor (cast to the tensor's dtype), in place. The
+        tensors are checked first (no expanded views, no two sharing memory, …): all or none
+        are written."""
         tensors = self._check(tensors, "unpack")
+        check_writable([t.detach() for t in tensors], [f"BucketPlan.unpack: tensor {i}" for i in range(len(tensors))])
         if tensors:
             torch._foreach_copy_([t.detach() for t in tensors], self._views)

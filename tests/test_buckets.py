@@ -115,3 +115,14 @@ def test_rejects_non_matrices_and_bad_dtypes():
     with pytest.raises(TypeError, match="tensor 0 has unsupported dtype"):
         BucketPlan([torch.zeros(2, 2, dtype=torch.int32)])
     assert len(BucketPlan([]).buckets) == 0
+
+
+def test_unpack_checks_every_tensor_before_writing_any():
+    ts = [torch.randn(3, 5), torch.randn(5, 3)]
+    plan = BucketPlan(ts)
+    plan.pack(ts)
+    plan.buffers[0].mul_(2)
+    first = torch.zeros(3, 5)
+    with pytest.raises(RuntimeError, match="tensor 1 has internal overlap"):
+        plan.unpack([first, torch.zeros(1, 3).expand(5, 3)])
+    assert not first.any()
