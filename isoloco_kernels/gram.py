@@ -50,10 +50,14 @@ All-or-nothing. Everything that can fail — non-finite input, a result that doe
 dtype — is decided before the first write; the result is then written column chunk by column chunk
 straight into the input (chunk j of Q needs only chunk j of X) with `copy_`.
 
-Memory. Besides the bucket: the B·m² float64 Y matrices kept until the write (at most the bucket's
-own size when 8m ≤ n·itemsize, e.g. float32 with n ≥ 2m; twice a square float32 bucket), plus a
-workspace of about 6 m×m float64 matrices per matrix of a sub-batch and float64 column chunks, both
-sized to half the bucket (at least one matrix, at least 128 columns).
+Memory. Besides the bucket: the B·m² float64 Y matrices kept until the write, a workspace of about
+6 m×m float64 matrices per matrix of a sub-batch, and float64 column chunks; sub-batches and chunks
+are sized to half the bucket (at least one matrix, at least 128 columns). So the peak extra memory
+stays below the bucket's own size for wide buckets (m×m float64 small against m×n), but not for
+near-square float32 ones, where one matrix's m×m float64 workspace alone is 12× its float32 size.
+Measured (peak RSS of a fresh process, float32, one thread; bench/results/gram.md), in units of the
+bucket: 2×32000×256 0.40 (polar 5.4, eigh 8.6), 4×4096×256 0.81, 3×2688×1024 2.6, 4×1024×1024 4.4
+(polar 11.3).
 """
 from __future__ import annotations
 
@@ -129,18 +133,25 @@ def gram_flops(k: int, r: int, steps: int = STEPS) -> float:
 
 def _plan(b: int, m: int, n: int, itemsize: int, budget: int | None) -> tuple[int, int]:
     """(matrices per sub-batch, columns per chunk) for a [b, m, n] (m ≤ n) bucket: workspace of
-    ~6 m×m float64 per matrix and two float64 [sub, m, cols] chunks, each within the budget
-    (default: half the bucket's bytes; at least one matrix and MIN_CHUNK_COLS columns)."""
+    ~6 m×m float64 per matrix, and the float64 [sub, m, cols] buffers of the passes over X (at most
+    two live: a chunk and its product; four counted, for the allocator's slack), each within the
+    budget (default: half the bucket's bytes; at least one matrix and MIN_CHUNK_COLS columns)."""
     if budget is None:
         budget = b * m * n * itemsize // 2
     sub = max(1, min(b, budget // max(6 * m * m * 8, 1)))
-    cols = max(min(n, MIN_CHUNK_COLS), min(n, budget // max(2 * sub * m * 8, 1)))
+    cols = max(min(n, MIN_CHUNK_COLS), min(n, budget // max(4 * sub * m * 8, 1)))
     return sub, cols
 
 
 def _chunks(n: int, cols: int):
     for j in range(0, n, cols):
         yield slice(j, min(n, j + cols))
+
+
+def _chunk64(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous float64 copy of a column chunk (one buffer; never a view of the input)."""
+    out = torch.empty(x.shape, dtype=torch.float64, device=x.device)
+    return out.copy_(x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,7 +191,7 @@ def gram_factor(
     row_nz = torch.zeros(b, m, dtype=torch.bool, device=dev)
     col_nz = torch.zeros(b, dtype=torch.int64, device=dev)
     for sl in _chunks(n, cols):
-        ch = x[:, :, sl].to(f64) * inv
+        ch = _chunk64(x[:, :, sl]).mul_(inv)
         a0.baddbmm_(ch, ch.mT)
         nz = ch != 0
         row_nz |= nz.any(-1)
@@ -263,8 +274,11 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
 
     # Pass 1: amax per matrix (also the finite check: NaN/Inf make it non-finite).
     amax = torch.zeros(nb, dtype=torch.float64, device=x3.device)
-    for sl in _chunks(n, cols):
-        amax = torch.maximum(amax, x[:, :, sl].abs().amax((-2, -1)).to(torch.float64))
+    for i in range(0, nb, sub_b):
+        j = min(nb, i + sub_b)
+        for sl in _chunks(n, cols):
+            part = x[i:j, :, sl].abs().amax((-2, -1)).to(torch.float64)
+            amax[i:j] = torch.maximum(amax[i:j], part)
     bad = (~torch.isfinite(amax)).nonzero().flatten()
     if bad.numel():
         raise ValueError(_describe_nonfinite(x3, "iso_flatten_ (gram)") + "; nothing was written")
@@ -296,7 +310,7 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
             continue
         top = 0.0
         for sl in _chunks(n, cols):
-            ch = x[i, :, sl].to(torch.float64) / amax[i]
+            ch = _chunk64(x[i, :, sl]).div_(amax[i])
             top = max(top, float((w[i] @ ch).abs().max()))
         if not top * float(amax[i]) < big:
             raise ResultOverflowError(
@@ -327,7 +341,7 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
     for sl in _chunks(n, cols):
         for i in range(0, nb, sub_b):
             j = min(nb, i + sub_b)
-            ch = x[i:j, :, sl].to(torch.float64) / amax_b[i:j]
+            ch = _chunk64(x[i:j, :, sl]).div_(amax_b[i:j])
             out = torch.bmm(w[i:j], ch).mul_(amax_b[i:j])
             x[i:j, :, sl].copy_(out)
             del ch, out
