@@ -96,8 +96,9 @@ def resolve_method(method: str, x3: torch.Tensor) -> str:
       cheaper (`gram_beats_polar`), else "polar" (batched float32 GEMMs on tensor cores). Either
       way accurate: polar's matrices that miss its residual check go to "gram".
     - CPU: the faster exact method (`exact_method_for`), where LAPACK beats the iterations
-      (bench/results: gram is 3–10× slower than eigh on this CPU class, whose float64 GEMMs run at
-      half the float32 rate).
+      (bench/results/gram.md: on a 2-core x86 CPU, whose float64 GEMMs run at half the float32
+      rate, gram took 1.1–7× eigh's time on every bucket but the widest, 4×128×6144, where it was
+      1.12× faster — inside that machine's noise; no shape class for gram on CPUs).
     """
     if method != "auto":
         return method
