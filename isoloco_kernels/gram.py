@@ -5,14 +5,14 @@ Y_t a polynomial in A₀ = X Xᵀ (p(X Xᵀ)·X moves singular values only). So 
 on m×m matrices, and only two GEMMs touch the big matrix:
 
     A₀ = X Xᵀ              float64, m²n (column chunks: no float64 copy of the bucket)
-    Y ← p_t(A_t)·Y,  A_t = Y·A₀·Yᵀ      T steps, m×m only
+    Y ← p_t(A_t)·Y,  A_{t+1} = p_t·A_t·p_t (= Y·A₀·Yᵀ)      T steps, m×m only
     Q = Y·X,  ⟨Δ, Q⟩ = tr(Y·A₀),  ‖Q‖_F² = tr(Y·A₀·Yᵀ)      one m²n GEMM, the rest m×m
 
 A₀ has condition number κ², so it is formed and iterated in float64 (good to κ ≈ 1e7); the result
 is written back in the input dtype. On A100/H100/H200 float64 GEMMs run on tensor cores at the
-non-TF32 float32 rate, so for wide matrices this costs ≈ 4m²n + 4T·m³ float64 FLOPs against
-T'(4m²n + 2m³) float32 for polar.py's direct iteration, and is exact to κ ~ 1e5 for float32 input
-(design notes, "Gram space").
+non-TF32 float32 rate, so this costs 4m²n + (8T + 2)·m³ float64 FLOPs (`gram_flops`) against
+T'(4m²n + 2m³) float32 for polar.py's direct iteration — less for matrices ≳ 3× wider than tall —
+and is exact to κ ~ 1e5 for float32 input (design notes, "Gram space").
 
 Scaling (no overflow for any finite input). X̃ = X / amax|X| (entries ≤ 1, A₀ entries ≤ n); then
 with B = A₀ / tr(A₀) (eigenvalues λ_i ≥ 0 summing to 1), λ_max(B) ≤ ‖B⁴‖_F^{1/4} ≤ r^{1/8}·λ_max(B)
@@ -28,7 +28,7 @@ Schedule. `COEFFS` is `polar.polar_express_coefficients(ELL, STEPS)` (tests rege
   round-off of 1 (3e-13); 14 steps leave 1.5e-5.
 
 Updating A. A_{t+1} = p_t·A_t·p_t (p_t = p_t(A_t) is symmetric and bounded, |p| ≤ ~8), not
-recomputed as Y_{t+1}·A₀·Y_{t+1}ᵀ: both cost 2m³ per step, but Y grows to ~1/σ_min, so the recomputed
+recomputed as Y_{t+1}·A₀·Y_{t+1}ᵀ: both cost two m×m products per step, but Y grows to ~1/σ_min, so the recomputed
 product carries an absolute rounding error of ~eps64·κ² in A (2e-6 at κ 1e5) while p·A·p keeps
 ~eps64 per step. Measured against reference.py, float64 input, 128×128 to 64×2048: p·A·p is 2–8×
 more accurate — flat-tail spectra 2.5e-9 vs 2.1e-8 at κ 1e4, 2.5e-7 vs 1.0e-6 at κ 1e5; geometric
