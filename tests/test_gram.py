@@ -225,6 +225,27 @@ def test_real_pseudo_gradients(pseudo_gradients):
     assert max(conds) >= 1e4 and len(conds) >= 10
 
 
+def test_committed_captured_pseudo_gradients():
+    """The pseudo-gradients committed under bench/data/captured (the reference loop at K 4, H 30,
+    float16-saved; bench/results/captured.md), among them a DiLoCo-round attention projection at
+    κ 5.7e5 — beyond polar's contract and the fp32 targets, inside gram's float64 Gram range."""
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "bench" / "data" / "captured").glob("*/*/round_*.pt"))
+    assert files, "bench/data/captured holds no round_*.pt"
+    worst = 0.0
+    for f in files:
+        for name, d in torch.load(f, weights_only=False)["delta"].items():
+            if d.ndim != 2:
+                continue
+            x = d.to(torch.float32)
+            c = _cond(x)
+            worst = max(worst, c)
+            err = rel_err(_gram_quiet(x), iso_flatten_ref(x))
+            assert err <= gram_tol(torch.float32, c), (f.name, name, c, err)
+    assert worst > 1e5
+
+
 # ----------------------------------------------------------------------------------------------
 # It knows when it failed; bad input
 
