@@ -159,8 +159,12 @@ def iso_merge_(buckets: Sequence[torch.Tensor], *, method: str = "auto") -> list
     """Iso-C flatten every bucket in place; returns the buckets as a list.
 
     Each bucket is a [m, n] pseudo-gradient matrix or a [B, m, n] batch of same-shaped ones. All
-    buckets are checked (type, dtype, rank, NaN/Inf) before any is touched: on bad input a
-    TypeError/ValueError names the bucket (and matrix) and every bucket stays bit-identical.
+    buckets are checked (type, dtype, rank, NaN/Inf; and as written tensors: no meta or inference
+    tensor, no grad-requiring leaf with grad on, no expanded view, no two sharing memory) before
+    any is touched: on bad input a TypeError/ValueError/RuntimeError names the bucket (and matrix)
+    and every bucket stays bit-identical. Every finite input whose Iso-C result fits its dtype
+    gets it (each matrix is scaled by a power of two first); a result that does not fit raises
+    ResultOverflowError (a ValueError) naming bucket and matrix, with nothing written.
     Zero-size buckets pass through; buckets may live on different devices.
 
     method: "svd" (exact, torch.linalg.svd), "eigh" (float64 eigh of the short-side Gram
