@@ -160,7 +160,7 @@ def pow2_scale(x3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def overflow_limit(dtype: torch.dtype) -> float:
     """Smallest magnitude that rounds to Inf in `dtype` (max + half an ulp of max)."""
     fi = torch.finfo(dtype)
-    top = 2.0 ** math.floor(math.log2(fi.max))
+    top = math.ldexp(1.0, math.frexp(fi.max)[1] - 1)
     return fi.max + fi.eps * top / 2
 
 
