@@ -14,30 +14,34 @@ The step, per parameter with a grad, on the param's own device mesh:
 
   Replicate                      flatten the local (whole) matrix, as plain IsoLoCo does.
   Shard along the long side,     "gram": A₀ = Σᵢ YᵢᵀYᵢ (d×d, float64) over the shards Yᵢ (the
-  long/short > 16 / elem size      shard, transposed so the long side runs down), one all-reduce
-                                   for all such matrices of the step (one flat float64 buffer);
+  when the Gram is cheaper         shard, transposed so the long side runs down), one all-reduce
+  (below)                          for all such matrices of the step (one flat float64 buffer);
                                    then on every rank eigh(A₀) = V diag(σ²) Vᵀ, the directions with
                                    σ ≤ sqrt(max(m, n))·eps32·σ₁ cut (exact.py's rule), and each
                                    rank writes its own shard s̄·Yᵢ·V diag(1/σ) Vᵀ, s̄ = Σσ / d.
-  anything else sharded          "gather": one padded all-gather per dtype of every such local
-                                   shard; each rank rebuilds the matrices, flattens them with the
-                                   optimizer's `method` (batched by shape, as plain IsoLoCo) and
-                                   keeps its own shard.
+  anything else sharded          "owner": every matrix has one owner (`plan_owners`: largest
+                                   flatten cost m·n·min(m, n) first, to the least loaded rank); one
+                                   all-to-all per dtype sends every rank's shards to the owners,
+                                   each owner flattens its matrices with the optimizer's `method`
+                                   (batched by shape, as plain IsoLoCo), one all-to-all sends every
+                                   rank its shard of each result.
 
-  The rule is bytes per rank (ring collectives): the Gram all-reduce sends 2·(W−1)/W · 8·d² bytes,
-  the all-gather (W−1)/W · b·m·n (b = element size), so the Gram is cheaper exactly when
-  long/short > 16 / b (4 for float32, 8 for bfloat16): embeddings and LM heads (vocab × hidden)
-  under FSDP, Colwise/Rowwise MLP weights when ffn > 4·hidden. For a square or near-square matrix
-  the d² float64 Gram is bigger than the matrix itself. FLOPs: the Gram route splits the two big
-  GEMMs (2·(m/W)·d² each) over the ranks and repeats only the d×d eigh; the gather route repeats
-  the whole flatten on every rank. A shard along the short side is never a Gram candidate: the
-  short-side Gram needs products across shards, and the long-side one (n² float64 for an m×n
-  matrix with m < n) is always bigger than the matrix. `opt.dtensor_route = "gram"` sends every
-  long-side shard through the Gram, `"gather"` sends everything through the all-gather; the default
-  is `"auto"` (the rule). The Gram route always uses float64 eigh (the "eigh" method's math); the
-  optimizer's `method` applies to the Replicate and gather routes.
+  The rule is bytes per rank: the Gram all-reduce (ring) sends 2·(W−1)/W · 8·d² bytes, the owner
+  route 2·(W−1)/W² · b·m·n on average (b = element size; out and back, owners balanced), so the
+  Gram is taken when long/short > 8·W / b (4 at W = 2, 16 at W = 8 for float32): embeddings and LM
+  heads (vocab × hidden) under FSDP, MLP weights when ffn ≫ hidden. For a square or near-square
+  matrix the d² float64 Gram is bigger than the matrix itself. FLOPs: the Gram route splits the
+  two big GEMMs (2·(m/W)·d² each) over the ranks and repeats only the d×d eigh on every rank; the
+  owner route flattens each matrix once, on its owner. A shard along the short side is never a
+  Gram candidate: the short-side Gram needs products across shards, and the long-side one (n²
+  float64 for an m×n matrix with m < n) is always bigger than the matrix.
+  `opt.dtensor_route` overrides the rule: "gram" (every long-side shard through the Gram, the rest
+  by owner), "owner", or "gather" (one padded all-gather per dtype of every sharded matrix, each
+  rank flattens all of them and keeps its shards: (W−1)/W · b·m·n per rank, the most bytes and
+  FLOPs, one collective); default "auto". The Gram route always uses float64 eigh (the "eigh"
+  method's math); the optimizer's `method` applies to the other routes.
   Uneven shards (dimension not divisible by the mesh size: torch.chunk sizes, as DTensor and
-  FSDP2 use) are handled; the all-gather pads every rank's segment to the longest one.
+  FSDP2 use) are handled everywhere; the all-gather pads every rank's segment to the longest one.
 - 2-D params on a mesh with more than one dimension (HSDP Replicate × Shard(0), FSDP × TP): the
   general path, one `full_tensor()` per matrix, flatten on every rank, then the local shard through
   `distribute_tensor(..., src_data_rank=None)` (no communication). Correct, not batched.
@@ -82,7 +86,7 @@ def _dt():
 
 __all__ = ["ROUTES", "check_params", "is_dtensor", "local", "route_for", "step_", "uses_dtensor", "wire_bytes"]
 
-ROUTES = ("auto", "gram", "gather")
+ROUTES = ("auto", "gram", "owner", "gather")
 
 
 def is_dtensor(t) -> bool:
@@ -189,17 +193,17 @@ def shard_sizes(length: int, world: int) -> list[tuple[int, int]]:
 
 
 def route_for(shape, dim: Optional[int], world: int, elem_size: int, mode: str = "auto") -> str:
-    """"local", "gram" or "gather" for an m×n matrix sharded along `dim` (None: replicated) on a 1-D
-    mesh of `world` ranks (see the module docstring for the rule)."""
+    """"local", "gram", "owner" or "gather" for an m×n matrix sharded along `dim` (None: replicated)
+    on a 1-D mesh of `world` ranks (see the module docstring for the rule)."""
     if world == 1 or dim is None:
         return "local"
+    if mode in ("gather", "owner"):
+        return mode
     m, n = shape
     long_side = (dim == 0 and m >= n) or (dim == 1 and n >= m)
-    if not long_side or mode == "gather":
-        return "gather"
-    if mode == "gram":
+    if long_side and (mode == "gram" or gram_bytes(shape, world) < owner_bytes(shape, dim, world, elem_size)):
         return "gram"
-    return "gram" if gram_bytes(shape, world) < gather_bytes(shape, dim, world, elem_size) else "gather"
+    return "owner"
 
 
 def gram_bytes(shape, world: int) -> float:
@@ -221,19 +225,25 @@ def owner_bytes(shape, dim: int, world: int, elem_size: int) -> float:
 
 
 def wire_bytes(shapes, world: int, elem_size: int = 4, mode: str = "auto", dim: int = 0) -> dict[str, float]:
-    """Bytes sent per rank in one outer step for the 2-D `shapes` under FSDP's Shard(dim) on a 1-D
-    mesh of `world` ranks: each route alone (Gram where it applies, else all-gather), and the
-    route `mode` picks. 1-D params cost nothing (Nesterov is local)."""
+    """Bytes sent per rank (owner: the mean over ranks) in one outer step for the 2-D `shapes` under
+    FSDP's Shard(dim) on a 1-D mesh of `world` ranks: each route alone ("gram_or_gather": the Gram
+    where the shard is the long side, else the all-gather), and the routes `mode` picks. 1-D params
+    cost nothing (Nesterov is local)."""
     out = {"gram_or_gather": 0.0, "owner": 0.0, "allgather": 0.0, mode: 0.0}
     for sh in shapes:
         if len(sh) != 2:
             continue
-        ag = gather_bytes(sh, dim, world, elem_size)
-        out["allgather"] += ag
-        out["owner"] += owner_bytes(sh, dim, world, elem_size)
-        out["gram_or_gather"] += gram_bytes(sh, world) if route_for(sh, dim, world, elem_size, "gram") == "gram" else ag
-        r = route_for(sh, dim, world, elem_size, mode)
-        out[mode] += gram_bytes(sh, world) if r == "gram" else (ag if r == "gather" else 0.0)
+        cost = {
+            "gram": gram_bytes(sh, world),
+            "gather": gather_bytes(sh, dim, world, elem_size),
+            "owner": owner_bytes(sh, dim, world, elem_size),
+            "local": 0.0,
+        }
+        out["allgather"] += cost["gather"]
+        out["owner"] += cost["owner"]
+        long_side = route_for(sh, dim, world, elem_size, "gram") == "gram"
+        out["gram_or_gather"] += cost["gram"] if long_side else cost["gather"]
+        out[mode] += cost[route_for(sh, dim, world, elem_size, mode)]
     return out
 
 
@@ -372,9 +382,11 @@ class _Stats:
         self.gram_elements = 0  # float64 elements all-reduced
         self.gather_elements = 0  # elements in all-gather outputs (all ranks' padded segments)
         self.full_tensor_elements = 0  # elements materialized by the general (multi-dim mesh) path
+        self.owner_elements = 0  # elements this rank sent to other ranks in the owner route's all-to-alls
 
     def __repr__(self):
-        return f"_Stats(gram={self.gram_elements}, gather={self.gather_elements}, full={self.full_tensor_elements})"
+        return (f"_Stats(gram={self.gram_elements}, gather={self.gather_elements}, "
+                f"owner={self.owner_elements}, full={self.full_tensor_elements})")
 
 
 def step_(opt) -> None:
@@ -484,6 +496,22 @@ def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tens
         if got is not None:
             full.update(zip(ks, got))
 
+    # owner route, out: each rank's shards to the matrix's owner, one all-to-all per (mesh, dtype)
+    owner_groups: dict = {}
+    for k in chosen:
+        if routes[k] == "owner":
+            g = entries[k][3]
+            owner_groups.setdefault((g.device_mesh, g.dtype), []).append(k)
+    owned: dict[int, torch.Tensor] = {}  # whole matrices this rank flattens for the others
+    plans = {}
+    for (mesh, dtype), ks in owner_groups.items():
+        ents = [entries[k] for k in ks]
+        owners = plan_owners([tuple(e[2].shape) for e in ents], mesh.size())
+        plans[(mesh, dtype)] = owners
+        got = _owner_collect(mesh, dtype, ents, owners, attempt, stats)
+        owned.update({ks[j]: t for j, t in got.items()})
+    full.update(owned)
+
     # general path (meshes with several dimensions): full_tensor() per matrix
     for k in chosen:
         if routes[k] == "general":
@@ -503,7 +531,18 @@ def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tens
             if attempt(check_all_finite, mats, [f"matrix {k}" for k in ks]) is None and not first_error:
                 attempt(flatten_buckets_, buffers, opt.method)
             for k, v in zip(ks, plan.views()):
-                out[k] = attempt(_my_shard, entries[k], v)
+                if k in owned:
+                    owned[k] = v
+                else:
+                    out[k] = attempt(_my_shard, entries[k], v)
+
+    # owner route, back: each owner sends every rank its shard of the results (sent even after a
+    # local failure, so no rank waits; the agreement after this step stops the writes then)
+    for (mesh, dtype), ks in owner_groups.items():
+        ents = [entries[k] for k in ks]
+        results = {j: owned.get(k) for j, k in enumerate(ks)}
+        mine = _owner_return(mesh, dtype, ents, plans[(mesh, dtype)], results, stats)
+        out.update({ks[j]: t for j, t in mine.items()})
     if first_error:
         raise first_error[0]
     return out
@@ -584,6 +623,84 @@ def _all_gather_shards(mesh, dtype, ents, attempt, stats) -> Optional[list[torch
             flat = recv[r, o[r] : o[r] + n * other]
             pieces.append(flat.view(n, other) if dim == 0 else flat.view(other, n))
         out.append(torch.cat(pieces, dim=dim))
+    return out
+
+
+def plan_owners(shapes, world: int) -> list[int]:
+    """Owner rank of each matrix: largest flatten cost (m·n·min(m, n)) first, each to the least
+    loaded rank (ties: lowest rank); the same on every rank, from the shapes alone."""
+    load = [0] * world
+    owners = [0] * len(shapes)
+    for j in sorted(range(len(shapes)), key=lambda j: (-shapes[j][0] * shapes[j][1] * min(shapes[j]), j)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owners[j] = r
+        load[r] += shapes[j][0] * shapes[j][1] * min(shapes[j])
+    return owners
+
+
+def _shard_numel(p, r: int, world: int) -> tuple[int, tuple[int, int]]:
+    """(numel, local shape) of rank r's shard of 2-D param p under Shard(dim) on a 1-D mesh."""
+    dim = p.placements[0].dim
+    n = shard_sizes(p.shape[dim], world)[r][1]
+    other = p.shape[1 - dim]
+    return n * other, ((n, other) if dim == 0 else (other, n))
+
+
+def _owner_collect(mesh, dtype, ents, owners, attempt, stats) -> dict[int, torch.Tensor]:
+    """All-to-all of every rank's shards to each matrix's owner; returns {j: whole matrix} for the
+    matrices this rank owns."""
+    world, me = mesh.size(), mesh.get_local_rank()
+    dev = _local(ents[0][3]).device
+    send_split = [sum(_shard_numel(e[2], me, world)[0] for e, o in zip(ents, owners) if o == r) for r in range(world)]
+    recv_split = [sum(_shard_numel(e[2], r, world)[0] for e, o in zip(ents, owners) if o == me) for r in range(world)]
+    send = torch.zeros(sum(send_split), dtype=dtype, device=dev)
+    off = [sum(send_split[:r]) for r in range(world)]
+    for e, o in zip(ents, owners):
+        loc = _local(e[3])
+        attempt(lambda: send[off[o] : off[o] + loc.numel()].copy_(loc.reshape(-1)))
+        off[o] += loc.numel()
+    recv = torch.empty(sum(recv_split), dtype=dtype, device=dev)
+    dist.all_to_all_single(recv, send, recv_split, send_split, group=mesh.get_group(0))
+    stats.owner_elements += send.numel() - send_split[me]
+    mine = [j for j, o in enumerate(owners) if o == me]
+    pieces: dict[int, list] = {j: [] for j in mine}
+    pos = 0
+    for r in range(world):
+        for j in mine:
+            n, shape = _shard_numel(ents[j][2], r, world)
+            pieces[j].append(recv[pos : pos + n].view(shape))
+            pos += n
+    return {j: torch.cat(pieces[j], dim=ents[j][2].placements[0].dim) for j in mine}
+
+
+def _owner_return(mesh, dtype, ents, owners, results, stats) -> dict[int, torch.Tensor]:
+    """All-to-all of the owners' results back: returns {j: this rank's shard} for every matrix."""
+    world, me = mesh.size(), mesh.get_local_rank()
+    dev = _local(ents[0][3]).device
+    mine = [j for j, o in enumerate(owners) if o == me]
+    send_split = [sum(_shard_numel(ents[j][2], r, world)[0] for j in mine) for r in range(world)]
+    recv_split = [sum(_shard_numel(e[2], me, world)[0] for e, o in zip(ents, owners) if o == r) for r in range(world)]
+    send = torch.zeros(sum(send_split), dtype=dtype, device=dev)
+    pos = 0
+    for r in range(world):
+        for j in mine:
+            n, _ = _shard_numel(ents[j][2], r, world)
+            res = results.get(j)
+            if res is not None and res.dtype == dtype:
+                dim = ents[j][2].placements[0].dim
+                a, size = shard_sizes(res.shape[dim], world)[r]
+                send[pos : pos + n].copy_(res.narrow(dim, a, size).reshape(-1))
+            pos += n
+    recv = torch.empty(sum(recv_split), dtype=dtype, device=dev)
+    dist.all_to_all_single(recv, send, recv_split, send_split, group=mesh.get_group(0))
+    stats.owner_elements += send.numel() - send_split[me]
+    out, pos = {}, 0
+    for r in range(world):
+        for j, o in enumerate(owners):
+            if o == r:
+                n, shape = _shard_numel(ents[j][2], me, world)
+                out[j] = recv[pos : pos + n].view(shape)
+                pos += n
     return out
 
 

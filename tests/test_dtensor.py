@@ -128,7 +128,7 @@ def _check_fsdp_matches_single_process(mesh, rank):
 
     world = mesh.size()
     for method in ("svd", "auto"):
-        for route in ("auto", "gram", "gather"):
+        for route in ("auto", "gram", "owner", "gather"):
             model, ref = _fsdp_llama(mesh)
             opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8, method=method)
             opt.dtensor_route = route
@@ -145,8 +145,16 @@ def _check_fsdp_matches_single_process(mesh, rank):
             longest = sum(-(-sh[0] // world) * sh[1] for sh, r in zip(shapes, routes) if r == "gather")
             st = opt.dtensor_stats
             assert (st.gram_elements, st.gather_elements) == (gram, world * longest), (route, st)
-            if route == "auto":  # embed and lm_head (101 × 16) ride the Gram, the rest the all-gather
+            # owner route: each matrix once to its owner and back, all but the owner's own shard
+            owned = [sh for sh, r in zip(shapes, routes) if r == "owner"]
+            owners = DT.plan_owners(owned, world)
+            want = 2 * sum(sh[0] * sh[1] - DT.shard_sizes(sh[0], world)[o][1] * sh[1] for sh, o in zip(owned, owners))
+            sent = torch.tensor([st.owner_elements])
+            dist.all_reduce(sent)
+            assert int(sent) == want, (route, int(sent), want)
+            if route == "auto" and world == 2:  # 101 × 16 rides the Gram (ratio 6.3 > 8·W/4), the rest owners
                 assert routes.count("gram") == 2 and gram == 2 * HIDDEN**2, routes
+                assert routes.count("owner") == len(shapes) - 2, routes
 
 
 def _check_sgd(mesh):
@@ -170,7 +178,7 @@ def _check_tp(mesh):
     """ColwiseParallel / RowwiseParallel MLP (Shard(0) and Shard(1) weights, uneven ffn)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    for route in ("auto", "gather"):
+    for route in ("auto", "owner", "gather"):
         torch.manual_seed(3)
         mlp = nn.Sequential()
         mlp.add_module("w1", nn.Linear(12, 69))  # 69 × 12: Colwise → Shard(0), 35/34 rows
@@ -188,8 +196,9 @@ def _check_tp(mesh):
             opt.step()
             ref_opt.step()
         _compare(mlp, ref, opt, ref_opt, f"TP, route {route}")
-        want = (2 * 12 * 12, 0) if route == "auto" else (0, 2 * 35 * 12 * 2)
+        want = {"auto": (2 * 12 * 12, 0), "owner": (0, 0), "gather": (0, 2 * 35 * 12 * 2)}[route]
         assert (opt.dtensor_stats.gram_elements, opt.dtensor_stats.gather_elements) == want, opt.dtensor_stats
+        assert (opt.dtensor_stats.owner_elements > 0) == (route == "owner")
 
 
 def _snapshot(model, opt):
@@ -238,6 +247,18 @@ def _check_all_or_nothing(mesh, rank):
         opt.step()
     DT._gram_polar = real
     _assert_unchanged(model, opt, snap, "failed flatten")
+    # an owner whose flatten fails (after the first all-to-all, before the second)
+    import isoloco_kernels.ops as ops
+
+    real_flatten = ops.flatten_buckets_
+    if rank == 1:
+        def broken_flatten(buckets, method):
+            raise RuntimeError("injected owner failure")
+        ops.flatten_buckets_ = broken_flatten
+    with pytest.raises(DistributedStepError, match="rank 1: RuntimeError: injected owner failure"):
+        opt.step()
+    ops.flatten_buckets_ = real_flatten
+    _assert_unchanged(model, opt, snap, "failed owner flatten")
     opt.step()  # and it still works
     assert not torch.equal(model.embed.weight.to_local(), snap[0][0])
 
@@ -498,11 +519,15 @@ def test_routes_and_bytes():
     assert DT.shard_sizes(101, 2) == [(0, 51), (51, 50)]
     assert DT.shard_sizes(5, 4) == [(0, 2), (2, 2), (4, 1), (5, 0)]
     assert DT.route_for((32000, 1024), 0, 8, 4) == "gram"  # vocab × hidden: the Gram
-    assert DT.route_for((1024, 1024), 0, 8, 4) == "gather"  # square: d² float64 > the matrix
+    assert DT.route_for((1024, 1024), 0, 8, 4) == "owner"  # square: d² float64 > the matrix
     assert DT.route_for((1024, 1024), 0, 8, 4, "gram") == "gram"
-    assert DT.route_for((1024, 2688), 0, 8, 4, "gram") == "gather"  # short side sharded: never Gram
-    assert DT.route_for((2688, 1024), 0, 8, 2) == "gather" and DT.route_for((9000, 1024), 0, 8, 2) == "gram"
+    assert DT.route_for((1024, 2688), 0, 8, 4, "gram") == "owner"  # short side sharded: never Gram
+    assert DT.route_for((1024, 2688), 0, 8, 4, "gather") == "gather"
+    # Gram iff long/short > 8·W/b
+    assert DT.route_for((16 * 1024 + 64, 1024), 0, 8, 4) == "gram" and DT.route_for((16 * 1024 - 64, 1024), 0, 8, 4) == "owner"
+    assert DT.route_for((5 * 1024, 1024), 0, 2, 4) == "gram" and DT.route_for((7 * 1024, 1024), 0, 2, 2) == "owner"
     assert DT.route_for((7, 5), None, 8, 4) == "local" and DT.route_for((7, 5), 0, 1, 4) == "local"
     b = DT.wire_bytes([(32000, 1024), (1024,)], 4)
     assert b["gram_or_gather"] == b["auto"] == 2 * 3 / 4 * 8 * 1024**2
-    assert b["allgather"] == 3 * 8000 * 1024 * 4
+    assert b["allgather"] == 3 * 8000 * 1024 * 4 and b["owner"] == 2 * 3 / 16 * 32000 * 1024 * 4
+    assert DT.plan_owners([(4, 4), (8, 8), (2, 2), (8, 8)], 2) == [0, 0, 1, 1]
