@@ -33,7 +33,7 @@ def per_rank(spec: ModelSpec, world: int, elem: int) -> dict[str, float]:
         out["owner"] += owner_bytes(sh, 0, world, elem)
         out["gram_long"] += gr if route_for(sh, 0, world, elem, "gram") == "gram" else ag
         auto = route_for(sh, 0, world, elem, "auto")
-        out["auto"] += gr if auto == "gram" else ag
+        out["auto"] += gr if auto == "gram" else owner_bytes(sh, 0, world, elem)
         out["n_gram"] += auto == "gram"
         out["n_mat"] += 1
     return out
@@ -45,7 +45,7 @@ def _mb(b: float) -> str:
 
 def table(specs, elem: int) -> list[str]:
     rows = [
-        "| set | W | all-gather | gather-to-owner (mean/rank) | Gram where long side | auto (implemented) | auto: Gram matrices |",
+        "| set | W | all-gather | owner (mean/rank) | Gram where long side, else all-gather | auto (default) | auto: Gram matrices |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for spec in specs:
@@ -69,14 +69,14 @@ def main() -> None:
         "Iso-C part of one outer step; Nesterov and 1-D params send nothing.",
         "",
         "- all-gather: every matrix all-gathered (ring: (W−1) × largest shard per rank), flattened on every rank.",
-        "- gather-to-owner: each matrix gathered to one owner, flattened there, the result scattered back;",
-        "  2·(W−1)/W² of the matrix per rank on average (owners balanced; the busiest rank sends more). Not",
-        "  implemented: listed for comparison.",
+        "- owner: each matrix's shards sent to one owner by all-to-all, flattened there, the result's shards",
+        "  sent back; 2·(W−1)/W² of the matrix per rank on average (owners balanced by flatten cost; the",
+        "  busiest rank sends more).",
         "- Gram where long side: A₀ = Σ XᵢᵀXᵢ (d×d float64) all-reduced (ring: 2·(W−1)/W · 8d² per rank) for",
         "  every matrix sharded along its long side (embedding, LM head, gate, up, and the square q/k/v/o),",
         "  all-gather for the others (down: hidden × ffn is sharded along its short side).",
-        "- auto: what `IsoLoCo` does by default, per matrix the cheaper of the two: the Gram when",
-        "  long/short > 16/element size (4 for float32, 8 for bfloat16), else the all-gather.",
+        "- auto: what `IsoLoCo` does by default, per matrix the cheaper of Gram and owner: the Gram when",
+        "  long/short > 8·W/element size (float32: 4 at W = 2, 16 at W = 8), else the owner route.",
         "",
     ]
     for elem, name in ((4, "float32 pseudo-gradients"), (2, "bfloat16 pseudo-gradients")):
@@ -84,19 +84,21 @@ def main() -> None:
     lines += [
         "Reading: sending every sharded matrix through the Gram is *worse* than all-gathering it for",
         "square and near-square matrices (8·d² float64 bytes, all-reduced, against b·d² of the matrix);",
-        "it pays for the vocab × hidden embedding and LM head (ratio 31 and 63), where it replaces",
-        "W−1 shards of the matrix with one d×d all-reduce. The auto rule takes the Gram for exactly those",
-        "two matrices here. Gather-to-owner sends the fewest bytes at W ≥ 4 for the square and",
-        "near-square matrices but puts each matrix's whole flatten on one rank and needs a balanced owner",
-        "plan; the all-gather repeats the flatten on every rank (FLOPs, not bytes).",
+        "it pays for the vocab × hidden embedding and LM head (long/short 31 for llama-178m, 63 for",
+        "llama-1b), where one d×d all-reduce replaces moving the matrix. The owner route sends W/2 times",
+        "fewer bytes than the all-gather and flattens each matrix once (the all-gather repeats every",
+        "flatten on every rank); it costs two all-to-alls and an owner plan balanced by flatten cost. The",
+        "auto rule takes the Gram for those two matrices except where the owner route is already cheaper",
+        "(bfloat16 llama-178m at W = 8: 31 < 8·8/2) and the owner route for all others.",
         "",
         "## Paper estimate: 8 × H200 over NVLink (W = 8, one replica)",
         "",
         f"Inputs: NVLink 4 at {NVLINK_BYTES_PER_S / 1e9:.0f} GB/s per GPU per direction (data sheet: 900 GB/s",
         "bidirectional); ring collectives at the full link rate, latency ignored, so these are lower",
-        "bounds on communication time. Nothing here was measured on a GPU.",
+        "bounds on communication time; the owner and auto columns use the mean bytes per rank (the",
+        "busiest owner sends more). Nothing here was measured on a GPU.",
         "",
-        "| set | dtype | all-gather | auto | Gram where long side | gather-to-owner |",
+        "| set | dtype | all-gather | auto | Gram where long side, else all-gather | owner |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for spec in (SETS["llama-1b"], LLAMA_8B):
