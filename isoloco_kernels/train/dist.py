@@ -12,8 +12,10 @@ AdamW state, its seed), every rank holds the same global weights, and the only c
     sharded     with `ShardedIsoLoCo`: reduce-scatter of the local Δ, each tensor flattened and
                 stepped (Nesterov, momentum kept) by its one owner, all-gather of the new weights.
                 For diloco (and avg) it runs with iso off, which is the same SGD step.
-                Measuring divergence or saving pseudo-gradients then costs one more all-reduce
-                of Δ per round (--no-divergence turns the measurement off).
+
+Measuring divergence (on unless --no-divergence) costs one Δ-sized all-reduce per round (the sum of
+the workers' unit-norm Δ_k); with --outer sharded, measuring or saving pseudo-gradients costs one
+more, to form the mean Δ that the sharded step never assembles.
 
 ddp runs too: each rank takes its worker's b sequences of the K×b batch and the gradients are
 all-reduced before the AdamW step. Either way the held-out losses equal the simulation's to float
