@@ -404,32 +404,46 @@ def step_(opt) -> None:
     if not entries:
         return
     stats = _Stats()
-    error = None
+    error, apply = None, None
     try:
         updates = _iso_updates(opt, entries, mode, stats)
+        apply = _prepare_nesterov(opt, entries, updates)
     except Exception as e:  # the collectives inside always ran; see _iso_updates
         error = _error_text(e)
     _agree(error, mesh0, "IsoLoCo.step")
     opt.dtensor_stats = stats
+    apply()
 
-    # Nesterov on the local shards: one fused call per (device, lr, momentum); new buffers join
-    # the state only after the update ran.
-    calls: dict[tuple, tuple[list, list, list]] = {}
+
+def _prepare_nesterov(opt, entries, updates):
+    """Nesterov on the local shards, checked for overflow before anything is written
+    (`nesterov.prepare_outer_update`): one fused call per (device, lr, momentum). Returns the
+    function that writes; new buffers join the state only after it ran."""
+    from .nesterov import prepare_outer_update
+
+    calls: dict[tuple, tuple[list, list, list, list]] = {}
     fresh = []
-    for k, (_, _, p, g, group) in enumerate(entries):
+    rank = dist.get_rank()
+    for k, (gi, pi, p, g, group) in enumerate(entries):
         buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
         if buf is None:
             buf = torch.zeros_like(p, dtype=compute_dtype(p.dtype))
             fresh.append((p, buf))
         key = (_local(p).device, float(group["lr"]), float(group["momentum"]))
-        ps, bs, us = calls.setdefault(key, ([], [], []))
+        ps, bs, us, names = calls.setdefault(key, ([], [], [], []))
         ps.append(_local(p))
         bs.append(_local(buf))
         us.append(updates.get(k, _local(g)))
-    for (_, lr, momentum), (ps, bs, us) in calls.items():
-        torch.ops.isoloco.nesterov_outer_(ps, bs, us, lr, momentum, None)
-    for p, buf in fresh:
-        opt.state[p]["momentum_buffer"] = buf
+        names.append(f"IsoLoCo: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}), shard on rank {rank}")
+    applies = [prepare_outer_update(ps, bs, us, lr, momentum, names) for (_, lr, momentum), (ps, bs, us, names) in calls.items()]
+
+    def apply() -> None:
+        for fn in applies:
+            fn()
+        for p, buf in fresh:
+            opt.state[p]["momentum_buffer"] = buf
+
+    return apply
 
 
 def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tensor]:

@@ -259,6 +259,14 @@ def _check_all_or_nothing(mesh, rank):
         opt.step()
     ops.flatten_buckets_ = real_flatten
     _assert_unchanged(model, opt, snap, "failed owner flatten")
+    # an update that would overflow one rank's param shard: refused everywhere before any write
+    _set_grads(model, ref, 1)
+    if rank == 0:
+        model.norm.weight.grad.to_local()[0] = 3e38
+    with pytest.raises(DistributedStepError, match="rank 0: ResultOverflowError"):
+        opt.step()
+    _assert_unchanged(model, opt, snap, "overflow")
+    _set_grads(model, ref, 1)
     opt.step()  # and it still works
     assert not torch.equal(model.embed.weight.to_local(), snap[0][0])
 
