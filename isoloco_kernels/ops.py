@@ -169,8 +169,9 @@ def iso_merge_(buckets: Sequence[torch.Tensor], *, method: str = "auto") -> list
 
     method: "svd" (exact, torch.linalg.svd), "eigh" (float64 eigh of the short-side Gram
     matrix), "polar" (matmul-only Polar Express iteration, residual-checked, exact fallback),
-    "polar_bf16" (bf16 GEMMs; well-conditioned inputs only) or "auto" ("polar" on CUDA, the
-    faster exact method on the CPU; see flatten.resolve_method).
+    "polar_bf16" (bf16 GEMMs; well-conditioned inputs only), "gram" (the iteration in float64 on
+    the short-side Gram matrix: two big GEMMs, exact to cond ~1e5) or "auto" ("gram" or "polar"
+    per shape and device on CUDA, the faster exact method on the CPU; see flatten.resolve_method).
     """
     buckets = list(buckets)
     check_method(method)
