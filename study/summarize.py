@@ -198,6 +198,12 @@ def plots(summary: dict, recs: list[dict], folder: Path) -> None:
 
 
 V2_ORDER = ("ddp", "avg", "diloco", "isoloco-sgd", "isoloco")
+V2_DEFAULT_LR = {"ddp": None, "avg": 1.0, "diloco": 0.7, "isoloco-sgd": 3.0, "isoloco": 1.8}
+
+
+def _v2_name(mode: str, lr) -> str:
+    """The method's name in the v2 tables: the mode at its default lr, "mode@lr" at any other."""
+    return mode if lr == V2_DEFAULT_LR.get(mode) else f"{mode}@{lr}"
 V2_GROUPS = ("all", "embedding", "head", "middle")
 
 
@@ -228,7 +234,7 @@ def summarize_v2(recs: list[dict]) -> dict:
     out = []
     for (init, vocab, K, H), methods in sorted(cells.items(), key=lambda t: (t[0][2], t[0][3], t[0][1], t[0][0])):
         cell = {"init": init, "vocab": vocab, "workers": K, "inner_steps": H, "methods": {}}
-        for (mode, lr), seeds in sorted(methods.items(), key=lambda t: V2_ORDER.index(t[0][0])):
+        for (mode, lr), seeds in sorted(methods.items(), key=lambda t: (V2_ORDER.index(t[0][0]), t[0][1] or 0)):
             finals = [seeds[x]["final_loss"] for x in sorted(seeds)]
             ok = [v for v in finals if v is not None]
             e = {"outer_lr": lr, "seeds": sorted(seeds), "finals": finals,
@@ -249,17 +255,17 @@ def summarize_v2(recs: list[dict]) -> dict:
                 r1 = [v for v in (_round_mean(r, "shrinkage", "all", {1}) for r in runs) if v is not None]
                 if r1:
                     e["divergence"]["shrinkage_all_round1"] = statistics.fmean(r1)
-            cell["methods"][mode] = e
-        dil = methods.get(("diloco", 0.7))
+            cell["methods"][_v2_name(mode, lr)] = e
+        dil = methods.get(("diloco", V2_DEFAULT_LR["diloco"]))  # the gaps are to DiLoCo's released config
         for mode, lr in methods:
-            if mode == "diloco" or not dil:
+            if (mode, lr) == ("diloco", V2_DEFAULT_LR["diloco"]) or not dil:
                 continue
             common = sorted(set(methods[(mode, lr)]) & set(dil))
             diffs = [methods[(mode, lr)][x]["final_loss"] - dil[x]["final_loss"] for x in common
                      if methods[(mode, lr)][x]["final_loss"] is not None and dil[x]["final_loss"] is not None]
             if diffs:
-                cell["methods"][mode]["minus_diloco"] = {"seeds": common, "diffs": diffs,
-                                                         "mean": statistics.fmean(diffs), "std": _std(diffs)}
+                cell["methods"][_v2_name(mode, lr)]["minus_diloco"] = {
+                    "seeds": common, "diffs": diffs, "mean": statistics.fmean(diffs), "std": _std(diffs)}
         out.append(cell)
     return {"cells": out}
 
@@ -311,8 +317,8 @@ def plots_v2(v2: dict, recs: list[dict], folder: Path) -> None:
     fig, axes = plt.subplots(2, len(cells), figsize=(5.2 * len(cells), 7.5), squeeze=False)
     for j, c in enumerate(cells):
         runs = [r for r in recs if r.get("study") == "v2" and (r["init"], r["vocab"], r["workers"], r["inner_steps"])
-                == (c["init"], c["vocab"], c["workers"], c["inner_steps"])]
-        title = f"init {c['init']}, vocab {c['vocab']}, K {c['workers']}, H {c['inner_steps']}"
+                == (c["init"], c["vocab"], c["workers"], c["inner_steps"]) and r["outer_lr"] == V2_DEFAULT_LR[r["mode"]]]
+        title = f"init {c['init']}, vocab {c['vocab']}, K {c['workers']}, H {c['inner_steps']} (default lrs)"
         for r in runs:
             col = colors.get(r["mode"], "tab:purple")
             first = r["seed"] == min(x["seed"] for x in runs if x["mode"] == r["mode"])
@@ -338,22 +344,29 @@ def plots_v2(v2: dict, recs: list[dict], folder: Path) -> None:
         d, i = c["methods"].get("diloco"), c["methods"].get("isoloco")
         if not d or not i:
             continue
-        runs = {(r["mode"], r["seed"]): r for r in recs if r.get("study") == "v2" and (
+        runs = {(r["mode"], r["outer_lr"], r["seed"]): r for r in recs if r.get("study") == "v2" and (
             r["init"], r["vocab"], r["workers"], r["inner_steps"]) == (c["init"], c["vocab"], c["workers"], c["inner_steps"])}
         for seed in sorted(set(d["seeds"]) & set(i["seeds"])):
-            rd, ri = runs.get(("diloco", seed)), runs.get(("isoloco", seed))
+            rd = runs.get(("diloco", V2_DEFAULT_LR["diloco"], seed))
+            ri = runs.get(("isoloco", V2_DEFAULT_LR["isoloco"], seed))
             if rd and ri and rd["final_loss"] is not None and ri["final_loss"] is not None:
                 pts.append((c, _round_mean(rd, "shrinkage", "all"), _round_mean(rd, "cosine", "all"),
+                            _spec_mean(rd, "top_over_mean", set(range(len(rd["heldout_loss"]) // 2 + 1, 10**6))),
                             ri["final_loss"] - rd["final_loss"]))
     if pts:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for ax, j, xl in ((axes[0], 1, "DiLoCo run: shrinkage, mean over rounds"),
-                          (axes[1], 2, "DiLoCo run: mean pairwise cosine, mean over rounds")):
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        labels = []
+        for ax, j, xl in ((axes[0], 0, "DiLoCo run: shrinkage, mean over rounds"),
+                          (axes[1], 1, "DiLoCo run: mean pairwise cosine, mean over rounds"),
+                          (axes[2], 2, "DiLoCo run: median σ₁/σ̄ of mean Δ, second half of the rounds")):
             for c, *vals in pts:
                 lab = f"{c['init']}, vocab {c['vocab']}, K {c['workers']}, H {c['inner_steps']}"
-                ax.scatter(vals[j - 1], vals[2], label=lab)
-            handles, labels = ax.get_legend_handles_labels()
-            uniq = dict(zip(labels, handles))
+                if lab not in labels:
+                    labels.append(lab)
+                ax.scatter(vals[j], vals[3], label=lab, color=palette[labels.index(lab) % len(palette)])
+            handles, shown = ax.get_legend_handles_labels()
+            uniq = dict(zip(shown, handles))
             ax.legend(uniq.values(), uniq.keys(), fontsize=8)
             ax.set_xlabel(xl)
             ax.set_ylabel("IsoLoCo − DiLoCo final loss (nats/byte), per seed")
