@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import dtensor  # DTensor (FSDP2 / TP) params
 from ._validate import SUPPORTED_DTYPES, ResultOverflowError, check_all_finite, check_writable, compute_dtype
 from .buckets import BucketPlan
 from .flatten import check_method
@@ -225,6 +226,12 @@ class IsoLoCo(torch.optim.Optimizer):
                 raise TypeError(
                     f"{where}: param {i} has dtype {p.dtype}; IsoLoCo supports {SUPPORTED_DTYPES}"
                 )
+        # -- DTensor params (FSDP2 / tensor parallel): refused here if unsupported; see dtensor.py --
+        try:
+            dtensor.check_params(self)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
 
     # -- state dict ------------------------------------------------------------------------------
 
@@ -319,6 +326,8 @@ class IsoLoCo(torch.optim.Optimizer):
     def _update(self, failed: Optional[BaseException] = None) -> None:
         """failed: what the closure raised (only passed over a process group, where the other
         ranks must learn of it before anyone writes)."""
+        if dtensor.uses_dtensor(self):  # -- DTensor params: the sharded step lives in dtensor.py --
+            return dtensor.step_(self)
         group = self._group()
         if group is None:
             entries = self._gather()
@@ -395,7 +404,7 @@ class IsoLoCo(torch.optim.Optimizer):
                 with torch.enable_grad():
                     loss = closure()
             except Exception as e:  # noqa: BLE001
-                if self._process_group is None:
+                if self._process_group is None or dtensor.uses_dtensor(self):
                     raise
                 failed = e  # over a process group: every rank must fail together
         self._update(failed)
