@@ -228,8 +228,8 @@ def wire_bytes(shapes, world: int, elem_size: int = 4, mode: str = "auto", dim: 
     """Bytes sent per rank (owner: the mean over ranks) in one outer step for the 2-D `shapes` under
     FSDP's Shard(dim) on a 1-D mesh of `world` ranks: each route alone ("gram_or_gather": the Gram
     where the shard is the long side, else the all-gather), and the routes `mode` picks. 1-D params
-    cost nothing (Nesterov is local)."""
-    out = {"gram_or_gather": 0.0, "owner": 0.0, "allgather": 0.0, mode: 0.0}
+    cost nothing (Nesterov is local). Keys: "allgather", "owner", "gram_or_gather", "chosen"."""
+    out = {"gram_or_gather": 0.0, "owner": 0.0, "allgather": 0.0, "chosen": 0.0}
     for sh in shapes:
         if len(sh) != 2:
             continue
@@ -243,7 +243,7 @@ def wire_bytes(shapes, world: int, elem_size: int = 4, mode: str = "auto", dim: 
         out["owner"] += cost["owner"]
         long_side = route_for(sh, dim, world, elem_size, "gram") == "gram"
         out["gram_or_gather"] += cost["gram"] if long_side else cost["gather"]
-        out[mode] += cost[route_for(sh, dim, world, elem_size, mode)]
+        out["chosen"] += cost[route_for(sh, dim, world, elem_size, mode)]
     return out
 
 

@@ -536,6 +536,7 @@ def test_routes_and_bytes():
     assert DT.route_for((5 * 1024, 1024), 0, 2, 4) == "gram" and DT.route_for((7 * 1024, 1024), 0, 2, 2) == "owner"
     assert DT.route_for((7, 5), None, 8, 4) == "local" and DT.route_for((7, 5), 0, 1, 4) == "local"
     b = DT.wire_bytes([(32000, 1024), (1024,)], 4)
-    assert b["gram_or_gather"] == b["auto"] == 2 * 3 / 4 * 8 * 1024**2
+    assert b["gram_or_gather"] == b["chosen"] == 2 * 3 / 4 * 8 * 1024**2
+    assert DT.wire_bytes([(1024, 1024)], 4, mode="owner")["chosen"] == 2 * 3 / 16 * 1024 * 1024 * 4
     assert b["allgather"] == 3 * 8000 * 1024 * 4 and b["owner"] == 2 * 3 / 16 * 32000 * 1024 * 4
     assert DT.plan_owners([(4, 4), (8, 8), (2, 2), (8, 8)], 2) == [0, 0, 1, 1]
