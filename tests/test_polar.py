@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
-from isoloco_kernels import coefficients, exact, polar
+from isoloco_kernels import coefficients, exact, gram, polar
 from isoloco_kernels.flatten import resolve_method
 from isoloco_kernels.reference import iso_flatten_ref
 from tests.helpers import DTYPES, TOL, rel_err, spectrum, with_spectrum
@@ -35,13 +35,14 @@ def _flatten_quiet(x: torch.Tensor, method: str = "polar") -> torch.Tensor:
 _EPS64 = float(np.finfo(np.float64).eps)
 
 
-def test_coefficient_table_matches_generator():
-    s = coefficients.schedule(polar.ELL, polar.STEPS)
-    assert len(polar.COEFFS) == len(s.coeffs) == polar.STEPS
+@pytest.mark.parametrize("module", [polar, gram], ids=["polar", "gram"])
+def test_coefficient_table_matches_generator(module):
+    s = coefficients.schedule(module.ELL, module.STEPS)
+    assert len(module.COEFFS) == len(s.coeffs) == module.STEPS
     # A backward-stable 4×4 solve moves Remez's answer by ≲ cond·eps64 (×10 for the exchange
     # iterations); a row inherits the noise of the rows that fixed its interval, hence the running max.
     worst = 1.0
-    for t, (got, want, cond) in enumerate(zip(polar.COEFFS, s.coeffs, s.conds)):
+    for t, (got, want, cond) in enumerate(zip(module.COEFFS, s.coeffs, s.conds)):
         worst = max(worst, cond)
         np.testing.assert_allclose(got, want, rtol=10 * worst * _EPS64, atol=0, err_msg=f"row {t}")
 
