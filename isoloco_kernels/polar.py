@@ -77,15 +77,6 @@ COEFFS = (
 )
 
 
-def __getattr__(name: str):
-    """The offline generator, for code that still asks polar for it (numpy only when asked)."""
-    if name in ("polar_express_coefficients", "remez_odd_quintic", "CUSHION", "SAFETY"):
-        from . import coefficients
-
-        return getattr(coefficients, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # ----------------------------------------------------------------------------------------------
 # Statistics and warnings
 
