@@ -15,7 +15,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _modules() -> list[str]:
     names = ["isoloco_kernels"]
     for info in pkgutil.walk_packages(isoloco_kernels.__path__, "isoloco_kernels."):
-        if info.name.rsplit(".", 1)[-1] != "__main__":  # __main__ runs the training job
+        last = info.name.rsplit(".", 1)[-1]
+        # __main__ runs the training job; _C is the CUDA extension, a torch op library that
+        # _ext.py loads with torch.ops.load_library, not a Python module.
+        if last not in ("__main__", "_C"):
             names.append(info.name)
     return sorted(names)
 
