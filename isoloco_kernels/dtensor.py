@@ -16,7 +16,8 @@ The step, per parameter with a grad, on the param's own device mesh:
   Shard along the long side,     "gram": A₀ = Σᵢ YᵢᵀYᵢ (d×d, float64) over the shards Yᵢ (the
   when the Gram is cheaper         shard, transposed so the long side runs down), one all-reduce
   (below)                          for all such matrices of the step (one flat float64 buffer);
-                                   then on every rank eigh(A₀) = V diag(σ²) Vᵀ, the directions with
+                                   then on every rank (method "gram": the Gram-space iteration,
+                                   below) eigh(A₀) = V diag(σ²) Vᵀ, the directions with
                                    σ ≤ sqrt(max(m, n))·eps32·σ₁ cut (exact.py's rule), and each
                                    rank writes its own shard s̄·Yᵢ·V diag(1/σ) Vᵀ, s̄ = Σσ / d.
   anything else sharded          "owner": every matrix has one owner (`plan_owners`: largest
@@ -38,8 +39,12 @@ The step, per parameter with a grad, on the param's own device mesh:
   `opt.dtensor_route` overrides the rule: "gram" (every long-side shard through the Gram, the rest
   by owner), "owner", or "gather" (one padded all-gather per dtype of every sharded matrix, each
   rank flattens all of them and keeps its shards: (W−1)/W · b·m·n per rank, the most bytes and
-  FLOPs, one collective); default "auto". The Gram route always uses float64 eigh (the "eigh"
-  method's math); the optimizer's `method` applies to the other routes.
+  FLOPs, one collective); default "auto". On the Gram route, method "gram" (and "auto" where it
+  resolves to "gram" for the matrix's shape and device: `flatten.resolve_method`) runs gram.py's
+  float64 iteration on the all-reduced A₀ (`gram.gram_from_a0`: W = s̄·Y, each rank writes Yᵢ·Wᵀ);
+  matrices that miss its residual check, and every other method, take the float64 eigh above.
+  Every rank holds the same A₀, so every rank takes the same decision. The optimizer's `method`
+  applies unchanged to the other routes.
   Uneven shards (dimension not divisible by the mesh size: torch.chunk sizes, as DTensor and
   FSDP2 use) are handled everywhere; the all-gather pads every rank's segment to the longest one.
 - 2-D params on a mesh with more than one dimension (HSDP Replicate × Shard(0), FSDP × TP): the
@@ -383,6 +388,8 @@ class _Stats:
         self.gather_elements = 0  # elements in all-gather outputs (all ranks' padded segments)
         self.full_tensor_elements = 0  # elements materialized by the general (multi-dim mesh) path
         self.owner_elements = 0  # elements this rank sent to other ranks in the owner route's all-to-alls
+        self.gram_iterated = 0  # Gram-route matrices flattened by gram.py's iteration on A₀
+        self.gram_fallbacks = 0  # of those, the ones that missed its check and took the eigh
 
     def __repr__(self):
         return (f"_Stats(gram={self.gram_elements}, gather={self.gather_elements}, "
@@ -495,7 +502,8 @@ def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tens
         for k, d in zip(ks, ds):
             grams[k] = buf[off : off + d * d].view(d, d)
             off += d * d
-        res = attempt(_gram_polar, [(k, entries[k], ys[k], grams[k]) for k in ks if ys[k] is not None])
+        res = attempt(_gram_polar, [(k, entries[k], ys[k], grams[k]) for k in ks if ys[k] is not None],
+                      opt.method, stats)
         if res:
             out.update(res)
 
@@ -571,33 +579,80 @@ def _gram_into(entry, slot: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _gram_polar(items) -> dict[int, torch.Tensor]:
-    """This rank's shard of s̄·Q for each (entry index, entry, Y, A₀), batched eigh per d."""
+def _gram_method(method: str, d: int, n: int, device, dtype) -> str:
+    """"gram" when the optimizer's method runs the Gram-space iteration on a d×n matrix (method
+    "gram", or "auto" resolving to it for this shape and device), else "eigh"."""
+    if method == "gram":
+        return "gram"
+    if method == "auto":
+        from .flatten import resolve_method
+
+        probe = torch.empty((), dtype=dtype, device=device).expand(1, d, n)  # no allocation
+        return "gram" if resolve_method("auto", probe) == "gram" else "eigh"
+    return "eigh"
+
+
+def _gram_polar(items, method: str = "eigh", stats=None) -> dict[int, torch.Tensor]:
+    """This rank's shard of s̄·Q for each (entry index, entry, Y, A₀), batched per d: gram.py's
+    iteration on A₀ (`gram.gram_from_a0`) where the method asks for it, float64 eigh otherwise and
+    for the matrices that miss the iteration's residual check (every rank holds the same A₀, so
+    every rank takes the same decision)."""
     out = {}
-    by_d: dict[int, list] = {}
+    by_d: dict[tuple, list] = {}
     for it in items:
-        by_d.setdefault(it[3].shape[0], []).append(it)
-    for d, its in by_d.items():
+        p, g = it[1][2], it[1][3]
+        how = _gram_method(method, min(p.shape), max(p.shape), _local(g).device, g.dtype)
+        by_d.setdefault((it[3].shape[0], how), []).append(it)
+    for (d, how), its in by_d.items():
         a = torch.stack([it[3] for it in its])
         check_all_finite([a], ["Gram matrix"])
-        lam, v = torch.linalg.eigh(a)
-        sig = lam.clamp_min(0).sqrt()  # ascending
-        for (k, entry, y, _), s, vv, aa in zip(its, sig, v, a):
-            p, g = entry[2], entry[3]
-            m, n = p.shape
-            if g.dtype == torch.float64:
-                tol = max(max(m, n) ** 0.5 * torch.finfo(torch.float64).eps, 1e-7)
-            else:
-                tol = max(m, n) ** 0.5 * torch.finfo(torch.float32).eps
-            keep = s > tol * s[-1]
-            inv = torch.where(keep, 1.0 / torch.where(keep, s, 1.0), 0.0)
-            w = (vv * inv) @ vv.mT
-            sbar = (s * keep).sum() / d
-            q = (y @ w) * sbar
-            # exact zeros stay zero: rows of Y are zero by construction; zero columns from diag(A₀)
-            q = q * (aa.diagonal() != 0).to(q.dtype)
-            res = q if p.placements[0].dim == 0 else q.mT
-            out[k] = res.to(g.dtype)
+        if how == "gram":
+            from .gram import gram_from_a0
+
+            yg, sbar, _, ok = gram_from_a0(a)
+            w = yg * sbar[:, None, None]
+            rest = []
+            for it, ww, good in zip(its, w, ok.tolist()):
+                if not good:
+                    rest.append(it)
+                    continue
+                k, entry, y, _ = it
+                p, g = entry[2], entry[3]
+                q = y @ ww.mT  # Y (long side down) = Xᵀ: Q·… = X·Wᵀ
+                res = q if p.placements[0].dim == 0 else q.mT
+                out[k] = res.to(g.dtype)
+            if stats is not None:
+                stats.gram_iterated += len(its) - len(rest)
+                stats.gram_fallbacks += len(rest)
+            if rest:
+                out.update(_gram_eigh(rest, d))
+        else:
+            out.update(_gram_eigh(its, d))
+    return out
+
+
+def _gram_eigh(its, d: int) -> dict[int, torch.Tensor]:
+    """s̄·Q by float64 eigh of A₀ = V diag(σ²) Vᵀ (exact.py's rank cut), this rank's shard."""
+    out = {}
+    a = torch.stack([it[3] for it in its])
+    lam, v = torch.linalg.eigh(a)
+    sig = lam.clamp_min(0).sqrt()  # ascending
+    for (k, entry, y, _), s, vv, aa in zip(its, sig, v, a):
+        p, g = entry[2], entry[3]
+        m, n = p.shape
+        if g.dtype == torch.float64:
+            tol = max(max(m, n) ** 0.5 * torch.finfo(torch.float64).eps, 1e-7)
+        else:
+            tol = max(m, n) ** 0.5 * torch.finfo(torch.float32).eps
+        keep = s > tol * s[-1]
+        inv = torch.where(keep, 1.0 / torch.where(keep, s, 1.0), 0.0)
+        w = (vv * inv) @ vv.mT
+        sbar = (s * keep).sum() / d
+        q = (y @ w) * sbar
+        # exact zeros stay zero: rows of Y are zero by construction; zero columns from diag(A₀)
+        q = q * (aa.diagonal() != 0).to(q.dtype)
+        res = q if p.placements[0].dim == 0 else q.mT
+        out[k] = res.to(g.dtype)
     return out
 
 

@@ -72,7 +72,7 @@ from ._validate import ResultOverflowError, _describe_nonfinite, overflow_limit
 from .polar import PolarFallbackWarning, PolarStats
 
 __all__ = [
-    "ELL", "STEPS", "CHECK_TOL", "COEFFS", "gram_factor", "flatten_gram_",
+    "ELL", "STEPS", "CHECK_TOL", "COEFFS", "gram_factor", "gram_from_a0", "flatten_gram_",
     "GramFallbackWarning", "last_stats", "reset_stats",
 ]
 
@@ -198,7 +198,13 @@ def gram_factor(
         col_nz += nz.any(-2).sum(-1)
         del ch, nz
     rank = torch.minimum(row_nz.sum(-1), col_nz).to(f64)
+    y, tq, resid, s = _iterate(a0, rank, coeffs, update)
+    return y, tq, resid, rank, s
 
+
+def _iterate(a0: torch.Tensor, rank: torch.Tensor, coeffs, update: str):
+    """The m×m part of `gram_factor` on A₀ [b, m, m] (float64, overwritten by Ã₀): the σ_max
+    bound, the schedule and the residual check. Returns (Y, t, resid, s) as `gram_factor`."""
     # σ_max bound: B = A₀ / tr(A₀), λ_max(B) ≤ ‖B⁴‖_F^{1/4} ≤ r^{1/4} λ_max(B).
     tr = a0.diagonal(dim1=-2, dim2=-1).sum(-1)
     tr = torch.where(tr > 0, tr, 1)[:, None, None]
@@ -225,12 +231,12 @@ def gram_factor(
             a_mat = p @ a_mat @ p
         del p
     z = y @ a0  # Y·Ã₀ (symmetric in exact arithmetic)
-    r0 = min(m, n)
+    r0 = a0.shape[-1]  # m ≤ n
     tq = z.diagonal(dim1=-2, dim2=-1).sum(-1) / r0  # s̄ / c
     fro2 = (z * y).sum((-2, -1))  # tr(Y Ã₀ Yᵀ) = ‖Q‖_F²
     resid = (rank - fro2).abs() / rank.clamp_min(1).sqrt()
     del z
-    return y, tq, resid, rank, s
+    return y, tq, resid, s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,3 +373,24 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
             GramFallbackWarning,
             stacklevel=3,
         )
+
+
+def gram_from_a0(a0: torch.Tensor, *, coeffs=COEFFS, update: str = "pap"):
+    """(Y, s̄, resid, ok) from the short-side Gram matrices alone: a0 [b, d, d] float64, A₀ = X Xᵀ of a
+    wide d×n X (or XᵀX of a tall n×d one), e.g. summed over the row shards of a sharded matrix.
+
+    The same scaling, schedule and residual check as `flatten_gram_`; a0 is not modified. Y [b, d, d]
+    (float64) gives Q = Y·X (wide) or Q = X·Yᵀ (tall), and the Iso-C result is s̄·Q with s̄ [b] the
+    mean singular value. The rank bound comes from A₀'s nonzero diagonal (X's nonzero short-side
+    lines); a matrix with fewer nonzero long-side lines than that fails the check. resid [b] and
+    ok = resid ≤ CHECK_TOL: a matrix that fails it needs an exact method. Deterministic: the same
+    A₀ gives the same Y and decision (so ranks holding one all-reduced A₀ agree). Non-finite a0
+    raises ValueError."""
+    if a0.ndim != 3 or a0.shape[-1] != a0.shape[-2] or a0.dtype != torch.float64:
+        raise ValueError(f"gram_from_a0: expected float64 [B, d, d], got {a0.dtype} {tuple(a0.shape)}")
+    if not bool(torch.isfinite(a0).all()):
+        raise ValueError("gram_from_a0: the Gram matrix has NaN/Inf entries")
+    rank = (a0.diagonal(dim1=-2, dim2=-1) != 0).sum(-1).to(torch.float64)
+    y, tq, resid, s = _iterate(a0.clone(), rank, coeffs, update)
+    sc = torch.where(s > 0, s, 1)
+    return y / sc[:, None, None], tq * s, resid, resid <= CHECK_TOL
