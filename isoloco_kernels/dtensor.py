@@ -388,8 +388,8 @@ class _Stats:
         self.gather_elements = 0  # elements in all-gather outputs (all ranks' padded segments)
         self.full_tensor_elements = 0  # elements materialized by the general (multi-dim mesh) path
         self.owner_elements = 0  # elements this rank sent to other ranks in the owner route's all-to-alls
-        self.gram_iterated = 0  # Gram-route matrices flattened by gram.py's iteration on A₀
-        self.gram_fallbacks = 0  # of those, the ones that missed its check and took the eigh
+        self.gram_iterated = 0  # Gram-route matrices written by gram.py's iteration on A₀
+        self.gram_fallbacks = 0  # Gram-route matrices that missed its check and took the eigh
 
     def __repr__(self):
         return (f"_Stats(gram={self.gram_elements}, gather={self.gather_elements}, "
@@ -618,7 +618,7 @@ def _gram_polar(items, method: str = "eigh", stats=None) -> dict[int, torch.Tens
                     continue
                 k, entry, y, _ = it
                 p, g = entry[2], entry[3]
-                q = y @ ww.mT  # Y (long side down) = Xᵀ: Q·… = X·Wᵀ
+                q = y @ ww.mT  # y: this rank's rows of Xᵀ (long side down); s̄·Qᵀ = Xᵀ·Wᵀ
                 res = q if p.placements[0].dim == 0 else q.mT
                 out[k] = res.to(g.dtype)
             if stats is not None:
