@@ -355,15 +355,7 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
         x3[flagged] = fallback
 
     idx = tuple(int(i) for i in flagged.tolist())
-    _STATS = dataclasses.replace(
-        _STATS,
-        calls=_STATS.calls + 1,
-        matrices=_STATS.matrices + nb,
-        recomputed=_STATS.recomputed + len(idx),
-        last_matrices=nb,
-        last_recomputed=idx,
-        last_max_residual=float(resid.max()),
-    )
+    _STATS = _STATS.after(nb, idx, float(resid.max()))
     if idx:
         shown = f"{list(idx[:8])}{'…' if len(idx) > 8 else ''}"
         warnings.warn(

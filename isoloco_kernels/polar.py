@@ -96,6 +96,18 @@ class PolarStats:
     last_recomputed: tuple[int, ...] = ()
     last_max_residual: float = 0.0  # max over the batch of |r − ‖X‖_F²| / √r (before fallback)
 
+    def after(self, nb: int, recomputed: tuple[int, ...], max_residual: float) -> "PolarStats":
+        """These statistics updated with one call over `nb` matrices."""
+        return dataclasses.replace(
+            self,
+            calls=self.calls + 1,
+            matrices=self.matrices + nb,
+            recomputed=self.recomputed + len(recomputed),
+            last_matrices=nb,
+            last_recomputed=recomputed,
+            last_max_residual=max_residual,
+        )
+
 
 _STATS = PolarStats()
 
@@ -305,15 +317,7 @@ def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", backend: str | None 
     x3.copy_(out)
 
     idx = tuple(int(i) for i in flagged.tolist())
-    _STATS = dataclasses.replace(
-        _STATS,
-        calls=_STATS.calls + 1,
-        matrices=_STATS.matrices + nb,
-        recomputed=_STATS.recomputed + len(idx),
-        last_matrices=nb,
-        last_recomputed=idx,
-        last_max_residual=float(resid.max()) if nb else 0.0,
-    )
+    _STATS = _STATS.after(nb, idx, float(resid.max()) if nb else 0.0)
     if idx:
         shown = f"{list(idx[:8])}{'…' if len(idx) > 8 else ''}"
         warnings.warn(

@@ -15,13 +15,7 @@ from isoloco_kernels.reference import iso_flatten_ref, isoloco_step_ref
 from tests.helpers import DTYPES, TOL, gram_tol, rel_err, spectrum, with_spectrum
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Small float64 GEMMs: a second thread buys nothing and stalls on a busy shared machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small computations (tests/conftest.py)
 
 
 def _gen(key) -> torch.Generator:

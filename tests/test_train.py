@@ -23,13 +23,7 @@ CLI_SMALL = ["-K", "2", "-H", "2", "-R", "2", "--batch", "2", "--seq-len", "16",
              "--max-bytes", "60000", "--quiet", "--threads", "1"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The models here are tiny: a second thread buys nothing and thrashes on a busy machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small computations (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
