@@ -44,7 +44,7 @@ from ._validate import SUPPORTED_DTYPES, check_all_finite, check_matrix_tensor, 
 from .buckets import BucketPlan
 from .flatten import check_method
 from .nesterov import prepare_outer_update
-from .ops import flatten_buckets_
+from .ops import iso_merge_unchecked_
 from .optim import _SGD_KEYS, _check_group, check_state_dict
 
 __all__ = [
@@ -458,7 +458,7 @@ def sharded_iso_merge_(
     for us in solo_mine.values():
         batches.append((torch.stack([unit(u) for u in us]), us))
     try:
-        flatten_buckets_([blk for blk, _ in batches], method)  # checked above
+        iso_merge_unchecked_([blk for blk, _ in batches], method)  # checked above
     except Exception as e:  # any failure must reach the other ranks before they write
         error = _error_text(e)
     _agree(error, group, device, "sharded_iso_merge_")
@@ -710,7 +710,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         views = [updates[i] for i in idx]
         if self._buckets is None or not self._buckets.matches(views):
             self._buckets = BucketPlan(views)
-        flatten_buckets_(self._buckets.pack(views), self.method)  # checked by the caller
+        iso_merge_unchecked_(self._buckets.pack(views), self.method)  # checked by the caller
         return dict(zip(idx, self._buckets.views()))
 
     def _own_single(self, dtype, flat) -> torch.Tensor:

@@ -459,7 +459,7 @@ def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tens
     Collectives are issued in entry order whatever happens locally (a failed local step sends
     zeros), so one rank's exception cannot leave the others waiting; the first local error is
     raised after all of them ran."""
-    from .ops import flatten_buckets_
+    from .ops import iso_merge_unchecked_
 
     first_error: list[BaseException] = []
 
@@ -551,7 +551,7 @@ def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tens
         if plan is not None:
             buffers = plan.pack(mats)
             if attempt(check_all_finite, mats, [f"matrix {k}" for k in ks]) is None and not first_error:
-                attempt(flatten_buckets_, buffers, opt.method)
+                attempt(iso_merge_unchecked_, buffers, opt.method)
             for k, v in zip(ks, plan.views()):
                 if k in owned:
                     owned[k] = v

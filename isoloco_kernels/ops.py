@@ -186,9 +186,9 @@ def iso_merge_(buckets: Sequence[torch.Tensor], *, method: str = "auto") -> list
     done = {}
     for i in risky:
         done[i] = buckets[i].clone()
-        flatten_buckets_([done[i]], method, first=i)
-    flatten_buckets_([b for i, b in enumerate(buckets) if i not in done], method,
-                     index=[i for i in range(len(buckets)) if i not in done])
+        iso_merge_unchecked_([done[i]], method, first=i)
+    iso_merge_unchecked_([b for i, b in enumerate(buckets) if i not in done], method,
+                         index=[i for i in range(len(buckets)) if i not in done])
     for i, r in done.items():
         buckets[i].copy_(r)
     return buckets
@@ -202,7 +202,7 @@ def _may_not_fit(b: torch.Tensor) -> bool:
     return not norm / math.sqrt(r0) < torch.finfo(b.dtype).max / 2
 
 
-def flatten_buckets_(buckets: Sequence[torch.Tensor], method: str, *, first: int = 0, index=None) -> None:
+def iso_merge_unchecked_(buckets: Sequence[torch.Tensor], method: str, *, first: int = 0, index=None) -> None:
     """The op over every non-empty bucket, for callers that already checked all of them.
     A result that does not fit its dtype raises ResultOverflowError naming the bucket (its
     position in `index`, or first + its position) and the matrix; that bucket is untouched."""

@@ -41,7 +41,7 @@ from ._validate import SUPPORTED_DTYPES, ResultOverflowError, check_all_finite, 
 from .buckets import BucketPlan
 from .flatten import check_method
 from .nesterov import prepare_outer_update
-from .ops import flatten_buckets_
+from .ops import iso_merge_unchecked_
 
 __all__ = ["IsoLoCo"]
 
@@ -308,7 +308,7 @@ class IsoLoCo(torch.optim.Optimizer):
         buffers = self._plan.pack(grads)
         if self._process_group is None:
             try:
-                flatten_buckets_(buffers, self.method)  # grads were checked in _gather
+                iso_merge_unchecked_(buffers, self.method)  # grads were checked in _gather
             except ResultOverflowError as e:  # name the param, not the internal bucket
                 b = self._plan.buckets[e.bucket]
                 gi, pi, p = entries[chosen[b.members[e.matrix]]][:3]

@@ -60,7 +60,7 @@ def jobs(cells, part: str = "all") -> list[tuple[int, int, str, float | None]]:
 
 def key(rec: dict) -> tuple:
     return (rec["seed"], rec["workers"], rec["inner_steps"], rec["mode"], rec["outer_lr"],
-            rec.get("study", "v1"), rec.get("init", "gpt2"), rec.get("vocab", 256))
+            rec.get("study", "v1"), rec.get("init", "gpt2"), rec.get("vocab", 256), rec["rounds"])
 
 
 def finished(folder: Path) -> set:
@@ -86,14 +86,16 @@ def main() -> None:
     p.add_argument("--cells", default=None, help="K:H,... (default: all)")
     p.add_argument("--part", choices=PARTS, default="all")
     p.add_argument("--lrs", default=None,
-                   help="run only these outer lrs instead of a part, e.g. diloco=0.35,isoloco=3.2")
+                   help="run only these outer lrs instead of a part, e.g. diloco=0.35,isoloco=3.2 (ddp=- for DDP)")
     p.add_argument("--init", default="gpt2", help="v2: comma list of inits (gpt2, torch)")
     p.add_argument("--vocab", type=int, default=256, help="v2: 256 (bytes) or a BPE vocabulary size")
+    p.add_argument("--steps", type=int, default=STEPS_PER_WORKER,
+                   help="inner steps per worker (the token budget); rounds = steps // H")
     a = p.parse_args()
     study = "v2" if a.part == "v2" else "v1"
     inits = [x for x in a.init.split(",") if x]
-    if study == "v1" and (inits != ["gpt2"] or a.vocab != 256):
-        p.error("--init and --vocab are study v2 settings: add --part v2")
+    if study == "v1" and (inits != ["gpt2"] or a.vocab != 256 or a.steps != STEPS_PER_WORKER):
+        p.error("--init, --vocab and --steps are study v2 settings: add --part v2")
     torch.set_num_threads(1)  # one core per study process
     torch.use_deterministic_algorithms(True)
     out = Path(a.out)
@@ -104,16 +106,19 @@ def main() -> None:
     cache = out.parent / ".tokenizers"  # BPE tokenizers, trained once on the training split
     todo = jobs(cells, a.part)
     if a.lrs:  # extend the grid where its best point sits on an edge
-        pairs = [(m, float(v)) for m, v in (x.split("=") for x in a.lrs.split(","))]
+        pairs = [(m, None if v == "-" else float(v)) for m, v in (x.split("=") for x in a.lrs.split(","))]
         todo = [(K, H, m, lr) for K, H in cells for m, lr in pairs]
     todo = [(K, H, mode, lr, init, seed) for init in inits for K, H, mode, lr in todo for seed in seeds]
     if study == "v2":  # the paired DiLoCo / IsoLoCo runs of every init first, seed by seed; then the rest
         todo.sort(key=lambda j: (j[2] not in ("diloco", "isoloco"), j[5]))
     for K, H, mode, lr, init, seed in todo:
-        k = (seed, K, H, mode, lr, study, init, a.vocab)
+        rounds = a.steps // H
+        if rounds < 1:
+            p.error(f"--steps {a.steps} is less than one round at H = {H}")
+        k = (seed, K, H, mode, lr, study, init, a.vocab, rounds)
         if k in finished(out.parent) or not claim(out.parent, k if study == "v2" else k[:5]):
             continue
-        cfg = TrainConfig(workers=K, inner_steps=H, rounds=STEPS_PER_WORKER // H, seed=seed,
+        cfg = TrainConfig(workers=K, inner_steps=H, rounds=rounds, seed=seed,
                           init=init, vocab=a.vocab, divergence=study == "v2")
         if lr is not None:
             cfg = replace(cfg, outer_lr={mode: lr})

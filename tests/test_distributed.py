@@ -243,15 +243,15 @@ def _pair_checks(group, tmpdir):
     # a flatten that fails on one rank (not bad input): same all-or-nothing behaviour
     for p, g in zip(params, _pseudo_grads(SHAPES_2, torch.float32, rank, 1)):
         p.grad = g
-    real = D.flatten_buckets_
+    real = D.iso_merge_unchecked_
     if rank == 0:
         def broken(buckets, method):
             real(buckets, method)  # scribbles on the scratch copies first
             raise RuntimeError("injected flatten failure")
-        D.flatten_buckets_ = broken
+        D.iso_merge_unchecked_ = broken
     with pytest.raises(D.DistributedStepError, match="rank 0: RuntimeError: injected flatten failure"):
         opt.step()
-    D.flatten_buckets_ = real
+    D.iso_merge_unchecked_ = real
     _assert_unchanged(opt, params, before_p, before_b)
     # and the optimizer still works afterwards
     opt.step()

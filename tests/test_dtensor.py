@@ -253,14 +253,14 @@ def _check_all_or_nothing(mesh, rank):
     # an owner whose flatten fails (after the first all-to-all, before the second)
     import isoloco_kernels.ops as ops
 
-    real_flatten = ops.flatten_buckets_
+    real_flatten = ops.iso_merge_unchecked_
     if rank == 1:
         def broken_flatten(buckets, method):
             raise RuntimeError("injected owner failure")
-        ops.flatten_buckets_ = broken_flatten
+        ops.iso_merge_unchecked_ = broken_flatten
     with pytest.raises(DistributedStepError, match="rank 1: RuntimeError: injected owner failure"):
         opt.step()
-    ops.flatten_buckets_ = real_flatten
+    ops.iso_merge_unchecked_ = real_flatten
     _assert_unchanged(model, opt, snap, "failed owner flatten")
     # an update that would overflow one rank's param shard: refused everywhere before any write
     _set_grads(model, ref, 1)
