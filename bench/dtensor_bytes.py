@@ -3,7 +3,7 @@
 Counts, from the shapes alone, what one rank sends for the Iso-C part of one outer step when every
 2-D weight is FSDP-sharded along dim 0 (Shard(0), torch.chunk sizes) over W ranks of a 1-D mesh.
 Nesterov and the 1-D params send nothing. Ring collectives: an all-gather sends (W−1)·(largest
-shard) per rank, an all-reduce of P bytes 2·(W−1)/W·P. The formulas are `isoloco_kernels.dtensor`'s
+shard) per rank, an all-reduce of P bytes 2·(W−1)/W·P. The formulas are `isoloco_kernels.distributed.dtensor`'s
 (`gram_bytes`, `gather_bytes`, `owner_bytes`); tests/test_dtensor.py checks that the collectives the
 step issues carry exactly the element counts these formulas assume.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from bench.shapes import SETS, ModelSpec, decoder_weight_shapes
-from isoloco_kernels.dtensor import gather_bytes, gram_bytes, owner_bytes, route_for
+from isoloco_kernels.distributed.dtensor import gather_bytes, gram_bytes, owner_bytes, route_for
 
 WORLDS = (2, 4, 8)
 # Not in bench/shapes.py: a llama-3-8B-sized shape (full-size k, v as the other sets; no GQA).
@@ -63,7 +63,7 @@ def main() -> None:
     lines = [
         "# Bytes per IsoLoCo outer step under FSDP2 (DTensor params), 2026-12-02",
         "",
-        "Counted from the shapes (bench/dtensor_bytes.py, formulas of isoloco_kernels/dtensor.py), not timed.",
+        "Counted from the shapes (bench/dtensor_bytes.py, formulas of isoloco_kernels/distributed/dtensor.py), not timed.",
         "Every 2-D weight Shard(0) over W ranks of a 1-D mesh (FSDP2's layout, torch.chunk sizes), untied",
         "embedding and LM head, full-size k/v (bench/shapes.py). MB (1e6 bytes) **sent per rank** for the",
         "Iso-C part of one outer step; Nesterov and 1-D params send nothing.",

@@ -51,7 +51,7 @@ class _Counter:
     def __init__(self, world: int):
         import torch.distributed as dist
 
-        from isoloco_kernels import distributed as D
+        from isoloco_kernels.distributed import collectives as C
 
         self.world, self.payload, self.ring = world, 0, 0
         w = world
@@ -63,7 +63,7 @@ class _Counter:
         def nbytes(t):
             return t.numel() * t.element_size()
 
-        ar, rs, ag = dist.all_reduce, D._reduce_scatter_single, D._all_gather_single
+        ar, rs, ag = dist.all_reduce, C.reduce_scatter_single, C.all_gather_single
 
         def all_reduce(t, *a, **k):
             count(nbytes(t), 2 * (w - 1) / w)
@@ -77,7 +77,7 @@ class _Counter:
             count(nbytes(out), (w - 1) / w)
             return ag(out, inp, *a, **k)
 
-        dist.all_reduce, D._reduce_scatter_single, D._all_gather_single = all_reduce, reduce_scatter, all_gather
+        dist.all_reduce, C.reduce_scatter_single, C.all_gather_single = all_reduce, reduce_scatter, all_gather
 
     def reset(self):
         self.payload = self.ring = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import traceback
 from datetime import timedelta
 
 import pytest
@@ -140,10 +141,20 @@ def _assert_same_everywhere(tensors, what, group=None):
 SHAPES_2 = [(12, 5), (7,), (5, 9), (1, 6), (6, 1), (16, 16), (3,), (9, 4)]
 
 
-def _pair_checks(group, tmpdir):
-    """Checks on a 2-rank subgroup (ranks 0, 1 and ranks 2, 3 each run them at once)."""
-    rank, world = dist.get_rank(group), 2
-    lr, mu = 1.8, 0.8
+# Each check below runs on a 2-rank subgroup (ranks 0, 1 and ranks 2, 3 at once) inside one spawned
+# group of 4 processes and is reported as its own test result (test_pair_check[name]).
+LR, MU = 1.8, 0.8
+PAIR_CHECKS = {}
+
+
+def _pair_check(fn):
+    PAIR_CHECKS[fn.__name__.removeprefix("_check_")] = fn
+    return fn
+
+
+@_pair_check
+def _check_sharded_matches_isoloco(group, tmpdir):
+    rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
     # several steps, fp32 and fp64, multi-chunk communication (tiny buckets), solo tensors on and off
     cases = ((torch.float32, 64, 1.0), (torch.float64, 1 << 20, None), (torch.float32, 1 << 20, 0.2),
              (torch.bfloat16, 1 << 20, 1.0))
@@ -161,6 +172,10 @@ def _pair_checks(group, tmpdir):
         held = {i for i, p in enumerate(opt._params) if "momentum_buffer" in opt.state[p]}
         assert held == owned, f"rank {rank} holds momentum for {sorted(held)}, owns {sorted(owned)}"
 
+
+@_pair_check
+def _check_iso_off(group, tmpdir):
+    rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
     # iso off: plain Nesterov SGD on the averaged pseudo-gradients
     params = _model(SHAPES_2, torch.float64)
     opt = D.ShardedIsoLoCo(params, lr=0.7, momentum=0.9, iso=False, group=group)
@@ -170,6 +185,10 @@ def _pair_checks(group, tmpdir):
     want = _isoloco_steps(SHAPES_2, torch.float64, world, 2, 0.7, 0.9, iso_on=False)
     _assert_matches_isoloco(params, want, torch.float64, "iso off")
 
+
+@_pair_check
+def _check_process_group_splits_the_flatten(group, tmpdir):
+    rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
     # IsoLoCo(process_group=...): grads already averaged on every rank, flatten work split
     calls = []
     real_sharded = D.sharded_iso_merge_
@@ -189,6 +208,10 @@ def _pair_checks(group, tmpdir):
     D.sharded_iso_merge_ = real_sharded
     assert calls == [group] * 4, "IsoLoCo(process_group=...) must split the flatten over the group"
 
+
+@_pair_check
+def _check_state_dict_resume(group, tmpdir):
+    rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
     # state_dict save, fresh optimizer, load, resume: same trajectory as running straight through
     dtype = torch.float64
     params = _model(SHAPES_2, dtype)
@@ -217,6 +240,10 @@ def _pair_checks(group, tmpdir):
         wrong.load_state_dict(sd)
     dist.barrier(group=group)
 
+
+@_pair_check
+def _check_failure_on_one_rank_changes_nothing(group, tmpdir):
+    rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
     # NaN in one rank's pseudo-gradients: every rank raises, nothing changes anywhere
     params = _model(SHAPES_2, torch.float32)
     opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, group=group)
@@ -243,20 +270,24 @@ def _pair_checks(group, tmpdir):
     # a flatten that fails on one rank (not bad input): same all-or-nothing behaviour
     for p, g in zip(params, _pseudo_grads(SHAPES_2, torch.float32, rank, 1)):
         p.grad = g
-    real = D.iso_merge_unchecked_
+    real = D.sharded.iso_merge_unchecked_
     if rank == 0:
         def broken(buckets, method):
             real(buckets, method)  # scribbles on the scratch copies first
             raise RuntimeError("injected flatten failure")
-        D.iso_merge_unchecked_ = broken
+        D.sharded.iso_merge_unchecked_ = broken
     with pytest.raises(D.DistributedStepError, match="rank 0: RuntimeError: injected flatten failure"):
         opt.step()
-    D.iso_merge_unchecked_ = real
+    D.sharded.iso_merge_unchecked_ = real
     _assert_unchanged(opt, params, before_p, before_b)
     # and the optimizer still works afterwards
     opt.step()
     assert not torch.equal(params[0], before_p[0])
 
+
+@_pair_check
+def _check_sharded_iso_merge_equals_iso_merge(group, tmpdir):
+    rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
     # pre-averaged grads: sharded_iso_merge_ equals iso_merge_, odd shapes, batched, non-contiguous
     g = torch.Generator().manual_seed(7)
     bk = [torch.randn(12, 5, generator=g), torch.randn(3, 4, 6, generator=g, dtype=torch.float64),
@@ -281,6 +312,10 @@ def _pair_checks(group, tmpdir):
     for i, (a, b) in enumerate(zip(got, snap)):
         assert torch.equal(a, b), f"bucket {i} changed although the merge failed"
 
+
+@_pair_check
+def _check_average_is_the_mean(group, tmpdir):
+    rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
     # average_: mean over ranks, in place, multi-bucket, non-contiguous, mixed dtypes
     xs = [_noncontig(t) for t in _pseudo_grads([(5, 3), (11,), (4, 4)], torch.float32, rank, 9)]
     xs.append(_pseudo_grads([(6,)], torch.float64, rank, 9)[0])
@@ -355,18 +390,53 @@ def _single_checks(group):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
 
 
+def _record(tmpdir, rank: int, name: str, fn, *args) -> None:
+    """Run one check and write its outcome (ok, or the traceback) for the test that reports it."""
+    try:
+        fn(*args)
+        out = "ok"
+    except Exception:  # noqa: BLE001 — reported by test_pair_check[name]
+        out = traceback.format_exc()
+    with open(os.path.join(tmpdir, f"check-{name}-rank{rank}"), "w") as f:
+        f.write(out)
+
+
 def _body(rank, world, tmpdir):
     singles = [dist.new_group([r]) for r in range(world)]
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    _single_checks(singles[rank])
-    _pair_checks(pairs[rank // 2], tmpdir)
-    dist.barrier()
+    _record(tmpdir, rank, "single_rank_group", _single_checks, singles[rank])
+    for name, fn in PAIR_CHECKS.items():
+        _record(tmpdir, rank, name, fn, pairs[rank // 2], tmpdir)
+        dist.barrier()  # a check that failed on one rank cannot leave the next one out of step
     _body_four_ranks(rank, world, tmpdir)
 
 
-def test_sharded_outer_step_over_gloo(tmp_path):
-    """One group of 4 processes: two 2-rank subgroups side by side, then all 4 ranks."""
-    _spawn(_body, 4, tmp_path)
+@pytest.fixture(scope="module")
+def gloo_group_of_four(tmp_path_factory):
+    """One spawned group of 4 processes runs every check below; (folder, error of the spawn)."""
+    tmp = tmp_path_factory.mktemp("gloo4")
+    try:
+        _spawn(_body, 4, tmp)
+    except BaseException as e:  # noqa: BLE001 — each check then says what it lacks
+        return tmp, f"{type(e).__name__}: {e}"
+    return tmp, None
+
+
+@pytest.mark.parametrize("name", ["single_rank_group", *PAIR_CHECKS])
+def test_pair_check(gloo_group_of_four, name):
+    """ShardedIsoLoCo, IsoLoCo(process_group=...), sharded_iso_merge_ and average_ on 2-rank groups."""
+    tmp, spawn_error = gloo_group_of_four
+    for rank in range(4):
+        f = tmp / f"check-{name}-rank{rank}"
+        assert f.exists(), f"rank {rank} did not report check {name!r}: {spawn_error}"
+        text = f.read_text()
+        assert text == "ok", f"rank {rank}:\n{text}"
+
+
+def test_four_ranks(gloo_group_of_four):
+    """4 ranks: fewer matrices than ranks, uneven counts, mismatched shapes, a rank that vanishes."""
+    tmp, spawn_error = gloo_group_of_four
+    assert spawn_error is None, spawn_error
 
 
 # ----------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ class DistComm(Comm):
     """
 
     def __init__(self, workers: int, rank: int, outer: str = "replicated", group=None):
-        from ..distributed import BUCKET_BYTES
+        from ..distributed.collectives import BUCKET_BYTES
 
         if outer not in OUTER_PLACEMENTS:
             raise ValueError(f"outer must be one of {OUTER_PLACEMENTS}, got {outer!r}")

@@ -1,7 +1,7 @@
 """IsoLoCo on DTensor params: FSDP2 (`fully_shard`) and tensor parallelism (`parallelize_module`).
 
 torchtitan + torchft shard every replica with FSDP2, so the outer optimizer sees DTensor params and
-grads (torchft writes `p.grad = DTensor.from_local(avg_shard, mesh, placements, ...)`). `IsoLoCo`
+grads (torchft writes `p.grad = DTensor.fromlocal(avg_shard, mesh, placements, ...)`). `IsoLoCo`
 hands such a model to this module (see `check_params` and `step_`); plain tensors never come here.
 
 The step, per parameter with a grad, on the param's own device mesh:
@@ -76,8 +76,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ._validate import SUPPORTED_DTYPES, check_all_finite, compute_dtype
-from .buckets import BucketPlan
+from .._validate import check_all_finite
+from ..buckets import BucketPlan
+from ..ops import iso_merge_unchecked_
+from ..outer import Entry, collect, is_dtensor, local, prepare_nesterov
+from .agree import agree_on_mesh, error_text
 
 # torch 2.14 renamed the single-tensor all-gather; older releases only have the old name
 _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
@@ -92,11 +95,6 @@ def _dt():
 __all__ = ["ROUTES", "check_params", "is_dtensor", "local", "route_for", "step_", "uses_dtensor", "wire_bytes"]
 
 ROUTES = ("auto", "gram", "owner", "gather")
-
-
-def is_dtensor(t) -> bool:
-    mod = _dt()
-    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def uses_dtensor(opt) -> bool:
@@ -125,7 +123,7 @@ def _shard_dim(pl) -> Optional[int]:
 
 
 def _ranks(mesh) -> frozenset:
-    return frozenset(mesh.mesh.flatten().tolist())
+    return frozenset(mesh.mesh.reshape(-1).tolist())
 
 
 def check_params(opt) -> bool:
@@ -256,52 +254,8 @@ def wire_bytes(shapes, world: int, elem_size: int = 4, mode: str = "auto", dim: 
 # Agreement
 
 
-def _error_text(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-def _agree(error: Optional[str], mesh, what: str, fingerprint: int = 0) -> None:
-    """Every rank of `mesh` learns whether any failed or laid its grads out differently; all raise then.
-
-    One all-reduce per mesh dimension of a [2·size] int64 vector: this rank's failure flag and layout
-    fingerprint at its own slot (the sum over the dimensions fills every slot). Error texts travel
-    (all_gather_object) only when something failed."""
-    from .distributed import DistributedStepError  # torch.distributed only when used
-
-    size = mesh.size()
-    me = _mesh_index(mesh)
-    v = torch.zeros(2 * size, dtype=torch.int64)
-    v[me], v[size + me] = int(error is not None), fingerprint
-    for d in range(mesh.ndim):
-        dist.all_reduce(v, group=mesh.get_group(d))
-    flags, prints = v[:size], v[size:]
-    failed = flags.nonzero().flatten().tolist()
-    if not failed and prints.unique().numel() == 1:
-        return
-    texts = {me: error}
-    for d in range(mesh.ndim):
-        g = mesh.get_group(d)
-        got = [None] * dist.get_world_size(g)
-        dist.all_gather_object(got, texts, group=g)
-        texts = {k: t for part in got for k, t in part.items()}
-    ranks = mesh.mesh.flatten().tolist()
-    if failed:
-        head = f"{what} failed on {len(failed)} of {size} ranks"
-        detail = "; ".join(f"rank {ranks[i]}: {texts.get(i)}" for i in failed)
-    else:
-        head = f"{what}: the ranks hold different sets of grads (shapes, placements or dtypes)"
-        detail = "every rank must set p.grad for the same params"
-    raise DistributedStepError(f"{head}, nothing was changed on any rank: {detail}")
-
-
-def _mesh_index(mesh) -> int:
-    """This rank's position in mesh.mesh, flattened."""
-    flat = mesh.mesh.flatten().tolist()
-    return flat.index(dist.get_rank())
-
-
-def _fingerprint(entries) -> int:
-    text = repr([(gi, pi, tuple(p.shape), str(p.placements), str(g.dtype)) for gi, pi, p, g, _ in entries])
+def _fingerprint(entries: list[Entry]) -> int:
+    text = repr([(e.gi, e.pi, tuple(e.p.shape), str(e.p.placements), str(e.g.dtype)) for e in entries])
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
@@ -309,75 +263,52 @@ def _fingerprint(entries) -> int:
 # The step
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a view: in-place writes reach the DTensor); other tensors as they are."""
-    return t.to_local() if is_dtensor(t) else t
+def _check_grad(p, g, name: str) -> None:
+    """What a DTensor param's grad and momentum must be beyond `outer.collect`'s checks."""
+    if not is_dtensor(g):
+        raise TypeError(f"IsoLoCo: {name} is a DTensor but its grad is a {type(g).__name__}")
+    if g.shape != p.shape or g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
+        raise ValueError(
+            f"IsoLoCo: {name}: grad has shape {tuple(g.shape)}, placements {g.placements}; the "
+            f"param has placements {p.placements} on its mesh (set p.grad with the param's placements)"
+        )
+    if local(g).shape != local(p).shape:
+        raise ValueError(f"IsoLoCo: {name}: local grad shard {tuple(local(g).shape)} differs from the param's "
+                         f"{tuple(local(p).shape)}")
+    if p.device_mesh.ndim == 1 and p.ndim >= 1 and p.placements[0].is_shard():
+        pl = p.placements[0]
+        w, me = p.device_mesh.size(), p.device_mesh.get_local_rank()
+        want = shard_sizes(p.shape[pl.dim], w)[me][1]
+        if local(p).shape[pl.dim] != want:
+            raise ValueError(
+                f"IsoLoCo: {name}: local shard has {local(p).shape[pl.dim]} rows along dim "
+                f"{pl.dim}, the torch.chunk layout gives {want} on mesh rank {me}"
+            )
 
 
-_local = local
-
-
-def _gather_entries(opt) -> list:
-    """(group index, param index, param, grad, group) for every param with a grad; checked locally."""
-    from .optim import _check_group
-
-    rank = dist.get_rank()
-    entries = []
-    for gi, group in enumerate(opt.param_groups):
-        _check_group(group, f"IsoLoCo.step: param group {gi}")
-        for pi, p in enumerate(group["params"]):
-            g = p.grad
-            if g is None:
-                continue
-            where = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
-            if not is_dtensor(g):
-                raise TypeError(f"IsoLoCo: {where} is a DTensor but its grad is a {type(g).__name__}")
-            if g.shape != p.shape or g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
-                raise ValueError(
-                    f"IsoLoCo: {where}: grad has shape {tuple(g.shape)}, placements {g.placements}; the "
-                    f"param has placements {p.placements} on its mesh (set p.grad with the param's placements)"
-                )
-            if g.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(f"IsoLoCo: {where}: grad dtype {g.dtype} is not supported")
-            if _local(g).shape != _local(p).shape:
-                raise ValueError(
-                    f"IsoLoCo: {where}: local grad shard {tuple(_local(g).shape)} differs from the "
-                    f"param's {tuple(_local(p).shape)} on rank {rank}"
-                )
-            if p.device_mesh.ndim == 1 and p.ndim >= 1:
-                pl = p.placements[0]
-                if pl.is_shard():
-                    w, me = p.device_mesh.size(), p.device_mesh.get_local_rank()
-                    want = shard_sizes(p.shape[pl.dim], w)[me][1]
-                    if _local(p).shape[pl.dim] != want:
-                        raise ValueError(
-                            f"IsoLoCo: {where}: local shard has {_local(p).shape[pl.dim]} rows along dim "
-                            f"{pl.dim}, the torch.chunk layout gives {want} on mesh rank {me}"
-                        )
+def _reshard_momentum(opt) -> None:
+    """Whole-tensor momentum buffers (from a plain IsoLoCo / SGD state dict, loaded on every rank)
+    become DTensors placed like their params, locally (no communication), values unchanged."""
+    for g in opt.param_groups:
+        for p in g["params"]:
             buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
             if isinstance(buf, torch.Tensor) and not is_dtensor(buf) and buf.shape == p.shape:
-                # a whole-tensor momentum from a plain IsoLoCo / SGD state dict (loaded on every
-                # rank): resharded like its param, locally (no communication); same values
                 from torch.distributed.tensor import distribute_tensor
 
-                buf = distribute_tensor(buf.detach(), p.device_mesh, p.placements, src_data_rank=None)
-                opt.state[p]["momentum_buffer"] = buf
-            if buf is not None and (
-                not is_dtensor(buf) or buf.shape != p.shape or tuple(buf.placements) != tuple(p.placements)
-                or buf.dtype not in SUPPORTED_DTYPES
-            ):
-                raise ValueError(
-                    f"IsoLoCo: {where}: momentum_buffer must be a DTensor shaped and placed like the param, "
-                    f"got {type(buf).__name__} {tuple(buf.shape)}"
-                )
-            entries.append((gi, pi, p, g, group))
-    names = [f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) grad shard on rank {rank}"
-             for gi, pi, p, _, _ in entries]
-    check_all_finite([_local(e[3]) for e in entries], names)
-    held = [(n, opt.state[e[2]]["momentum_buffer"]) for n, e in zip(names, entries)
-            if e[2] in opt.state and "momentum_buffer" in opt.state[e[2]]]
-    check_all_finite([_local(b) for _, b in held], [n.replace("grad shard", "momentum_buffer shard") for n, _ in held])
-    return entries
+                opt.state[p]["momentum_buffer"] = distribute_tensor(
+                    buf.detach(), p.device_mesh, p.placements, src_data_rank=None)
+            elif is_dtensor(buf) and tuple(buf.placements) != tuple(p.placements):
+                raise ValueError(f"IsoLoCo: a momentum_buffer has placements {buf.placements}, its param "
+                                 f"{p.placements}")
+
+
+def _gather_entries(opt) -> list[Entry]:
+    """Every param with a grad, checked locally (`outer.collect` plus the DTensor layout)."""
+    _reshard_momentum(opt)
+    rank = dist.get_rank()
+    return collect(opt, "IsoLoCo.step",
+                   lambda gi, pi, p: f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) on rank {rank}",
+                   _check_grad)
 
 
 class _Stats:
@@ -406,8 +337,8 @@ def step_(opt) -> None:
             raise ValueError(f"IsoLoCo: dtensor_route must be one of {ROUTES}, got {mode!r}")
         entries = _gather_entries(opt)
     except Exception as e:
-        error = _error_text(e)
-    _agree(error, mesh0, "IsoLoCo.step", _fingerprint(entries) if error is None else 0)
+        error = error_text(e)
+    agree_on_mesh(error, mesh0, "IsoLoCo.step", _fingerprint(entries) if error is None else 0)
     if not entries:
         return
     stats = _Stats()
@@ -416,41 +347,17 @@ def step_(opt) -> None:
         updates = _iso_updates(opt, entries, mode, stats)
         apply = _prepare_nesterov(opt, entries, updates)
     except Exception as e:  # the collectives inside always ran; see _iso_updates
-        error = _error_text(e)
-    _agree(error, mesh0, "IsoLoCo.step")
+        error = error_text(e)
+    agree_on_mesh(error, mesh0, "IsoLoCo.step")
     opt.dtensor_stats = stats
     apply()
 
 
-def _prepare_nesterov(opt, entries, updates):
-    """Nesterov on the local shards, checked for overflow before anything is written
-    (`nesterov.prepare_outer_update`): one fused call per (device, lr, momentum). Returns the
-    function that writes; new buffers join the state only after it ran."""
-    from .nesterov import prepare_outer_update
-
-    calls: dict[tuple, tuple[list, list, list, list]] = {}
-    fresh = []
-    rank = dist.get_rank()
-    for k, (gi, pi, p, g, group) in enumerate(entries):
-        buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
-        if buf is None:
-            buf = torch.zeros_like(p, dtype=compute_dtype(p.dtype))
-            fresh.append((p, buf))
-        key = (_local(p).device, float(group["lr"]), float(group["momentum"]))
-        ps, bs, us, names = calls.setdefault(key, ([], [], [], []))
-        ps.append(_local(p))
-        bs.append(_local(buf))
-        us.append(updates.get(k, _local(g)))
-        names.append(f"IsoLoCo: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}), shard on rank {rank}")
-    applies = [prepare_outer_update(ps, bs, us, lr, momentum, names) for (_, lr, momentum), (ps, bs, us, names) in calls.items()]
-
-    def apply() -> None:
-        for fn in applies:
-            fn()
-        for p, buf in fresh:
-            opt.state[p]["momentum_buffer"] = buf
-
-    return apply
+def _prepare_nesterov(opt, entries: list[Entry], updates: dict[int, torch.Tensor]):
+    """Nesterov on the local shards (`outer.prepare_nesterov`: DTensor momentum, checked for
+    overflow, nothing written until the returned function runs)."""
+    return prepare_nesterov(opt, [(e.p, updates.get(k, local(e.g)), e.group["lr"], e.group["momentum"],
+                                   f"IsoLoCo: {e.name}") for k, e in enumerate(entries)])
 
 
 def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tensor]:
@@ -459,8 +366,6 @@ def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tens
     Collectives are issued in entry order whatever happens locally (a failed local step sends
     zeros), so one rank's exception cannot leave the others waiting; the first local error is
     raised after all of them ran."""
-    from .ops import iso_merge_unchecked_
-
     first_error: list[BaseException] = []
 
     def attempt(fn, *args):
@@ -471,10 +376,10 @@ def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tens
                 first_error.append(e)
             return None
 
-    chosen = [k for k, e in enumerate(entries) if e[4]["iso"] and e[3].ndim == 2 and e[3].numel()]
+    chosen = [k for k, e in enumerate(entries) if e.iso]
     routes: dict[int, str] = {}
     for k in chosen:
-        p, g = entries[k][2], entries[k][3]
+        p, g = entries[k].p, entries[k].g
         mesh = p.device_mesh
         if mesh.ndim > 1:
             routes[k] = "general" if any(pl.is_shard() for pl in p.placements) else "local"
@@ -487,10 +392,10 @@ def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tens
     by_mesh: dict = {}
     for k in chosen:
         if routes[k] == "gram":
-            by_mesh.setdefault(entries[k][2].device_mesh, []).append(k)
+            by_mesh.setdefault(entries[k].p.device_mesh, []).append(k)
     for mesh, ks in by_mesh.items():
-        ds = [min(entries[k][2].shape) for k in ks]
-        buf = torch.zeros(sum(d * d for d in ds), dtype=torch.float64, device=_local(entries[ks[0]][3]).device)
+        ds = [min(entries[k].p.shape) for k in ks]
+        buf = torch.zeros(sum(d * d for d in ds), dtype=torch.float64, device=local(entries[ks[0]].g).device)
         ys, off = {}, 0
         for k, d in zip(ks, ds):
             ys[k] = attempt(_gram_into, entries[k], buf[off : off + d * d].view(d, d))
@@ -511,7 +416,7 @@ def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tens
     by_kind: dict = {}
     for k in chosen:
         if routes[k] == "gather":
-            g = entries[k][3]
+            g = entries[k].g
             by_kind.setdefault((g.device_mesh, g.dtype), []).append(k)
     for (mesh, dtype), ks in by_kind.items():
         got = _all_gather_shards(mesh, dtype, [entries[k] for k in ks], attempt, stats)
@@ -522,13 +427,13 @@ def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tens
     owner_groups: dict = {}
     for k in chosen:
         if routes[k] == "owner":
-            g = entries[k][3]
+            g = entries[k].g
             owner_groups.setdefault((g.device_mesh, g.dtype), []).append(k)
     owned: dict[int, torch.Tensor] = {}  # whole matrices this rank flattens for the others
     plans = {}
     for (mesh, dtype), ks in owner_groups.items():
         ents = [entries[k] for k in ks]
-        owners = plan_owners([tuple(e[2].shape) for e in ents], mesh.size())
+        owners = plan_owners([tuple(e.p.shape) for e in ents], mesh.size())
         plans[(mesh, dtype)] = owners
         got = _owner_collect(mesh, dtype, ents, owners, attempt, stats)
         owned.update({ks[j]: t for j, t in got.items()})
@@ -537,11 +442,11 @@ def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tens
     # general path (meshes with several dimensions): full_tensor() per matrix
     for k in chosen:
         if routes[k] == "general":
-            f = entries[k][3].full_tensor()
+            f = entries[k].g.full_tensor()
             stats.full_tensor_elements += f.numel()
             full[k] = f
         elif routes[k] == "local":
-            full[k] = _local(entries[k][3])
+            full[k] = local(entries[k].g)
 
     # flatten the whole matrices with the optimizer's method, batched by shape, then keep my shard
     ks = [k for k in chosen if k in full]
@@ -572,8 +477,8 @@ def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tens
 
 def _gram_into(entry, slot: torch.Tensor) -> torch.Tensor:
     """slot ← YᵀY for this rank's shard Y (long side down, float64); returns Y."""
-    p, g = entry[2], entry[3]
-    x = _local(g).to(torch.float64)
+    p, g = entry.p, entry.g
+    x = local(g).to(torch.float64)
     y = x if p.placements[0].dim == 0 else x.mT
     slot.copy_(y.mT @ y)
     return y
@@ -585,7 +490,7 @@ def _gram_method(method: str, d: int, n: int, device, dtype) -> str:
     if method == "gram":
         return "gram"
     if method == "auto":
-        from .flatten import resolve_method
+        from ..flatten import resolve_method
 
         probe = torch.empty((), dtype=dtype, device=device).expand(1, d, n)  # no allocation
         return "gram" if resolve_method("auto", probe) == "gram" else "eigh"
@@ -600,14 +505,14 @@ def _gram_polar(items, method: str = "eigh", stats=None) -> dict[int, torch.Tens
     out = {}
     by_d: dict[tuple, list] = {}
     for it in items:
-        p, g = it[1][2], it[1][3]
-        how = _gram_method(method, min(p.shape), max(p.shape), _local(g).device, g.dtype)
+        p, g = it[1].p, it[1].g
+        how = _gram_method(method, min(p.shape), max(p.shape), local(g).device, g.dtype)
         by_d.setdefault((it[3].shape[0], how), []).append(it)
     for (d, how), its in by_d.items():
         a = torch.stack([it[3] for it in its])
         check_all_finite([a], ["Gram matrix"])
         if how == "gram":
-            from .gram import gram_from_a0
+            from ..gram import gram_from_a0
 
             yg, sbar, _, ok = gram_from_a0(a)
             w = yg * sbar[:, None, None]
@@ -617,7 +522,7 @@ def _gram_polar(items, method: str = "eigh", stats=None) -> dict[int, torch.Tens
                     rest.append(it)
                     continue
                 k, entry, y, _ = it
-                p, g = entry[2], entry[3]
+                p, g = entry.p, entry.g
                 q = y @ ww.mT  # y: this rank's rows of Xᵀ (long side down); s̄·Qᵀ = Xᵀ·Wᵀ
                 res = q if p.placements[0].dim == 0 else q.mT
                 out[k] = res.to(g.dtype)
@@ -638,7 +543,7 @@ def _gram_eigh(its, d: int) -> dict[int, torch.Tensor]:
     lam, v = torch.linalg.eigh(a)
     sig = lam.clamp_min(0).sqrt()  # ascending
     for (k, entry, y, _), s, vv, aa in zip(its, sig, v, a):
-        p, g = entry[2], entry[3]
+        p, g = entry.p, entry.g
         m, n = p.shape
         if g.dtype == torch.float64:
             tol = max(max(m, n) ** 0.5 * torch.finfo(torch.float64).eps, 1e-7)
@@ -659,12 +564,12 @@ def _gram_eigh(its, d: int) -> dict[int, torch.Tensor]:
 def _all_gather_shards(mesh, dtype, ents, attempt, stats) -> Optional[list[torch.Tensor]]:
     """Whole matrices from every rank's shards: one all-gather of padded flat segments."""
     world, me = mesh.size(), mesh.get_local_rank()
-    dev = _local(ents[0][3]).device
+    dev = local(ents[0].g).device
     layouts = []  # per entry: per rank (start, size) along its shard dim
     seg = [0] * world
     offs = []  # per entry: per rank offset in that rank's segment
     for e in ents:
-        p = e[2]
+        p = e.p
         dim = p.placements[0].dim
         sizes = shard_sizes(p.shape[dim], world)
         other = p.shape[1 - dim]
@@ -675,7 +580,7 @@ def _all_gather_shards(mesh, dtype, ents, attempt, stats) -> Optional[list[torch
     longest = max(seg)
     send = torch.zeros(longest, dtype=dtype, device=dev)
     for e, o in zip(ents, offs):
-        loc = _local(e[3])
+        loc = local(e.g)
         attempt(lambda: send[o[me] : o[me] + loc.numel()].copy_(loc.reshape(-1)))
     recv = torch.empty(world * longest, dtype=dtype, device=dev)
     _all_gather_single(recv, send, group=mesh.get_group(0))
@@ -683,7 +588,7 @@ def _all_gather_shards(mesh, dtype, ents, attempt, stats) -> Optional[list[torch
     recv = recv.view(world, longest)
     out = []
     for e, sizes, o in zip(ents, layouts, offs):
-        p = e[2]
+        p = e.p
         dim = p.placements[0].dim
         other = p.shape[1 - dim]
         pieces = []
@@ -719,13 +624,13 @@ def _owner_collect(mesh, dtype, ents, owners, attempt, stats) -> dict[int, torch
     """All-to-all of every rank's shards to each matrix's owner; returns {j: whole matrix} for the
     matrices this rank owns."""
     world, me = mesh.size(), mesh.get_local_rank()
-    dev = _local(ents[0][3]).device
-    send_split = [sum(_shard_numel(e[2], me, world)[0] for e, o in zip(ents, owners) if o == r) for r in range(world)]
-    recv_split = [sum(_shard_numel(e[2], r, world)[0] for e, o in zip(ents, owners) if o == me) for r in range(world)]
+    dev = local(ents[0].g).device
+    send_split = [sum(_shard_numel(e.p, me, world)[0] for e, o in zip(ents, owners) if o == r) for r in range(world)]
+    recv_split = [sum(_shard_numel(e.p, r, world)[0] for e, o in zip(ents, owners) if o == me) for r in range(world)]
     send = torch.zeros(sum(send_split), dtype=dtype, device=dev)
     off = [sum(send_split[:r]) for r in range(world)]
     for e, o in zip(ents, owners):
-        loc = _local(e[3])
+        loc = local(e.g)
         attempt(lambda: send[off[o] : off[o] + loc.numel()].copy_(loc.reshape(-1)))
         off[o] += loc.numel()
     recv = torch.empty(sum(recv_split), dtype=dtype, device=dev)
@@ -736,27 +641,27 @@ def _owner_collect(mesh, dtype, ents, owners, attempt, stats) -> dict[int, torch
     pos = 0
     for r in range(world):
         for j in mine:
-            n, shape = _shard_numel(ents[j][2], r, world)
+            n, shape = _shard_numel(ents[j].p, r, world)
             pieces[j].append(recv[pos : pos + n].view(shape))
             pos += n
-    return {j: torch.cat(pieces[j], dim=ents[j][2].placements[0].dim) for j in mine}
+    return {j: torch.cat(pieces[j], dim=ents[j].p.placements[0].dim) for j in mine}
 
 
 def _owner_return(mesh, dtype, ents, owners, results, stats) -> dict[int, torch.Tensor]:
     """All-to-all of the owners' results back: returns {j: this rank's shard} for every matrix."""
     world, me = mesh.size(), mesh.get_local_rank()
-    dev = _local(ents[0][3]).device
+    dev = local(ents[0].g).device
     mine = [j for j, o in enumerate(owners) if o == me]
-    send_split = [sum(_shard_numel(ents[j][2], r, world)[0] for j in mine) for r in range(world)]
-    recv_split = [sum(_shard_numel(e[2], me, world)[0] for e, o in zip(ents, owners) if o == r) for r in range(world)]
+    send_split = [sum(_shard_numel(ents[j].p, r, world)[0] for j in mine) for r in range(world)]
+    recv_split = [sum(_shard_numel(e.p, me, world)[0] for e, o in zip(ents, owners) if o == r) for r in range(world)]
     send = torch.zeros(sum(send_split), dtype=dtype, device=dev)
     pos = 0
     for r in range(world):
         for j in mine:
-            n, _ = _shard_numel(ents[j][2], r, world)
+            n, _ = _shard_numel(ents[j].p, r, world)
             res = results.get(j)
             if res is not None and res.dtype == dtype:
-                dim = ents[j][2].placements[0].dim
+                dim = ents[j].p.placements[0].dim
                 a, size = shard_sizes(res.shape[dim], world)[r]
                 send[pos : pos + n].copy_(res.narrow(dim, a, size).reshape(-1))
             pos += n
@@ -767,7 +672,7 @@ def _owner_return(mesh, dtype, ents, owners, results, stats) -> dict[int, torch.
     for r in range(world):
         for j, o in enumerate(owners):
             if o == r:
-                n, shape = _shard_numel(ents[j][2], me, world)
+                n, shape = _shard_numel(ents[j].p, me, world)
                 out[j] = recv[pos : pos + n].view(shape)
                 pos += n
     return out
@@ -775,7 +680,7 @@ def _owner_return(mesh, dtype, ents, owners, results, stats) -> dict[int, torch.
 
 def _my_shard(entry, whole: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a whole (flattened) matrix, laid out like the param's local shard."""
-    p = entry[2]
+    p = entry.p
     mesh = p.device_mesh
     if not any(pl.is_shard() for pl in p.placements):
         return whole

@@ -8,8 +8,8 @@ and their errors, and nothing was written on any rank. A rank that fails must st
 agreement (so callers catch its exception first); a rank that dies is caught by the process
 group's timeout.
 
-Lives on its own so the replicated optimizer (optim.py) and the sharded one (distributed.py)
-share it without importing each other.
+`agree` runs over a process group (one all-gather); `agree_on_mesh` over a DeviceMesh of any
+number of dimensions (one all-reduce per dimension), for the DTensor step.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import torch.distributed as dist
 # torch 2.14 renamed the single-tensor collectives; older releases only have the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 
-__all__ = ["DistributedStepError", "agree", "error_text", "fingerprint", "group_info", "comm_device"]
+__all__ = ["DistributedStepError", "agree", "agree_on_mesh", "comm_device", "describe", "error_text", "fingerprint",
+           "group_info"]
 
 
 class DistributedStepError(RuntimeError):
@@ -69,7 +70,7 @@ def agree(error: Optional[str], group, device, what: str, fp: Optional[int] = No
     every = torch.empty(2 * world, dtype=torch.int64, device=device)
     _all_gather_single(every, mine, group=group)
     flags, prints = every.view(world, 2).cpu().unbind(1)
-    failed = flags.nonzero().flatten().tolist()
+    failed = flags.nonzero().view(-1).tolist()
     if not failed and (fp is None or prints.unique().numel() == 1):
         return
     texts: list = [None] * world
@@ -83,4 +84,35 @@ def agree(error: Optional[str], group, device, what: str, fp: Optional[int] = No
             "fingerprints " + ", ".join(f"rank {r}: {p:#x}" for r, p in enumerate(prints.tolist()))
             + "; every rank must pass the same tensor shapes and dtypes in the same order"
         )
+    raise DistributedStepError(f"{head}, nothing was changed on any rank: {detail}")
+
+
+def agree_on_mesh(error: Optional[str], mesh, what: str, fp: int = 0,
+                  mismatch: str = "the ranks hold different sets of grads (shapes, placements or dtypes)") -> None:
+    """`agree` over every rank of a DeviceMesh: one all-reduce per mesh dimension of a [2·size]
+    int64 vector holding this rank's failure flag and fingerprint at its own slot (the sum over
+    the dimensions fills every slot). Error texts travel only when something failed."""
+    size = mesh.size()
+    ranks = mesh.mesh.flatten().tolist()
+    me = ranks.index(dist.get_rank())
+    v = torch.zeros(2 * size, dtype=torch.int64)
+    v[me], v[size + me] = int(error is not None), fp
+    for d in range(mesh.ndim):
+        dist.all_reduce(v, group=mesh.get_group(d))
+    flags, prints = v[:size], v[size:]
+    failed = flags.nonzero().view(-1).tolist()
+    if not failed and prints.unique().numel() == 1:
+        return
+    texts = {me: error}
+    for d in range(mesh.ndim):
+        g = mesh.get_group(d)
+        got = [None] * dist.get_world_size(g)
+        dist.all_gather_object(got, texts, group=g)
+        texts = {k: t for part in got for k, t in part.items()}
+    if failed:
+        head = f"{what} failed on {len(failed)} of {size} ranks"
+        detail = "; ".join(f"rank {ranks[i]}: {texts.get(i)}" for i in failed)
+    else:
+        head = f"{what}: {mismatch}"
+        detail = "every rank must set p.grad for the same params"
     raise DistributedStepError(f"{head}, nothing was changed on any rank: {detail}")

@@ -1,0 +1,242 @@
+"""`ShardedIsoLoCo`: the IsoLoCo outer step over a process group, each tensor stepped by one rank.
+
+    reduce-scatter Δ_k → each rank receives mean(Δ) of the tensors it owns (plan.py)
+    owner:  M = iso(mean Δ) (2-D, iso on) or mean Δ;  buf ← μ·buf + M;  θ ← θ − lr·(M + μ·buf)
+    all-gather θ        → every rank holds the whole updated θ
+
+The bytes of one all-reduce; each Iso-C runs once in the group; momentum lives on the owner.
+All-or-nothing across ranks (agree.py). README "Distributed" has the contract.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..buckets import BucketPlan
+from ..flatten import check_method
+from ..ops import iso_merge_unchecked_
+from .._validate import check_all_finite
+from ..outer import SGD_KEYS, check_hyper, check_param_dtypes, collect, load_sgd_state, prepare_nesterov
+from .agree import agree, comm_device, error_text, group_info
+from .collectives import (BUCKET_BYTES, broadcast_into, flat_view, reduce_scatter_mean, reduce_to_owner,
+                          scatter_into)
+from .merge import PLAN_MISMATCH
+from .plan import owned_views, plan_shards
+
+__all__ = ["ShardedIsoLoCo"]
+
+
+class ShardedIsoLoCo(torch.optim.Optimizer):
+    """IsoLoCo's outer step for DiLoCo over a process group, each tensor's work done by one rank.
+
+    Use it like the replicated outer optimizer, on every rank: set p.data to the global weights
+    (equal on all ranks) and p.grad to this rank's pseudo-gradient θ − θ_k (NOT yet averaged), then
+    `step()`. The step averages the pseudo-gradients itself (reduce-scatter), and each rank applies
+    M = iso(mean Δ) (2-D params, iso on) or mean Δ, then Nesterov (buf ← μ·buf + M;
+    θ ← θ − lr·(M + μ·buf)), to the params it owns; an all-gather gives every rank the new θ. The
+    result is the replicated IsoLoCo step on the averaged pseudo-gradients.
+
+    Momentum is kept only by the owner, so state_dict()
+    is per rank; it carries the plan's fingerprint and rank, and load_state_dict refuses a state
+    saved under a different plan or by a different rank. param_groups are IsoLoCo's (SGD's keys plus
+    iso); half-precision params keep float32 momentum, as in IsoLoCo.
+
+    If any rank finds bad input (missing grad, wrong shape or dtype, NaN/Inf, a failed flatten),
+    every rank raises DistributedStepError and no param or buffer changes on any rank.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1.8,
+        momentum: float = 0.8,
+        *,
+        iso: bool = True,
+        method: str = "auto",
+        group=None,
+        bucket_bytes: int = BUCKET_BYTES,
+        solo_above: Optional[float] = 1.0,
+    ):
+        check_hyper(lr, momentum, "ShardedIsoLoCo")
+        check_method(method)
+        if not isinstance(iso, bool):
+            raise ValueError(f"ShardedIsoLoCo: iso must be a bool, got {iso!r}")
+        if bucket_bytes < 1:
+            raise ValueError(f"ShardedIsoLoCo: bucket_bytes must be positive, got {bucket_bytes}")
+        super().__init__(params, dict(lr=lr, momentum=momentum, iso=iso, **SGD_KEYS))
+        self._buckets: Optional[BucketPlan] = None  # batched Iso-C of my matrices, reused across steps
+        self.method, self.group, self.bucket_bytes = method, group, bucket_bytes
+        self.rank, self.world_size = group_info(group)
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        self._index = {p: i for i, p in enumerate(self._params)}
+        self._group_of = [k for k, g in enumerate(self.param_groups) for _ in g["params"]]
+        check_param_dtypes(self._params, "ShardedIsoLoCo")
+        for i, p in enumerate(self._params):
+            if p.device != self._params[0].device:
+                raise ValueError(
+                    f"ShardedIsoLoCo: param {i} is on {p.device}, param 0 on {self._params[0].device}; "
+                    "one device per rank"
+                )
+        self.plan = plan_shards(
+            [p.shape for p in self._params], self.world_size,
+            dtypes=[p.dtype for p in self._params],
+            iso=[self.param_groups[k]["iso"] and p.ndim == 2 for k, p in zip(self._group_of, self._params)],
+            solo_above=solo_above,
+        )
+        self._data_device = self._params[0].device if self._params else torch.device("cpu")
+        self._device = comm_device(group, self._data_device)  # for the small control tensors
+        agree(None, group, self._device, "ShardedIsoLoCo()", self.plan.fingerprint, PLAN_MISMATCH)
+
+    @property
+    def mine(self) -> list[int]:
+        """Indices (over all param groups, in order) of the params this rank steps."""
+        return self.plan.owned(self.rank)
+
+    def _name(self, gi: int, pi: int, p: torch.Tensor) -> str:
+        return f"param {self._index[p]} (shape {tuple(p.shape)}) on rank {self.rank}"
+
+    # -- the step: check → reduce → compute → agree → write → gather ------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss, error, grads = None, None, None
+        try:  # a closure that raises on one rank must still reach the agreement below
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            grads = self._check()
+        except Exception as e:  # noqa: BLE001
+            error = error_text(e)
+        segments, means = self._reduce(grads)
+        write = None
+        if error is None:
+            try:
+                write = self._compute(means)
+            except Exception as e:  # noqa: BLE001
+                error = error_text(e)
+        agree(error, self.group, self._device, "ShardedIsoLoCo.step")
+        write()
+        self._gather(segments)
+        return loss
+
+    def _check(self) -> list[torch.Tensor]:
+        """Every rank's pseudo-gradients, checked (every param needs one: all are reduced and
+        written), with the held momentum (`outer.collect`)."""
+        def check(p, g, name):
+            if g.shape != p.shape or g.device != p.device:
+                raise ValueError(f"{name}: grad has shape {tuple(g.shape)} on {g.device}, the param is on {p.device}")
+
+        entries = collect(self, "ShardedIsoLoCo.step", self._name, check, require_grads=True)
+        return [e.g for e in entries]
+
+    def _reduce(self, grads) -> tuple[dict, dict[int, torch.Tensor]]:
+        """Mean pseudo-gradient of each param this rank owns: segments by reduce-scatter, solo
+        tensors by a reduce to their owner. A rank whose checks failed sends zeros, so the
+        collectives always run in full. Returns (my segment per dtype, param index → mean)."""
+        plan, rank = self.plan, self.rank
+        flat = [None if grads is None else flat_view(g) for g in (grads or self._params)]
+        segments, means = {}, {}
+        for dt in plan.sharded_dtypes:
+            if self.world_size > 1:
+                own = reduce_scatter_mean(plan, dt, lambda i: flat[i], rank, self.group, self._data_device,
+                                          self.bucket_bytes)
+            else:
+                own = self._own_single(dt, flat)
+            segments[dt] = own
+            means.update(owned_views(plan, dt, own, rank))
+        for i in sorted(plan.solo):
+            p = self._params[i]
+            mean = reduce_to_owner(flat[i], p.numel(), p.dtype, p.device, plan.owners[i], rank, self.group,
+                                   self.bucket_bytes)
+            if mean is not None:
+                means[i] = mean.view(p.shape)
+        return segments, means
+
+    def _compute(self, means: dict[int, torch.Tensor]):
+        """Iso-C and the Nesterov update of my params, everything that can fail before the ranks
+        agree; returns the function that writes them."""
+        idx = sorted(means)
+        check_all_finite([means[i] for i in idx], [f"mean pseudo-gradient of param {i}" for i in idx])
+        updates = dict(means)
+        updates.update(self._iso_c(means))
+        return prepare_nesterov(self, [
+            (self._params[i], updates[i], self.param_groups[self._group_of[i]]["lr"],
+             self.param_groups[self._group_of[i]]["momentum"],
+             f"param {i} (shape {tuple(self._params[i].shape)}) on rank {self.rank}") for i in idx
+        ])
+
+    def _gather(self, segments: dict) -> None:
+        """Every rank gets every updated param: segments all-gathered, solo tensors broadcast."""
+        plan, rank = self.plan, self.rank
+        for dt, own in segments.items():
+            for i, v in owned_views(plan, dt, own, rank).items():
+                v.copy_(self._params[i])
+            if self.world_size > 1:
+                scatter_into(plan, dt, own, [p.data for p in self._params], rank, self.group, self.bucket_bytes)
+        for i in sorted(plan.solo):
+            broadcast_into(self._params[i].data, plan.owners[i], self.group, self.bucket_bytes)
+
+    def _iso_c(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Iso-C of my 2-D mean pseudo-gradients in iso groups, batched by shape as IsoLoCo does
+        (buckets.BucketPlan, transposed twins together): param index → result view."""
+        idx = [
+            i for i in sorted(updates)
+            if updates[i].ndim == 2 and updates[i].numel() and self.param_groups[self._group_of[i]]["iso"]
+        ]
+        if not idx:
+            return {}
+        views = [updates[i] for i in idx]
+        if self._buckets is None or not self._buckets.matches(views):
+            self._buckets = BucketPlan(views)
+        iso_merge_unchecked_(self._buckets.pack(views), self.method)  # checked by the caller
+        return dict(zip(idx, self._buckets.views()))
+
+    def _own_single(self, dtype, flat) -> torch.Tensor:
+        """World size 1: my segment is just my grads, copied (the grads stay untouched)."""
+        per_rank, seg = self.plan.layout(dtype)
+        own = torch.empty(seg, dtype=dtype, device=self._data_device)
+        for i, off in per_rank[0]:
+            if flat[i] is None:
+                own[off : off + self.plan.numel(i)].zero_()
+            else:
+                own[off : off + self.plan.numel(i)].copy_(flat[i])
+        return own
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["sharding"] = {"fingerprint": self.plan.fingerprint, "rank": self.rank, "world_size": self.world_size}
+        return sd
+
+    def load_state_dict(self, state_dict) -> None:
+        """A state saved by `state_dict()` of the same rank under the same plan; checked first."""
+        where = "ShardedIsoLoCo.load_state_dict"
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{where}: expected a dict, got {type(state_dict).__name__}")
+        info = state_dict.get("sharding")
+        if info is None:
+            raise ValueError(
+                f"{where}: the state has no 'sharding' entry (it was not saved by "
+                "ShardedIsoLoCo.state_dict()); per-rank momentum cannot be matched to this plan"
+            )
+        if info["world_size"] != self.world_size or info["fingerprint"] != self.plan.fingerprint:
+            raise ValueError(
+                f"{where}: the state was saved under a different shard plan "
+                f"(world size {info['world_size']}, plan {info['fingerprint']:#x}); this optimizer has world "
+                f"size {self.world_size}, plan {self.plan.fingerprint:#x}; it needs the same params (shapes, "
+                "dtypes, order) and world size"
+            )
+        if info["rank"] != self.rank:
+            raise ValueError(
+                f"{where}: the state was saved by rank {info['rank']}, this is rank {self.rank}; load each "
+                "rank's own state"
+            )
+        rest = {k: v for k, v in state_dict.items() if k != "sharding"}
+        extra = sorted(set(rest.get("state", {})) - set(self.mine))
+        if extra:
+            raise ValueError(
+                f"{where}: the state holds momentum for params {extra[:8]} that rank {self.rank} does not own"
+            )
+        load_sgd_state(self, rest, where, super().load_state_dict)

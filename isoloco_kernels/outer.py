@@ -1,0 +1,273 @@
+"""The outer-step core shared by `IsoLoCo` (optim.py), `ShardedIsoLoCo` and the DTensor step.
+
+One place for what every outer optimizer of this package does alike, so each check has one
+behaviour: group and hyper-parameter checks (`check_group`), grad collection with every input
+check before any write (`collect`), momentum buffers (`prepare_nesterov`: made on first use in the
+compute dtype, joined to the state only once written), SGD-shaped state (`SGD_KEYS`,
+`check_state_dict`, `restore_half_momentum`). The update rule is `reference.isoloco_step_ref`.
+"""
+from __future__ import annotations
+
+import numbers
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ._validate import SUPPORTED_DTYPES, check_all_finite, check_writable, compute_dtype
+from .nesterov import prepare_outer_update
+
+__all__ = ["SGD_KEYS", "Entry", "check_group", "check_hyper", "check_state_dict", "collect",
+           "is_dtensor", "load_sgd_state", "local", "prepare_nesterov"]
+
+#: SGD's group keys at the values that make SGD(nesterov=True) the update IsoLoCo applies.
+SGD_KEYS = dict(
+    dampening=0, weight_decay=0, nesterov=True, maximize=False, foreach=None, differentiable=False, fused=None
+)
+
+
+# -- DTensors without importing torch.distributed.tensor (seconds to import): a DTensor exists
+#    only once that module is loaded.
+
+def is_dtensor(t) -> bool:
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: in-place writes reach the DTensor); other tensors as they are."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+# -- hyper-parameters and groups --------------------------------------------------------------
+
+def _number(v: Any, key: str, where: str) -> float:
+    """v as a float; a one-element tensor counts (as torch's optimizers accept a tensor lr)."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise ValueError(f"{where}: a Tensor {key} must have one element, got shape {tuple(v.shape)}")
+        return float(v)
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{where}: '{key}' must be a real number, got {type(v).__name__} {v!r}")
+    return float(v)
+
+
+def check_hyper(lr: Any, momentum: Any, where: str) -> None:
+    if not 0.0 <= _number(lr, "lr", where) < float("inf"):
+        raise ValueError(f"{where}: invalid learning rate: {lr} ('lr' must be a finite number >= 0)")
+    if not 0.0 <= _number(momentum, "momentum", where) < float("inf"):
+        raise ValueError(f"{where}: invalid momentum value: {momentum} ('momentum' must be a finite number >= 0)")
+
+
+def check_group(group: dict, where: str) -> None:
+    """A group the outer step can run: lr/momentum valid, SGD's other knobs at IsoLoCo's values."""
+    for key in ("lr", "momentum"):
+        if key not in group:
+            raise ValueError(f"{where}: the group has no '{key}'")
+    check_hyper(group["lr"], group["momentum"], where)
+    for key, want in (("dampening", 0), ("weight_decay", 0), ("nesterov", True), ("maximize", False)):
+        if key in group and group[key] != want:
+            raise ValueError(
+                f"{where}: {key}={group[key]!r}, but IsoLoCo applies Nesterov momentum without "
+                f"dampening, weight decay or maximize ({key} must be {want!r})"
+            )
+    if not isinstance(group.get("iso", True), bool):
+        raise ValueError(f"{where}: iso must be a bool, got {group['iso']!r}")
+
+
+def check_param_dtypes(params: Sequence[torch.Tensor], where: str) -> None:
+    for i, p in enumerate(params):
+        if p.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{where}: param {i} has dtype {p.dtype}; IsoLoCo supports {SUPPORTED_DTYPES}")
+
+
+# -- the grads of one step ----------------------------------------------------------------------
+
+@dataclass
+class Entry:
+    """One param with a grad: where it sits, the tensors, its group, and its name in errors."""
+
+    gi: int
+    pi: int
+    p: torch.Tensor
+    g: torch.Tensor
+    group: dict
+    name: str
+
+    @property
+    def iso(self) -> bool:
+        """Whether the step replaces this grad by its Iso-C (a non-empty matrix in an iso group)."""
+        return bool(self.group["iso"]) and self.g.ndim == 2 and self.g.numel() > 0
+
+
+def buffer_problem(buf, p: torch.Tensor) -> Optional[str]:
+    """Why `buf` cannot be p's momentum buffer, or None: a tensor shaped like p on p's device, in
+    p's dtype or p's compute dtype (float32 for half params). DTensors: compared shard to shard."""
+    if not isinstance(buf, torch.Tensor):
+        return f"must be a tensor, got {type(buf).__name__}"
+    lb, lp = local(buf), local(p)
+    if buf.shape != p.shape or lb.shape != lp.shape or lb.device != lp.device or buf.dtype not in (
+        p.dtype, compute_dtype(p.dtype)
+    ):
+        return (f"has shape {tuple(buf.shape)}, dtype {buf.dtype} on {lb.device}; want {tuple(p.shape)}, "
+                f"{p.dtype} or {compute_dtype(p.dtype)}, on {lp.device}")
+    return None
+
+
+def collect(
+    opt: torch.optim.Optimizer,
+    where: str,
+    name: Callable[[int, int, torch.Tensor], str],
+    check: Optional[Callable[[torch.Tensor, torch.Tensor, str], None]] = None,
+    require_grads: bool = False,
+) -> list[Entry]:
+    """Every param with a grad, checked before the step writes anything.
+
+    Checked: each group (`check_group`); each grad dense, of a supported dtype, and what `check`
+    adds for the optimizer (shape, device, placements); the grads and the held momentum buffers
+    finite (`check_all_finite`), the buffers shaped like their params (`buffer_problem`); every
+    param and held buffer writable. `name(gi, pi, p)` names a param in errors; `require_grads`:
+    a param without a grad is an error (the sharded step needs every rank's grads)."""
+    entries: list[Entry] = []
+    for gi, group in enumerate(opt.param_groups):
+        check_group(group, f"{where}: param group {gi}")
+        for pi, p in enumerate(group["params"]):
+            g, n = p.grad, name(gi, pi, p)
+            if g is None:
+                if require_grads:
+                    raise ValueError(f"{n} has no grad; set p.grad to the pseudo-gradient on every rank")
+                continue
+            if g.is_sparse:
+                raise RuntimeError(f"{where}: {n} has a sparse grad; IsoLoCo needs dense grads")
+            if g.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"{where}: {n}: grad dtype {g.dtype} is not supported")
+            if check is not None:
+                check(p, g, n)
+            entries.append(Entry(gi, pi, p, g, group, n))
+    check_all_finite([local(e.g) for e in entries], [f"{where}: {e.name} grad" for e in entries])
+    held = [(e, opt.state[e.p].get("momentum_buffer")) for e in entries if e.p in opt.state]
+    held = [(e, b) for e, b in held if b is not None]
+    for e, b in held:
+        why = buffer_problem(b, e.p)
+        if why:
+            raise ValueError(f"{where}: {e.name} momentum_buffer {why}")
+    bnames = [f"{where}: {e.name} momentum_buffer" for e, _ in held]
+    check_all_finite([local(b) for _, b in held], bnames)
+    check_writable([local(e.p) for e in entries] + [local(b) for _, b in held],
+                   [f"{where}: {e.name}" for e in entries] + bnames)
+    return entries
+
+
+# -- the Nesterov half of the step --------------------------------------------------------------
+
+def prepare_nesterov(opt: torch.optim.Optimizer, rows) -> Callable[[], None]:
+    """Everything but the writes of the Nesterov update. rows: (param, update, lr, momentum, name)
+    with the update shaped like the param's local tensor. Momentum buffers are made where missing
+    (zeros in the compute dtype, a DTensor for a DTensor param); one fused `nesterov_outer_` call per
+    (device, lr, momentum), each checked for overflow (`nesterov.prepare_outer_update`). Returns
+    the function that writes; new buffers join the state only after it ran, so a failure cannot
+    leave half-made state behind."""
+    calls: dict[tuple, tuple[list, list, list, list]] = {}
+    fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for p, u, lr, momentum, name in rows:
+        buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
+        if buf is None:
+            buf = torch.zeros_like(p, dtype=compute_dtype(p.dtype))
+            fresh.append((p, buf))
+        ps, bs, us, names = calls.setdefault((local(p).device, float(lr), float(momentum)), ([], [], [], []))
+        ps.append(local(p))
+        bs.append(local(buf))
+        us.append(u)
+        names.append(name)
+    applies = [prepare_outer_update(ps, bs, us, lr, mu, names) for (_, lr, mu), (ps, bs, us, names) in calls.items()]
+
+    def apply() -> None:
+        for fn in applies:
+            fn()
+        for p, buf in fresh:
+            opt.state[p]["momentum_buffer"] = buf
+
+    return apply
+
+
+# -- SGD-shaped state -----------------------------------------------------------------------------
+
+def check_state_dict(opt: torch.optim.Optimizer, state_dict: Any, where: str) -> None:
+    """Everything a (torch.optim.SGD or IsoLoCo) state dict must hold for `opt` to load it and
+    step, checked before anything is loaded: the 'state' and 'param_groups' entries, each group's
+    settings and param count, and each momentum_buffer (a finite floating tensor shaped like its
+    param, with its own memory)."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"{where}: expected a dict, got {type(state_dict).__name__}")
+    for key, kind in (("state", dict), ("param_groups", (list, tuple))):
+        if key not in state_dict:
+            raise ValueError(f"{where}: the state dict has no '{key}' entry")
+        if not isinstance(state_dict[key], kind):
+            raise TypeError(f"{where}: '{key}' must be a {getattr(kind, '__name__', 'list')}, got "
+                            f"{type(state_dict[key]).__name__}")
+    saved = state_dict["param_groups"]
+    if len(saved) != len(opt.param_groups):
+        raise ValueError(
+            f"{where}: the state dict has {len(saved)} param groups, this optimizer {len(opt.param_groups)}"
+        )
+    params, ids = [], []
+    for gi, (g, mine) in enumerate(zip(saved, opt.param_groups)):
+        if not isinstance(g, dict) or "params" not in g:
+            raise ValueError(f"{where}: param group {gi} is not a dict with a 'params' entry")
+        check_group({k: v for k, v in g.items() if k != "params"}, f"{where}: param group {gi}")
+        if len(g["params"]) != len(mine["params"]):
+            raise ValueError(
+                f"{where}: param group {gi} has {len(g['params'])} params in the state dict, "
+                f"{len(mine['params'])} here"
+            )
+        params += mine["params"]
+        ids += list(g["params"])
+    held: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+    for pid, p in zip(ids, params):
+        entry = state_dict["state"].get(pid)
+        if entry is None:
+            continue
+        if not isinstance(entry, dict):
+            raise TypeError(f"{where}: state of param {pid} must be a dict, got {type(entry).__name__}")
+        if "momentum_buffer" not in entry or entry["momentum_buffer"] is None:
+            continue
+        b = entry["momentum_buffer"]
+        name = f"{where}: param {pid} (shape {tuple(p.shape)}) momentum_buffer"
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(b).__name__} {b!r:.40}")
+        if b.dtype not in SUPPORTED_DTYPES or tuple(b.shape) != tuple(p.shape):
+            raise ValueError(f"{name} has shape {tuple(b.shape)}, dtype {b.dtype}; want {tuple(p.shape)}, "
+                             f"one of {SUPPORTED_DTYPES}")
+        held.append((local(b), local(p), name))
+    check_all_finite([b for b, _, _ in held], [n for _, _, n in held])
+    # buffers loaded as they are (same dtype and device) are written in place by later steps
+    kept = [(b, n) for b, p, n in held if b.dtype == p.dtype == compute_dtype(p.dtype) and b.device == p.device]
+    with torch.no_grad():
+        check_writable([b for b, _ in kept], [n for _, n in kept])
+
+
+def load_sgd_state(opt: torch.optim.Optimizer, state_dict: dict, where: str, load: Callable[[dict], None]) -> None:
+    """Load an IsoLoCo or torch.optim.SGD state dict with `load` (torch.optim.Optimizer's), all
+    checked first (`check_state_dict`): on a refused dict nothing changes. Groups without `iso`
+    (SGD's) keep this optimizer's setting."""
+    check_state_dict(opt, state_dict, where)
+    iso_now = [g["iso"] for g in opt.param_groups]
+    load(state_dict)
+    for g, iso in zip(opt.param_groups, iso_now):
+        g.setdefault("iso", iso)
+        for k, v in SGD_KEYS.items():
+            g.setdefault(k, v)
+    _restore_half_momentum(opt, state_dict)
+
+
+def _restore_half_momentum(opt: torch.optim.Optimizer, state_dict: dict) -> None:
+    """After torch's load_state_dict (which casts every floating state tensor to its param's
+    dtype): half and bfloat16 params get float32 momentum again, converted from the saved tensor
+    itself so nothing is lost to rounding."""
+    for g, sg in zip(opt.param_groups, state_dict["param_groups"]):
+        for p, pid in zip(g["params"], sg["params"]):
+            want = compute_dtype(p.dtype)
+            src = state_dict["state"].get(pid, {}).get("momentum_buffer")
+            if isinstance(src, torch.Tensor) and want != p.dtype:
+                opt.state[p]["momentum_buffer"] = src.detach().to(device=p.device, dtype=want, copy=True)
