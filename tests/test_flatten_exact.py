@@ -72,31 +72,33 @@ def test_rank_deficient_zero_in_zero_out(method, dtype):
     assert rel_err(ik.iso_flatten(r1, method=method), expect) <= TOL[("exact", dtype)] * 10
 
 
-@pytest.mark.parametrize("bad", ["nan", "inf", "int", "ndim1", "ndim4", "not_tensor", "method"])
-def test_bad_input_names_the_bucket_and_changes_nothing(bad):
+def _set(i, value):
+    def edit(buckets):
+        buckets[i] = value
+    return edit
+
+
+def _poke(i, index, value):
+    def edit(buckets):
+        buckets[i][index] = value
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit,method,match",
+    [
+        pytest.param(_poke(1, (2, 1, 3), float("nan")), "svd", r"bucket 1: matrix 2 contains NaN", id="nan"),
+        pytest.param(_poke(2, (0, 0), float("-inf")), "svd", r"bucket 2: the matrix contains Inf", id="inf"),
+        pytest.param(_set(2, torch.ones(3, 3, dtype=torch.int64)), "svd", r"bucket 2: dtype torch.int64", id="int"),
+        pytest.param(_set(1, torch.randn(5)), "svd", r"bucket 1: expected a \[m, n\] matrix", id="ndim1"),
+        pytest.param(_set(1, torch.randn(2, 2, 3, 3)), "svd", r"bucket 1: expected", id="ndim4"),
+        pytest.param(_set(0, [[1.0, 2.0]]), "svd", r"bucket 0: expected a torch.Tensor", id="not-tensor"),
+        pytest.param(lambda buckets: None, "qr", r"method must be one of", id="method"),
+    ],
+)
+def test_bad_input_names_the_bucket_and_changes_nothing(edit, method, match):
     buckets = [_rand((5, 6), torch.float32, 7), _rand((3, 4, 4), torch.float32, 8), _rand((2, 3), torch.float64, 9)]
-    method = "svd"
-    if bad == "nan":
-        buckets[1][2, 1, 3] = float("nan")
-        match = r"bucket 1: matrix 2 contains NaN"
-    elif bad == "inf":
-        buckets[2][0, 0] = float("-inf")
-        match = r"bucket 2: the matrix contains Inf"
-    elif bad == "int":
-        buckets[2] = torch.ones(3, 3, dtype=torch.int64)
-        match = r"bucket 2: dtype torch.int64"
-    elif bad == "ndim1":
-        buckets[1] = torch.randn(5)
-        match = r"bucket 1: expected a \[m, n\] matrix"
-    elif bad == "ndim4":
-        buckets[1] = torch.randn(2, 2, 3, 3)
-        match = r"bucket 1: expected"
-    elif bad == "not_tensor":
-        buckets[0] = [[1.0, 2.0]]
-        match = r"bucket 0: expected a torch.Tensor"
-    else:
-        method = "qr"
-        match = r"method must be one of"
+    edit(buckets)
     before = [b.clone() if isinstance(b, torch.Tensor) else b for b in buckets]
     with pytest.raises((ValueError, TypeError), match=match):
         ik.iso_merge_(buckets, method=method)

@@ -212,9 +212,9 @@ def test_half_params_keep_float32_buffers_through_checkpoints():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(nesterov=False), "nesterov=False"),
-        (dict(nesterov=True, weight_decay=0.1), "weight_decay=0.1"),
-        (dict(nesterov=True, maximize=True), "maximize=True"),
+        pytest.param(dict(nesterov=False), "nesterov=False", id="not-nesterov"),
+        pytest.param(dict(nesterov=True, weight_decay=0.1), "weight_decay=0.1", id="weight-decay"),
+        pytest.param(dict(nesterov=True, maximize=True), "maximize=True", id="maximize"),
     ],
 )
 def test_refuses_checkpoints_it_cannot_continue(kwargs, match):

@@ -299,15 +299,19 @@ def test_isoloco_pickled_with_a_process_group_says_so_when_stepped():
 @pytest.mark.parametrize(
     "edit,match",
     [
-        (lambda sd: sd.pop("state"), r"'state'"),
-        (lambda sd: sd.pop("param_groups"), r"'param_groups'"),
-        (lambda sd: sd["param_groups"][0].pop("lr"), r"param group 0.*'lr'"),
-        (lambda sd: sd["param_groups"][0].update(lr="0.5"), r"param group 0.*lr"),
-        (lambda sd: sd["param_groups"][0].update(momentum="x"), r"param group 0.*momentum"),
-        (lambda sd: sd["param_groups"][0].update(lr=float("inf")), r"param group 0.*lr"),
-        (lambda sd: sd["state"][0].update(momentum_buffer="zeros"), r"param 0.*momentum_buffer"),
-        (lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(3)), r"param 0.*momentum_buffer"),
-        (lambda sd: sd["state"][1].update(momentum_buffer=torch.full((4, 6), float("nan"))), r"momentum_buffer"),
+        pytest.param(lambda sd: sd.pop("state"), r"'state'", id="no-state"),
+        pytest.param(lambda sd: sd.pop("param_groups"), r"'param_groups'", id="no-param-groups"),
+        pytest.param(lambda sd: sd["param_groups"][0].pop("lr"), r"param group 0.*'lr'", id="no-lr"),
+        pytest.param(lambda sd: sd["param_groups"][0].update(lr="0.5"), r"param group 0.*lr", id="lr-str"),
+        pytest.param(lambda sd: sd["param_groups"][0].update(momentum="x"), r"param group 0.*momentum",
+                     id="momentum-str"),
+        pytest.param(lambda sd: sd["param_groups"][0].update(lr=float("inf")), r"param group 0.*lr", id="lr-inf"),
+        pytest.param(lambda sd: sd["state"][0].update(momentum_buffer="zeros"), r"param 0.*momentum_buffer",
+                     id="buffer-str"),
+        pytest.param(lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(3)), r"param 0.*momentum_buffer",
+                     id="buffer-shape"),
+        pytest.param(lambda sd: sd["state"][1].update(momentum_buffer=torch.full((4, 6), float("nan"))),
+                     r"momentum_buffer", id="buffer-nan"),
     ],
 )
 def test_load_state_dict_refuses_bad_fields_at_load_with_nothing_changed(edit, match):
