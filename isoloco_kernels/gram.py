@@ -1,63 +1,15 @@
-"""The Gram-space Iso-C flatten: the Polar Express iteration run on the small Gram matrix, in float64.
+"""The Gram-space Iso-C flatten (method "gram"): Polar Express on the short-side Gram matrix, float64.
 
-For X (m×n, m ≤ n; tall inputs are transposed) every iterate of X ← p(X Xᵀ)·X is X_t = Y_t·X with
-Y_t a polynomial in A₀ = X Xᵀ (p(X Xᵀ)·X moves singular values only). So the whole iteration runs
-on m×m matrices, and only two GEMMs touch the big matrix:
+For X (m×n, m ≤ n; tall inputs transposed), every iterate of X ← p(XXᵀ)·X is Y·X with Y a polynomial
+in A₀ = XXᵀ, so only two GEMMs touch the big matrix:
 
-    A₀ = X Xᵀ              float64, m²n (column chunks: no float64 copy of the bucket)
-    Y ← p_t(A_t)·Y,  A_{t+1} = p_t·A_t·p_t (= Y·A₀·Yᵀ)      T steps, m×m only
-    Q = Y·X,  ⟨Δ, Q⟩ = tr(Y·A₀),  ‖Q‖_F² = tr(Y·A₀·Yᵀ)      one m²n GEMM, the rest m×m
+    A₀ = X Xᵀ (float64, column chunks);   Y ← p_t(A)·Y,  A ← p_t·A·p_t  (15 steps, m×m);
+    Q = Y·X,   s̄ = tr(Y·A₀) / m,   iso(X) = s̄·Q
 
-A₀ has condition number κ², so it is formed and iterated in float64 (good to κ ≈ 1e7); the result
-is written back in the input dtype. On A100/H100/H200 float64 GEMMs run on tensor cores at the
-non-TF32 float32 rate, so this costs 4m²n + (8T + 2)·m³ float64 FLOPs (`gram_flops`) against
-T'(4m²n + 2m³) float32 for polar.py's direct iteration — less for matrices ≳ 3× wider than tall —
-and is exact to κ ~ 1e5 for float32 input (design notes, "Gram space").
-
-Scaling (no overflow for any finite input). X̃ = X / amax|X| (entries ≤ 1, A₀ entries ≤ n); then
-with B = A₀ / tr(A₀) (eigenvalues λ_i ≥ 0 summing to 1), λ_max(B) ≤ ‖B⁴‖_F^{1/4} ≤ r^{1/8}·λ_max(B)
-(‖B⁴‖_F² = Σλ⁸), so s² = tr(A₀)·‖B⁴‖_F^{1/4} ≥ σ_max(X̃)² and X̃ / s has σ_max ≤ 1 while losing at
-most r^{1/16} (≤ 2 for r ≤ 65536, ≤ 4 for r ≤ 2³²) at the small end. Two m³ products buy that
-bound (polar.py's one product gives r^{1/8}).
-
-Schedule. `COEFFS` is `coefficients.schedule(ELL, STEPS).coeffs` (tests regenerate and compare):
-- ELL = 2.5e-8 = 1e-7 / 4: every direction with σ ≥ 1e-7·σ_max — κ ≤ 1e7, where float64 A₀ stops
-  resolving directions, and at least the float32 rank cut sqrt(max(m, n))·eps32 ≥ 1.19e-7 — lies in
-  [ELL, 1] after the σ_max bound (which loses at most r^{1/16} ≤ 4).
-- STEPS = 15: the fewest for which the composed schedule maps all of [ELL, 1] to within float64
-  round-off of 1 (3e-13); 14 steps leave 1.5e-5.
-
-Updating A. A_{t+1} = p_t·A_t·p_t (p_t = p_t(A_t) is symmetric and bounded, |p| ≤ ~8), not
-recomputed as Y_{t+1}·A₀·Y_{t+1}ᵀ: both cost two m×m products per step, but Y grows to ~1/σ_min, so the recomputed
-product carries an absolute rounding error of ~eps64·κ² in A (2e-6 at κ 1e5) while p·A·p keeps
-~eps64 per step. Measured against reference.py, float64 input, 128×128 to 64×2048: p·A·p is 2–8×
-more accurate — flat-tail spectra 2.5e-9 vs 2.1e-8 at κ 1e4, 2.5e-7 vs 1.0e-6 at κ 1e5; geometric
-1.5e-8 vs 4.7e-8 at κ 1e5 (tests/test_gram.py: `test_pap_update_beats_recomputing_a`). (Recomputing
-A needs Y·A₀·Yᵀ with the transpose: Y·A₀·Y feeds Y's rounding asymmetry back and diverges.) The
-residual check does not trust the tracked A: it uses ‖Q‖_F² = tr(Y·A₀·Yᵀ) of the Y that is returned.
-
-Zeros. A zero row i of X is a zero row and column of A₀; then p(A)_ik = a·δ_ik exactly, Y keeps
-Y_ik = 0 for k ≠ i, and row i of Q = Y·X is an exact sum of zeros. A zero column of X is a zero column
-of Q. So zero rows, columns and matrices come out exactly zero.
-
-The residual check (as polar.py's): f_i the final singular values of Q (ideally 1 on the rank r),
-D = r − ‖Q‖_F² = r − tr(Y·A₀·Yᵀ) with r = min(nonzero rows, nonzero columns); the relative error of
-Q is at most |D|/√r while 0 ≤ f_i ≤ 1. A matrix with |D| > CHECK_TOL·√r (κ ≫ 1e7, or rank deficient
-beyond exact zero rows/columns) is recomputed with the exact SVD (`exact.flatten_svd_`), with a
-`GramFallbackWarning`; `last_stats()` counts them.
-
-All-or-nothing. Everything that can fail — non-finite input, a result that does not fit the output
-dtype — is decided before the first write; the result is then written column chunk by column chunk
-straight into the input (chunk j of Q needs only chunk j of X) with `copy_`.
-
-Memory. Besides the bucket: the B·m² float64 Y matrices kept until the write, a workspace of about
-6 m×m float64 matrices per matrix of a sub-batch, and float64 column chunks; sub-batches and chunks
-are sized to half the bucket (at least one matrix, at least 128 columns). So the peak extra memory
-stays below the bucket's own size for wide buckets (m×m float64 small against m×n), but not for
-near-square float32 ones, where one matrix's m×m float64 workspace alone is 12× its float32 size.
-Measured (peak RSS of a fresh process, float32, one thread; bench/results/gram.md), in units of the
-bucket: 2×32000×256 0.40 (polar 5.4, eigh 8.6), 4×4096×256 0.81, 3×2688×1024 2.6, 4×1024×1024 4.4
-(polar 11.3).
+Exact to condition number ~1e5 for float32 input; a per-matrix residual check in Gram space sends
+what it cannot resolve to the SVD (`GramFallbackWarning`, `last_stats()`). All-or-nothing, no
+overflow for finite input. Derivation, scaling, schedule, zeros and memory: docs/gram.md;
+measurements: bench/results/gram.md.
 """
 from __future__ import annotations
 

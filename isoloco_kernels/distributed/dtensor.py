@@ -1,71 +1,17 @@
-"""IsoLoCo on DTensor params: FSDP2 (`fully_shard`) and tensor parallelism (`parallelize_module`).
+"""`IsoLoCo.step` on DTensor params: FSDP2 (`fully_shard`) and tensor parallelism (`parallelize_module`).
 
-torchtitan + torchft shard every replica with FSDP2, so the outer optimizer sees DTensor params and
-grads (torchft writes `p.grad = DTensor.fromlocal(avg_shard, mesh, placements, ...)`). `IsoLoCo`
-hands such a model to this module (see `check_params` and `step_`); plain tensors never come here.
+Nesterov runs on the local shards (momentum buffers are DTensors placed like their params). Iso-C
+of a 2-D param sharded on a 1-D mesh takes one of three routes, chosen per matrix by bytes per rank
+(`route_for`, `wire_bytes`; `opt.dtensor_route` overrides):
 
-The step, per parameter with a grad, on the param's own device mesh:
-
-- Nesterov is elementwise, so it runs on the local shards (`to_local()`), no communication.
-  Momentum buffers are DTensors with the param's placements, as torch's optimizers keep them under
-  FSDP2, so `state_dict()` holds DTensors and torch.distributed.checkpoint saves and loads them.
-- 1-D params, and 2-D params in groups with iso off: the local shard of Δ is the update.
-- 2-D params with iso on, on a 1-D mesh, by placement of the m×n matrix (d = min(m, n)):
-
-  Replicate                      flatten the local (whole) matrix, as plain IsoLoCo does.
-  Shard along the long side,     "gram": A₀ = Σᵢ YᵢᵀYᵢ (d×d, float64) over the shards Yᵢ (the
-  when the Gram is cheaper         shard, transposed so the long side runs down), one all-reduce
-  (below)                          for all such matrices of the step (one flat float64 buffer);
-                                   then on every rank (method "gram": the Gram-space iteration,
-                                   below) eigh(A₀) = V diag(σ²) Vᵀ, the directions with
-                                   σ ≤ sqrt(max(m, n))·eps32·σ₁ cut (exact.py's rule), and each
-                                   rank writes its own shard s̄·Yᵢ·V diag(1/σ) Vᵀ, s̄ = Σσ / d.
-  anything else sharded          "owner": every matrix has one owner (`plan_owners`: largest
-                                   flatten cost m·n·min(m, n) first, to the least loaded rank); one
-                                   all-to-all per dtype sends every rank's shards to the owners,
-                                   each owner flattens its matrices with the optimizer's `method`
-                                   (batched by shape, as plain IsoLoCo), one all-to-all sends every
-                                   rank its shard of each result.
-
-  The rule is bytes per rank: the Gram all-reduce (ring) sends 2·(W−1)/W · 8·d² bytes, the owner
-  route 2·(W−1)/W² · b·m·n on average (b = element size; out and back, owners balanced), so the
-  Gram is taken when long/short > 8·W / b (4 at W = 2, 16 at W = 8 for float32): embeddings and LM
-  heads (vocab × hidden) under FSDP, MLP weights when ffn ≫ hidden. For a square or near-square
-  matrix the d² float64 Gram is bigger than the matrix itself. FLOPs: the Gram route splits the
-  two big GEMMs (2·(m/W)·d² each) over the ranks and repeats only the d×d eigh on every rank; the
-  owner route flattens each matrix once, on its owner. A shard along the short side is never a
-  Gram candidate: the short-side Gram needs products across shards, and the long-side one (n²
-  float64 for an m×n matrix with m < n) is always bigger than the matrix.
-  `opt.dtensor_route` overrides the rule: "gram" (every long-side shard through the Gram, the rest
-  by owner), "owner", or "gather" (one padded all-gather per dtype of every sharded matrix, each
-  rank flattens all of them and keeps its shards: (W−1)/W · b·m·n per rank, the most bytes and
-  FLOPs, one collective); default "auto". On the Gram route, method "gram" (and "auto" where it
-  resolves to "gram" for the matrix's shape and device: `flatten.resolve_method`) runs gram.py's
-  float64 iteration on the all-reduced A₀ (`gram.gram_from_a0`: W = s̄·Y, each rank writes Yᵢ·Wᵀ);
-  matrices that miss its residual check, and every other method, take the float64 eigh above.
-  Every rank holds the same A₀, so every rank takes the same decision. The optimizer's `method`
-  applies unchanged to the other routes.
-  Uneven shards (dimension not divisible by the mesh size: torch.chunk sizes, as DTensor and
-  FSDP2 use) are handled everywhere; the all-gather pads every rank's segment to the longest one.
-- 2-D params on a mesh with more than one dimension (HSDP Replicate × Shard(0), FSDP × TP): the
-  general path, one `full_tensor()` per matrix, flatten on every rank, then the local shard through
-  `distribute_tensor(..., src_data_rank=None)` (no communication). Correct, not batched.
-
-State: `state_dict()` holds DTensor momentum (torch.distributed.checkpoint saves and loads it). A
-plain IsoLoCo or torch.optim.SGD state dict (whole tensors, the same on every rank) loads too: each
-whole momentum buffer is resharded like its param on the next step, locally, values unchanged.
-
-All-or-nothing across ranks: every check (grads present and shaped like their params, dtypes,
-placements, NaN/Inf in the local grad or momentum shards, hyper-parameters) runs first and the ranks
-agree (one all-reduce of a per-rank failure flag vector and a layout fingerprint, per mesh
-dimension) before any collective of the step; the collectives always run in full (a rank that
-failed sends zeros), every flatten runs, and the ranks agree again before anything is written. A
-failure on any rank raises `isoloco_kernels.distributed.DistributedStepError` on every rank naming
-the ranks and their errors; no param or momentum buffer changes anywhere.
-
-Refused when the optimizer is built: DTensor and plain params in one optimizer, `process_group=`
-together with DTensor params, Partial placements (and strided shards on a 1-D mesh), and meshes whose ranks are not
-all inside the largest mesh of the optimizer (the agreement runs over that mesh).
+- "gram": shards along the long side: the short-side Gram A₀ = Σᵢ YᵢᵀYᵢ (float64, all matrices of
+  the step in one all-reduce), then on every rank gram.py's iteration on A₀ (method "gram") or
+  float64 eigh, and each rank writes its own shard s̄·Yᵢ·P;
+- "owner": one owner per matrix (`plan_owners`), one all-to-all there and one back per dtype;
+- "gather": one padded all-gather, every rank flattens every matrix.
+Replicated matrices are flattened locally; meshes with several dimensions use `full_tensor()`.
+All-or-nothing across the mesh (`agree.agree_on_mesh` before the collectives and before the writes).
+Contract and measurements: README "IsoLoCo with FSDP2 / torchtitan + torchft".
 """
 from __future__ import annotations
 
