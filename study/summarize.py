@@ -7,9 +7,12 @@ seeds; the best lr per method is reported with its mean, its seed-to-seed spread
 min..max) and the paired difference IsoLoCo − DiLoCo (same seed = same init and data), whose
 mean and spread say whether the gap is larger than the noise.
 
-Study v2 records ("study": "v2" in the JSONL) are kept out of the v1 tables and summarized apart:
-per (init, vocab, K, H) cell, every method's final loss per seed, the paired gaps to DiLoCo, and
-the divergence measurements averaged over rounds (markdown_v2, study_v2.png).
+Study v2 records ("study": "v2" in the JSONL) are kept out of the v1 tables and summarized apart,
+per (init, vocab, K, H, rounds) cell: every method's final loss per seed, the paired gaps to DiLoCo
+at released and tuned outer lrs, and the divergence measurements averaged over rounds
+(markdown_v2; study_v2.png, study_v2_gap.png, study_v2_grid.png). v1 runs join the v2 cells as
+GPT-2-init byte-level runs without divergence measurements (the loop is deterministic: a v2 run
+that repeats a v1 configuration gives the same loss, checked below).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ def load(folder: Path) -> tuple[list[dict], dict]:
                 continue
             r = json.loads(line)
             k = (r["seed"], r["workers"], r["inner_steps"], r["mode"], r["outer_lr"],
-                 r.get("study", "v1"), r.get("init", "gpt2"), r.get("vocab", 256))
+                 r.get("study", "v1"), r.get("init", "gpt2"), r.get("vocab", 256), r["rounds"])
             if k in seen:
                 dup["repeats"] += 1
                 dup["identical"] += seen[k]["heldout_loss"] == r["heldout_loss"]
@@ -223,25 +226,64 @@ def _spec_mean(r: dict, key: str, rounds=None):
     return statistics.fmean(xs) if xs else None
 
 
+def v2_view(recs: list[dict]) -> list[dict]:
+    """v2 runs, plus v1 runs as GPT-2-init byte-level runs (no divergence) where v2 has no repeat."""
+    out: dict[tuple, dict] = {}
+    for r in recs:
+        if r.get("study", "v1") == "v1":
+            r = dict(r, init="gpt2", vocab=256, from_v1=True)
+        k = (r["seed"], r["workers"], r["inner_steps"], r["rounds"], r["mode"], r["outer_lr"], r["init"], r["vocab"])
+        if k not in out or (out[k].get("from_v1") and not r.get("from_v1")):
+            out[k] = r
+    return list(out.values())
+
+
+def _cell_key(r: dict) -> tuple:
+    return (r["init"], r["vocab"], r["workers"], r["inner_steps"], r["rounds"])
+
+
+def _paired_diffs(a: dict, b: dict) -> dict | None:
+    """a − b per common seed (final losses), with mean and std; None without a common seed."""
+    common = sorted(set(a) & set(b))
+    diffs = [a[x]["final_loss"] - b[x]["final_loss"] for x in common
+             if a[x]["final_loss"] is not None and b[x]["final_loss"] is not None]
+    if not diffs:
+        return None
+    return {"seeds": common, "diffs": diffs, "mean": statistics.fmean(diffs), "std": _std(diffs)}
+
+
+def _best_lr(methods: dict, mode: str):
+    """The outer lr of `mode` with the lowest mean final loss over the seeds every lr of its grid
+    shares (at least one), whether it sits on the edge of the grid, and the grid."""
+    lrs = sorted(lr for m, lr in methods if m == mode)
+    if not lrs:
+        return None, False, []
+    shared = set.intersection(*(set(methods[(mode, lr)]) for lr in lrs))
+    if not shared or len(lrs) == 1:
+        return (lrs[0] if len(lrs) == 1 else None), len(lrs) > 1, lrs
+    score = {lr: statistics.fmean(methods[(mode, lr)][x]["final_loss"] or float("inf") for x in shared)
+             for lr in lrs}
+    best = min(lrs, key=lambda lr: score[lr])
+    return best, best in (lrs[0], lrs[-1]), lrs
+
+
 def summarize_v2(recs: list[dict]) -> dict:
-    """Per (init, vocab, K, H): per method {seeds, finals, mean, std, divergence means}; paired gaps."""
+    """Per (init, vocab, K, H, rounds) cell: per method {seeds, finals, mean, std, divergence
+    means}; paired gaps to DiLoCo at its released lr, and tuned (each method at its best lr)."""
     cells = defaultdict(lambda: defaultdict(dict))
     for r in recs:
-        if r.get("study") != "v2":
-            continue
-        c = (r["init"], r["vocab"], r["workers"], r["inner_steps"])
-        cells[c][(r["mode"], r["outer_lr"])][r["seed"]] = r
+        cells[_cell_key(r)][(r["mode"], r["outer_lr"])][r["seed"]] = r
     out = []
-    for (init, vocab, K, H), methods in sorted(cells.items(), key=lambda t: (t[0][2], t[0][3], t[0][1], t[0][0])):
-        cell = {"init": init, "vocab": vocab, "workers": K, "inner_steps": H, "methods": {}}
+    for (init, vocab, K, H, R), methods in sorted(cells.items(), key=lambda t: (t[0][2], t[0][3], t[0][4], t[0][1], t[0][0])):
+        cell = {"init": init, "vocab": vocab, "workers": K, "inner_steps": H, "rounds": R, "methods": {}}
         for (mode, lr), seeds in sorted(methods.items(), key=lambda t: (V2_ORDER.index(t[0][0]), t[0][1] or 0)):
             finals = [seeds[x]["final_loss"] for x in sorted(seeds)]
             ok = [v for v in finals if v is not None]
             e = {"outer_lr": lr, "seeds": sorted(seeds), "finals": finals,
                  "mean": statistics.fmean(ok) if ok and len(ok) == len(finals) else None,
                  "std": _std(ok) if len(ok) == len(finals) else None}
-            if mode != "ddp":
-                runs = [seeds[x] for x in sorted(seeds)]
+            runs = [seeds[x] for x in sorted(seeds) if seeds[x].get("divergence")]
+            if mode != "ddp" and runs:
                 e["divergence"] = {
                     f"{what}_{g}": statistics.fmean(v for v in (_round_mean(r, what, g) for r in runs) if v is not None)
                     for what in ("cosine", "shrinkage") for g in V2_GROUPS
@@ -256,47 +298,76 @@ def summarize_v2(recs: list[dict]) -> dict:
                 if r1:
                     e["divergence"]["shrinkage_all_round1"] = statistics.fmean(r1)
             cell["methods"][_v2_name(mode, lr)] = e
-        dil = methods.get(("diloco", V2_DEFAULT_LR["diloco"]))  # the gaps are to DiLoCo's released config
+        dil = methods.get(("diloco", V2_DEFAULT_LR["diloco"]))  # released-config gaps are to DiLoCo 0.7
         for mode, lr in methods:
-            if (mode, lr) == ("diloco", V2_DEFAULT_LR["diloco"]) or not dil:
-                continue
-            common = sorted(set(methods[(mode, lr)]) & set(dil))
-            diffs = [methods[(mode, lr)][x]["final_loss"] - dil[x]["final_loss"] for x in common
-                     if methods[(mode, lr)][x]["final_loss"] is not None and dil[x]["final_loss"] is not None]
-            if diffs:
-                cell["methods"][_v2_name(mode, lr)]["minus_diloco"] = {
-                    "seeds": common, "diffs": diffs, "mean": statistics.fmean(diffs), "std": _std(diffs)}
+            if (mode, lr) != ("diloco", V2_DEFAULT_LR["diloco"]) and dil:
+                g = _paired_diffs(methods[(mode, lr)], dil)
+                if g:
+                    cell["methods"][_v2_name(mode, lr)]["minus_diloco"] = g
+        tuned = {}
+        for mode in ("diloco", "isoloco", "isoloco-sgd"):
+            best, edge, grid = _best_lr(methods, mode)
+            if best is not None:
+                tuned[mode] = {"lr": best, "edge": edge, "grid": grid}
+        if "diloco" in tuned and "isoloco" in tuned:
+            g = _paired_diffs(methods[("isoloco", tuned["isoloco"]["lr"])], methods[("diloco", tuned["diloco"]["lr"])])
+            if g:
+                tuned["isoloco_minus_diloco"] = g
+        cell["tuned"] = tuned
         out.append(cell)
     return {"cells": out}
+
+
+def _gap_text(g) -> str:
+    if not g:
+        return "—"
+    return f"{g['mean']:+.3f} ({', '.join(f'{x:+.3f}' for x in g['diffs'])})"
 
 
 def markdown_v2(v2: dict) -> str:
     if not v2["cells"]:
         return "(no study v2 runs yet)"
-    lines = ["Final held-out loss (nats/byte), mean ± std over seeds, each method at its default outer lr; "
-             "'− DiLoCo' is paired per seed:", "",
-             "| init | vocab | K | H | method | lr | seeds | final | per seed | − DiLoCo (per seed) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["Per cell (R = rounds, so inner steps per worker = H·R): mean final held-out loss (nats/byte) of each "
+             "method at its released outer lr; gaps paired per seed (per-seed values in brackets); 'tuned' = each "
+             "method at the best lr of its grid in that cell (lr; * = the best lr is on the grid's edge).", "",
+             "| init | vocab | K | H | R | DDP | avg | DiLoCo | Iso-C SGD | IsoLoCo | IsoLoCo − DiLoCo | "
+             "Iso-C SGD − DiLoCo | tuned: IsoLoCo − DiLoCo (lrs) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in v2["cells"]:
+        m = c["methods"]
+        cellv = lambda k: "—" if k not in m else f"{_ms(m[k])} [{len(m[k]['seeds'])}]"
+        t = c.get("tuned", {})
+        tg = t.get("isoloco_minus_diloco")
+        tuned = "—" if not tg or len(t["diloco"]["grid"]) + len(t["isoloco"]["grid"]) <= 2 else (
+            f"{_gap_text(tg)} ({t['diloco']['lr']}{'*' if t['diloco']['edge'] else ''} / "
+            f"{t['isoloco']['lr']}{'*' if t['isoloco']['edge'] else ''})")
+        lines.append(f"| {c['init']} | {c['vocab']} | {c['workers']} | {c['inner_steps']} | {c['rounds']} | "
+                     f"{cellv('ddp')} | {cellv('avg')} | {cellv('diloco')} | {cellv('isoloco-sgd')} | {cellv('isoloco')} | "
+                     f"{_gap_text(m.get('isoloco', {}).get('minus_diloco'))} | "
+                     f"{_gap_text(m.get('isoloco-sgd', {}).get('minus_diloco'))} | {tuned} |")
+    lines += ["", "Every run (final held-out loss, nats/byte, mean ± std over seeds; '− DiLoCo' paired per seed "
+              "against DiLoCo at lr 0.7):", "",
+              "| init | vocab | K | H | R | method | lr | seeds | final | per seed | − DiLoCo (per seed) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in v2["cells"]:
         for mode, e in c["methods"].items():
             per = ", ".join("div" if v is None else f"{v:.4f}" for v in e["finals"])
-            md = e.get("minus_diloco")
-            gap = "—" if not md else f"{md['mean']:+.3f} ({', '.join(f'{x:+.3f}' for x in md['diffs'])})"
-            lines.append(f"| {c['init']} | {c['vocab']} | {c['workers']} | {c['inner_steps']} | {mode} | "
-                         f"{'-' if e['outer_lr'] is None else e['outer_lr']} | {len(e['seeds'])} | {_ms(e)} | {per} | {gap} |")
+            lines.append(f"| {c['init']} | {c['vocab']} | {c['workers']} | {c['inner_steps']} | {c['rounds']} | {mode} | "
+                         f"{'-' if e['outer_lr'] is None else e['outer_lr']} | {len(e['seeds'])} | {_ms(e)} | {per} | "
+                         f"{_gap_text(e.get('minus_diloco'))} |")
     lines += ["", "Divergence, averaged over the rounds and seeds of each run (cosine: mean pairwise cosine of the "
               "workers' Δ_k; shrinkage: ‖mean Δ_k‖ / mean ‖Δ_k‖; spectrum of the averaged Δ: median over matrices "
               "of effective rank / min(m, n) and of σ₁/σ̄):", "",
-              "| init | vocab | K | H | method | cosine all / emb / head / middle | shrinkage all / emb / head / middle "
+              "| init | vocab | K | H | R | method | cosine all / emb / head / middle | shrinkage all / emb / head / middle "
               "| shrinkage round 1 | erank / r₀ | σ₁/σ̄ |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in v2["cells"]:
         for mode, e in c["methods"].items():
             d = e.get("divergence")
             if not d:
                 continue
             f = lambda k, nd=3: _f(d.get(k), nd)
-            lines.append(f"| {c['init']} | {c['vocab']} | {c['workers']} | {c['inner_steps']} | {mode} | "
+            lines.append(f"| {c['init']} | {c['vocab']} | {c['workers']} | {c['inner_steps']} | {c['rounds']} | {mode} | "
                          + " / ".join(f("cosine_" + g) for g in V2_GROUPS) + " | "
                          + " / ".join(f("shrinkage_" + g) for g in V2_GROUPS) + " | "
                          + f"{f('shrinkage_all_round1')} | {f('erank_over_r0')} | {f('top_over_mean', 2)} |")
@@ -313,11 +384,13 @@ def plots_v2(v2: dict, recs: list[dict], folder: Path) -> None:
     import matplotlib.pyplot as plt
 
     colors = {"ddp": "k", "avg": "tab:gray", "diloco": "tab:blue", "isoloco-sgd": "tab:green", "isoloco": "tab:red"}
-    cells = v2["cells"]
+    # curves for the init and vocabulary cells (K 4 and 8, H 30, R 10) that have v2 runs
+    cells = [c for c in v2["cells"] if c["inner_steps"] == 30 and c["rounds"] == 10 and c["workers"] in (4, 8)
+             and any(r.get("divergence") and _cell_key(r) == _cell_key(c) for r in recs)]
     fig, axes = plt.subplots(2, len(cells), figsize=(5.2 * len(cells), 7.5), squeeze=False)
     for j, c in enumerate(cells):
-        runs = [r for r in recs if r.get("study") == "v2" and (r["init"], r["vocab"], r["workers"], r["inner_steps"])
-                == (c["init"], c["vocab"], c["workers"], c["inner_steps"]) and r["outer_lr"] == V2_DEFAULT_LR[r["mode"]]]
+        runs = [r for r in recs if r.get("divergence") and _cell_key(r) == _cell_key(c)
+                and r["outer_lr"] == V2_DEFAULT_LR[r["mode"]]]
         title = f"init {c['init']}, vocab {c['vocab']}, K {c['workers']}, H {c['inner_steps']} (default lrs)"
         for r in runs:
             col = colors.get(r["mode"], "tab:purple")
@@ -340,16 +413,15 @@ def plots_v2(v2: dict, recs: list[dict], folder: Path) -> None:
     plt.close(fig)
     # the gap against the divergence: one point per (cell, seed)
     pts = []
-    for c in cells:
+    for c in v2["cells"]:
         d, i = c["methods"].get("diloco"), c["methods"].get("isoloco")
         if not d or not i:
             continue
-        runs = {(r["mode"], r["outer_lr"], r["seed"]): r for r in recs if r.get("study") == "v2" and (
-            r["init"], r["vocab"], r["workers"], r["inner_steps"]) == (c["init"], c["vocab"], c["workers"], c["inner_steps"])}
+        runs = {(r["mode"], r["outer_lr"], r["seed"]): r for r in recs if r.get("divergence") and _cell_key(r) == _cell_key(c)}
         for seed in sorted(set(d["seeds"]) & set(i["seeds"])):
             rd = runs.get(("diloco", V2_DEFAULT_LR["diloco"], seed))
             ri = runs.get(("isoloco", V2_DEFAULT_LR["isoloco"], seed))
-            if rd and ri and rd["final_loss"] is not None and ri["final_loss"] is not None:
+            if rd and ri and rd.get("divergence") and rd["final_loss"] is not None and ri["final_loss"] is not None:
                 pts.append((c, _round_mean(rd, "shrinkage", "all"), _round_mean(rd, "cosine", "all"),
                             _spec_mean(rd, "top_over_mean", set(range(len(rd["heldout_loss"]) // 2 + 1, 10**6))),
                             ri["final_loss"] - rd["final_loss"]))
@@ -361,7 +433,7 @@ def plots_v2(v2: dict, recs: list[dict], folder: Path) -> None:
                           (axes[1], 1, "DiLoCo run: mean pairwise cosine, mean over rounds"),
                           (axes[2], 2, "DiLoCo run: median σ₁/σ̄ of mean Δ, second half of the rounds")):
             for c, *vals in pts:
-                lab = f"{c['init']}, vocab {c['vocab']}, K {c['workers']}, H {c['inner_steps']}"
+                lab = f"{c['init']}, vocab {c['vocab']}, K {c['workers']}, H {c['inner_steps']}, R {c['rounds']}"
                 if lab not in labels:
                     labels.append(lab)
                 ax.scatter(vals[j], vals[3], label=lab, color=palette[labels.index(lab) % len(palette)])
@@ -377,9 +449,58 @@ def plots_v2(v2: dict, recs: list[dict], folder: Path) -> None:
         plt.close(fig)
 
 
+def plot_grid(v2: dict, folder: Path) -> None:
+    """The whole grid: gaps against K (H 30, R 10) and against H (K 4, 1200 inner steps per
+    worker), and per init/vocabulary cell; released configs and tuned, mean ± std over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def gap(c, tuned: bool):
+        g = c.get("tuned", {}).get("isoloco_minus_diloco") if tuned else c["methods"].get("isoloco", {}).get("minus_diloco")
+        return (g["mean"], g["std"] if len(g["diffs"]) > 1 else 0.0) if g else None
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    series = (
+        (axes[0], lambda c: c["init"] == "gpt2" and c["vocab"] == 256 and c["inner_steps"] == 30 and c["rounds"] == 10,
+         "workers", "K (H 30, R 10, 300 inner steps per worker)", True),
+        (axes[1], lambda c: c["init"] == "gpt2" and c["vocab"] == 256 and c["workers"] == 4
+         and c["inner_steps"] * c["rounds"] == 1200, "inner_steps", "H (K 4, 1200 inner steps per worker: R = 1200/H)", True),
+    )
+    for ax, keep, key, xl, logx in series:
+        cs = sorted((c for c in v2["cells"] if keep(c)), key=lambda c: c[key])
+        for tuned, col, lab in ((False, "tab:red", "released lrs"), (True, "tab:purple", "tuned lrs")):
+            pts = [(c[key], gap(c, tuned)) for c in cs if gap(c, tuned)]
+            if pts:
+                ax.errorbar([x for x, _ in pts], [g[0] for _, g in pts], yerr=[g[1] for _, g in pts], color=col,
+                            marker="o", capsize=3, label=lab)
+        if logx:
+            ax.set_xscale("log", base=2 if key == "workers" else 10)
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set_xlabel(xl)
+        ax.set_ylabel("IsoLoCo − DiLoCo final loss (nats/byte)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    cs = [c for c in v2["cells"] if c["inner_steps"] == 30 and c["rounds"] == 10 and c["workers"] in (4, 8)]
+    names = [f"{c['init']}\nvocab {c['vocab']}\nK {c['workers']}" for c in cs]
+    for off, tuned, col, lab in ((-0.2, False, "tab:red", "released lrs"), (0.2, True, "tab:purple", "tuned lrs")):
+        xs = [i + off for i, c in enumerate(cs) if gap(c, tuned)]
+        gs = [gap(c, tuned) for c in cs if gap(c, tuned)]
+        axes[2].bar(xs, [g[0] for g in gs], width=0.4, yerr=[g[1] for g in gs], color=col, capsize=3, label=lab)
+    axes[2].set_xticks(range(len(cs)), names, fontsize=8)
+    axes[2].axhline(0, color="k", lw=0.5)
+    axes[2].set_ylabel("IsoLoCo − DiLoCo final loss (nats/byte)")
+    axes[2].set_title("H 30, R 10: init and vocabulary")
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(folder / "study_v2_grid.png", dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     recs, dup = load(HERE / "results")
-    v2 = summarize_v2(recs)
+    v2 = summarize_v2(v2_view(recs))
     v1_recs = [r for r in recs if r.get("study", "v1") == "v1"]
     v2_recs = [r for r in recs if r.get("study") == "v2"]
     recs = v1_recs
@@ -396,12 +517,14 @@ def main() -> None:
     v2["runs"] = len(v2_recs)
     v2["cpu_s_total"] = sum(r.get("cpu_s", 0.0) for r in v2_recs)
     # v2 gpt2/bytes runs repeat v1 configurations: the loop is deterministic, so they must agree
-    v1_final = {(r["seed"], r["workers"], r["inner_steps"], r["mode"], r["outer_lr"]): r["final_loss"] for r in v1_recs}
+    v1_final = {(r["seed"], r["workers"], r["inner_steps"], r["rounds"], r["mode"], r["outer_lr"]): r["final_loss"]
+                for r in v1_recs}
     same = [(v1_final[k], r["final_loss"]) for r in v2_recs if r["init"] == "gpt2" and r["vocab"] == 256
-            for k in [(r["seed"], r["workers"], r["inner_steps"], r["mode"], r["outer_lr"])] if k in v1_final]
+            for k in [(r["seed"], r["workers"], r["inner_steps"], r["rounds"], r["mode"], r["outer_lr"])] if k in v1_final]
     v2["v1_repeats"] = {"runs": len(same), "identical": sum(a == b for a, b in same)}
     (HERE / "summary_v2.json").write_text(json.dumps(v2, indent=1))
     plots_v2(v2, v2_recs, HERE)
+    plot_grid(v2, HERE)
     print("\n<!-- v2 -->\n" + markdown_v2(v2))
     print(f"\n{len(v2_recs)} v2 runs, {v2['cpu_s_total'] / 60:.1f} CPU-min; {same and len(same)} v2 runs repeat a v1 "
           f"configuration, {v2['v1_repeats']['identical']} of them with a bit-identical final loss")
