@@ -79,5 +79,5 @@ at::Tensor iso_scale_cuda(const at::Tensor& x, const at::Tensor& q) {
 }  // namespace isoloco
 
 TORCH_LIBRARY_IMPL(isoloco, CUDA, m) {
-  m.impl("iso_scale_", &isoloco::iso_scale_cuda);
+  m.impl("csrc_iso_scale_", &isoloco::iso_scale_cuda);
 }

@@ -1,7 +1,6 @@
 // isoloco::nesterov_outer_ on CUDA: one multi-tensor launch per dtype combination (normally one);
 // kernel in kernels/nesterov.cuh.
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -20,59 +19,13 @@
 namespace isoloco {
 namespace {
 
-// The tensors the kernel writes (params and bufs), checked all together before any launch, as
-// ops.check_nesterov_written does for the other backends: no inference tensor outside inference
-// mode, no grad-requiring leaf with grad mode on, no internal overlap (an expanded view), and no
-// two of them sharing memory (byte ranges sorted by start; intersecting ones checked exactly).
-void check_written(at::TensorList params, at::TensorList bufs) {
-  struct Span {
-    uintptr_t start, end;
-    const at::Tensor* t;
-    const char* name;
-    size_t i;
-  };
-  std::vector<Span> spans;
-  spans.reserve(2 * params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    const std::pair<const char*, const at::Tensor*> named[] = {{"param", &params[i]}, {"buf", &bufs[i]}};
-    for (const auto& [name, t] : named) {
-      TORCH_CHECK(!t->is_inference() || c10::InferenceMode::is_enabled(), "nesterov_outer_: ", name, " ", i,
-                  " is an inference tensor; it cannot be updated in place outside torch.inference_mode(); "
-                  "nothing was written");
-      TORCH_CHECK(!(t->requires_grad() && t->is_leaf() && at::GradMode::is_enabled()), "nesterov_outer_: ",
-                  name, " ", i, " is a leaf tensor that requires grad; update it under torch.no_grad(); "
-                  "nothing was written");
-      TORCH_CHECK(at::has_internal_overlap(*t) != at::MemOverlap::Yes, "nesterov_outer_: ", name, " ", i,
-                  " has internal overlap (an expanded view), so several of its elements share memory; "
-                  "nothing was written");
-      if (t->numel() == 0) continue;
-      int64_t extent = 1;
-      for (int64_t d = 0; d < t->dim(); ++d) extent += (t->size(d) - 1) * t->stride(d);
-      const auto start = reinterpret_cast<uintptr_t>(t->data_ptr());
-      spans.push_back({start, start + static_cast<uintptr_t>(extent) * t->element_size(), t, name, i});
-    }
-  }
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.start < b.start; });
-  std::vector<const Span*> active;
-  for (const Span& s : spans) {
-    std::erase_if(active, [&](const Span* a) { return a->end <= s.start; });
-    for (const Span* a : active) {
-      TORCH_CHECK(at::get_overlap_status(*a->t, *s.t) == at::MemOverlapStatus::No, "nesterov_outer_: ",
-                  a->name, " ", a->i, " and ", s.name, " ", s.i, " overlap in memory (views of one "
-                  "storage); each tensor written in place must have its own memory; nothing was written");
-    }
-    active.push_back(&s);
-  }
-}
-
-void check_args(at::TensorList params, at::TensorList bufs, at::TensorList updates, double lr,
-                double momentum, const std::optional<at::Tensor>& scales) {
+// Only what memory safety needs, with ops.check_nesterov_args' rules (which run first, with the
+// finiteness, written-tensor and overlap checks): sizes, dtypes, devices, the scales vector.
+void check_args(at::TensorList params, at::TensorList bufs, at::TensorList updates,
+                const std::optional<at::Tensor>& scales) {
   TORCH_CHECK_VALUE(params.size() == bufs.size() && bufs.size() == updates.size(),
                     "nesterov_outer_: params, bufs and updates must have one entry each per tensor, got ",
                     params.size(), ", ", bufs.size(), " and ", updates.size());
-  TORCH_CHECK_VALUE(std::isfinite(lr) && std::isfinite(momentum),
-                    "nesterov_outer_: lr and momentum must be finite numbers, got lr=", lr,
-                    ", momentum=", momentum);
   if (params.empty()) return;
   const at::Device dev = params[0].device();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -93,7 +46,6 @@ void check_args(at::TensorList params, at::TensorList bufs, at::TensorList updat
                      "; it must be float32 or the param's dtype (", pt, ")");
   }
   TORCH_CHECK(dev.is_cuda(), "nesterov_outer_: params must be CUDA tensors, got ", dev);
-  check_written(params, bufs);
   if (scales.has_value()) {
     const at::Tensor& s = *scales;
     TORCH_CHECK_VALUE(s.dim() == 1 && s.numel() == static_cast<int64_t>(params.size()),
@@ -108,7 +60,7 @@ void check_args(at::TensorList params, at::TensorList bufs, at::TensorList updat
 
 void nesterov_outer_cuda(at::TensorList params, at::TensorList bufs, at::TensorList updates,
                          double lr, double momentum, const std::optional<at::Tensor>& scales) {
-  check_args(params, bufs, updates, lr, momentum, scales);  // everything before anything is written
+  check_args(params, bufs, updates, scales);  // everything before anything is written
   if (params.empty()) return;
   const at::Device dev = params[0].device();
   const c10::cuda::CUDAGuard guard(dev);
@@ -194,5 +146,5 @@ void nesterov_outer_cuda(at::TensorList params, at::TensorList bufs, at::TensorL
 }  // namespace isoloco
 
 TORCH_LIBRARY_IMPL(isoloco, CUDA, m) {
-  m.impl("nesterov_outer_", &isoloco::nesterov_outer_cuda);
+  m.impl("csrc_nesterov_outer_", &isoloco::nesterov_outer_cuda);
 }

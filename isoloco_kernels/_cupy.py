@@ -12,7 +12,6 @@ checks mirror csrc/iso_scale.cu and csrc/nesterov.cu; the constants below mirror
 from __future__ import annotations
 
 import functools
-import math
 import os
 import re
 
@@ -112,11 +111,6 @@ def _compute(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_dtype(t: torch.Tensor, what: str) -> None:
-    if t.dtype not in _STORAGE:
-        raise TypeError(f"{what} has unsupported dtype {t.dtype}; use float16, bfloat16, float32 or float64")
-
-
 def launch_plan(L: int) -> tuple[int, int]:
     """(nchunks, chunk_len) per matrix of L elements; the same as launch_plan in csrc/iso_scale.cu."""
     want = min(max(-(-L // 8192), 1), 256)
@@ -126,18 +120,8 @@ def launch_plan(L: int) -> tuple[int, int]:
 
 
 def iso_scale_(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """s̄ = ⟨x, q⟩ / min(m, n) per matrix; x ← s̄·q in place; returns s̄ (float32, float64 for float64 x)."""
-    for t, name in ((x, "x"), (q, "q")):
-        _check_dtype(t, f"iso_scale_: {name}")
-        if t.ndim not in (2, 3):
-            raise ValueError(f"iso_scale_: {name} must be [m, n] or [B, m, n], got shape {tuple(t.shape)}")
-        if not t.is_cuda:
-            raise ValueError(f"iso_scale_: {name} must be a CUDA tensor, got one on {t.device}")
-    if x.shape != q.shape or x.device != q.device:
-        raise ValueError(
-            f"iso_scale_: q must match x in shape and device, got x {tuple(x.shape)} on {x.device}"
-            f" and q {tuple(q.shape)} on {q.device}"
-        )
+    """s̄ = ⟨x, q⟩ / min(m, n) per matrix; x ← s̄·q in place; returns s̄ (float32, float64 for float64 x).
+    Unchecked: reached only through the isoloco::iso_scale_ op, whose checks ran (ops.py)."""
     cd = _compute(x.dtype)
     sbar = torch.zeros(x.shape[:-2], dtype=cd, device=x.device)
     if x.numel() == 0:
@@ -164,47 +148,12 @@ def iso_scale_(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def nesterov_outer_(params, bufs, updates, lr: float, momentum: float, scales=None) -> None:
-    """Per tensor i: g = s_i·u ; buf ← μ·buf + g ; p ← p − lr·(g + μ·buf), one launch per dtype combination."""
+    """Per tensor i: g = s_i·u ; buf ← μ·buf + g ; p ← p − lr·(g + μ·buf), one launch per dtype combination.
+    Unchecked: reached only through the isoloco::nesterov_outer_ op, whose checks ran (ops.py)."""
     params, bufs, updates = list(params), list(bufs), list(updates)
-    if not (len(params) == len(bufs) == len(updates)):
-        raise ValueError(
-            f"nesterov_outer_: params, bufs and updates must have one entry each per tensor, got "
-            f"{len(params)}, {len(bufs)} and {len(updates)}"
-        )
-    if not (math.isfinite(lr) and math.isfinite(momentum)):
-        raise ValueError(
-            f"nesterov_outer_: lr and momentum must be finite numbers, got lr={lr}, momentum={momentum}"
-        )
     if not params:
         return
     dev = params[0].device
-    for i, (p, b, u) in enumerate(zip(params, bufs, updates)):
-        for name, t in (("param", p), ("buf", b), ("update", u)):
-            _check_dtype(t, f"nesterov_outer_: {name} {i}")
-            if t.device != dev:
-                raise ValueError(f"nesterov_outer_: {name} {i} is on {t.device} but param 0 is on {dev}")
-        if not (p.shape == b.shape == u.shape):
-            raise ValueError(
-                f"nesterov_outer_: tensor {i}: param {tuple(p.shape)}, buf {tuple(b.shape)} and "
-                f"update {tuple(u.shape)} must have the same shape"
-            )
-        if b.dtype not in (torch.float32, p.dtype):
-            raise TypeError(f"nesterov_outer_: buf {i} is {b.dtype}; it must be float32 or the param's dtype ({p.dtype})")
-    if dev.type != "cuda":
-        raise ValueError(f"nesterov_outer_: params must be CUDA tensors, got {dev}")
-    if scales is not None:
-        if scales.ndim != 1 or scales.numel() != len(params) or scales.device != dev:
-            raise ValueError(
-                f"nesterov_outer_: scales must be 1-D with one entry per tensor ({len(params)}) on "
-                f"{dev}, got shape {tuple(scales.shape)} on {scales.device}"
-            )
-        if not scales.is_floating_point():
-            raise TypeError(f"nesterov_outer_: scales must be floating point, got {scales.dtype}")
-
-    from ._validate import check_writable  # the check every backend shares (ops.check_nesterov_written)
-
-    check_writable([*params, *bufs], [f"nesterov_outer_: param {i}" for i in range(len(params))]
-                   + [f"nesterov_outer_: buf {i}" for i in range(len(bufs))])
     groups: dict[tuple, list[int]] = {}
     work = {}
     for i, (p, b, u) in enumerate(zip(params, bufs, updates)):

@@ -13,7 +13,6 @@ measurements: bench/results/gram.md.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 
@@ -21,7 +20,7 @@ import torch
 
 from . import exact
 from ._validate import ResultOverflowError, _describe_nonfinite, overflow_limit
-from .polar import PolarFallbackWarning, PolarStats
+from .iteration_stats import PolarFallbackWarning, PolarStats, Recorder
 
 __all__ = [
     "ELL", "STEPS", "CHECK_TOL", "COEFFS", "gram_factor", "gram_from_a0", "flatten_gram_",
@@ -58,17 +57,9 @@ class GramFallbackWarning(PolarFallbackWarning):
     """Some matrices missed the Gram iteration's accuracy check and were recomputed by SVD."""
 
 
-_STATS = PolarStats()
-
-
-def last_stats() -> PolarStats:
-    """A copy of the running statistics of the Gram flatten (fields as polar.PolarStats)."""
-    return dataclasses.replace(_STATS)
-
-
-def reset_stats() -> None:
-    global _STATS
-    _STATS = PolarStats()
+_RECORD = Recorder()
+last_stats = _RECORD.last  # a copy of the running statistics of the Gram flatten (`PolarStats`)
+reset_stats = _RECORD.reset
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,7 +210,6 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
     matrix; x3 is then untouched. Matrices that miss the residual check are recomputed by SVD with a
     GramFallbackWarning.
     """
-    global _STATS
     if x3.ndim != 3:
         raise ValueError(f"flatten_gram_: expected [B, m, n], got shape {tuple(x3.shape)}")
     nb, m0, n0 = x3.shape
@@ -307,7 +297,7 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
         x3[flagged] = fallback
 
     idx = tuple(int(i) for i in flagged.tolist())
-    _STATS = _STATS.after(nb, idx, float(resid.max()))
+    _RECORD.record(nb, idx, float(resid.max()))
     if idx:
         shown = f"{list(idx[:8])}{'…' if len(idx) > 8 else ''}"
         warnings.warn(

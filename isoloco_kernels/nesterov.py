@@ -11,16 +11,10 @@ with buf starting at zero the first step gives buf = g, as SGD does. The math ru
 dtype of each (param, buf) pair: float64 when either is float64, else float32 — so bfloat16 /
 float16 params with float32 momentum buffers are updated in float32 and rounded once on store.
 
-Backends (ops.py picks one per device):
-- `nesterov_outer_torch`: torch._foreach_* ops, one group per (device, dtypes); the CPU path and the
-  last fallback on CUDA. Unscaled contiguous float32/float64 CPU groups go through torch's fused
-  CPU SGD kernel (one pass) instead.
-- `nesterov_outer_cuda`: the Triton multi-tensor kernel (triton/nesterov.py) — one launch per dtype
-  combination over every tensor — when triton imports, else `nesterov_outer_torch`. The compiled
-  extension's CUDA kernel, when built, is registered in its place and this module is not used.
-
-The ops check shapes, devices and dtypes (ops.check_nesterov_args) before calling in here; nothing
-here checks for NaN/Inf (the optimizer does, before anything is written).
+`nesterov_outer_torch` is the torch implementation (torch._foreach_* per (device, dtypes); torch's
+fused CPU SGD kernel for unscaled contiguous float32/float64 CPU groups); csrc/, CuPy and Triton
+serve CUDA first (dispatch.py). Arguments are checked in ops.py; `prepare_outer_update` is the
+optimizers' overflow-checked call.
 """
 from __future__ import annotations
 
@@ -32,8 +26,7 @@ import torch
 
 from ._validate import ResultOverflowError
 
-__all__ = ["nesterov_outer_torch", "nesterov_outer_cuda", "update_compute_dtype", "triton_available",
-           "prepare_outer_update"]
+__all__ = ["nesterov_outer_torch", "update_compute_dtype", "prepare_outer_update"]
 
 
 def update_compute_dtype(param_dtype: torch.dtype, buf_dtype: torch.dtype) -> torch.dtype:
@@ -54,8 +47,7 @@ def _foreach_group(P, B, U, S, lr: float, momentum: float) -> None:
     """One (device, dtypes) group with torch._foreach_*; S: per-tensor 0-d scales or None."""
     if momentum != 0 and _fused_cpu_ok(P, B, U, S):  # (with μ = 0 it would leave buf alone)
         # Same update as SGD(nesterov=True) with buf already holding the momentum (zeros at first):
-        # torch's fused CPU kernel does it in one pass over p, buf and u (2× the foreach path on
-        # 1 thread, 24 × 1024² fp32) and leaves u untouched.
+        # torch's fused CPU kernel does it in one pass over p, buf and u and leaves u untouched.
         torch._fused_sgd_(P, U, B, weight_decay=0.0, momentum=momentum, lr=lr, dampening=0.0,
                           nesterov=True, maximize=False, is_first_step=False)
         return
@@ -122,52 +114,6 @@ def nesterov_outer_torch(
             lr,
             momentum,
         )
-
-
-_TRITON = None  # the triton/nesterov module once imported, False when triton is unusable
-
-
-def _triton_module():
-    global _TRITON
-    if _TRITON is None:
-        try:
-            from .triton import nesterov as mod
-        except ImportError:  # a Triton-less install: torch foreach serves CUDA too
-            mod = False
-        _TRITON = mod
-    return _TRITON
-
-
-def triton_available() -> bool:
-    """Whether the Triton kernel can serve `nesterov_outer_cuda` here (triton imports)."""
-    return bool(_triton_module())
-
-
-def nesterov_outer_cuda(params, bufs, updates, lr: float, momentum: float, scales) -> None:
-    """CUDA without the compiled extension: the Triton multi-tensor kernel for contiguous
-    params/bufs (one launch per dtype triple), torch foreach for the rest and when triton is absent.
-    Where CuPy works, the csrc kernels compiled through it serve first."""
-    from . import _cupy
-
-    if params and params[0].is_cuda and _cupy.available()[0] and all(
-        b.dtype in (torch.float32, p.dtype) for p, b in zip(params, bufs)
-    ):
-        _cupy.nesterov_outer_(params, bufs, updates, lr, momentum, scales)
-        return
-    mod = _triton_module()
-    if not mod:
-        nesterov_outer_torch(params, bufs, updates, lr, momentum, scales)
-        return
-    fast = [i for i, (p, b) in enumerate(zip(params, bufs)) if p.is_contiguous() and b.is_contiguous()]
-    if len(fast) == len(params):
-        mod.nesterov_outer_triton(params, bufs, updates, lr, momentum, scales)
-        return
-    slow = sorted(set(range(len(params))) - set(fast))
-    for idx, run in ((fast, mod.nesterov_outer_triton), (slow, nesterov_outer_torch)):
-        if idx:
-            sub = None if scales is None else scales[idx]
-            pick = [params[i] for i in idx], [bufs[i] for i in idx], [updates[i] for i in idx]
-            run(*pick, lr, momentum, sub)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,8 +9,10 @@
                              float lr, float momentum, Tensor? scales) -> ()
         buf ← μ·buf + s·u ; p ← p − lr·(s·u + μ·buf), s = scales[i] (1 when scales is None).
 
-Backends: CPU ops run in torch. CUDA ops run the compiled extension's kernels where it was built
-(csrc/, registered with TORCH_LIBRARY_IMPL), else Python implementations registered here.
+Every implementation registered here checks its arguments (one check per op, the same on every
+device) and then runs what `dispatch.select` picks: on CUDA the compiled extension's kernels
+(csrc/, registered as the private ops csrc_iso_scale_ / csrc_nesterov_outer_), the same kernels
+through CuPy, Triton or torch; torch on the CPU.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from . import _ext, flatten
+from . import _ext, dispatch, flatten
 from ._validate import (
     SUPPORTED_DTYPES,
     ResultOverflowError,
@@ -28,7 +30,6 @@ from ._validate import (
     check_writable,
     compute_dtype,
 )
-from . import epilogue, nesterov
 from .flatten import check_method, iso_flatten_impl
 
 _lib = torch.library.Library("isoloco", "DEF")  # noqa: TOR901 (owned by this module)
@@ -43,7 +44,14 @@ _lib.define(
     "float lr, float momentum, Tensor? scales) -> ()"
 )
 
-_ext.load()  # registers the CUDA kernels of the ops above, if the extension was built
+# The compiled extension's kernels, behind the checks of the public ops (called by dispatch.py only).
+_lib.define("csrc_iso_scale_(Tensor(a!) x, Tensor q) -> Tensor")
+_lib.define(
+    "csrc_nesterov_outer_(Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor[] updates, "
+    "float lr, float momentum, Tensor? scales) -> ()"
+)
+
+_ext.load()  # registers the csrc_* CUDA kernels, if the extension was built
 
 
 @torch.library.impl(_lib, "iso_flatten_", "CompositeExplicitAutograd")
@@ -68,9 +76,10 @@ def _check_scale_args(x: torch.Tensor, q: torch.Tensor) -> None:
 
 
 @torch.library.impl(_lib, "iso_scale_", "CPU")
-def _iso_scale_cpu(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+@torch.library.impl(_lib, "iso_scale_", "CUDA")
+def _iso_scale_impl(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     _check_scale_args(x, q)
-    return epilogue.iso_scale_torch(x, q)
+    return dispatch.select("iso_scale_", x.device, x, q).run(x, q)
 
 
 @torch.library.register_fake("isoloco::iso_scale_", lib=_lib)
@@ -78,14 +87,6 @@ def _iso_scale_fake(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     _check_scale_args(x, q)
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
     return x.new_empty(x.shape[:-2], dtype=dt)
-
-
-if not _ext.has_kernel("iso_scale_", "CUDA"):
-
-    @torch.library.impl(_lib, "iso_scale_", "CUDA")
-    def _iso_scale_cuda_fallback(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        _check_scale_args(x, q)
-        return epilogue.iso_scale_cuda(x, q)
 
 
 def check_nesterov_args(params, bufs, updates, lr, momentum, scales) -> None:
@@ -104,8 +105,11 @@ def check_nesterov_args(params, bufs, updates, lr, momentum, scales) -> None:
                 f"nesterov_outer_: tensor {i}: param {tuple(p.shape)}, buf {tuple(b.shape)} and "
                 f"update {tuple(u.shape)} must have the same shape"
             )
-        if not (p.device == b.device == u.device):
-            raise ValueError(f"nesterov_outer_: tensor {i}: param, buf and update are on different devices")
+        if not (p.device == b.device == u.device == params[0].device):
+            raise ValueError(f"nesterov_outer_: tensor {i}: param, buf and update must all be on param 0's "
+                             f"device {params[0].device}, got {p.device}, {b.device}, {u.device}")
+        if b.dtype not in (torch.float32, p.dtype):  # the kernels hold momentum in float32 or the param dtype
+            raise TypeError(f"nesterov_outer_: buf {i} is {b.dtype}; it must be float32 or the param's dtype ({p.dtype})")
     if scales is not None:
         if scales.ndim != 1 or scales.numel() != len(params):
             raise ValueError(
@@ -114,6 +118,8 @@ def check_nesterov_args(params, bufs, updates, lr, momentum, scales) -> None:
             )
         if params and scales.device != params[0].device:
             raise ValueError("nesterov_outer_: scales must be on the params' device")
+        if not scales.is_floating_point():
+            raise TypeError(f"nesterov_outer_: scales must be floating point, got {scales.dtype}")
     if not (math.isfinite(lr) and math.isfinite(momentum)):  # NaN or ±Inf: every param would be NaN/Inf
         raise ValueError(
             f"nesterov_outer_: lr and momentum must be finite numbers, got lr={lr}, momentum={momentum}"
@@ -131,24 +137,18 @@ def check_nesterov_written(params, bufs) -> None:
 
 
 @torch.library.impl(_lib, "nesterov_outer_", "CPU")
-def _nesterov_outer_cpu(params, bufs, updates, lr, momentum, scales) -> None:
+@torch.library.impl(_lib, "nesterov_outer_", "CUDA")
+def _nesterov_outer_impl(params, bufs, updates, lr, momentum, scales) -> None:
     check_nesterov_args(params, bufs, updates, lr, momentum, scales)
     check_nesterov_written(params, bufs)
-    nesterov.nesterov_outer_torch(params, bufs, updates, lr, momentum, scales)
+    if params:
+        args = (params, bufs, updates, lr, momentum, scales)
+        dispatch.select("nesterov_outer_", params[0].device, *args).run(*args)
 
 
 @torch.library.register_fake("isoloco::nesterov_outer_", lib=_lib)
 def _nesterov_outer_fake(params, bufs, updates, lr, momentum, scales) -> None:
     check_nesterov_args(params, bufs, updates, lr, momentum, scales)
-
-
-if not _ext.has_kernel("nesterov_outer_", "CUDA"):
-
-    @torch.library.impl(_lib, "nesterov_outer_", "CUDA")
-    def _nesterov_outer_cuda_fallback(params, bufs, updates, lr, momentum, scales) -> None:
-        check_nesterov_args(params, bufs, updates, lr, momentum, scales)
-        check_nesterov_written(params, bufs)
-        nesterov.nesterov_outer_cuda(params, bufs, updates, lr, momentum, scales)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,23 +224,16 @@ def iso_flatten(x: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
 
 
 def backends() -> dict[str, str]:
-    """What serves each op here: the compiled extension, CuPy, Triton, and the flatten methods."""
-    from . import _cupy, nesterov
+    """What serves each op here, from the dispatch tables (dispatch.py) that choose it: per op and
+    device, the candidate `select` takes for a plain call, and why each one before it does not."""
     from . import triton as _tk
 
-    def cuda_chain(op: str, triton_ok: bool) -> str:
-        if _ext.LOADED and _ext.has_kernel(op):
-            return "csrc kernel (compiled extension)"
-        if _cupy.available()[0]:
-            return "csrc kernel through CuPy/NVRTC"
-        return "triton" if triton_ok else "torch"
-
-    return {
-        "cuda_extension": _ext.STATUS,
-        "cupy": _cupy.available()[1],
-        "triton": "available" if _tk.AVAILABLE else "not importable",
-        "iso_scale_[CUDA]": cuda_chain("iso_scale_", _tk.AVAILABLE),
-        "nesterov_outer_[CUDA]": cuda_chain("nesterov_outer_", nesterov.triton_available()),
-        "methods": ", ".join(m for m in flatten.METHODS if m != "auto"),
-        "dtypes": ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES),
-    }
+    out = {"cuda_extension": _ext.STATUS, "cupy": dispatch._cupy_available()[1] or "available",
+           "triton": "available" if _tk.AVAILABLE else "not importable"}
+    for (op, device), cands in dispatch.TABLES.items():
+        chosen = dispatch.select(op, device).name
+        skipped = [f"{name}: {why}" for name, ok, why in dispatch.report(op, device) if not ok]
+        out[f"{op}[{device}]"] = chosen + (f" (not: {'; '.join(skipped)})" if skipped else "")
+    out["methods"] = ", ".join(m for m in flatten.METHODS if m != "auto")
+    out["dtypes"] = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+    return out

@@ -36,13 +36,12 @@ Cost per step, m ≤ n: 2·m²n + m³ multiply-adds (X Xᵀ, A·A, B·X), all ba
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
 import warnings
 
 import torch
 
 from ._validate import check_result_fits, compute_dtype, pow2_scale
+from .iteration_stats import PolarFallbackWarning, PolarStats, Recorder
 
 __all__ = [
     "ELL", "STEPS", "CHECK_TOL", "COEFFS", "polar_factor", "flatten_polar_",
@@ -81,68 +80,31 @@ COEFFS = (
 # Statistics and warnings
 
 
-class PolarFallbackWarning(RuntimeWarning):
-    """Some matrices missed the polar iteration's accuracy check and were recomputed exactly."""
-
-
-@dataclasses.dataclass
-class PolarStats:
-    """What the polar flatten did. `last_*` describe the latest call, the rest are running totals."""
-
-    calls: int = 0
-    matrices: int = 0
-    recomputed: int = 0
-    last_matrices: int = 0
-    last_recomputed: tuple[int, ...] = ()
-    last_max_residual: float = 0.0  # max over the batch of |r − ‖X‖_F²| / √r (before fallback)
-
-    def after(self, nb: int, recomputed: tuple[int, ...], max_residual: float) -> "PolarStats":
-        """These statistics updated with one call over `nb` matrices."""
-        return dataclasses.replace(
-            self,
-            calls=self.calls + 1,
-            matrices=self.matrices + nb,
-            recomputed=self.recomputed + len(recomputed),
-            last_matrices=nb,
-            last_recomputed=recomputed,
-            last_max_residual=max_residual,
-        )
-
-
-_STATS = PolarStats()
-
-
-def last_stats() -> PolarStats:
-    """A copy of the running statistics of the polar flatten (see `PolarStats`)."""
-    return dataclasses.replace(_STATS)
-
-
-def reset_stats() -> None:
-    global _STATS
-    _STATS = PolarStats()
+_RECORD = Recorder()
+last_stats = _RECORD.last  # a copy of the running statistics of the polar flatten (`PolarStats`)
+reset_stats = _RECORD.reset
 
 
 # ----------------------------------------------------------------------------------------------
 # The iteration
 
 
-# GEMMs on CUDA: "torch" (cuBLAS) or "triton" (symmetric Gram / fused step kernels). cuBLAS until
-# the Triton kernels are measured faster on a GPU (bench/); ISOLOCO_POLAR_GEMM overrides.
-CUDA_GEMM_BACKEND = "torch"
+def _gemm_steps(x: torch.Tensor, backend: str | None):
+    """The GEMMs of the iteration: the dispatch table's choice ("polar_gemm": cuBLAS / CPU BLAS by
+    default), or backend "torch" / "triton" (the experimental kernels, where they can run)."""
+    from . import dispatch
 
-
-def _gemm_backend(x: torch.Tensor, backend: str | None) -> str:
-    """"torch" (cuBLAS / CPU BLAS) or "triton" (isoloco_kernels.triton, where it can run)."""
     if backend is None:
-        backend = os.environ.get("ISOLOCO_POLAR_GEMM", CUDA_GEMM_BACKEND if x.is_cuda else "torch")
+        backend = dispatch.select("polar_gemm", x.device, x).run(x)
     if backend not in ("torch", "triton"):
         raise ValueError(f"polar: backend must be 'torch' or 'triton', got {backend!r}")
-    if backend == "triton":
-        from . import triton as _tk
+    from . import triton as _tk
 
-        if not _tk.usable_for(x):
-            return "torch"
-    return backend
+    if backend == "triton" and _tk.usable_for(x):
+        from .experimental import triton_polar_steps
+
+        return triton_polar_steps
+    return TorchSteps
 
 
 def polar_factor(
@@ -157,9 +119,9 @@ def polar_factor(
     for float64 input), residual[b] = |r − ‖Q_b‖_F²| / √r (see the module docstring; 0 for r = 0).
 
     gemm_dtypes: one dtype per step for the GEMM operands (default: the compute dtype throughout);
-    backend: "torch" or "triton" (default: `CUDA_GEMM_BACKEND` on CUDA, torch elsewhere; Triton
+    backend: "torch" or "triton" (default: the dispatch table's "polar_gemm" choice; Triton
     falls back to torch where its kernels cannot run);
-    steps: an object with gram / square / step like `_TorchSteps`, overriding backend (the
+    steps: an object with gram / square / step like `TorchSteps`, overriding backend (the
     accuracy benchmark passes one that rounds GEMM operands to TF32).
     """
     if x3.ndim != 3:
@@ -174,10 +136,8 @@ def polar_factor(
         raise ValueError(f"polar_factor: {len(coeffs)} steps but {len(gemm_dtypes)} gemm dtypes")
     if steps is not None:
         ops = steps
-    elif _gemm_backend(x, backend) == "triton":
-        from .triton import polar_step as ops
     else:
-        ops = _TorchSteps
+        ops = _gemm_steps(x, backend)
 
     # Exact rank bound r = min(#nonzero rows, #nonzero columns): the residual check's target.
     nz = x != 0
@@ -225,7 +185,7 @@ def _ieee_fp32_matmul(on: bool):
         torch.set_float32_matmul_precision(old)
 
 
-class _TorchSteps:
+class TorchSteps:
     """The step pieces through torch.matmul / baddbmm (cuBLAS on CUDA, BLAS on the CPU)."""
 
     @staticmethod
@@ -274,7 +234,6 @@ def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", backend: str | None 
     homogeneous), so finite input never overflows there; a result that does not fit x3's dtype
     raises ResultOverflowError naming the matrix. Either way x3 is then untouched.
     """
-    global _STATS
     if mode not in ("fp32", "bf16"):
         raise ValueError(f"flatten_polar_: mode must be 'fp32' or 'bf16', got {mode!r}")
     nb = x3.shape[0]
@@ -317,7 +276,7 @@ def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", backend: str | None 
     x3.copy_(out)
 
     idx = tuple(int(i) for i in flagged.tolist())
-    _STATS = _STATS.after(nb, idx, float(resid.max()) if nb else 0.0)
+    _RECORD.record(nb, idx, float(resid.max()) if nb else 0.0)
     if idx:
         shown = f"{list(idx[:8])}{'…' if len(idx) > 8 else ''}"
         warnings.warn(

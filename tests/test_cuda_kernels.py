@@ -21,15 +21,15 @@ DEV = "cuda"
 
 
 def _ext_iso_scale(x, q):
-    return torch.ops.isoloco.iso_scale_(x, q)
+    return torch.ops.isoloco.csrc_iso_scale_(x, q)
 
 
 def _ext_nesterov(params, bufs, updates, lr, momentum, scales=None):
-    torch.ops.isoloco.nesterov_outer_(params, bufs, updates, lr, momentum, scales)
+    torch.ops.isoloco.csrc_nesterov_outer_(params, bufs, updates, lr, momentum, scales)
 
 
 def _need(backend: str) -> None:
-    if backend == "ext" and not (_ext.LOADED and _ext.has_kernel("iso_scale_", "CUDA")):
+    if backend == "ext" and not (_ext.LOADED and _ext.has_kernel("csrc_iso_scale_", "CUDA")):
         pytest.skip(f"CUDA extension not loaded: {_ext.STATUS}")
     if backend == "cupy":
         ok, why = _cupy.available()
@@ -88,8 +88,8 @@ def test_iso_scale_matches_reference(backend, shape, dtype):
     assert s.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert s.shape == x.shape[:-2]
     assert torch.isfinite(x).all() and torch.isfinite(s).all()
-    assert rel_err(s, want_s) <= TOL[("epilogue", dtype)]
-    assert rel_err(x, want_x) <= TOL[("epilogue", dtype)]
+    assert rel_err(s, want_s) <= TOL[("iso_scale", dtype)]
+    assert rel_err(x, want_x) <= TOL[("iso_scale", dtype)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -100,8 +100,8 @@ def test_iso_scale_mixed_dtypes(backend, xd, qd):
     x, q = _pair((3, 50, 31), gen, xd, qd)
     want_x, want_s = _iso_scale_ref(x, q)
     s = ISO_SCALE[backend](x, q)
-    tol = max(TOL[("epilogue", xd)], TOL[("epilogue", qd)])
-    assert rel_err(s, want_s) <= tol and rel_err(x, want_x) <= TOL[("epilogue", xd)]
+    tol = max(TOL[("iso_scale", xd)], TOL[("iso_scale", qd)])
+    assert rel_err(s, want_s) <= tol and rel_err(x, want_x) <= TOL[("iso_scale", xd)]
     assert q.dtype == qd  # q untouched in dtype
 
 
@@ -115,7 +115,7 @@ def test_iso_scale_of_polar_factor_is_iso_c(backend, dtype):
     x, q = x64.to(DEV, dtype), q64.to(DEV, dtype)
     ISO_SCALE[backend](x, q)
     # Rounding x and q to dtype costs up to one TOL each.
-    assert rel_err(x, iso_flatten_ref(x64)) <= 3 * TOL[("epilogue", dtype)]
+    assert rel_err(x, iso_flatten_ref(x64)) <= 3 * TOL[("iso_scale", dtype)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -132,8 +132,8 @@ def test_iso_scale_non_contiguous_writes_only_the_view(backend, dtype):
     assert not x.is_contiguous() and not q.is_contiguous()
     want_x, want_s = _iso_scale_ref(x, q)
     s = ISO_SCALE[backend](x, q)
-    assert rel_err(s, want_s) <= TOL[("epilogue", dtype)]
-    assert rel_err(x, want_x) <= TOL[("epilogue", dtype)]
+    assert rel_err(s, want_s) <= TOL[("iso_scale", dtype)]
+    assert rel_err(x, want_x) <= TOL[("iso_scale", dtype)]
     assert torch.isnan(base[:, :, 1::2]).all()  # the gaps were not written
 
 
@@ -147,8 +147,8 @@ def test_iso_scale_misaligned_storage_uses_the_scalar_path(backend):
     x.copy_(x0)
     want_x, want_s = _iso_scale_ref(x, q)
     s = ISO_SCALE[backend](x, q)
-    assert rel_err(s, want_s) <= TOL[("epilogue", torch.float32)]
-    assert rel_err(x, want_x) <= TOL[("epilogue", torch.float32)]
+    assert rel_err(s, want_s) <= TOL[("iso_scale", torch.float32)]
+    assert rel_err(x, want_x) <= TOL[("iso_scale", torch.float32)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -162,8 +162,8 @@ def test_iso_scale_is_deterministic_and_aliasing_safe(backend):
     x = x0.clone()
     s = ISO_SCALE[backend](x, x)  # q aliasing x: s̄ = ‖x‖²/r0, x ← s̄·x
     want_x, want_s = _iso_scale_ref(x0, x0)
-    assert rel_err(s, want_s) <= TOL[("epilogue", torch.float32)]
-    assert rel_err(x, want_x) <= TOL[("epilogue", torch.float32)]
+    assert rel_err(s, want_s) <= TOL[("iso_scale", torch.float32)]
+    assert rel_err(x, want_x) <= TOL[("iso_scale", torch.float32)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -37,3 +37,80 @@ def test_every_module_imports_alone():
         results = list(pool.map(_import_alone, names))
     failed = [f"{n} (exit {rc}):\n{err}" for n, rc, err in results if rc != 0]
     assert not failed, "\n\n".join(failed)
+
+
+def _imports_of(path: str, package: str) -> set[str]:
+    """The package modules a module imports, anywhere in it (imports inside functions too: a lazy
+    import only hides a cycle, it does not remove it)."""
+    import ast
+
+    out = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")
+            mod = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+            for alias in node.names:
+                full = f"{mod}.{alias.name}"
+                out.add(full if _is_module(full) else mod)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("isoloco_kernels"):
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("isoloco_kernels")}
+    return out
+
+
+def _is_module(name: str) -> bool:
+    path = os.path.join(ROOT, *name.split("."))
+    return os.path.isdir(path) or os.path.exists(path + ".py")
+
+
+def import_graph(root: str = ROOT) -> dict[str, set[str]]:
+    """module → the package modules it imports; a package's own __init__ importing its
+    submodules (to re-export them) is left out, everything else counts."""
+    names = _modules()
+    graph = {}
+    for name in names:
+        parts = name.split(".")
+        path = os.path.join(root, *parts)
+        is_pkg = os.path.isdir(path)
+        path = os.path.join(path, "__init__.py") if is_pkg else path + ".py"
+        package = name if is_pkg else ".".join(parts[:-1])
+        graph[name] = {m for m in _imports_of(path, package)
+                       if m in names and m != name and not (is_pkg and m.startswith(name + "."))}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_find_cycle_sees_a_lazy_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None

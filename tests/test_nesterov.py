@@ -201,18 +201,34 @@ def test_triton_kernel_interpreted_mixed_groups_and_strided_updates(interp):
         interp.nesterov_outer_triton([params[0].t()], [bufs[0].t()], [updates[0].t()], LR, MU)
 
 
-def test_cuda_dispatch_splits_contiguous_and_strided(interp, monkeypatch):
-    """nesterov_outer_cuda's routing (Triton for contiguous params/bufs, torch for the rest,
-    scales re-indexed for each part), exercised on CPU with the interpreted kernel."""
-    monkeypatch.setattr(nesterov, "_TRITON", interp)
+def test_cuda_table_takes_triton_for_contiguous_and_torch_for_strided(interp, monkeypatch):
+    """The CUDA table of nesterov_outer_ (dispatch.py): the Triton kernel for contiguous params and
+    bufs, torch foreach when one is strided; both give the reference result (CPU tensors, the
+    interpreted kernel)."""
+    from isoloco_kernels import dispatch
+    from isoloco_kernels import triton as tk
+
+    monkeypatch.setattr(tk, "usable_for", lambda t: True)
+    monkeypatch.setattr(dispatch, "_triton_nesterov", lambda *a: interp.nesterov_outer_triton(*a))
+    table = dispatch.TABLES[("nesterov_outer_", "cuda")]
+    monkeypatch.setitem(dispatch.TABLES, ("nesterov_outer_", "cuda"), [
+        dispatch.Candidate(c.name, c.available, c.supports, dispatch._triton_nesterov if c.name == "triton" else c.run)
+        for c in table])
     g = torch.Generator().manual_seed(8)
-    params = [_rand((4, 6), torch.float32, g), _rand((6, 4), torch.float32, g).t(), _rand((9,), torch.float64, g)]
-    bufs = [_rand(p.shape, p.dtype, g) for p in params]
-    updates = [_rand(p.shape, p.dtype, g) for p in params]
-    scales = torch.tensor([1.5, 0.25, 3.0], dtype=torch.float64)
-    ref = _reference(params, bufs, updates, scales)
-    nesterov.nesterov_outer_cuda(params, bufs, updates, LR, MU, scales)
-    _check(params, bufs, ref)
+    for strided in (False, True):
+        params = [_rand((4, 6), torch.float32, g), _rand((6, 4), torch.float32, g), _rand((9,), torch.float64, g)]
+        if strided:
+            params[1] = params[1].t()
+        bufs = [_rand(p.shape, p.dtype, g) for p in params]
+        updates = [_rand(p.shape, p.dtype, g) for p in params]
+        scales = torch.tensor([1.5, 0.25, 3.0], dtype=torch.float64)
+        ref = _reference(params, bufs, updates, scales)
+        c = dispatch.select("nesterov_outer_", "cuda", params, bufs, updates, LR, MU, scales)
+        if dispatch._cupy_available()[0] or dispatch.TABLES[("nesterov_outer_", "cuda")][0].available()[0]:
+            pytest.skip("a csrc backend is available here and comes first")
+        assert c.name == ("torch (foreach)" if strided else "triton"), (strided, c.name)
+        c.run(params, bufs, updates, LR, MU, scales)
+        _check(params, bufs, ref)
 
 
 @pytest.mark.parametrize(
@@ -277,7 +293,9 @@ def test_op_cuda_matches_reference(pd, bd, with_scales):
 
 @cuda
 def test_triton_kernel_cuda_matches_torch():
-    if not nesterov.triton_available():
+    from isoloco_kernels import triton as tk
+
+    if not tk.AVAILABLE:
         pytest.skip("triton not importable")
     from isoloco_kernels.triton import nesterov as tn
 

@@ -55,7 +55,8 @@ def _compile_sm90(fn, signature: dict, constexprs: dict) -> int:
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter accepts things the compiler rejects: build the real cubins (ptxas ships with
     triton), for the dtypes the polar path and the epilogue launch."""
-    from isoloco_kernels.triton import gram, iso_scale, polar_step
+    from isoloco_kernels.experimental import triton_gram as gram, triton_polar_steps as polar_step
+    from isoloco_kernels.triton import iso_scale
 
     i32 = "i32"
     st = lambda *names: {n: i32 for n in names}  # noqa: E731
@@ -119,7 +120,8 @@ needs_kernels = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def tk():
     """(gram, polar_step, iso_scale) modules and the device their kernels take."""
-    from isoloco_kernels.triton import gram, iso_scale, polar_step
+    from isoloco_kernels.experimental import triton_gram as gram, triton_polar_steps as polar_step
+    from isoloco_kernels.triton import iso_scale
 
     if INTERPRETER:
         assert type(gram._gram_kernel).__name__ == "InterpretedFunction"
@@ -192,7 +194,7 @@ def test_step_pieces_match_torch_steps(tk):
     a = x @ x.mT
     for a2 in (None, a @ a):
         got = ps.step(x, a, a2, *polar.COEFFS[3])
-        want = polar._TorchSteps.step(x.double(), a.double(), None if a2 is None else a2.double(), *polar.COEFFS[3])
+        want = polar.TorchSteps.step(x.double(), a.double(), None if a2 is None else a2.double(), *polar.COEFFS[3])
         assert rel_err(got, want) <= 1e-5
 
 
@@ -255,17 +257,21 @@ def test_poisoned_outputs_are_fully_written(tk, monkeypatch):
     assert torch.isfinite(ps.axpy_matmul(x, a, 2.0, block_m=16, block_n=16, block_k=16)).all()
 
 
-def test_cuda_epilogue_is_the_triton_kernel_with_torch_as_last_fallback():
-    from isoloco_kernels import epilogue
-    from isoloco_kernels.triton.iso_scale import iso_scale_triton
+def test_iso_scale_dispatch_takes_triton_where_it_runs_and_torch_last():
+    """The CUDA table's Triton candidate runs (here on CPU tensors under the interpreter) and gives
+    the reference result; the torch candidate serves what no kernel takes."""
+    from isoloco_kernels import dispatch
+    from isoloco_kernels import triton as tk
 
-    assert epilogue._triton_iso_scale() is iso_scale_triton
     x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(3))
     q, _ = polar_ref(x)
     want = iso_flatten_ref(x)
-    y = x.clone()
-    sbar = epilogue.iso_scale_cuda(y, q.float())  # a CPU tensor: the torch path serves
-    assert sbar.shape == (2,) and rel_err(y, want) <= TOL[("exact", torch.float32)]
+    chosen = dispatch.select("iso_scale_", "cuda", x, q.float())
+    assert chosen.name == ("triton" if tk.usable_for(x) else "torch"), chosen.name
+    for c in (chosen, dispatch.TABLES[("iso_scale_", "cuda")][-1]):
+        y = x.clone()
+        sbar = c.run(y, q.float())
+        assert sbar.shape == (2,) and rel_err(y, want) <= TOL[("exact", torch.float32)], c.name
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -286,7 +292,8 @@ def test_cuda_polar_flatten_triton_vs_cublas(dtype):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (launches on cuda:1 under its own device guard)")
 def test_kernels_on_the_second_gpu():
     """Triton launches on the current device: every wrapper must make the tensors' device current."""
-    from isoloco_kernels.triton import gram, iso_scale, nesterov, polar_step
+    from isoloco_kernels.experimental import triton_gram as gram, triton_polar_steps as polar_step
+    from isoloco_kernels.triton import iso_scale, nesterov
 
     dev = torch.device("cuda:1")
     torch.cuda.set_device(0)

@@ -1,14 +1,12 @@
 """Triton kernels, one file per kernel family.
 
-    gram.py        _gram_kernel:        A = X Xᵀ, lower-triangle tiles only, mirrored
-    polar_step.py  _poly_kernel:        B = b·A + c·A·A (A symmetric), one kernel
-                   _step_kernel:        X ← a·X + B·X, the axpy fused into the GEMM epilogue
     iso_scale.py   _iso_dot_kernel / _iso_write_kernel: s̄ = ⟨Δ, Q⟩ / min(m, n), Δ ← s̄·Q
     nesterov.py    the multi-tensor Nesterov outer update (see that file)
 
 AVAILABLE says whether triton imports. With TRITON_INTERPRET=1 set when these modules are first
 imported, the kernels are built for Triton's interpreter and take CPU tensors (that is how the
-tests run them without a GPU); `interpreted()` says which kind was built.
+tests run them without a GPU); `interpreted()` says which kind was built. The Triton GEMMs of
+the polar iteration live in isoloco_kernels/experimental/ (opt-in).
 """
 from __future__ import annotations
 
@@ -25,9 +23,9 @@ def interpreted() -> bool:
     """Whether the kernels were built for the interpreter (CPU tensors) rather than a GPU."""
     if not AVAILABLE:
         return False
-    from . import gram
+    from . import iso_scale
 
-    return type(gram._gram_kernel).__name__ == "InterpretedFunction"
+    return type(iso_scale._iso_dot_kernel).__name__ == "InterpretedFunction"
 
 
 def usable_for(x) -> bool:

@@ -1,14 +1,14 @@
 """The pieces of one polar step X ← a·X + (b·A + c·A²)·X, A = X Xᵀ, fused around the GEMMs.
 
     _poly_kernel: B = b·A + c·A·A for a symmetric A [B, m, m]. A·A is symmetric too, so only the
-                  lower triangle of tiles is computed and mirrored (as in gram.py); the b·A term is
+                  lower triangle of tiles is computed and mirrored (as in triton_gram.py); the b·A term is
                   added in the epilogue (HAS_LINEAR=False compiles it out, giving A² alone).
     _step_kernel: X' = a·X + B·X [B, m, n]: the axpy is fused into the GEMM's epilogue, so X' costs
                   one pass and no temporary for B·X.
 
 Coefficients (a, b, c) per step come from polar.COEFFS (Polar Express, N. Amsel, D. Persson,
 C. Musco, R. M. Gower, arXiv:2505.16932). Accumulation is float32. `gram`, `square` and `step`
-have the interface of polar._TorchSteps, so polar.polar_factor can use either.
+have the interface of polar.TorchSteps, so polar.polar_factor can use either.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import batch_chunks, needs_int64, on_device
-from .gram import _lower_tile, gram as _gram, num_lower_tiles
+from ..triton import batch_chunks, needs_int64, on_device
+from .triton_gram import _lower_tile, gram as _gram, num_lower_tiles
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import batch_chunks, needs_int64, on_device
+from ..triton import batch_chunks, needs_int64, on_device
 
 
 @triton.jit

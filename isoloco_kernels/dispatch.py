@@ -1,0 +1,197 @@
+"""Which backend serves each op: one ordered table per (op, device type), the only place a backend is chosen.
+
+Each candidate says whether it can run here (`available() -> (ok, why)`) and whether it takes
+this call's arguments (`supports(*args) -> (ok, why)`); `select(op, device, *args)` returns the
+first that does. The registered CUDA (and CPU) implementations in ops.py and polar.py's GEMM choice
+call `select`, and `backends()` reports from the same tables, so what it says is what runs.
+Arguments are checked once, in ops.py, before `select` (every candidate gets the same input).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["Candidate", "TABLES", "select", "report"]
+
+OK = (True, "")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    available: Callable[[], tuple[bool, str]]
+    supports: Callable[..., tuple[bool, str]]
+    run: Callable[..., Any]
+
+
+def _always(*_args) -> tuple[bool, str]:
+    return OK
+
+
+# -- availability -------------------------------------------------------------------------------
+
+def _ext(op: str) -> Callable[[], tuple[bool, str]]:
+    def available() -> tuple[bool, str]:
+        from . import _ext as ext
+
+        if not ext.LOADED:
+            return False, ext.STATUS.split(" (")[0] + " (backends()['cuda_extension'] says why)"
+        if not ext.has_kernel(f"csrc_{op}", "CUDA"):
+            return False, f"the loaded extension has no kernel for isoloco::csrc_{op}"
+        return OK
+    return available
+
+
+def _cupy_available() -> tuple[bool, str]:
+    from . import _cupy
+
+    ok, why = _cupy.available()
+    return (True, "") if ok else (False, why)
+
+
+def _triton_available() -> tuple[bool, str]:
+    from . import triton as tk
+
+    return OK if tk.AVAILABLE else (False, "triton does not import")
+
+
+def _polar_gemm_triton_available() -> tuple[bool, str]:
+    want = os.environ.get("ISOLOCO_POLAR_GEMM", "torch")
+    if want != "triton":
+        return False, f"opt-in (ISOLOCO_POLAR_GEMM=triton; now {want!r}): never measured faster than cuBLAS"
+    return _triton_available()
+
+
+# -- what each candidate takes ------------------------------------------------------------------
+
+def _on_cuda(x: torch.Tensor, *_rest) -> tuple[bool, str]:
+    return OK if x.is_cuda else (False, f"needs CUDA tensors, got {x.device}")
+
+
+def _params_on_cuda(params, *_rest) -> tuple[bool, str]:
+    return OK if not params or params[0].is_cuda else (False, f"needs CUDA tensors, got {params[0].device}")
+
+
+def _triton_nesterov_supports(params, bufs, *_rest) -> tuple[bool, str]:
+    from . import triton as tk
+
+    if params and not tk.usable_for(params[0]):
+        return False, "the Triton kernels cannot run on these tensors here"
+    bad = next((i for i, (p, b) in enumerate(zip(params, bufs)) if not (p.is_contiguous() and b.is_contiguous())), None)
+    return OK if bad is None else (False, f"param or buf {bad} is not contiguous")
+
+
+def _triton_iso_scale_supports(x, q) -> tuple[bool, str]:
+    from . import triton as tk
+
+    return OK if tk.usable_for(x) else (False, "the Triton kernels cannot run on these tensors here")
+
+
+def _triton_gemm_supports(x) -> tuple[bool, str]:
+    from . import triton as tk
+
+    return OK if tk.usable_for(x) else (False, "the Triton kernels cannot run on this tensor here")
+
+
+# -- implementations ----------------------------------------------------------------------------
+
+def _csrc_iso_scale(x, q):
+    return torch.ops.isoloco.csrc_iso_scale_(x, q)
+
+
+def _csrc_nesterov(params, bufs, updates, lr, momentum, scales):
+    torch.ops.isoloco.csrc_nesterov_outer_(params, bufs, updates, lr, momentum, scales)
+
+
+def _cupy_iso_scale(x, q):
+    from . import _cupy
+
+    return _cupy.iso_scale_(x, q)
+
+
+def _cupy_nesterov(*args):
+    from . import _cupy
+
+    _cupy.nesterov_outer_(*args)
+
+
+def _triton_iso_scale(x, q):
+    from .triton.iso_scale import iso_scale_triton
+
+    return iso_scale_triton(x, q)
+
+
+def _triton_nesterov(*args):
+    from .triton.nesterov import nesterov_outer_triton
+
+    nesterov_outer_triton(*args)
+
+
+def _torch_iso_scale(x, q):
+    from .iso_scale import iso_scale_torch
+
+    return iso_scale_torch(x, q)
+
+
+def _torch_nesterov(*args):
+    from .nesterov import nesterov_outer_torch
+
+    nesterov_outer_torch(*args)
+
+
+def _gemm_torch(_x) -> str:
+    return "torch"  # polar.py maps the name to its GEMMs
+
+
+def _gemm_triton(_x) -> str:
+    return "triton"
+
+
+TABLES: dict[tuple[str, str], list[Candidate]] = {
+    ("iso_scale_", "cuda"): [
+        Candidate("csrc (compiled extension)", _ext("iso_scale_"), _on_cuda, _csrc_iso_scale),
+        Candidate("csrc through CuPy/NVRTC", _cupy_available, _on_cuda, _cupy_iso_scale),
+        Candidate("triton", _triton_available, _triton_iso_scale_supports, _triton_iso_scale),
+        Candidate("torch", lambda: OK, _always, _torch_iso_scale),
+    ],
+    ("iso_scale_", "cpu"): [Candidate("torch", lambda: OK, _always, _torch_iso_scale)],
+    ("nesterov_outer_", "cuda"): [
+        Candidate("csrc (compiled extension)", _ext("nesterov_outer_"), _params_on_cuda, _csrc_nesterov),
+        Candidate("csrc through CuPy/NVRTC", _cupy_available, _params_on_cuda, _cupy_nesterov),
+        Candidate("triton", _triton_available, _triton_nesterov_supports, _triton_nesterov),
+        Candidate("torch (foreach)", lambda: OK, _always, _torch_nesterov),
+    ],
+    ("nesterov_outer_", "cpu"): [Candidate("torch (fused SGD kernel / foreach)", lambda: OK, _always, _torch_nesterov)],
+    # the GEMMs of the polar iteration: run(x) names them for polar.py ("torch" or "triton")
+    ("polar_gemm", "cuda"): [
+        Candidate("experimental triton GEMMs", _polar_gemm_triton_available, _triton_gemm_supports, _gemm_triton),
+        Candidate("torch (cuBLAS)", lambda: OK, _always, _gemm_torch),
+    ],
+    ("polar_gemm", "cpu"): [
+        Candidate("experimental triton GEMMs (interpreter)", _polar_gemm_triton_available, _triton_gemm_supports,
+                  _gemm_triton),
+        Candidate("torch", lambda: OK, _always, _gemm_torch),
+    ],
+}
+
+
+def _device_type(device) -> str:
+    kind = torch.device(device).type
+    return kind if kind in ("cuda", "cpu") else "cpu"
+
+
+def select(op: str, device, *args) -> Candidate:
+    """The first candidate for (op, device type) that is available here and takes `args`
+    (no args: the first available one)."""
+    for c in TABLES[(op, _device_type(device))]:
+        if c.available()[0] and (not args or c.supports(*args)[0]):
+            return c
+    raise RuntimeError(f"no backend for {op} on {device}")  # the torch candidates always serve
+
+
+def report(op: str, device: str = "cuda") -> list[tuple[str, bool, str]]:
+    """(name, available, why not) for every candidate of (op, device), in order."""
+    return [(c.name, *c.available()) for c in TABLES[(op, device)]]
