@@ -42,13 +42,8 @@ def exact_method_for(x3: torch.Tensor) -> str:
 
     On CUDA: "eigh" (one batched float64 eigh of the small Gram matrix; cuSOLVER's SVD loops per
     matrix above 32×32). On the CPU: "eigh" when the long side k is at least twice the short side
-    r (the Gram matrix is r×r, and k·r² GEMM work beats an r×k SVD) or when r ≤ 64, else "svd".
-    Measured, float32, best of 3, on a 2-core x86 machine that was shared with other jobs (so
-    ±50 % noise; the ratios, not the seconds, set the rule), svd / eigh time:
-        (64, 32, 32) 3.3×   (32, 64, 64) 2.4×    (16, 128, 128) 0.7×   (16, 256, 256) 1.0×
-        (16, 128, 256) 4.1× (8, 128, 512) 4.3×   (8, 256, 512) 2.8×    (8, 256, 384) 0.4×
-    and on a quiet machine of the same class (8, 512, 2048) 2.1× (1.18 s vs 0.56 s), (16, 512, 512)
-    0.8×. Both are exact; auto stays within 1e-4 of reference.py in float32.
+    r (the Gram matrix is r×r, and k·r² GEMM work beats an r×k SVD) or when r ≤ 64, else "svd"
+    (the timings behind the rule: bench/results/notes-timings.md). Both are exact.
     """
     if x3.dtype == torch.float64:
         return "svd"  # the Gram matrix squares cond: eigh misses float64 accuracy beyond cond ~1e4

@@ -1,37 +1,11 @@
-"""The matmul-only Iso-C flatten: a Polar Express iteration for Q, then s̄ = ⟨Δ, Q⟩ / min(m, n).
+"""The matmul-only Iso-C flatten (method "polar"): Polar Express for Q, then s̄ = ⟨Δ, Q⟩ / min(m, n).
 
-For a batch of matrices Δ [B, m, n] (tall ones are transposed so that m ≤ n and the Gram matrix
-A = X Xᵀ is the small m×m one):
+    X ← Δ scaled to σ_max ≤ 1;   10×: X ← a_t·X + (b_t·A + c_t·A²)·X,  A = X Xᵀ;   Δ ← (⟨Δ, X⟩ / r0)·X
 
-1. Scale so that σ_max ≤ 1. X ← Δ / amax|Δ| / ‖·‖_F (safe, no overflow), then A = X Xᵀ, A² = A·A
-   and s = ‖A²‖_F^{1/4}. Since ‖A²‖_F² = Σσ⁸, s ≥ σ_max and s ≤ r^{1/8}·σ_max (r = rank ≤ m), so
-   X / s has σ_max ≤ 1 and loses at most a factor r^{1/8} (≤ 4 for m ≤ 65536) at the small end.
-   A and A² of the scaled X are A / s², A² / s⁴: the first step reuses them, the bound is free.
-2. Iterate X ← a·X + (b·A + c·A²)·X with A = X Xᵀ, i.e. every singular value goes through the odd
-   quintic p(σ) = aσ + bσ³ + cσ⁵ while the singular vectors stay put (Polar Express: N. Amsel,
-   D. Persson, C. Musco, R. M. Gower, "The Polar Express: Optimal Matrix Sign Methods and Their
-   Application to the Muon Algorithm", arXiv:2505.16932). Step t uses the minimax odd quintic for
-   the interval [ℓ_t, u_t] the previous steps left the singular values in; `COEFFS` is the
-   schedule for ℓ_0 = `ELL`, `STEPS` steps, derived offline by isoloco_kernels/coefficients.py.
-3. s̄ = ⟨Δ, X⟩ / min(m, n) and Δ ← s̄·X in one pass: `torch.ops.isoloco.iso_scale_`.
-
-Accuracy. The contract is condition number ≤ 1e4. The scaling costs up to r^{1/8} ≤ 4, so the
-schedule starts from ℓ_0 = 1e-4 / 4 = 2.5e-5; after 9 steps every singular value in [ℓ_0, 1] is
-within 2e-4 of 1 and after the 10th within fp32 round-off (measured: bench/results/
-polar_accuracy.md). TF32 GEMMs do not hold the bound (emulated TF32 operands give 2e-3 to 5e-3),
-so on CUDA the float32 GEMMs run at "highest" matmul precision inside `flatten_polar_` whatever
-the global setting, and the Triton kernels use IEEE products. Exact zeros survive every step exactly (a zero row of X is a zero row of A, of
-B·X and of a·X; likewise a zero column), so zero rows, columns and matrices come out exactly zero.
-
-Knowing when it failed. Let f_i be the final singular values of X (ideally 1 on the rank r, 0 on
-the null space) and D = r − ‖X‖_F² = Σ(1 − f_i²). When 0 ≤ f_i ≤ 1 (the iteration's range),
-1 − f_i ≤ 1 − f_i² so every 1 − f_i ≤ D and ‖X − Q‖_F² = Σ(1 − f_i)² ≤ D², i.e. the relative error
-of X is at most D / √r. The check takes r = min(nonzero rows, nonzero columns) of Δ (exact, cheap)
-and flags a matrix when |D| > `CHECK_TOL`·√r. A flagged matrix (cond ≫ 1e4 leaves singular values
-mid-way or near zero; any rank deficiency beyond exact zero rows/columns looks the same) is
-recomputed with the exact path; `last_stats()` and a `PolarFallbackWarning` report how many.
-
-Cost per step, m ≤ n: 2·m²n + m³ multiply-adds (X Xᵀ, A·A, B·X), all batched GEMMs.
+(Polar Express, arXiv:2505.16932; `COEFFS` from coefficients.py.) Float32 error ≤ 1e-3 to condition
+number 1e4; a per-matrix residual check sends what it cannot resolve to gram/SVD
+(`PolarFallbackWarning`, `last_stats()`). Derivation, accuracy and the check: docs/polar.md;
+measurements: bench/results/polar_accuracy.md.
 """
 from __future__ import annotations
 
