@@ -340,7 +340,17 @@ def _assert_unchanged(opt, params, before_p, before_b):
 SHAPES_4 = [(6, 10), (10,), (8, 3)]
 
 
-def _body_four_ranks(rank, world, tmpdir):
+FOUR_RANK_CHECKS = {}
+
+
+def _four_rank_check(fn):
+    FOUR_RANK_CHECKS[fn.__name__.removeprefix("_four_")] = fn
+    return fn
+
+
+@_four_rank_check
+def _four_uneven_plan_matches_isoloco(rank, world, tmpdir):
+    """Fewer matrices than ranks (one rank owns nothing), solo tensors off and on."""
     lr, mu = 1.8, 0.8
     for rep in (None, 1.0):
         params = _model(SHAPES_4, torch.float64)
@@ -354,26 +364,37 @@ def _body_four_ranks(rank, world, tmpdir):
         _assert_matches_isoloco(params, want, torch.float64, "4 ranks")
         _assert_same_everywhere(params, "4 ranks")
 
-    # 3 matrices on 4 ranks through sharded_iso_merge_
+
+@_four_rank_check
+def _four_merge_three_matrices(rank, world, tmpdir):
+    """3 matrices on 4 ranks through sharded_iso_merge_."""
     g = torch.Generator().manual_seed(3)
     bk = [torch.randn(7, 4, generator=g), torch.randn(4, 7, generator=g), torch.randn(2, 3, 3, generator=g)]
     got = D.sharded_iso_merge_([b.clone() for b in bk], solo_above=None)
     for i, (a, b) in enumerate(zip(got, bk)):
         assert rel_err(a, iso_flatten_ref(b)) <= TOL[("exact", torch.float32)], f"bucket {i}"
 
-    # ranks passing different shapes are told so, instead of exchanging garbage
+
+@_four_rank_check
+def _four_different_shapes_are_refused(rank, world, tmpdir):
+    """Ranks passing different shapes are told so, instead of exchanging garbage."""
     mine = [torch.randn(4, 4)] if rank != 2 else [torch.randn(4, 5)]
     with pytest.raises(D.DistributedStepError, match="different shard plans"):
         D.sharded_iso_merge_(mine)
 
-    # a rank that dies before the step: the others fail within the process group timeout
+
+def _four_dead_rank(rank, world, tmpdir):
+    """A rank that dies before the step: the others fail within the process group timeout (last:
+    the group is broken afterwards)."""
+    lr, mu = 1.8, 0.8
     params = _model(SHAPES_4, torch.float32)
     opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu)
     for p, gr in zip(params, _pseudo_grads(SHAPES_4, torch.float32, rank, 0)):
         p.grad = gr
     if rank == 3:
-        with open(os.path.join(tmpdir, f"done{rank}"), "w") as f:
-            f.write("ok")
+        for name in ("check-dead_rank-rank3", "done3"):
+            with open(os.path.join(tmpdir, name), "w") as f:
+                f.write("ok")
         os._exit(0)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError):
@@ -408,7 +429,10 @@ def _body(rank, world, tmpdir):
     for name, fn in PAIR_CHECKS.items():
         _record(tmpdir, rank, name, fn, pairs[rank // 2], tmpdir)
         dist.barrier()  # a check that failed on one rank cannot leave the next one out of step
-    _body_four_ranks(rank, world, tmpdir)
+    for name, fn in FOUR_RANK_CHECKS.items():
+        _record(tmpdir, rank, name, fn, rank, world, tmpdir)
+        dist.barrier()
+    _record(tmpdir, rank, "dead_rank", _four_dead_rank, rank, world, tmpdir)
 
 
 @pytest.fixture(scope="module")
@@ -425,6 +449,10 @@ def gloo_group_of_four(tmp_path_factory):
 @pytest.mark.parametrize("name", ["single_rank_group", *PAIR_CHECKS])
 def test_pair_check(gloo_group_of_four, name):
     """ShardedIsoLoCo, IsoLoCo(process_group=...), sharded_iso_merge_ and average_ on 2-rank groups."""
+    _assert_reported(gloo_group_of_four, name)
+
+
+def _assert_reported(gloo_group_of_four, name):
     tmp, spawn_error = gloo_group_of_four
     for rank in range(4):
         f = tmp / f"check-{name}-rank{rank}"
@@ -433,10 +461,10 @@ def test_pair_check(gloo_group_of_four, name):
         assert text == "ok", f"rank {rank}:\n{text}"
 
 
-def test_four_ranks(gloo_group_of_four):
-    """4 ranks: fewer matrices than ranks, uneven counts, mismatched shapes, a rank that vanishes."""
-    tmp, spawn_error = gloo_group_of_four
-    assert spawn_error is None, spawn_error
+@pytest.mark.parametrize("name", [*FOUR_RANK_CHECKS, "dead_rank"])
+def test_four_rank_check(gloo_group_of_four, name):
+    """All 4 ranks: uneven plans, sharded_iso_merge_, mismatched shapes, a rank that vanishes."""
+    _assert_reported(gloo_group_of_four, name)
 
 
 # ----------------------------------------------------------------------------------------------
