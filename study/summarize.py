@@ -374,6 +374,35 @@ def markdown_v2(v2: dict) -> str:
     return "\n".join(lines)
 
 
+def gap_points(v2: dict, recs: list[dict]) -> list[tuple]:
+    """(cell, DiLoCo shrinkage, DiLoCo cosine, DiLoCo σ₁/σ̄ over the second half of its rounds,
+    IsoLoCo − DiLoCo) per (cell, seed) with both released-config runs and divergence records."""
+    pts = []
+    for c in v2["cells"]:
+        d, i = c["methods"].get("diloco"), c["methods"].get("isoloco")
+        if not d or not i:
+            continue
+        runs = {(r["mode"], r["outer_lr"], r["seed"]): r for r in recs if r.get("divergence") and _cell_key(r) == _cell_key(c)}
+        for seed in sorted(set(d["seeds"]) & set(i["seeds"])):
+            rd = runs.get(("diloco", V2_DEFAULT_LR["diloco"], seed))
+            ri = runs.get(("isoloco", V2_DEFAULT_LR["isoloco"], seed))
+            if rd and ri and rd["final_loss"] is not None and ri["final_loss"] is not None:
+                pts.append((c, _round_mean(rd, "shrinkage", "all"), _round_mean(rd, "cosine", "all"),
+                            _spec_mean(rd, "top_over_mean", set(range(len(rd["heldout_loss"]) // 2 + 1, 10**6))),
+                            ri["final_loss"] - rd["final_loss"]))
+    return pts
+
+
+def correlations(pts: list[tuple]) -> dict:
+    """Pearson r between each DiLoCo divergence measure and the gap, over the (cell, seed) points."""
+    out = {"points": len(pts)}
+    for j, name in ((0, "shrinkage"), (1, "cosine"), (2, "top_over_mean_late")):
+        xy = [(p[1 + j], p[4]) for p in pts if p[1 + j] is not None]
+        if len(xy) > 2:
+            out[name] = statistics.correlation([x for x, _ in xy], [y for _, y in xy])
+    return out
+
+
 def plots_v2(v2: dict, recs: list[dict], folder: Path) -> None:
     """Left: held-out curves per init (DiLoCo, IsoLoCo, DDP, avg); right: per-round shrinkage."""
     if not v2["cells"]:
@@ -412,19 +441,7 @@ def plots_v2(v2: dict, recs: list[dict], folder: Path) -> None:
     fig.savefig(folder / "study_v2.png", dpi=100)
     plt.close(fig)
     # the gap against the divergence: one point per (cell, seed)
-    pts = []
-    for c in v2["cells"]:
-        d, i = c["methods"].get("diloco"), c["methods"].get("isoloco")
-        if not d or not i:
-            continue
-        runs = {(r["mode"], r["outer_lr"], r["seed"]): r for r in recs if r.get("divergence") and _cell_key(r) == _cell_key(c)}
-        for seed in sorted(set(d["seeds"]) & set(i["seeds"])):
-            rd = runs.get(("diloco", V2_DEFAULT_LR["diloco"], seed))
-            ri = runs.get(("isoloco", V2_DEFAULT_LR["isoloco"], seed))
-            if rd and ri and rd.get("divergence") and rd["final_loss"] is not None and ri["final_loss"] is not None:
-                pts.append((c, _round_mean(rd, "shrinkage", "all"), _round_mean(rd, "cosine", "all"),
-                            _spec_mean(rd, "top_over_mean", set(range(len(rd["heldout_loss"]) // 2 + 1, 10**6))),
-                            ri["final_loss"] - rd["final_loss"]))
+    pts = gap_points(v2, recs)
     if pts:
         fig, axes = plt.subplots(1, 3, figsize=(15, 4))
         palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -522,10 +539,21 @@ def main() -> None:
     same = [(v1_final[k], r["final_loss"]) for r in v2_recs if r["init"] == "gpt2" and r["vocab"] == 256
             for k in [(r["seed"], r["workers"], r["inner_steps"], r["rounds"], r["mode"], r["outer_lr"])] if k in v1_final]
     v2["v1_repeats"] = {"runs": len(same), "identical": sum(a == b for a, b in same)}
+    pts = gap_points(v2, v2_recs)
+    v2["gap_correlations"] = correlations(pts)
+    # the same at one budget (300 inner steps per worker: the init, K and vocabulary cells)
+    v2["gap_correlations_300_steps"] = correlations(
+        [p for p in pts if p[0]["inner_steps"] * p[0]["rounds"] == 300])
     (HERE / "summary_v2.json").write_text(json.dumps(v2, indent=1))
     plots_v2(v2, v2_recs, HERE)
     plot_grid(v2, HERE)
     print("\n<!-- v2 -->\n" + markdown_v2(v2))
+    for what, key in (("all cells", "gap_correlations"), ("cells of 300 inner steps per worker", "gap_correlations_300_steps")):
+        cor = v2[key]
+        print(f"\nPearson r over {cor['points']} (cell, seed) points ({what}) between DiLoCo's divergence and "
+              f"IsoLoCo − DiLoCo (released configs): shrinkage {cor.get('shrinkage', float('nan')):+.2f}, cosine "
+              f"{cor.get('cosine', float('nan')):+.2f}, σ₁/σ̄ of mean Δ (second half of the rounds) "
+              f"{cor.get('top_over_mean_late', float('nan')):+.2f}")
     print(f"\n{len(v2_recs)} v2 runs, {v2['cpu_s_total'] / 60:.1f} CPU-min; {same and len(same)} v2 runs repeat a v1 "
           f"configuration, {v2['v1_repeats']['identical']} of them with a bit-identical final loss")
 
