@@ -475,7 +475,10 @@ def plot_grid(v2: dict, folder: Path) -> None:
     import matplotlib.pyplot as plt
 
     def gap(c, tuned: bool):
-        g = c.get("tuned", {}).get("isoloco_minus_diloco") if tuned else c["methods"].get("isoloco", {}).get("minus_diloco")
+        t = c.get("tuned", {})
+        if tuned and (len(t.get("diloco", {}).get("grid", [])) + len(t.get("isoloco", {}).get("grid", [])) <= 2):
+            return None  # no grid in this cell: "tuned" would repeat the released point
+        g = t.get("isoloco_minus_diloco") if tuned else c["methods"].get("isoloco", {}).get("minus_diloco")
         return (g["mean"], g["std"] if len(g["diffs"]) > 1 else 0.0) if g else None
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
@@ -492,6 +495,13 @@ def plot_grid(v2: dict, folder: Path) -> None:
             if pts:
                 ax.errorbar([x for x, _ in pts], [g[0] for _, g in pts], yerr=[g[1] for _, g in pts], color=col,
                             marker="o", capsize=3, label=lab)
+        if key == "inner_steps":  # H 300 needs 3000 steps for R 10: another budget, its own marker
+            for c in v2["cells"]:
+                if (c["init"], c["vocab"], c["workers"], c["inner_steps"], c["rounds"]) == ("gpt2", 256, 4, 300, 10):
+                    g = gap(c, False)
+                    if g:
+                        ax.errorbar([300], [g[0]], yerr=[g[1]], color="tab:red", marker="s", mfc="white", capsize=3,
+                                    ls="none", label="H 300, 3000 steps (R 10), released lrs")
         if logx:
             ax.set_xscale("log", base=2 if key == "workers" else 10)
         ax.axhline(0, color="k", lw=0.5)

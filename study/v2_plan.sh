@@ -27,3 +27,19 @@ $R --cells 32:30 --seeds 1 --lrs diloco=0.7,isoloco=1.8 --out $O/v2_k.jsonl
 $R --cells 16:30 --seeds 1,2 --lrs ddp=-,isoloco-sgd=3.0 --out $O/v2_k.jsonl
 $R --cells 8:30 --vocab 8192 --seeds 1,2 --lrs ddp=-,isoloco-sgd=3.0,avg=1.0 --out $O/v2_bpe.jsonl
 $R --cells 4:300 --steps 3000 --seeds 0 --lrs diloco=0.7,isoloco=1.8 --out $O/v2_h.jsonl
+# the best DiLoCo lr of the H-sweep grid sat on its lower edge: one more point below it
+$R --cells 4:10,4:30,4:100 --steps 1200 --seeds 0,1 --lrs diloco=0.175 --out $O/v2_h.jsonl
+$R --cells 4:10,4:30,4:100 --steps 1200 --seeds 2 --lrs diloco=0.35,isoloco=2.4 --out $O/v2_h.jsonl
+# grids whose best point sat on an edge: DiLoCo up at H = 100, IsoLoCo up at H = 30 and 100
+$R --cells 4:100 --steps 1200 --seeds 0,1 --lrs diloco=1.0 --out $O/v2_h.jsonl
+$R --cells 4:30,4:100 --steps 1200 --seeds 0,1 --lrs isoloco=3.2 --out $O/v2_h.jsonl
+$R --cells 16:30 --seeds 1 --lrs diloco=0.35,isoloco=2.4 --out $O/v2_k.jsonl
+$R --cells 8:30 --vocab 8192 --seeds 1 --lrs diloco=0.35,isoloco=2.4 --out $O/v2_bpe.jsonl
+# the remaining grids whose best point sat on an edge: one point beyond it, seeds 0 and 1
+$R --cells 4:10 --steps 1200 --seeds 0,1 --lrs diloco=0.0875,isoloco=1.2 --out $O/v2_h.jsonl
+$R --cells 8:30 --vocab 8192 --seeds 0,1 --lrs diloco=0.175,isoloco=3.2 --out $O/v2_bpe.jsonl
+$R --cells 16:30 --seeds 0,1 --lrs diloco=0.175,isoloco=3.2 --out $O/v2_k.jsonl
+$R --cells 8:30 --seeds 0,1 --lrs diloco=0.175,isoloco=3.2 --out $O/v2_k.jsonl
+$R --init torch --cells 8:30 --seeds 0,1 --lrs diloco=1.0 --out $O/v2_init.jsonl
+$R --init torch --cells 4:30 --seeds 0,1 --lrs isoloco=4.2 --out $O/v2_init.jsonl
+$R --cells 2:30 --seeds 0,1 --lrs diloco=0.175,isoloco=3.2 --out $O/v2_k.jsonl
