@@ -313,6 +313,11 @@ def summarize_v2(recs: list[dict]) -> dict:
             g = _paired_diffs(methods[("isoloco", tuned["isoloco"]["lr"])], methods[("diloco", tuned["diloco"]["lr"])])
             if g:
                 tuned["isoloco_minus_diloco"] = g
+        if "diloco" in tuned and "isoloco-sgd" in tuned:  # the seed paper's claim against a tuned DiLoCo
+            g = _paired_diffs(methods[("isoloco-sgd", tuned["isoloco-sgd"]["lr"])],
+                              methods[("diloco", tuned["diloco"]["lr"])])
+            if g:
+                tuned["sgd_minus_diloco"] = g
         cell["tuned"] = tuned
         out.append(cell)
     return {"cells": out}
@@ -329,10 +334,11 @@ def markdown_v2(v2: dict) -> str:
         return "(no study v2 runs yet)"
     lines = ["Per cell (R = rounds, so inner steps per worker = H·R): mean final held-out loss (nats/byte) of each "
              "method at its released outer lr; gaps paired per seed (per-seed values in brackets); 'tuned' = each "
-             "method at the best lr of its grid in that cell (lr; * = the best lr is on the grid's edge).", "",
+             "method at the best lr of its grid in that cell (lr; * = the best lr is on the grid's edge; Iso-C SGD "
+             "has one lr, 3.0).", "",
              "| init | vocab | K | H | R | DDP | avg | DiLoCo | Iso-C SGD | IsoLoCo | IsoLoCo − DiLoCo | "
-             "Iso-C SGD − DiLoCo | tuned: IsoLoCo − DiLoCo (lrs) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Iso-C SGD − DiLoCo | tuned: IsoLoCo − DiLoCo (lrs) | tuned: Iso-C SGD − DiLoCo |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in v2["cells"]:
         m = c["methods"]
         cellv = lambda k: "—" if k not in m else f"{_ms(m[k])} [{len(m[k]['seeds'])}]"
@@ -341,10 +347,12 @@ def markdown_v2(v2: dict) -> str:
         tuned = "—" if not tg or len(t["diloco"]["grid"]) + len(t["isoloco"]["grid"]) <= 2 else (
             f"{_gap_text(tg)} ({t['diloco']['lr']}{'*' if t['diloco']['edge'] else ''} / "
             f"{t['isoloco']['lr']}{'*' if t['isoloco']['edge'] else ''})")
+        sg = t.get("sgd_minus_diloco")
+        sgd = "—" if not sg or len(t["diloco"]["grid"]) < 2 else f"{_gap_text(sg)} ({t['diloco']['lr']})"
         lines.append(f"| {c['init']} | {c['vocab']} | {c['workers']} | {c['inner_steps']} | {c['rounds']} | "
                      f"{cellv('ddp')} | {cellv('avg')} | {cellv('diloco')} | {cellv('isoloco-sgd')} | {cellv('isoloco')} | "
                      f"{_gap_text(m.get('isoloco', {}).get('minus_diloco'))} | "
-                     f"{_gap_text(m.get('isoloco-sgd', {}).get('minus_diloco'))} | {tuned} |")
+                     f"{_gap_text(m.get('isoloco-sgd', {}).get('minus_diloco'))} | {tuned} | {sgd} |")
     lines += ["", "Every run (final held-out loss, nats/byte, mean ± std over seeds; '− DiLoCo' paired per seed "
               "against DiLoCo at lr 0.7):", "",
               "| init | vocab | K | H | R | method | lr | seeds | final | per seed | − DiLoCo (per seed) |",

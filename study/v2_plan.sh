@@ -43,3 +43,10 @@ $R --cells 8:30 --seeds 0,1 --lrs diloco=0.175,isoloco=3.2 --out $O/v2_k.jsonl
 $R --init torch --cells 8:30 --seeds 0,1 --lrs diloco=1.0 --out $O/v2_init.jsonl
 $R --init torch --cells 4:30 --seeds 0,1 --lrs isoloco=4.2 --out $O/v2_init.jsonl
 $R --cells 2:30 --seeds 0,1 --lrs diloco=0.175,isoloco=3.2 --out $O/v2_k.jsonl
+# after those: the edges that moved (IsoLoCo up at K = 8 and 16 and at K = 8 with PyTorch init, DiLoCo down at K = 2)
+$R --cells 8:30 --seeds 0,1 --lrs isoloco=4.2 --out $O/v2_k.jsonl
+$R --cells 16:30 --seeds 0,1 --lrs isoloco=4.2 --out $O/v2_k.jsonl
+$R --init torch --cells 8:30 --seeds 0,1 --lrs isoloco=3.2 --out $O/v2_init.jsonl
+$R --cells 2:30 --seeds 0,1 --lrs diloco=0.0875 --out $O/v2_k.jsonl
+$R --init torch --cells 8:30 --seeds 0,1 --lrs isoloco=4.2 --out $O/v2_init.jsonl
+$R --cells 16:30 --seeds 0,1 --lrs isoloco=5.6 --out $O/v2_k.jsonl
