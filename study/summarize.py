@@ -452,7 +452,8 @@ def plots_v2(v2: dict, recs: list[dict], folder: Path) -> None:
     pts = gap_points(v2, recs)
     if pts:
         fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-        palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        palette = plt.get_cmap("tab20").colors  # one color and marker per cell, one legend beside the panels
+        markers = "osD^vPX"
         labels = []
         for ax, j, xl in ((axes[0], 0, "DiLoCo run: shrinkage, mean over rounds"),
                           (axes[1], 1, "DiLoCo run: mean pairwise cosine, mean over rounds"),
@@ -461,16 +462,18 @@ def plots_v2(v2: dict, recs: list[dict], folder: Path) -> None:
                 lab = f"{c['init']}, vocab {c['vocab']}, K {c['workers']}, H {c['inner_steps']}, R {c['rounds']}"
                 if lab not in labels:
                     labels.append(lab)
-                ax.scatter(vals[j], vals[3], label=lab, color=palette[labels.index(lab) % len(palette)])
-            handles, shown = ax.get_legend_handles_labels()
-            uniq = dict(zip(shown, handles))
-            ax.legend(uniq.values(), uniq.keys(), fontsize=8)
+                i = labels.index(lab)
+                ax.scatter(vals[j], vals[3], label=lab, color=palette[(2 * i) % 20 + (i // 10) % 2],
+                           marker=markers[i % len(markers)])
             ax.set_xlabel(xl)
             ax.set_ylabel("IsoLoCo − DiLoCo final loss (nats/byte), per seed")
             ax.axhline(0, color="k", lw=0.5)
             ax.grid(alpha=0.3)
+        handles, shown = axes[0].get_legend_handles_labels()
+        uniq = dict(zip(shown, handles))
+        fig.legend(uniq.values(), uniq.keys(), fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
         fig.tight_layout()
-        fig.savefig(folder / "study_v2_gap.png", dpi=100)
+        fig.savefig(folder / "study_v2_gap.png", dpi=100, bbox_inches="tight")
         plt.close(fig)
 
 
