@@ -41,6 +41,8 @@ NEIGHBOURS = [("diloco", 1.0), ("isoloco", 2.4), ("diloco", 0.5), ("isoloco", 1.
 
 
 PARTS = ("all", "defaults", "grid", "extra", "v2")
+# study methods that are a loop mode with other settings: name -> (mode, TrainConfig fields)
+VARIANTS = {"isoloco-noemb": ("isoloco", {"iso_skip": ("tok.", "head.")})}  # embedding and head unflattened
 V2_METHODS = [("ddp", None), ("avg", 1.0), ("diloco", 0.7), ("isoloco-sgd", 3.0), ("isoloco", 1.8)]
 
 
@@ -118,12 +120,14 @@ def main() -> None:
         k = (seed, K, H, mode, lr, study, init, a.vocab, rounds)
         if k in finished(out.parent) or not claim(out.parent, k if study == "v2" else k[:5]):
             continue
+        run, fields = VARIANTS.get(mode, (mode, {}))
         cfg = TrainConfig(workers=K, inner_steps=H, rounds=rounds, seed=seed,
-                          init=init, vocab=a.vocab, divergence=study == "v2")
+                          init=init, vocab=a.vocab, divergence=study == "v2", **fields)
         if lr is not None:
-            cfg = replace(cfg, outer_lr={mode: lr})
+            cfg = replace(cfg, outer_lr={run: lr})
         t0, c0 = time.perf_counter(), time.process_time()
-        r = run_mode(mode, Setup(cfg, corpus, cache_dir=cache))
+        r = run_mode(run, Setup(cfg, corpus, cache_dir=cache))
+        r["mode"] = mode
         r.update(seed=seed, workers=K, inner_steps=H, rounds=cfg.rounds, outer_lr=lr,
                  cpu_s=time.process_time() - c0, wall_s=time.perf_counter() - t0)
         if study == "v2":

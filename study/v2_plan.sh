@@ -50,3 +50,8 @@ $R --init torch --cells 8:30 --seeds 0,1 --lrs isoloco=3.2 --out $O/v2_init.json
 $R --cells 2:30 --seeds 0,1 --lrs diloco=0.0875 --out $O/v2_k.jsonl
 $R --init torch --cells 8:30 --seeds 0,1 --lrs isoloco=4.2 --out $O/v2_init.jsonl
 $R --cells 16:30 --seeds 0,1 --lrs isoloco=5.6 --out $O/v2_k.jsonl
+# ablation: IsoLoCo with the embedding and head unflattened (isoloco-noemb), BPE-8192 and bytes at K = 8
+$R --cells 8:30 --vocab 8192 --seeds 0,1,2 --lrs isoloco-noemb=1.8 --out $O/v2_bpe.jsonl
+$R --cells 8:30 --seeds 0,1,2 --lrs isoloco-noemb=1.8 --out $O/v2_k.jsonl
+$R --cells 8:30 --vocab 8192 --seeds 0,1 --lrs isoloco-noemb=2.4 --out $O/v2_bpe.jsonl
+$R --cells 8:30 --seeds 0,1 --lrs isoloco-noemb=2.4,isoloco-noemb=3.2 --out $O/v2_k.jsonl

@@ -18,6 +18,8 @@ from isoloco_kernels.train.loop import DEFAULT_MODES
 from isoloco_kernels.train import tokenizer
 from isoloco_kernels.train.model import ByteLM, ModelConfig
 
+from .helpers import TOL, rel_err
+
 SMALL = dict(model="tiny", seq_len=16, workers=2, inner_steps=3, rounds=2, batch=2, warmup=1, eval_windows=8)
 CLI_SMALL = ["-K", "2", "-H", "2", "-R", "2", "--batch", "2", "--seq-len", "16", "--eval-windows", "8",
              "--max-bytes", "60000", "--quiet", "--threads", "1"]
@@ -119,7 +121,10 @@ def test_nonfinite_loss_is_reported_not_hidden(corpus):
      ("batch", 0, "batch must be"),
      ("outer_lr", {"ddp": 1.0}, "outer lr given for 'ddp'"),
      ("outer_lr", {"isoloco": float("nan")}, "outer lr for isoloco must be a finite number"),
-     ("model", "huge", "model must be one of")],
+     ("model", "huge", "model must be one of"),
+     ("iso_skip", ("bogus.",), "iso_skip 'bogus.' matches no matrix of the model; its matrices: tok.weight"),
+     ("iso_skip", ("",), "iso_skip entries must be non-empty"),
+     ("iso_skip", "tok.", "iso_skip must be a tuple of parameter-name prefixes, got the string 'tok.'")],
 )
 def test_bad_settings_are_refused(field, value, msg):
     with pytest.raises(ValueError, match=msg):
@@ -184,6 +189,7 @@ def test_text_file_and_folder(tmp_path, corpus):
      (["--device", "meta"], "device must be cpu, cuda or cuda:N, got 'meta'"),
      (["--vocab", "100"], "--vocab takes bytes, 256 or an integer > 256"),
      (["--init", "xavier"], "invalid choice: 'xavier'"),
+     (["--iso-skip", "norm."], "iso_skip 'norm.' matches no matrix of the model"),
      (["--save-pseudo-gradients", "cap", "--save-rounds", "5"], "round 5 is outside 1..2")],
 )
 def test_cli_refuses_bad_input_before_training(tmp_path, capsys, args, msg):
@@ -319,6 +325,34 @@ def test_cli_vocab_and_torch_init(tmp_path):
     again = json.loads((out / "results.json").read_text())
     assert again["data"]["tokenizer"]["loaded_from_cache"] is True
     assert again["modes"]["diloco"]["heldout_loss"] == res["modes"]["diloco"]["heldout_loss"]
+
+
+def test_iso_skip_keeps_the_named_matrices_out_of_iso_c():
+    from isoloco_kernels.reference import iso_flatten_ref
+    from isoloco_kernels.train.loop import outer_optimizer, outer_params
+
+    cfg = TrainConfig(**SMALL, iso_skip=("tok.", "head."))
+    cfg.validate()
+    torch.manual_seed(0)
+    model = ByteLM(cfg.model_config())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone()
+    assert outer_params("diloco", model, cfg) == list(model.parameters())  # SGD modes: no groups
+    opt = outer_optimizer("isoloco", outer_params("isoloco", model, cfg), cfg)
+    opt.step()
+    lr, mu = cfg.outer("isoloco")
+    for n, p in model.named_parameters():  # first step: buf = M, p ← p − lr·(1 + μ)·M
+        iso = p.ndim == 2 and not n.startswith(("tok.", "head."))
+        m = iso_flatten_ref(grads[n]) if iso else grads[n].double()
+        tol = TOL[("exact" if iso else "update", torch.float32)]
+        assert rel_err(before[n] - p.detach(), lr * (1 + mu) * m) < tol, n
+    # and through the loop: a run with the embedding and head unflattened trains, differently
+    a = run_mode("isoloco", Setup(replace(cfg, iso_skip=()), load_corpus(max_bytes=60_000)))
+    b = run_mode("isoloco", Setup(cfg, load_corpus(max_bytes=60_000)))
+    assert math.isfinite(b["final_loss"]) and b["final_loss"] < b["heldout_loss"][0]
+    assert a["heldout_loss"][0] == b["heldout_loss"][0] and a["final_loss"] != b["final_loss"]
 
 
 def test_init_choices_differ_in_scale():

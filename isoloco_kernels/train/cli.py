@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="outer lr for every outer mode, or MODE=LR,... "
                         + ", ".join(f"{m} {lr}" for m, (lr, _) in OUTER_DEFAULTS.items()))
     p.add_argument("--iso-method", default=d.iso_method, help="IsoLoCo flatten method (auto, svd, eigh, polar, ...)")
+    p.add_argument("--iso-skip", default="", metavar="PREFIXES",
+                   help="comma list of parameter-name prefixes kept out of Iso-C in the Iso-C modes, e.g. "
+                        "tok.,head. (the embedding and head take the outer step unflattened)")
     p.add_argument("--data", default=None, help="a text file or folder (default: Python's stdlib source)")
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="read at most this much text")
     p.add_argument("--eval-windows", type=int, default=d.eval_windows, help="held-out windows per eval")
@@ -196,6 +199,7 @@ def main(argv=None) -> int:
         seq_len=a.seq_len, tie_embeddings=a.tie_embeddings, inner_lr=a.inner_lr, warmup=a.warmup,
         outer_lr=outer_lr, iso_method=a.iso_method, eval_windows=a.eval_windows, seed=a.seed, device=device,
         vocab=a.vocab, init=a.init, divergence=not a.no_divergence,
+        iso_skip=tuple(x for x in a.iso_skip.split(",") if x),
     )
     param, values = a.sweep if a.sweep else (None, [None])
     cfgs = [base if param is None else replace(base, **{SWEEPABLE[param]: v}) for v in values]

@@ -67,6 +67,9 @@ class TrainConfig:
     vocab: int = 256  # 256: bytes; more: a BPE vocabulary trained on the training split
     init: str = "gpt2"  # a key of model.INITS: "gpt2" N(0, 0.02) or "torch" (PyTorch defaults)
     divergence: bool = True  # measure the workers' drift every round (divergence.py)
+    # parameter-name prefixes kept out of Iso-C in the Iso-C modes (e.g. ("tok.", "head.")): their
+    # averaged Δ takes the same outer step unflattened (an IsoLoCo param group with iso=False)
+    iso_skip: tuple = ()
 
     def model_config(self) -> ModelConfig:
         if self.model not in PRESETS:
@@ -117,7 +120,19 @@ class TrainConfig:
             raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
         check_vocab(self.vocab)
         check_device(self.device)
-        self.model_config()
+        mcfg = self.model_config()
+        if isinstance(self.iso_skip, str):
+            raise ValueError(f"iso_skip must be a tuple of parameter-name prefixes, got the string {self.iso_skip!r}")
+        if self.iso_skip:
+            with torch.device("meta"):  # names only: no memory, no init
+                matrices = [n for n, p in ByteLM(mcfg).named_parameters() if p.ndim == 2]
+            for prefix in self.iso_skip:
+                if not isinstance(prefix, str) or not prefix:
+                    raise ValueError(f"iso_skip entries must be non-empty parameter-name prefixes, got {prefix!r}")
+                if not any(n.startswith(prefix) for n in matrices):
+                    raise ValueError(
+                        f"iso_skip {prefix!r} matches no matrix of the model; its matrices: {', '.join(matrices)}"
+                    )
 
     def outer(self, mode: str) -> tuple[float, float]:
         if mode not in OUTER_DEFAULTS:
@@ -196,6 +211,17 @@ def inner_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
         betas=(cfg.beta1, cfg.beta2),
         fused=True,  # one kernel for all params, on CPU and CUDA: the inner step is overhead-bound
     )
+
+
+def outer_params(mode: str, model: torch.nn.Module, cfg: TrainConfig) -> list:
+    """The outer optimizer's params: all of them, or in an Iso-C mode with cfg.iso_skip two
+    groups, the second (the parameters whose names start with a prefix of iso_skip) with iso=False."""
+    named = list(model.named_parameters())
+    if mode in SGD_MODES or not cfg.iso_skip:
+        return [p for _, p in named]
+    skip = [p for n, p in named if n.startswith(tuple(cfg.iso_skip))]
+    keep = [p for n, p in named if not n.startswith(tuple(cfg.iso_skip))]
+    return [{"params": keep}, {"params": skip, "iso": False}]
 
 
 def outer_optimizer(mode: str, params, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -347,7 +373,7 @@ def run_mode(
             inner = {k: inner_optimizer(work, cfg) for k in comm.local_workers}
             params = list(model.parameters())
             names = [n for n, _ in model.named_parameters()]
-            outer = comm.outer_optimizer(mode, params, cfg)
+            outer = comm.outer_optimizer(mode, outer_params(mode, model, cfg), cfg)
             meter = DivergenceMeter(model) if cfg.divergence else None
             if meter is not None:
                 out["divergence"] = []
