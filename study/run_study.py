@@ -42,7 +42,10 @@ NEIGHBOURS = [("diloco", 1.0), ("isoloco", 2.4), ("diloco", 0.5), ("isoloco", 1.
 
 PARTS = ("all", "defaults", "grid", "extra", "v2")
 # study methods that are a loop mode with other settings: name -> (mode, TrainConfig fields)
-VARIANTS = {"isoloco-noemb": ("isoloco", {"iso_skip": ("tok.", "head.")})}  # embedding and head unflattened
+VARIANTS = {  # the embedding and head unflattened, at IsoLoCo's outer lr or with DiLoCo's tuned step (lr 0.35, μ 0.9)
+    "isoloco-noemb": ("isoloco", {"iso_skip": ("tok.", "head.")}),
+    "isoloco-noemb-dl": ("isoloco", {"iso_skip": ("tok.", "head."), "iso_skip_outer": (0.35, 0.9)}),
+}
 V2_METHODS = [("ddp", None), ("avg", 1.0), ("diloco", 0.7), ("isoloco-sgd", 3.0), ("isoloco", 1.8)]
 
 

@@ -200,8 +200,9 @@ def plots(summary: dict, recs: list[dict], folder: Path) -> None:
     plt.close(fig)
 
 
-V2_ORDER = ("ddp", "avg", "diloco", "isoloco-sgd", "isoloco", "isoloco-noemb")
-V2_DEFAULT_LR = {"ddp": None, "avg": 1.0, "diloco": 0.7, "isoloco-sgd": 3.0, "isoloco": 1.8, "isoloco-noemb": 1.8}
+V2_ORDER = ("ddp", "avg", "diloco", "isoloco-sgd", "isoloco", "isoloco-noemb", "isoloco-noemb-dl")
+V2_DEFAULT_LR = {"ddp": None, "avg": 1.0, "diloco": 0.7, "isoloco-sgd": 3.0, "isoloco": 1.8, "isoloco-noemb": 1.8,
+                 "isoloco-noemb-dl": 1.8}
 
 
 def _v2_name(mode: str, lr) -> str:

@@ -55,3 +55,6 @@ $R --cells 8:30 --vocab 8192 --seeds 0,1,2 --lrs isoloco-noemb=1.8 --out $O/v2_b
 $R --cells 8:30 --seeds 0,1,2 --lrs isoloco-noemb=1.8 --out $O/v2_k.jsonl
 $R --cells 8:30 --vocab 8192 --seeds 0,1 --lrs isoloco-noemb=2.4 --out $O/v2_bpe.jsonl
 $R --cells 8:30 --seeds 0,1 --lrs isoloco-noemb=2.4,isoloco-noemb=3.2 --out $O/v2_k.jsonl
+# the same with DiLoCo's tuned outer step on the embedding and head (isoloco-noemb-dl), at IsoLoCo's tuned lr
+$R --cells 8:30 --vocab 8192 --seeds 0,1 --lrs isoloco-noemb-dl=2.4 --out $O/v2_bpe.jsonl
+$R --cells 8:30 --seeds 0,1 --lrs isoloco-noemb-dl=3.2 --out $O/v2_k.jsonl

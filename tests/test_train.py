@@ -124,11 +124,18 @@ def test_nonfinite_loss_is_reported_not_hidden(corpus):
      ("model", "huge", "model must be one of"),
      ("iso_skip", ("bogus.",), "iso_skip 'bogus.' matches no matrix of the model; its matrices: tok.weight"),
      ("iso_skip", ("",), "iso_skip entries must be non-empty"),
-     ("iso_skip", "tok.", "iso_skip must be a tuple of parameter-name prefixes, got the string 'tok.'")],
+     ("iso_skip", "tok.", "iso_skip must be a tuple of parameter-name prefixes, got the string 'tok.'"),
+     ("iso_skip_outer", (0.35, 0.9), "iso_skip_outer is set but iso_skip names no parameters")],
 )
 def test_bad_settings_are_refused(field, value, msg):
     with pytest.raises(ValueError, match=msg):
         TrainConfig(**{**SMALL, field: value}).validate()
+
+
+@pytest.mark.parametrize("value", [(0.0, 0.9), (0.35, 1.0), (float("nan"), 0.5), (0.35,), (True, 0.5), "0.35,0.9"])
+def test_bad_iso_skip_outer_is_refused(value):
+    with pytest.raises(ValueError, match=r"iso_skip_outer must be \(lr > 0, 0 ≤ momentum < 1\)"):
+        TrainConfig(**SMALL, iso_skip=("tok.",), iso_skip_outer=value).validate()
 
 
 def test_batch_or_sequence_larger_than_data(corpus):
@@ -190,6 +197,7 @@ def test_text_file_and_folder(tmp_path, corpus):
      (["--vocab", "100"], "--vocab takes bytes, 256 or an integer > 256"),
      (["--init", "xavier"], "invalid choice: 'xavier'"),
      (["--iso-skip", "norm."], "iso_skip 'norm.' matches no matrix of the model"),
+     (["--iso-skip", "tok.", "--iso-skip-outer", "0.35"], "takes LR,MOMENTUM"),
      (["--save-pseudo-gradients", "cap", "--save-rounds", "5"], "round 5 is outside 1..2")],
 )
 def test_cli_refuses_bad_input_before_training(tmp_path, capsys, args, msg):
@@ -348,6 +356,13 @@ def test_iso_skip_keeps_the_named_matrices_out_of_iso_c():
         m = iso_flatten_ref(grads[n]) if iso else grads[n].double()
         tol = TOL[("exact" if iso else "update", torch.float32)]
         assert rel_err(before[n] - p.detach(), lr * (1 + mu) * m) < tol, n
+    # their own outer step: lr 0.35, μ 0.9 on the unflattened matrices, the mode's on the others
+    own = replace(cfg, iso_skip_outer=(0.35, 0.9))
+    own.validate()
+    groups = outer_params("isoloco", model, own)
+    assert (groups[1]["lr"], groups[1]["momentum"]) == (0.35, 0.9) and "lr" not in groups[0]
+    opt = outer_optimizer("isoloco", groups, own)
+    assert [(g["lr"], g["momentum"], g["iso"]) for g in opt.param_groups] == [(lr, mu, True), (0.35, 0.9, False)]
     # and through the loop: a run with the embedding and head unflattened trains, differently
     a = run_mode("isoloco", Setup(replace(cfg, iso_skip=()), load_corpus(max_bytes=60_000)))
     b = run_mode("isoloco", Setup(cfg, load_corpus(max_bytes=60_000)))

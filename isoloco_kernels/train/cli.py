@@ -102,6 +102,14 @@ def check_folder(flag: str, path: str) -> None:
             return
 
 
+def _parse_lr_momentum(s: str) -> tuple[float, float]:
+    try:
+        lr, mom = (float(x) for x in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes LR,MOMENTUM (e.g. 0.35,0.9), got {s!r}") from None
+    return lr, mom
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(
@@ -134,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iso-skip", default="", metavar="PREFIXES",
                    help="comma list of parameter-name prefixes kept out of Iso-C in the Iso-C modes, e.g. "
                         "tok.,head. (the embedding and head take the outer step unflattened)")
+    p.add_argument("--iso-skip-outer", type=_parse_lr_momentum, default=None, metavar="LR,MOMENTUM",
+                   help="the outer lr and momentum of the --iso-skip matrices (default: the mode's)")
     p.add_argument("--data", default=None, help="a text file or folder (default: Python's stdlib source)")
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="read at most this much text")
     p.add_argument("--eval-windows", type=int, default=d.eval_windows, help="held-out windows per eval")
@@ -199,7 +209,7 @@ def main(argv=None) -> int:
         seq_len=a.seq_len, tie_embeddings=a.tie_embeddings, inner_lr=a.inner_lr, warmup=a.warmup,
         outer_lr=outer_lr, iso_method=a.iso_method, eval_windows=a.eval_windows, seed=a.seed, device=device,
         vocab=a.vocab, init=a.init, divergence=not a.no_divergence,
-        iso_skip=tuple(x for x in a.iso_skip.split(",") if x),
+        iso_skip=tuple(x for x in a.iso_skip.split(",") if x), iso_skip_outer=a.iso_skip_outer,
     )
     param, values = a.sweep if a.sweep else (None, [None])
     cfgs = [base if param is None else replace(base, **{SWEEPABLE[param]: v}) for v in values]

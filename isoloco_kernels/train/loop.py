@@ -70,6 +70,7 @@ class TrainConfig:
     # parameter-name prefixes kept out of Iso-C in the Iso-C modes (e.g. ("tok.", "head.")): their
     # averaged Δ takes the same outer step unflattened (an IsoLoCo param group with iso=False)
     iso_skip: tuple = ()
+    iso_skip_outer: tuple | None = None  # (lr, momentum) of the iso_skip group; None: the mode's
 
     def model_config(self) -> ModelConfig:
         if self.model not in PRESETS:
@@ -133,6 +134,14 @@ class TrainConfig:
                     raise ValueError(
                         f"iso_skip {prefix!r} matches no matrix of the model; its matrices: {', '.join(matrices)}"
                     )
+        if self.iso_skip_outer is not None:
+            if not self.iso_skip:
+                raise ValueError("iso_skip_outer is set but iso_skip names no parameters")
+            v = self.iso_skip_outer
+            numbers = isinstance(v, (tuple, list)) and len(v) == 2 and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+            if not (numbers and math.isfinite(v[0]) and v[0] > 0 and 0 <= v[1] < 1):
+                raise ValueError(f"iso_skip_outer must be (lr > 0, 0 ≤ momentum < 1), got {self.iso_skip_outer!r}")
 
     def outer(self, mode: str) -> tuple[float, float]:
         if mode not in OUTER_DEFAULTS:
@@ -215,13 +224,17 @@ def inner_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
 
 def outer_params(mode: str, model: torch.nn.Module, cfg: TrainConfig) -> list:
     """The outer optimizer's params: all of them, or in an Iso-C mode with cfg.iso_skip two
-    groups, the second (the parameters whose names start with a prefix of iso_skip) with iso=False."""
+    groups, the second (the parameters whose names start with a prefix of iso_skip) with iso=False
+    and, with cfg.iso_skip_outer, its own (lr, momentum)."""
     named = list(model.named_parameters())
     if mode in SGD_MODES or not cfg.iso_skip:
         return [p for _, p in named]
     skip = [p for n, p in named if n.startswith(tuple(cfg.iso_skip))]
     keep = [p for n, p in named if not n.startswith(tuple(cfg.iso_skip))]
-    return [{"params": keep}, {"params": skip, "iso": False}]
+    group = {"params": skip, "iso": False}
+    if cfg.iso_skip_outer is not None:
+        group["lr"], group["momentum"] = (float(x) for x in cfg.iso_skip_outer)
+    return [{"params": keep}, group]
 
 
 def outer_optimizer(mode: str, params, cfg: TrainConfig) -> torch.optim.Optimizer:
