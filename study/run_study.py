@@ -130,8 +130,7 @@ def main() -> None:
             cfg = replace(cfg, outer_lr={run: lr})
         t0, c0 = time.perf_counter(), time.process_time()
         r = run_mode(run, Setup(cfg, corpus, cache_dir=cache))
-        r["mode"] = mode
-        r.update(seed=seed, workers=K, inner_steps=H, rounds=cfg.rounds, outer_lr=lr,
+        r.update(mode=mode, seed=seed, workers=K, inner_steps=H, rounds=cfg.rounds, outer_lr=lr,
                  cpu_s=time.process_time() - c0, wall_s=time.perf_counter() - t0)
         if study == "v2":
             r.update(study="v2", init=init, vocab=a.vocab)

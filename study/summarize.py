@@ -310,11 +310,13 @@ def summarize_v2(recs: list[dict]) -> dict:
             best, edge, grid = _best_lr(methods, mode)
             if best is not None:
                 tuned[mode] = {"lr": best, "edge": edge, "grid": grid}
-        if "diloco" in tuned and "isoloco" in tuned:
+        # a tuned gap only where some grid has more than one lr; else it would repeat the released one
+        grids = {m: len(t["grid"]) for m, t in tuned.items()}
+        if "diloco" in tuned and "isoloco" in tuned and grids["diloco"] + grids["isoloco"] > 2:
             g = _paired_diffs(methods[("isoloco", tuned["isoloco"]["lr"])], methods[("diloco", tuned["diloco"]["lr"])])
             if g:
                 tuned["isoloco_minus_diloco"] = g
-        if "diloco" in tuned and "isoloco-sgd" in tuned:  # the seed paper's claim against a tuned DiLoCo
+        if "isoloco-sgd" in tuned and grids.get("diloco", 0) > 1:  # the seed paper's claim against a tuned DiLoCo
             g = _paired_diffs(methods[("isoloco-sgd", tuned["isoloco-sgd"]["lr"])],
                               methods[("diloco", tuned["diloco"]["lr"])])
             if g:
@@ -345,11 +347,11 @@ def markdown_v2(v2: dict) -> str:
         cellv = lambda k: "—" if k not in m else f"{_ms(m[k])} [{len(m[k]['seeds'])}]"
         t = c.get("tuned", {})
         tg = t.get("isoloco_minus_diloco")
-        tuned = "—" if not tg or len(t["diloco"]["grid"]) + len(t["isoloco"]["grid"]) <= 2 else (
+        tuned = "—" if not tg else (
             f"{_gap_text(tg)} ({t['diloco']['lr']}{'*' if t['diloco']['edge'] else ''} / "
             f"{t['isoloco']['lr']}{'*' if t['isoloco']['edge'] else ''})")
         sg = t.get("sgd_minus_diloco")
-        sgd = "—" if not sg or len(t["diloco"]["grid"]) < 2 else f"{_gap_text(sg)} ({t['diloco']['lr']})"
+        sgd = "—" if not sg else f"{_gap_text(sg)} ({t['diloco']['lr']})"
         lines.append(f"| {c['init']} | {c['vocab']} | {c['workers']} | {c['inner_steps']} | {c['rounds']} | "
                      f"{cellv('ddp')} | {cellv('avg')} | {cellv('diloco')} | {cellv('isoloco-sgd')} | {cellv('isoloco')} | "
                      f"{_gap_text(m.get('isoloco', {}).get('minus_diloco'))} | "
@@ -487,10 +489,7 @@ def plot_grid(v2: dict, folder: Path) -> None:
     import matplotlib.pyplot as plt
 
     def gap(c, tuned: bool):
-        t = c.get("tuned", {})
-        if tuned and (len(t.get("diloco", {}).get("grid", [])) + len(t.get("isoloco", {}).get("grid", [])) <= 2):
-            return None  # no grid in this cell: "tuned" would repeat the released point
-        g = t.get("isoloco_minus_diloco") if tuned else c["methods"].get("isoloco", {}).get("minus_diloco")
+        g = c["tuned"].get("isoloco_minus_diloco") if tuned else c["methods"].get("isoloco", {}).get("minus_diloco")
         return (g["mean"], g["std"] if len(g["diffs"]) > 1 else 0.0) if g else None
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
@@ -507,13 +506,15 @@ def plot_grid(v2: dict, folder: Path) -> None:
             if pts:
                 ax.errorbar([x for x, _ in pts], [g[0] for _, g in pts], yerr=[g[1] for _, g in pts], color=col,
                             marker="o", capsize=3, label=lab)
-        if key == "inner_steps":  # H 300 needs 3000 steps for R 10: another budget, its own marker
+        if key == "inner_steps":  # larger H at R ≥ 10 needs a larger budget: those cells, their own marker
             for c in v2["cells"]:
-                if (c["init"], c["vocab"], c["workers"], c["inner_steps"], c["rounds"]) == ("gpt2", 256, 4, 300, 10):
+                steps = c["inner_steps"] * c["rounds"]
+                if (c["init"], c["vocab"], c["workers"]) == ("gpt2", 256, 4) and c["rounds"] >= 10 and steps > 1200:
                     g = gap(c, False)
                     if g:
-                        ax.errorbar([300], [g[0]], yerr=[g[1]], color="tab:red", marker="s", mfc="white", capsize=3,
-                                    ls="none", label="H 300, 3000 steps (R 10), released lrs")
+                        ax.errorbar([c["inner_steps"]], [g[0]], yerr=[g[1]], color="tab:red", marker="s", mfc="white",
+                                    capsize=3, ls="none",
+                                    label=f"H {c['inner_steps']}, {steps} steps (R {c['rounds']}), released lrs")
         if logx:
             ax.set_xscale("log", base=2 if key == "workers" else 10)
         ax.axhline(0, color="k", lw=0.5)

@@ -347,8 +347,9 @@ def test_iso_skip_keeps_the_named_matrices_out_of_iso_c():
     grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
         p.grad = grads[n].clone()
-    assert outer_params("diloco", model, cfg) == list(model.parameters())  # SGD modes: no groups
-    opt = outer_optimizer("isoloco", outer_params("isoloco", model, cfg), cfg)
+    names, params = zip(*model.named_parameters())
+    assert outer_params("diloco", names, params, cfg) == list(params)  # SGD modes: no groups
+    opt = outer_optimizer("isoloco", outer_params("isoloco", names, params, cfg), cfg)
     opt.step()
     lr, mu = cfg.outer("isoloco")
     for n, p in model.named_parameters():  # first step: buf = M, p ← p − lr·(1 + μ)·M
@@ -359,7 +360,7 @@ def test_iso_skip_keeps_the_named_matrices_out_of_iso_c():
     # their own outer step: lr 0.35, μ 0.9 on the unflattened matrices, the mode's on the others
     own = replace(cfg, iso_skip_outer=(0.35, 0.9))
     own.validate()
-    groups = outer_params("isoloco", model, own)
+    groups = outer_params("isoloco", names, params, own)
     assert (groups[1]["lr"], groups[1]["momentum"]) == (0.35, 0.9) and "lr" not in groups[0]
     opt = outer_optimizer("isoloco", groups, own)
     assert [(g["lr"], g["momentum"], g["iso"]) for g in opt.param_groups] == [(lr, mu, True), (0.35, 0.9, False)]

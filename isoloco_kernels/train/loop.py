@@ -222,15 +222,15 @@ def inner_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
     )
 
 
-def outer_params(mode: str, model: torch.nn.Module, cfg: TrainConfig) -> list:
+def outer_params(mode: str, names: Sequence[str], params: Sequence[torch.Tensor], cfg: TrainConfig) -> list:
     """The outer optimizer's params: all of them, or in an Iso-C mode with cfg.iso_skip two
     groups, the second (the parameters whose names start with a prefix of iso_skip) with iso=False
     and, with cfg.iso_skip_outer, its own (lr, momentum)."""
-    named = list(model.named_parameters())
     if mode in SGD_MODES or not cfg.iso_skip:
-        return [p for _, p in named]
-    skip = [p for n, p in named if n.startswith(tuple(cfg.iso_skip))]
-    keep = [p for n, p in named if not n.startswith(tuple(cfg.iso_skip))]
+        return list(params)
+    keep, skip = [], []
+    for n, p in zip(names, params):
+        (skip if n.startswith(tuple(cfg.iso_skip)) else keep).append(p)
     group = {"params": skip, "iso": False}
     if cfg.iso_skip_outer is not None:
         group["lr"], group["momentum"] = (float(x) for x in cfg.iso_skip_outer)
@@ -386,7 +386,7 @@ def run_mode(
             inner = {k: inner_optimizer(work, cfg) for k in comm.local_workers}
             params = list(model.parameters())
             names = [n for n, _ in model.named_parameters()]
-            outer = comm.outer_optimizer(mode, outer_params(mode, model, cfg), cfg)
+            outer = comm.outer_optimizer(mode, outer_params(mode, names, params, cfg), cfg)
             meter = DivergenceMeter(model) if cfg.divergence else None
             if meter is not None:
                 out["divergence"] = []
