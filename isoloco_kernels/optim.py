@@ -129,6 +129,7 @@ class IsoLoCo(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load an IsoLoCo or a torch.optim.SGD state dict (SGD's must be nesterov, no dampening,
         no weight decay); checked first, so a refused dict changes nothing (`outer.load_sgd_state`)."""
+        dtensor.check_loaded_state(self, state_dict, "IsoLoCo.load_state_dict")  # aliasing, DTensor layout
         load_sgd_state(self, state_dict, "IsoLoCo.load_state_dict", super().load_state_dict)
         self._plan = None
 
@@ -162,10 +163,10 @@ class IsoLoCo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _update(self, failed: Optional[BaseException] = None) -> None:
-        """failed: what the closure raised (only passed over a process group, where the other
-        ranks must learn of it before anyone writes)."""
+        """failed: what the closure raised (only passed over a process group or with DTensor
+        params, where the other ranks must learn of it before anyone writes)."""
         if dtensor.uses_dtensor(self):  # -- DTensor params: the sharded step lives in dtensor.py --
-            return dtensor.step_(self)
+            return dtensor.step_(self, failed)
         group = self._group()
         if group is None:
             entries = self._gather()
@@ -211,8 +212,8 @@ class IsoLoCo(torch.optim.Optimizer):
                 with torch.enable_grad():
                     loss = closure()
             except Exception as e:  # noqa: BLE001
-                if self._process_group is None or dtensor.uses_dtensor(self):
+                if self._process_group is None and not dtensor.uses_dtensor(self):
                     raise
-                failed = e  # over a process group: every rank must fail together
+                failed = e  # over a process group or a device mesh: every rank must fail together
         self._update(failed)
         return loss

@@ -532,9 +532,11 @@ def test_routes_and_bytes():
     assert DT.route_for((1024, 1024), 0, 8, 4, "gram") == "gram"
     assert DT.route_for((1024, 2688), 0, 8, 4, "gram") == "owner"  # short side sharded: never Gram
     assert DT.route_for((1024, 2688), 0, 8, 4, "gather") == "gather"
-    # Gram iff long/short > 8·W/b
+    # Gram iff long/short > 16·W/(b + r): b bytes out, r = max(b, 4) back (results in the compute dtype)
     assert DT.route_for((16 * 1024 + 64, 1024), 0, 8, 4) == "gram" and DT.route_for((16 * 1024 - 64, 1024), 0, 8, 4) == "owner"
-    assert DT.route_for((5 * 1024, 1024), 0, 2, 4) == "gram" and DT.route_for((7 * 1024, 1024), 0, 2, 2) == "owner"
+    assert DT.route_for((5 * 1024, 1024), 0, 2, 4) == "gram" and DT.route_for((3 * 1024, 1024), 0, 2, 4) == "owner"
+    assert DT.route_for((6 * 1024, 1024), 0, 2, 2) == "gram" and DT.route_for((5 * 1024, 1024), 0, 2, 2) == "owner"
+    assert DT.owner_bytes((1024, 1024), 0, 2, 2) == 1 / 4 * 1024 * 1024 * (2 + 4)
     assert DT.route_for((7, 5), None, 8, 4) == "local" and DT.route_for((7, 5), 0, 1, 4) == "local"
     b = DT.wire_bytes([(32000, 1024), (1024,)], 4)
     assert b["gram_or_gather"] == b["chosen"] == 2 * 3 / 4 * 8 * 1024**2

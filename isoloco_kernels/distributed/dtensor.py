@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .._validate import check_all_finite
+from .._validate import ResultOverflowError, check_all_finite, compute_dtype
 from ..buckets import BucketPlan
 from ..ops import iso_merge_unchecked_
 from ..outer import Entry, collect, is_dtensor, local, prepare_nesterov
@@ -38,7 +38,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "
 def _dt():
     return sys.modules.get("torch.distributed.tensor")
 
-__all__ = ["ROUTES", "check_params", "is_dtensor", "local", "route_for", "step_", "uses_dtensor", "wire_bytes"]
+__all__ = ["ROUTES", "check_loaded_state", "check_params", "is_dtensor", "local", "route_for", "step_", "uses_dtensor", "wire_bytes"]
 
 ROUTES = ("auto", "gram", "owner", "gather")
 
@@ -102,6 +102,55 @@ def check_params(opt) -> bool:
                 )
     _agreement_mesh(opt)  # raises if the meshes do not nest
     return True
+
+
+def check_loaded_state(opt, state_dict, where: str) -> None:
+    """What `outer.check_state_dict` leaves to this module, checked before anything is loaded
+    (IsoLoCo.load_state_dict calls it first; a malformed dict is left to that check):
+
+    - a momentum_buffer sharing memory with a param (its own or another): torch's loader would keep
+      it as it is, so the buffer would be the param and every later step would refuse to run;
+    - a DTensor momentum_buffer must sit on its param's mesh with its placements, global and local
+      shape (a whole plain tensor is fine: the step reshards it); a plain param takes no DTensor."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
+        return
+    saved = state_dict.get("param_groups")
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(opt.param_groups):
+        return
+    pairs = []
+    for g, mine in zip(saved, opt.param_groups):
+        if not isinstance(g, dict) or len(g.get("params", ())) != len(mine["params"]):
+            return
+        pairs += zip(g["params"], mine["params"])
+    storages = {}
+    for pid, p in pairs:
+        ptr = local(p).untyped_storage().data_ptr()
+        if ptr:
+            storages.setdefault((local(p).device, ptr), pid)
+    for pid, p in pairs:
+        entry = state_dict["state"].get(pid)
+        b = entry.get("momentum_buffer") if isinstance(entry, dict) else None
+        if not isinstance(b, torch.Tensor):
+            continue
+        name = f"{where}: param {pid} (shape {tuple(p.shape)}) momentum_buffer"
+        lb = local(b)
+        other = storages.get((lb.device, lb.untyped_storage().data_ptr()))
+        if other is not None:
+            whose = "its own param" if other == pid else f"param {other}"
+            raise ValueError(f"{name} shares memory with {whose}; a momentum buffer needs its own memory "
+                             "(pass a copy, e.g. buf.clone()); nothing was loaded")
+        if not is_dtensor(b):
+            continue
+        if not is_dtensor(p):
+            raise TypeError(f"{name} is a DTensor but its param is a plain tensor; nothing was loaded")
+        if (b.device_mesh != p.device_mesh or tuple(b.placements) != tuple(p.placements)
+                or b.shape != p.shape or lb.shape != local(p).shape):
+            raise ValueError(
+                f"{name} is a DTensor of shape {tuple(b.shape)} (local {tuple(lb.shape)}) with placements "
+                f"{b.placements} on {b.device_mesh}; its param has shape {tuple(p.shape)} (local "
+                f"{tuple(local(p).shape)}) with placements {p.placements} on {p.device_mesh} (save and load "
+                "under the same mesh and placements, or load whole tensors); nothing was loaded"
+            )
 
 
 def _meshes(opt) -> list:
@@ -169,8 +218,10 @@ def gather_bytes(shape, dim: int, world: int, elem_size: int) -> float:
 
 def owner_bytes(shape, dim: int, world: int, elem_size: int) -> float:
     """Bytes sent per rank, averaged over the ranks, when one owner gathers the matrix, flattens it and
-    scatters the result back (owners balanced over the ranks): 2·(W−1)/W² of the matrix."""
-    return 2 * (world - 1) / world * shape[0] * shape[1] * elem_size / world
+    scatters the result back (owners balanced over the ranks): (W−1)/W² of the matrix each way, out in
+    the grad's dtype, back in its compute dtype (float32 for 2-byte grads)."""
+    back = max(elem_size, 4)
+    return (world - 1) / world * shape[0] * shape[1] * (elem_size + back) / world
 
 
 def wire_bytes(shapes, world: int, elem_size: int = 4, mode: str = "auto", dim: int = 0) -> dict[str, float]:
@@ -273,15 +324,20 @@ class _Stats:
                 f"owner={self.owner_elements}, full={self.full_tensor_elements})")
 
 
-def step_(opt) -> None:
-    """One IsoLoCo outer step over DTensor params (IsoLoCo.step calls this). All-or-nothing."""
+def step_(opt, failed: Optional[BaseException] = None) -> None:
+    """One IsoLoCo outer step over DTensor params (IsoLoCo.step calls this). All-or-nothing.
+
+    failed: what the closure raised on this rank; it reaches every rank as a DistributedStepError."""
     mesh0 = _agreement_mesh(opt)
     mode = getattr(opt, "dtensor_route", "auto")
-    entries, error = [], None
+    entries, plan, error = [], None, None
     try:
+        if failed is not None:
+            raise failed
         if mode not in ROUTES:
             raise ValueError(f"IsoLoCo: dtensor_route must be one of {ROUTES}, got {mode!r}")
         entries = _gather_entries(opt)
+        plan = _StepPlan(entries, mode)  # every collective's size, before any of them runs
     except Exception as e:
         error = error_text(e)
     agree_on_mesh(error, mesh0, "IsoLoCo.step", _fingerprint(entries) if error is None else 0)
@@ -290,7 +346,7 @@ def step_(opt) -> None:
     stats = _Stats()
     error, apply = None, None
     try:
-        updates = _iso_updates(opt, entries, mode, stats)
+        updates = _iso_updates(opt, entries, plan, stats)
         apply = _prepare_nesterov(opt, entries, updates)
     except Exception as e:  # the collectives inside always ran; see _iso_updates
         error = error_text(e)
@@ -306,119 +362,161 @@ def _prepare_nesterov(opt, entries: list[Entry], updates: dict[int, torch.Tensor
                                    f"IsoLoCo: {e.name}") for k, e in enumerate(entries)])
 
 
-def _iso_updates(opt, entries, mode: str, stats: _Stats) -> dict[int, torch.Tensor]:
-    """Local shard of iso(Δ) for every 2-D grad of an iso group: entry index → tensor.
+class _StepPlan:
+    """The collectives of one step, planned from the shapes the ranks agreed on: each Iso-C
+    matrix's route and the size of every buffer each collective sends and receives, so a rank
+    whose local work failed can still join each collective with a buffer of the right size.
 
-    Collectives are issued in entry order whatever happens locally (a failed local step sends
-    zeros), so one rank's exception cannot leave the others waiting; the first local error is
-    raised after all of them ran."""
-    first_error: list[BaseException] = []
+    Lists of (key, entry indices, sizes) in the order the step issues them: `gram` per mesh,
+    `gather` and `owner` per (mesh, grad dtype); `general` and `local` entry indices."""
 
-    def attempt(fn, *args):
+    def __init__(self, entries: list[Entry], mode: str):
+        self.routes: dict[int, str] = {}
+        for k, e in enumerate(entries):
+            if not e.iso:
+                continue
+            p, mesh = e.p, e.p.device_mesh
+            if mesh.ndim > 1:
+                self.routes[k] = "general" if any(pl.is_shard() for pl in p.placements) else "local"
+            else:
+                dim = _shard_dim(p.placements[0])
+                self.routes[k] = route_for(tuple(p.shape), dim, mesh.size(), e.g.element_size(), mode)
+        by: dict[str, dict] = {"gram": {}, "gather": {}, "owner": {}}
+        for k, r in self.routes.items():
+            if r in by:
+                g = entries[k].g
+                by[r].setdefault(g.device_mesh if r == "gram" else (g.device_mesh, g.dtype), []).append(k)
+        self.gram = [(mesh, ks, [min(entries[k].p.shape) for k in ks]) for mesh, ks in by["gram"].items()]
+        self.gather = [(key, ks, _GatherLayout(key[0], [entries[k] for k in ks])) for key, ks in by["gather"].items()]
+        self.owner = [(key, ks, _OwnerLayout(key[0], [entries[k] for k in ks])) for key, ks in by["owner"].items()]
+        self.general = [k for k, r in self.routes.items() if r == "general"]
+        self.local = [k for k, r in self.routes.items() if r == "local"]
+
+
+class _Guard:
+    """Runs the local work between the step's collectives. The first exception is kept, and from
+    then on the rank skips its local work but still joins every remaining collective (sending
+    zeros), so no rank waits on it; the step raises the exception after the last collective and
+    the agreement that follows turns it into a DistributedStepError on every rank."""
+
+    def __init__(self):
+        self.error: Optional[BaseException] = None
+
+    def run(self, fn, *args):
+        """fn(*args), or None once any local work of this step failed."""
+        if self.error is not None:
+            return None
         try:
             return fn(*args)
         except Exception as e:
-            if not first_error:
-                first_error.append(e)
+            self.error = e
             return None
 
-    chosen = [k for k, e in enumerate(entries) if e.iso]
-    routes: dict[int, str] = {}
-    for k in chosen:
-        p, g = entries[k].p, entries[k].g
-        mesh = p.device_mesh
-        if mesh.ndim > 1:
-            routes[k] = "general" if any(pl.is_shard() for pl in p.placements) else "local"
-        else:
-            routes[k] = route_for(tuple(p.shape), _shard_dim(p.placements[0]), mesh.size(), g.element_size(), mode)
+
+def _result_dtype(g: torch.Tensor) -> torch.dtype:
+    """The dtype of a route's Iso-C result: the grad's compute dtype (float32 for float16 and
+    bfloat16, as single-process IsoLoCo keeps it); it is rounded to the param's dtype once, when
+    Nesterov writes the param."""
+    return compute_dtype(g.dtype)
+
+
+def _iso_updates(opt, entries: list[Entry], plan: _StepPlan, stats: _Stats) -> dict[int, torch.Tensor]:
+    """Local shard of iso(Δ) for every 2-D grad of an iso group, in the grad's compute dtype:
+    entry index → tensor.
+
+    Every rank issues the collectives of `plan` in its order whatever happens locally: the local
+    work between them runs under one `_Guard`, and a rank whose work failed sends zeros of the
+    planned sizes. The first local error is raised after the last collective."""
+    guard = _Guard()
     out: dict[int, torch.Tensor] = {}
     full: dict[int, torch.Tensor] = {}  # whole matrices flattened on every rank (local, gather, general)
 
     # Gram route: one float64 all-reduce per mesh
-    by_mesh: dict = {}
-    for k in chosen:
-        if routes[k] == "gram":
-            by_mesh.setdefault(entries[k].p.device_mesh, []).append(k)
-    for mesh, ks in by_mesh.items():
-        ds = [min(entries[k].p.shape) for k in ks]
+    for mesh, ks, ds in plan.gram:
         buf = torch.zeros(sum(d * d for d in ds), dtype=torch.float64, device=local(entries[ks[0]].g).device)
         ys, off = {}, 0
         for k, d in zip(ks, ds):
-            ys[k] = attempt(_gram_into, entries[k], buf[off : off + d * d].view(d, d))
+            ys[k] = guard.run(_gram_into, entries[k], buf[off : off + d * d].view(d, d))
             off += d * d
         dist.all_reduce(buf, group=mesh.get_group(0))
         stats.gram_elements += buf.numel()
-        off = 0
-        grams = {}
-        for k, d in zip(ks, ds):
-            grams[k] = buf[off : off + d * d].view(d, d)
-            off += d * d
-        res = attempt(_gram_polar, [(k, entries[k], ys[k], grams[k]) for k in ks if ys[k] is not None],
-                      opt.method, stats)
+        res = guard.run(_gram_results, entries, ks, ds, ys, buf, opt.method, stats)
         if res:
             out.update(res)
 
     # gather route: one padded all-gather per (mesh, dtype)
-    by_kind: dict = {}
-    for k in chosen:
-        if routes[k] == "gather":
-            g = entries[k].g
-            by_kind.setdefault((g.device_mesh, g.dtype), []).append(k)
-    for (mesh, dtype), ks in by_kind.items():
-        got = _all_gather_shards(mesh, dtype, [entries[k] for k in ks], attempt, stats)
+    for (mesh, dtype), ks, layout in plan.gather:
+        ents = [entries[k] for k in ks]
+        send = torch.zeros(layout.longest, dtype=dtype, device=local(ents[0].g).device)
+        guard.run(_gather_pack, mesh, ents, layout, send)
+        recv = torch.empty(mesh.size() * layout.longest, dtype=dtype, device=send.device)
+        _all_gather_single(recv, send, group=mesh.get_group(0))
+        stats.gather_elements += recv.numel()
+        got = guard.run(_gather_unpack, ents, layout, recv)
         if got is not None:
             full.update(zip(ks, got))
 
     # owner route, out: each rank's shards to the matrix's owner, one all-to-all per (mesh, dtype)
-    owner_groups: dict = {}
-    for k in chosen:
-        if routes[k] == "owner":
-            g = entries[k].g
-            owner_groups.setdefault((g.device_mesh, g.dtype), []).append(k)
     owned: dict[int, torch.Tensor] = {}  # whole matrices this rank flattens for the others
-    plans = {}
-    for (mesh, dtype), ks in owner_groups.items():
+    for (mesh, dtype), ks, layout in plan.owner:
         ents = [entries[k] for k in ks]
-        owners = plan_owners([tuple(e.p.shape) for e in ents], mesh.size())
-        plans[(mesh, dtype)] = owners
-        got = _owner_collect(mesh, dtype, ents, owners, attempt, stats)
-        owned.update({ks[j]: t for j, t in got.items()})
-    full.update(owned)
+        send = torch.zeros(sum(layout.out_send), dtype=dtype, device=local(ents[0].g).device)
+        guard.run(_owner_pack, ents, layout, send)
+        recv = torch.empty(sum(layout.out_recv), dtype=dtype, device=send.device)
+        dist.all_to_all_single(recv, send, layout.out_recv, layout.out_send, group=mesh.get_group(0))
+        stats.owner_elements += send.numel() - layout.out_send[mesh.get_local_rank()]
+        got = guard.run(_owner_unpack, ents, layout, recv)
+        if got is not None:
+            owned.update({ks[j]: t for j, t in got.items()})
 
-    # general path (meshes with several dimensions): full_tensor() per matrix
-    for k in chosen:
-        if routes[k] == "general":
-            f = entries[k].g.full_tensor()
-            stats.full_tensor_elements += f.numel()
-            full[k] = f
-        elif routes[k] == "local":
-            full[k] = local(entries[k].g)
+    # general path (meshes with several dimensions): full_tensor() per matrix, a collective each
+    for k in plan.general:
+        f = entries[k].g.full_tensor()
+        stats.full_tensor_elements += f.numel()
+        full[k] = f
+    for k in plan.local:
+        full[k] = local(entries[k].g)
 
-    # flatten the whole matrices with the optimizer's method, batched by shape, then keep my shard
-    ks = [k for k in chosen if k in full]
-    if ks and not first_error:
-        mats = [full[k] for k in ks]
-        plan = attempt(BucketPlan, mats)
-        if plan is not None:
-            buffers = plan.pack(mats)
-            if attempt(check_all_finite, mats, [f"matrix {k}" for k in ks]) is None and not first_error:
-                attempt(iso_merge_unchecked_, buffers, opt.method)
-            for k, v in zip(ks, plan.views()):
-                if k in owned:
-                    owned[k] = v
-                else:
-                    out[k] = attempt(_my_shard, entries[k], v)
+    # flatten the whole matrices with the optimizer's method, batched by shape
+    results = guard.run(_flatten_whole, entries, {**full, **owned}, opt.method) or {}
+    for k in full:
+        if k in results:
+            out[k] = guard.run(_my_shard, entries[k], results[k])
 
-    # owner route, back: each owner sends every rank its shard of the results (sent even after a
-    # local failure, so no rank waits; the agreement after this step stops the writes then)
-    for (mesh, dtype), ks in owner_groups.items():
+    # owner route, back: each owner sends every rank its shard of the results, in their compute dtype
+    for (mesh, dtype), ks, layout in plan.owner:
         ents = [entries[k] for k in ks]
-        results = {j: owned.get(k) for j, k in enumerate(ks)}
-        mine = _owner_return(mesh, dtype, ents, plans[(mesh, dtype)], results, stats)
-        out.update({ks[j]: t for j, t in mine.items()})
-    if first_error:
-        raise first_error[0]
+        rdtype = compute_dtype(dtype)
+        send = torch.zeros(sum(layout.back_send), dtype=rdtype, device=local(ents[0].g).device)
+        guard.run(_owner_return, mesh, ents, layout, {j: results.get(k) for j, k in enumerate(ks)}, send)
+        recv = torch.empty(sum(layout.back_recv), dtype=rdtype, device=send.device)
+        dist.all_to_all_single(recv, send, layout.back_recv, layout.back_send, group=mesh.get_group(0))
+        stats.owner_elements += send.numel() - layout.back_send[mesh.get_local_rank()]
+        mine = guard.run(_owner_receive, ents, layout, recv)
+        if mine is not None:
+            out.update({ks[j]: t for j, t in mine.items()})
+    if guard.error is not None:
+        raise guard.error
     return out
+
+
+def _flatten_whole(entries: list[Entry], whole: dict[int, torch.Tensor], method: str) -> dict[int, torch.Tensor]:
+    """iso() of whole matrices, batched by shape in their compute dtype (`BucketPlan`): entry
+    index → result view. A result that does not fit its dtype is named by its param."""
+    if not whole:
+        return {}
+    ks = list(whole)
+    mats = [whole[k] for k in ks]
+    plan = BucketPlan(mats)
+    buffers = plan.pack(mats)
+    check_all_finite(mats, [f"IsoLoCo: {entries[k].name}: the whole grad" for k in ks])
+    try:
+        iso_merge_unchecked_(buffers, method)
+    except ResultOverflowError as e:
+        b = plan.buckets[e.bucket]
+        raise ResultOverflowError(f"IsoLoCo: {entries[ks[b.members[e.matrix]]].name}: the Iso-C result of its "
+                                  f"grad does not fit {b.dtype}; nothing was changed") from None
+    return dict(zip(ks, plan.views()))
 
 
 def _gram_into(entry, slot: torch.Tensor) -> torch.Tensor:
@@ -428,6 +526,16 @@ def _gram_into(entry, slot: torch.Tensor) -> torch.Tensor:
     y = x if p.placements[0].dim == 0 else x.mT
     slot.copy_(y.mT @ y)
     return y
+
+
+def _gram_results(entries, ks, ds, ys, buf: torch.Tensor, method: str, stats) -> dict[int, torch.Tensor]:
+    """This rank's shard of s̄·Q for the Gram-route matrices `ks` of one mesh, from the all-reduced
+    flat buffer of their A₀ (`_gram_polar`)."""
+    items, off = [], 0
+    for k, d in zip(ks, ds):
+        items.append((k, entries[k], ys[k], buf[off : off + d * d].view(d, d)))
+        off += d * d
+    return _gram_polar(items, method, stats)
 
 
 def _gram_method(method: str, d: int, n: int, device, dtype) -> str:
@@ -471,7 +579,7 @@ def _gram_polar(items, method: str = "eigh", stats=None) -> dict[int, torch.Tens
                 p, g = entry.p, entry.g
                 q = y @ ww.mT  # y: this rank's rows of Xᵀ (long side down); s̄·Qᵀ = Xᵀ·Wᵀ
                 res = q if p.placements[0].dim == 0 else q.mT
-                out[k] = res.to(g.dtype)
+                out[k] = res.to(_result_dtype(g))
             if stats is not None:
                 stats.gram_iterated += len(its) - len(rest)
                 stats.gram_fallbacks += len(rest)
@@ -503,40 +611,44 @@ def _gram_eigh(its, d: int) -> dict[int, torch.Tensor]:
         # exact zeros stay zero: rows of Y are zero by construction; zero columns from diag(A₀)
         q = q * (aa.diagonal() != 0).to(q.dtype)
         res = q if p.placements[0].dim == 0 else q.mT
-        out[k] = res.to(g.dtype)
+        out[k] = res.to(_result_dtype(g))
     return out
 
 
-def _all_gather_shards(mesh, dtype, ents, attempt, stats) -> Optional[list[torch.Tensor]]:
-    """Whole matrices from every rank's shards: one all-gather of padded flat segments."""
-    world, me = mesh.size(), mesh.get_local_rank()
-    dev = local(ents[0].g).device
-    layouts = []  # per entry: per rank (start, size) along its shard dim
-    seg = [0] * world
-    offs = []  # per entry: per rank offset in that rank's segment
-    for e in ents:
-        p = e.p
-        dim = p.placements[0].dim
-        sizes = shard_sizes(p.shape[dim], world)
-        other = p.shape[1 - dim]
-        layouts.append(sizes)
-        offs.append(list(seg))
-        for r in range(world):
-            seg[r] += sizes[r][1] * other
-    longest = max(seg)
-    send = torch.zeros(longest, dtype=dtype, device=dev)
-    for e, o in zip(ents, offs):
+class _GatherLayout:
+    """Where each matrix's shards sit in the gather route's padded segments: per matrix, per rank
+    (start, size) along its shard dim and the offset in that rank's segment; the longest segment."""
+
+    def __init__(self, mesh, ents):
+        world = mesh.size()
+        self.sizes, self.offs = [], []
+        seg = [0] * world
+        for e in ents:
+            dim = e.p.placements[0].dim
+            sizes = shard_sizes(e.p.shape[dim], world)
+            self.sizes.append(sizes)
+            self.offs.append(list(seg))
+            for r in range(world):
+                seg[r] += sizes[r][1] * e.p.shape[1 - dim]
+        self.longest = max(seg)
+
+
+def _gather_pack(mesh, ents, layout: _GatherLayout, send: torch.Tensor) -> None:
+    """This rank's shards into its segment of the all-gather."""
+    me = mesh.get_local_rank()
+    for e, o in zip(ents, layout.offs):
         loc = local(e.g)
-        attempt(lambda: send[o[me] : o[me] + loc.numel()].copy_(loc.reshape(-1)))
-    recv = torch.empty(world * longest, dtype=dtype, device=dev)
-    _all_gather_single(recv, send, group=mesh.get_group(0))
-    stats.gather_elements += recv.numel()
-    recv = recv.view(world, longest)
+        send[o[me] : o[me] + loc.numel()].copy_(loc.reshape(-1))
+
+
+def _gather_unpack(ents, layout: _GatherLayout, recv: torch.Tensor) -> list[torch.Tensor]:
+    """Whole matrices from every rank's segment of the all-gather."""
+    world = len(layout.sizes[0]) if layout.sizes else 1
+    recv = recv.view(world, layout.longest)
     out = []
-    for e, sizes, o in zip(ents, layouts, offs):
-        p = e.p
-        dim = p.placements[0].dim
-        other = p.shape[1 - dim]
+    for e, sizes, o in zip(ents, layout.sizes, layout.offs):
+        dim = e.p.placements[0].dim
+        other = e.p.shape[1 - dim]
         pieces = []
         for r in range(world):
             n = sizes[r][1]
@@ -566,59 +678,65 @@ def _shard_numel(p, r: int, world: int) -> tuple[int, tuple[int, int]]:
     return n * other, ((n, other) if dim == 0 else (other, n))
 
 
-def _owner_collect(mesh, dtype, ents, owners, attempt, stats) -> dict[int, torch.Tensor]:
-    """All-to-all of every rank's shards to each matrix's owner; returns {j: whole matrix} for the
-    matrices this rank owns."""
-    world, me = mesh.size(), mesh.get_local_rank()
-    dev = local(ents[0].g).device
-    send_split = [sum(_shard_numel(e.p, me, world)[0] for e, o in zip(ents, owners) if o == r) for r in range(world)]
-    recv_split = [sum(_shard_numel(e.p, r, world)[0] for e, o in zip(ents, owners) if o == me) for r in range(world)]
-    send = torch.zeros(sum(send_split), dtype=dtype, device=dev)
-    off = [sum(send_split[:r]) for r in range(world)]
-    for e, o in zip(ents, owners):
+class _OwnerLayout:
+    """The owner route's two all-to-alls for one (mesh, dtype): each matrix's owner (`plan_owners`)
+    and the per-rank split sizes, out (shards to the owners) and back (results to every rank)."""
+
+    def __init__(self, mesh, ents):
+        world, me = mesh.size(), mesh.get_local_rank()
+        self.world, self.me = world, me
+        self.owners = plan_owners([tuple(e.p.shape) for e in ents], world)
+        self.mine = [j for j, o in enumerate(self.owners) if o == me]
+        numel = [[_shard_numel(e.p, r, world)[0] for r in range(world)] for e in ents]
+        self.out_send = [sum(numel[j][me] for j, o in enumerate(self.owners) if o == r) for r in range(world)]
+        self.out_recv = [sum(numel[j][r] for j in self.mine) for r in range(world)]
+        self.back_send, self.back_recv = self.out_recv, self.out_send
+
+
+def _owner_pack(ents, layout: _OwnerLayout, send: torch.Tensor) -> None:
+    """This rank's shard of each matrix into the owner's part of the outgoing all-to-all."""
+    off = [sum(layout.out_send[:r]) for r in range(layout.world)]
+    for e, o in zip(ents, layout.owners):
         loc = local(e.g)
-        attempt(lambda: send[off[o] : off[o] + loc.numel()].copy_(loc.reshape(-1)))
+        send[off[o] : off[o] + loc.numel()].copy_(loc.reshape(-1))
         off[o] += loc.numel()
-    recv = torch.empty(sum(recv_split), dtype=dtype, device=dev)
-    dist.all_to_all_single(recv, send, recv_split, send_split, group=mesh.get_group(0))
-    stats.owner_elements += send.numel() - send_split[me]
-    mine = [j for j, o in enumerate(owners) if o == me]
-    pieces: dict[int, list] = {j: [] for j in mine}
+
+
+def _owner_unpack(ents, layout: _OwnerLayout, recv: torch.Tensor) -> dict[int, torch.Tensor]:
+    """{j: whole matrix} for the matrices this rank owns, from every rank's shard."""
+    pieces: dict[int, list] = {j: [] for j in layout.mine}
     pos = 0
-    for r in range(world):
-        for j in mine:
-            n, shape = _shard_numel(ents[j].p, r, world)
+    for r in range(layout.world):
+        for j in layout.mine:
+            n, shape = _shard_numel(ents[j].p, r, layout.world)
             pieces[j].append(recv[pos : pos + n].view(shape))
             pos += n
-    return {j: torch.cat(pieces[j], dim=ents[j].p.placements[0].dim) for j in mine}
+    return {j: torch.cat(pieces[j], dim=ents[j].p.placements[0].dim) for j in layout.mine}
 
 
-def _owner_return(mesh, dtype, ents, owners, results, stats) -> dict[int, torch.Tensor]:
-    """All-to-all of the owners' results back: returns {j: this rank's shard} for every matrix."""
-    world, me = mesh.size(), mesh.get_local_rank()
-    dev = local(ents[0].g).device
-    mine = [j for j, o in enumerate(owners) if o == me]
-    send_split = [sum(_shard_numel(ents[j].p, r, world)[0] for j in mine) for r in range(world)]
-    recv_split = [sum(_shard_numel(e.p, me, world)[0] for e, o in zip(ents, owners) if o == r) for r in range(world)]
-    send = torch.zeros(sum(send_split), dtype=dtype, device=dev)
+def _owner_return(mesh, ents, layout: _OwnerLayout, results: dict, send: torch.Tensor) -> None:
+    """The owner's results (whole matrices, compute dtype) into the returning all-to-all: each
+    rank's shard of each matrix this rank owns. Every result must be there."""
     pos = 0
-    for r in range(world):
-        for j in mine:
-            n, _ = _shard_numel(ents[j].p, r, world)
+    for r in range(layout.world):
+        for j in layout.mine:
+            n, _ = _shard_numel(ents[j].p, r, layout.world)
             res = results.get(j)
-            if res is not None and res.dtype == dtype:
-                dim = ents[j].p.placements[0].dim
-                a, size = shard_sizes(res.shape[dim], world)[r]
-                send[pos : pos + n].copy_(res.narrow(dim, a, size).reshape(-1))
+            if res is None:
+                raise RuntimeError(f"IsoLoCo: {ents[j].name}: the owner has no Iso-C result to return")
+            dim = ents[j].p.placements[0].dim
+            a, size = shard_sizes(res.shape[dim], layout.world)[r]
+            send[pos : pos + n].copy_(res.narrow(dim, a, size).reshape(-1))
             pos += n
-    recv = torch.empty(sum(recv_split), dtype=dtype, device=dev)
-    dist.all_to_all_single(recv, send, recv_split, send_split, group=mesh.get_group(0))
-    stats.owner_elements += send.numel() - send_split[me]
+
+
+def _owner_receive(ents, layout: _OwnerLayout, recv: torch.Tensor) -> dict[int, torch.Tensor]:
+    """{j: this rank's shard of the result} for every matrix, from the owners' parts."""
     out, pos = {}, 0
-    for r in range(world):
-        for j, o in enumerate(owners):
+    for r in range(layout.world):
+        for j, o in enumerate(layout.owners):
             if o == r:
-                n, shape = _shard_numel(ents[j].p, me, world)
+                n, shape = _shard_numel(ents[j].p, layout.me, layout.world)
                 out[j] = recv[pos : pos + n].view(shape)
                 pos += n
     return out
