@@ -568,3 +568,145 @@ def test_gram_from_a0_matches_flatten_gram_and_falls_back_deterministically():
     a0 = x.double() @ x.double().mT
     oks = [gram.gram_from_a0(a0.clone())[3].tolist() for _ in range(2)]
     assert oks[0] == oks[1] == [True, True, False]
+
+
+# ----------------------------------------------------------------------------------------------
+# A failure on one rank between two collectives; load_state_dict refusals
+
+# (case id, what raises on one rank, route): each name is library code the step runs between two
+# collectives (or before the first agreement); the rank must still join every collective, so every
+# rank raises DistributedStepError within seconds and nothing changes.
+INJECTIONS = [
+    pytest.param("_StepPlan", "auto", id="plan-before-agreement"),
+    pytest.param("_gram_into", "gram", id="gram-before-allreduce"),
+    pytest.param("_gram_results", "gram", id="gram-after-allreduce"),
+    pytest.param("_gather_pack", "gather", id="gather-pack"),
+    pytest.param("_gather_unpack", "gather", id="gather-unpack"),
+    pytest.param("_owner_pack", "owner", id="owner-pack"),
+    pytest.param("_owner_unpack", "owner", id="owner-unpack"),
+    pytest.param("_flatten_whole", "owner", id="owner-flatten"),
+    pytest.param("_owner_return", "owner", id="owner-return-between-all-to-alls"),
+    pytest.param("_owner_receive", "owner", id="owner-receive"),
+    pytest.param("_my_shard", "gather", id="gather-my-shard"),
+    pytest.param("_prepare_nesterov", "auto", id="nesterov"),
+]
+
+
+def _check_injected_failures(mesh, rank):
+    model, ref = _fsdp_llama(mesh)
+    opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8)
+    _set_grads(model, ref, 0)
+    opt.step()
+    snap = _snapshot(model, opt)
+    for k, case in enumerate(INJECTIONS):
+        name, route = case.values
+        who = k % 2  # the rank that fails, alternating
+        opt.dtensor_route = route
+        _set_grads(model, ref, 1)
+        real = getattr(DT, name)
+
+        def broken(*args, _name=name, **kwargs):
+            raise RuntimeError(f"injected failure in {_name}")
+
+        if rank == who:
+            setattr(DT, name, broken)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(DistributedStepError, match=rf"1 of 2 ranks.*rank {who}: RuntimeError: injected failure in {name}"):
+                opt.step()
+        finally:
+            setattr(DT, name, real)
+        assert time.monotonic() - t0 < PG_TIMEOUT_S / 3, f"{case.id}: took {time.monotonic() - t0:.1f} s"
+        _assert_unchanged(model, opt, snap, case.id)
+    # a closure that raises on one rank only
+    _set_grads(model, ref, 1)
+
+    def closure():
+        if rank == 1:
+            raise RuntimeError("injected closure failure")
+        return 0.0
+
+    t0 = time.monotonic()
+    with pytest.raises(DistributedStepError, match="rank 1: RuntimeError: injected closure failure"):
+        opt.step(closure)
+    assert time.monotonic() - t0 < PG_TIMEOUT_S / 3
+    _assert_unchanged(model, opt, snap, "closure")
+    opt.dtensor_route = "auto"
+    opt.step()  # and it still works
+    assert not torch.equal(model.embed.weight.to_local(), snap[0][0])
+
+
+def _check_load_refusals(mesh, rank):
+    """A DTensor momentum buffer on another mesh or with other placements or shape, or a buffer that
+    is a param: refused by load_state_dict, nothing loaded, the next step runs."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate
+
+    model, ref = _fsdp_llama(mesh)
+    opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8)
+    _set_grads(model, ref, 0)
+    opt.step()
+    params = list(model.parameters())
+    q = next(i for i, (n, _) in enumerate(model.named_parameters()) if n.endswith("0.q.weight"))  # 16 × 16
+    k = q + 1  # 0.k.weight, 16 × 16 too
+    flipped = DeviceMesh("cpu", list(reversed(range(mesh.size()))))
+    cases = {
+        "replicate-placement": (lambda b, p: b.redistribute(b.device_mesh, [Replicate()]), "placements"),
+        "other-mesh": (lambda b, p: _on_mesh(b, flipped), "placements .* on "),
+        "other-shape": (lambda b, p: opt.state[params[0]]["momentum_buffer"], "shape"),
+        "own-param": (lambda b, p: p.detach(), "shares memory with its own param"),
+        "other-param": (lambda b, p: params[k].detach(), f"shares memory with param {k}"),
+    }
+    for case, (make, pattern) in cases.items():
+        snap = _snapshot(model, opt)
+        held = [opt.state[p]["momentum_buffer"] for p in params]
+        sd = opt.state_dict()
+        sd["state"][q] = {"momentum_buffer": make(sd["state"][q]["momentum_buffer"], params[q])}
+        with pytest.raises((ValueError, TypeError), match=pattern):
+            opt.load_state_dict(sd)
+        assert all(opt.state[p]["momentum_buffer"] is b for p, b in zip(params, held)), f"{case}: state replaced"
+        _assert_unchanged(model, opt, snap, case)
+    _set_grads(model, ref, 1)
+    opt.step()  # the refused loads left a working optimizer
+    assert not torch.equal(params[q].to_local(), snap[0][q])
+
+
+def _on_mesh(b, mesh):
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(b.to_local().clone(), mesh, b.placements, shape=b.shape, stride=b.stride())
+
+
+def _body_failures(rank, world, tmpdir):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    _check_injected_failures(mesh, rank)
+    _check_load_refusals(mesh, rank)
+
+
+def test_dtensor_failures_two_ranks(tmp_path):
+    """Every INJECTIONS case and the load refusals, in one spawned group of 2 ranks."""
+    _spawn(_body_failures, 2, tmp_path)
+
+
+@pytest.mark.parametrize("make, pattern", [
+    pytest.param(lambda ps: ps[0].detach(), "param 0 .* shares memory with its own param", id="own-param"),
+    pytest.param(lambda ps: ps[1].detach(), "param 0 .* shares memory with param 1", id="other-param"),
+    pytest.param(lambda ps: ps[0].detach()[:], "shares memory with its own param", id="view-of-param"),
+])
+def test_load_refuses_buffer_sharing_param_memory(make, pattern):
+    """A plain optimizer too: a buffer that is (a view of) a param would make every step refuse."""
+    ps = [nn.Parameter(torch.randn(4, 5)) for _ in range(2)]
+    opt = IsoLoCo(ps)
+    for p in ps:
+        p.grad = torch.randn(4, 5)
+    opt.step()
+    held = [opt.state[p]["momentum_buffer"] for p in ps]
+    before = [h.clone() for h in held]
+    sd = opt.state_dict()
+    sd["state"][0] = {"momentum_buffer": make(ps)}
+    with pytest.raises(ValueError, match=pattern):
+        opt.load_state_dict(sd)
+    assert all(opt.state[p]["momentum_buffer"] is h and torch.equal(h, b) for p, h, b in zip(ps, held, before))
+    opt.step()

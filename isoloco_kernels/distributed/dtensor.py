@@ -10,7 +10,11 @@ of a 2-D param sharded on a 1-D mesh takes one of three routes, chosen per matri
 - "owner": one owner per matrix (`plan_owners`), one all-to-all there and one back per dtype;
 - "gather": one padded all-gather, every rank flattens every matrix.
 Replicated matrices are flattened locally; meshes with several dimensions use `full_tensor()`.
-All-or-nothing across the mesh (`agree.agree_on_mesh` before the collectives and before the writes).
+Every route's result is in the grad's compute dtype (float32 for float16/bfloat16, as in
+single-process IsoLoCo); the param is rounded to its dtype once, by the overflow-checked Nesterov.
+All-or-nothing across the mesh (`agree.agree_on_mesh` before the collectives and before the writes);
+the collectives are planned before the first agreement (`_StepPlan`) and a rank whose local work
+fails between them still joins each one (`_Guard`), so the failure reaches every rank, never a hang.
 Contract and measurements: README "IsoLoCo with FSDP2 / torchtitan + torchft".
 """
 from __future__ import annotations
