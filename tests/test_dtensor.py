@@ -691,21 +691,31 @@ def test_dtensor_failures_two_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("make, pattern", [
-    pytest.param(lambda ps: ps[0].detach(), "param 0 .* shares memory with its own param", id="own-param"),
-    pytest.param(lambda ps: ps[1].detach(), "param 0 .* shares memory with param 1", id="other-param"),
-    pytest.param(lambda ps: ps[0].detach()[:], "shares memory with its own param", id="view-of-param"),
+    pytest.param(lambda ps, st: ps[0].detach(), "param 0 .* shares memory with its own param", id="own-param"),
+    pytest.param(lambda ps, st: ps[1].detach(), "param 0 .* shares memory with param 1", id="other-param"),
+    pytest.param(lambda ps, st: ps[0].detach()[:], "shares memory with its own param", id="view-of-param"),
+    pytest.param(lambda ps, st: st[1], "param 0 .* shares memory with param 2", id="inside-another-param"),
+    pytest.param(lambda ps, st: st[3], None, id="beside-a-param-is-fine"),
 ])
 def test_load_refuses_buffer_sharing_param_memory(make, pattern):
-    """A plain optimizer too: a buffer that is (a view of) a param would make every step refuse."""
-    ps = [nn.Parameter(torch.randn(4, 5)) for _ in range(2)]
+    """A plain optimizer too: a buffer that is (a view of) a param would make every step refuse;
+    a buffer in the same storage as a param but on none of its elements loads."""
+    stack = torch.randn(4, 4, 5)
+    ps = [nn.Parameter(torch.randn(4, 5)) for _ in range(2)] + [nn.Parameter(stack[:2])]  # param 2: stack[0:2]
+    assert ps[2].untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
     opt = IsoLoCo(ps)
     for p in ps:
-        p.grad = torch.randn(4, 5)
+        p.grad = torch.randn_like(p)
     opt.step()
     held = [opt.state[p]["momentum_buffer"] for p in ps]
     before = [h.clone() for h in held]
     sd = opt.state_dict()
-    sd["state"][0] = {"momentum_buffer": make(ps)}
+    sd["state"][0] = {"momentum_buffer": make(ps, stack)}
+    if pattern is None:
+        opt.load_state_dict(sd)
+        assert opt.state[ps[0]]["momentum_buffer"].data_ptr() == stack[3].data_ptr()
+        opt.step()
+        return
     with pytest.raises(ValueError, match=pattern):
         opt.load_state_dict(sd)
     assert all(opt.state[p]["momentum_buffer"] is h and torch.equal(h, b) for p, h, b in zip(ps, held, before))

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .._validate import ResultOverflowError, check_all_finite, compute_dtype
+from .._validate import ResultOverflowError, _overlap, _span, check_all_finite, compute_dtype
 from ..buckets import BucketPlan
 from ..ops import iso_merge_unchecked_
 from ..outer import Entry, collect, is_dtensor, local, prepare_nesterov
@@ -126,19 +126,20 @@ def check_loaded_state(opt, state_dict, where: str) -> None:
         if not isinstance(g, dict) or len(g.get("params", ())) != len(mine["params"]):
             return
         pairs += zip(g["params"], mine["params"])
-    storages = {}
+    storages: dict[tuple, list] = {}  # (device, storage) → the params in it
     for pid, p in pairs:
-        ptr = local(p).untyped_storage().data_ptr()
-        if ptr:
-            storages.setdefault((local(p).device, ptr), pid)
+        lp = local(p)
+        if lp.numel() and lp.untyped_storage().data_ptr():
+            storages.setdefault((lp.device, lp.untyped_storage().data_ptr()), []).append((pid, lp))
     for pid, p in pairs:
         entry = state_dict["state"].get(pid)
         b = entry.get("momentum_buffer") if isinstance(entry, dict) else None
         if not isinstance(b, torch.Tensor):
             continue
         name = f"{where}: param {pid} (shape {tuple(p.shape)}) momentum_buffer"
-        lb = local(b)
-        other = storages.get((lb.device, lb.untyped_storage().data_ptr()))
+        lb = local(b).detach()
+        near = storages.get((lb.device, lb.untyped_storage().data_ptr()), []) if lb.numel() else []
+        other = next((q for q, lp in near if _shares_elements(lb, lp.detach())), None)
         if other is not None:
             whose = "its own param" if other == pid else f"param {other}"
             raise ValueError(f"{name} shares memory with {whose}; a momentum buffer needs its own memory "
@@ -155,6 +156,12 @@ def check_loaded_state(opt, state_dict, where: str) -> None:
                 f"{tuple(local(p).shape)}) with placements {p.placements} on {p.device_mesh} (save and load "
                 "under the same mesh and placements, or load whole tensors); nothing was loaded"
             )
+
+
+def _shares_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors in one storage have an element in common (byte spans first, then exact)."""
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1 and _overlap(a, b)
 
 
 def _meshes(opt) -> list:
