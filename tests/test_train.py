@@ -194,7 +194,7 @@ def test_text_file_and_folder(tmp_path, corpus):
      (["--mode", "ddp", "--iso-method", "bogus"], "iso_method must be one of"),
      (["--device", "tpu"], "device must be cpu, cuda or cuda:N, got 'tpu'"),
      (["--device", "meta"], "device must be cpu, cuda or cuda:N, got 'meta'"),
-     (["--vocab", "100"], "--vocab takes bytes, 256 or an integer > 256"),
+     (["--vocab", "100"], "--vocab takes bytes, 256 or an integer in 257..262144"),
      (["--init", "xavier"], "invalid choice: 'xavier'"),
      (["--iso-skip", "norm."], "iso_skip 'norm.' matches no matrix of the model"),
      (["--iso-skip", "tok.", "--iso-skip-outer", "0.35"], "takes LR,MOMENTUM"),

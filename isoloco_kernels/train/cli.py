@@ -18,19 +18,22 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
 from .capture import SAVE_DTYPES, PseudoGradientWriter, parse_rounds
 from .data import check_fits, load_corpus
 from .dist import OUTER_PLACEMENTS, check_outer, torchrun_launch
-from .loop import DEFAULT_MODES, MODES, OUTER_DEFAULTS, Comm, Setup, TrainConfig, check_device, run_mode
+from .loop import DEFAULT_MODES, MODES, OUTER_DEFAULTS, Comm, Setup, TrainConfig, check_device, check_memory, run_mode
 from .model import INITS, PRESETS
-from .tokenizer import tokenize
+from .tokenizer import MAX_VOCAB, tokenize
 from .report import mode_table, plot, sweep_table
 
 SWEEPABLE = {"workers": "workers", "inner-steps": "inner_steps", "rounds": "rounds", "batch": "batch"}
@@ -84,22 +87,62 @@ def _parse_vocab(s: str) -> int:
         v = int(s)
     except ValueError:
         v = None
-    if v is None or v < 256:
-        raise argparse.ArgumentTypeError(f"--vocab takes bytes, 256 or an integer > 256 (BPE), got {s!r}")
+    if v is None or not 256 <= v <= MAX_VOCAB:
+        raise argparse.ArgumentTypeError(
+            f"--vocab takes bytes, 256 or an integer in 257..{MAX_VOCAB} (BPE), got {s!r}")
     return v
 
 
-def check_folder(flag: str, path: str) -> None:
-    """A folder the run will create or write into: refused when it, or a parent, is a file."""
+def check_folder(flag: str, path: str | os.PathLike, files: Sequence[str] = ()) -> None:
+    """A folder the run will create or write into, checked by writing: the missing folders are
+    created, a file is written in the deepest and removed, and the folders the probe made are
+    removed again. ValueError names the path when it, or a parent, is a file, when the write fails
+    (a read-only mount, a full disk, /proc: whatever os.access says), or when one of `files` (names
+    the run will write there) exists and is not a file."""
     p = Path(path)
-    for q in (p, *p.parents):
-        if q.exists() or q.is_symlink():
-            if not q.is_dir():
-                what = "is" if q == p else f"lies under {q}, which is"
-                raise ValueError(f"{flag} {path} {what} a file, not a folder")
-            if not os.access(q, os.W_OK | os.X_OK):
-                raise ValueError(f"{flag} {path}: {q} is not writable")
-            return
+    first = next(q for q in (p, *p.parents) if q.exists() or q.is_symlink())
+    if not first.is_dir():
+        what = "is" if first == p else f"lies under {first}, which is"
+        raise ValueError(f"{flag} {path} {what} a file, not a folder")
+    made = []
+    try:
+        for q in reversed(p.parents[: len(p.parents) - len(first.parents) - 1] if first != p else ()):
+            q.mkdir()
+            made.append(q)
+        if first != p:
+            p.mkdir()
+            made.append(p)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=p)
+        try:
+            os.write(fd, b"probe")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror}: {e.filename})") from None
+    finally:
+        for q in reversed(made):
+            try:
+                q.rmdir()
+            except OSError:
+                pass
+    for name in files:
+        f = p / name
+        if (f.exists() or f.is_symlink()) and not f.is_file():
+            raise ValueError(f"{flag} {path}: {f} exists and is not a file, so it cannot be written")
+
+
+def check_disk(flag: str, path: str | os.PathLike, need: int) -> None:
+    """ValueError when the file system holding path (or its nearest existing parent) has less than
+    `need` bytes free."""
+    p = Path(path)
+    first = next(q for q in (p, *p.parents) if q.exists())
+    free = shutil.disk_usage(first).free
+    if need > free:
+        raise ValueError(f"{flag} {path}: the run would write {need / 2**30:.2f} GiB there but "
+                         f"{free / 2**30:.2f} GiB is free; save fewer rounds (--save-rounds) or a smaller "
+                         "--save-dtype")
 
 
 def _parse_lr_momentum(s: str) -> tuple[float, float]:
@@ -169,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def capture_run(mode: str, param: str | None, value) -> str:
+    """The sub-folder of --save-pseudo-gradients one run writes: the mode, plus the swept value."""
+    return mode if param is None else f"{mode}_{param}{value}"
+
+
 def _progress_factory(quiet: bool):
     try:
         from tqdm import tqdm
@@ -197,8 +245,9 @@ def main(argv=None) -> int:
     launch = torchrun_launch(parser)  # None unless started by torchrun: then one worker per rank
     a = parser.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if a.threads is not None and a.threads < 1:
-        parser.error(f"--threads must be ≥ 1, got {a.threads}")
+    cpus = os.cpu_count() or 1
+    if a.threads is not None and not 1 <= a.threads <= cpus:
+        parser.error(f"--threads must be in 1..{cpus} (this machine's CPUs), got {a.threads}")
     outer_modes = [m for m in a.mode if m in OUTER_DEFAULTS]
     if isinstance(a.outer_lr, float):
         outer_lr = {m: a.outer_lr for m in outer_modes}
@@ -220,13 +269,27 @@ def main(argv=None) -> int:
         for c in cfgs:
             c.validate()
         check_outer(launch, cfgs, param, device, a.outer)
-        check_folder("--out", a.out)
+        check_folder("--out", a.out, ["results.json", "loss.png"])
         if a.save_pseudo_gradients is not None:
-            check_folder("--save-pseudo-gradients", a.save_pseudo_gradients)
             save_rounds = {c.rounds: parse_rounds(a.save_rounds, c.rounds) for c in cfgs}
             if not any(m in OUTER_DEFAULTS for m in a.mode):
                 raise ValueError("--save-pseudo-gradients needs a mode with an outer step (not ddp alone)")
+            check_folder("--save-pseudo-gradients", a.save_pseudo_gradients)
+            need = 0
+            for v, c in zip(values, cfgs):
+                per_round = c.n_params() * SAVE_DTYPES[a.save_dtype].itemsize
+                for m in (m for m in a.mode if m in OUTER_DEFAULTS):
+                    run = capture_run(m, param, v)
+                    check_folder("--save-pseudo-gradients", Path(a.save_pseudo_gradients) / run,
+                                 [] if len(save_rounds[c.rounds]) > 1000 else
+                                 [f"round_{r:03d}.pt" for r in save_rounds[c.rounds]])
+                    need += len(save_rounds[c.rounds]) * per_round
+            check_disk("--save-pseudo-gradients", a.save_pseudo_gradients, need)
         corpus = load_corpus(a.data, a.max_bytes)
+        for c in cfgs:  # tokens ≤ bytes: what does not fit in bytes does not fit in tokens
+            check_fits(corpus, c.workers, c.batch, c.model_config().seq_len)
+        # before the tokenizer trainer allocates for the vocabulary
+        check_memory(cfgs, a.mode, lambda c: 1 if launch is not None else c.workers)
         corpus = tokenize(corpus, a.vocab, a.out)  # byte-level: unchanged; BPE: trained or loaded
         for c in cfgs:
             check_fits(corpus, c.workers, c.batch, c.model_config().seq_len)
@@ -264,7 +327,7 @@ def main(argv=None) -> int:
             cb, close = make_progress(tag, c.workers * c.inner_steps * c.rounds)
             capture = None
             if a.save_pseudo_gradients is not None and m in OUTER_DEFAULTS and (launch is None or launch.is_main):
-                capture = PseudoGradientWriter(a.save_pseudo_gradients, m if param is None else f"{m}_{param}{v}",
+                capture = PseudoGradientWriter(a.save_pseudo_gradients, capture_run(m, param, v),
                                                save_rounds[c.rounds], a.save_dtype, m, c.as_dict())
             try:
                 runs.append(run_mode(m, setup, Comm(c.workers) if launch is None else launch.comm(c), cb,
@@ -300,7 +363,7 @@ def main(argv=None) -> int:
         table = sweep_table(param, values, per_value)
     if a.save_pseudo_gradients is not None:
         result["pseudo_gradients"] = {"dir": a.save_pseudo_gradients, "dtype": a.save_dtype,
-                                      "rounds": {str(k): v for k, v in save_rounds.items()}}
+                                      "rounds": {str(k): list(v) for k, v in save_rounds.items()}}
     if launch is not None:
         result["launch"] = launch.describe()
         launch.close()

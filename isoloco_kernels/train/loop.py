@@ -25,6 +25,7 @@ global weights at the start of each worker's turn. The only cross-worker communi
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
@@ -89,6 +90,8 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer ≥ 1, got {v!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
             raise ValueError(f"seq_len must be an integer ≥ 1, got {self.seq_len!r}")
         if not isinstance(self.warmup, int) or self.warmup < 0:
@@ -143,6 +146,11 @@ class TrainConfig:
             if not (numbers and math.isfinite(v[0]) and v[0] > 0 and 0 <= v[1] < 1):
                 raise ValueError(f"iso_skip_outer must be (lr > 0, 0 ≤ momentum < 1), got {self.iso_skip_outer!r}")
 
+    def n_params(self) -> int:
+        """The model's parameter count, from its shapes alone (nothing allocated)."""
+        with torch.device("meta"):
+            return count_params(ByteLM(self.model_config()))
+
     def outer(self, mode: str) -> tuple[float, float]:
         if mode not in OUTER_DEFAULTS:
             raise ValueError(f"mode {mode!r} has no outer step; modes with one: {sorted(OUTER_DEFAULTS)}")
@@ -153,6 +161,53 @@ class TrainConfig:
         d = asdict(self)
         d["model_config"] = self.model_config().as_dict()
         return d
+
+
+def memory_estimate(cfg: TrainConfig, modes: Sequence[str], local_workers: int) -> int:
+    """A lower bound, in bytes, of what one process holds at once to train cfg's modes with
+    `local_workers` workers on it: float32 weights, grads and AdamW moments (each worker keeps its
+    own), the global copy, Δ and the outer momentum, and the activations of one inner step (DDP
+    takes the local workers' batches together) or of one evaluation chunk."""
+    mcfg = cfg.model_config()
+    n = cfg.n_params()
+    outer = any(m != "ddp" for m in modes)
+    states = n * 4 * ((2 * local_workers + 5) if outer else 5)
+    seqs = cfg.batch * (local_workers if "ddp" in modes else 1)
+    per_token = 4 * (mcfg.n_layers * 8 * mcfg.d_model + 2 * mcfg.vocab)
+    return states + max(seqs, min(cfg.eval_windows, 64)) * mcfg.seq_len * per_token
+
+
+def available_memory(device) -> int | None:
+    """Bytes free for a new allocation on device: CUDA's free memory, or the CPU's MemAvailable
+    (None where the system does not say)."""
+    d = torch.device(device)
+    if d.type == "cuda":
+        return int(torch.cuda.mem_get_info(d)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_memory(cfgs: Sequence[TrainConfig], modes: Sequence[str], local_workers: Callable[[TrainConfig], int]) -> None:
+    """ValueError, before any training, when even memory_estimate exceeds the device's free memory
+    (e.g. --workers 20000, or a batch × sequence that fits the data but not the machine)."""
+    for c in cfgs:
+        free = available_memory(c.device)
+        need = memory_estimate(c, modes, local_workers(c))
+        if free is not None and need > free:
+            raise ValueError(
+                f"the run needs at least {need / 2**30:.2f} GiB on {c.device} (model {c.model}, vocab {c.vocab}, "
+                f"{local_workers(c)} worker(s) here, batch {c.batch}) but {free / 2**30:.2f} GiB is free; "
+                "use fewer workers, a smaller batch, sequence or vocabulary"
+            )
 
 
 def check_device(device) -> None:
