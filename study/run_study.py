@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from isoloco_kernels.train import Setup, TrainConfig, load_corpus, run_mode
+from summarize import read_jsonl  # study/ is on sys.path: this file runs as a script
 
 STEPS_PER_WORKER = 300
 CELLS = [(4, 30), (8, 30), (2, 30), (4, 100)]  # most informative first
@@ -69,8 +70,7 @@ def key(rec: dict) -> tuple:
 
 
 def finished(folder: Path) -> set:
-    return {key(json.loads(line)) for f in folder.glob("*.jsonl")
-            for line in f.read_text().splitlines() if line.strip()}
+    return {key(r) for f in folder.glob("*.jsonl") for r in read_jsonl(f)}
 
 
 def claim(folder: Path, k: tuple) -> bool:

@@ -24,15 +24,30 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The run records of one results file. ValueError naming the file and line for a line that is
+    not a JSON object (a run cut off while it was written: delete that line and rerun the job)."""
+    out = []
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not a JSON record ({e.msg}); a run cut off while it was written? "
+                             "delete the line and run the job again") from None
+        if not isinstance(r, dict):
+            raise ValueError(f"{path}:{i}: a {type(r).__name__}, not a run record (a JSON object)")
+        out.append(r)
+    return out
+
+
 def load(folder: Path) -> tuple[list[dict], dict]:
     """Unique runs, and how many repeats of a run were found and whether each matched exactly
     (a run repeated by two processes must give bit-identical losses: the loop is deterministic)."""
     recs, seen, dup = [], {}, {"repeats": 0, "identical": 0}
     for f in sorted(folder.glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            if not line.strip():
-                continue
-            r = json.loads(line)
+        for r in read_jsonl(f):
             k = (r["seed"], r["workers"], r["inner_steps"], r["mode"], r["outer_lr"],
                  r.get("study", "v1"), r.get("init", "gpt2"), r.get("vocab", 256), r["rounds"])
             if k in seen:

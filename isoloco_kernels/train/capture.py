@@ -89,7 +89,7 @@ def load_capture(path: str | os.PathLike) -> dict:
         raise CaptureError(f"{path} is empty (0 bytes)")
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
-    except (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, KeyError,
+    except (EOFError, OSError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, KeyError,
             AttributeError, TypeError, IndexError, UnicodeDecodeError) as e:
         raise CaptureError(f"{path} is not a readable torch file, truncated or corrupted "
                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
