@@ -142,7 +142,7 @@ def test_batch_or_sequence_larger_than_data(corpus):
     shard = corpus.train.numel() // 2
     with pytest.raises(ValueError, match=r"larger than each of the 2 workers' data shard"):
         check_fits(corpus, 2, shard // 17 + 1, 16)
-    with pytest.raises(ValueError, match=r"longer than the held-out data"):
+    with pytest.raises(ValueError, match=r"longer than each half of the held-out data"):
         check_fits(corpus, 1, 1, corpus.heldout.numel())
 
 

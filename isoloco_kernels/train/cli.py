@@ -31,7 +31,7 @@ import torch
 from .capture import SAVE_DTYPES, PseudoGradientWriter, parse_rounds
 from .data import check_fits, load_corpus
 from .dist import OUTER_PLACEMENTS, check_outer, torchrun_launch
-from .loop import DEFAULT_MODES, MODES, OUTER_DEFAULTS, Comm, Setup, TrainConfig, check_device, check_memory, run_mode
+from .loop import DEFAULT_MODES, INNERS, MODES, OUTER_DEFAULTS, Comm, Setup, TrainConfig, check_device, check_memory, run_mode
 from .model import INITS, PRESETS
 from .tokenizer import MAX_VOCAB, tokenize
 from .report import mode_table, plot, sweep_table
@@ -64,20 +64,26 @@ def _parse_sweep(s: str) -> tuple[str, list[int]]:
     return name, values
 
 
-def _parse_outer_lr(s: str) -> dict | float:
-    """'1.2' (every mode with an outer step) or 'diloco=0.5,isoloco=2.0'."""
-    try:
-        if "=" not in s:
-            return float(s)
-        out = {}
-        for part in s.split(","):
-            mode, _, v = part.partition("=")
-            out[mode.strip()] = float(v)
-        return out
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--outer-lr takes a number or MODE=LR,... (e.g. diloco=0.7,isoloco=1.8), got {s!r}"
-        ) from None
+def _per_mode(flag: str, example: str):
+    """A parser of '1.2' (every mode with an outer step) or 'diloco=0.5,isoloco=2.0'."""
+
+    def parse(s: str) -> dict | float:
+        try:
+            if "=" not in s:
+                return float(s)
+            out = {}
+            for part in s.split(","):
+                mode, _, v = part.partition("=")
+                out[mode.strip()] = float(v)
+            return out
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a number or MODE=VALUE,... (e.g. {example}), got {s!r}") from None
+
+    return parse
+
+
+_parse_outer_lr = _per_mode("--outer-lr", "diloco=0.7,isoloco=1.8")
+_parse_outer_momentum = _per_mode("--outer-momentum", "diloco=0.5,isoloco=0.8")
 
 
 def _parse_vocab(s: str) -> int:
@@ -175,12 +181,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "stays in nats/byte")
     p.add_argument("--init", choices=INITS, default=d.init,
                    help="gpt2 (default): every matrix N(0, 0.02), residual projections /sqrt(2·layers); "
-                        "torch: PyTorch's module defaults (embeddings N(0, 1), Kaiming-uniform linears)")
-    p.add_argument("--inner-lr", type=float, default=d.inner_lr, help="AdamW peak lr")
+                        "torch: PyTorch's module defaults (token embedding N(0, 1), Kaiming-uniform linears) "
+                        "with the position table N(0, 0.02); torch-pos1: the same with positions N(0, 1)")
+    p.add_argument("--inner", choices=INNERS, default=d.inner,
+                   help="inner optimizer: adamw (default), or muon: torch.optim.Muon on the blocks' matrices "
+                        "(lr scaled to AdamW's update RMS), AdamW on embeddings, head and norms (MuLoCo)")
+    p.add_argument("--inner-lr", type=float, default=d.inner_lr, help="inner peak lr (AdamW's, and Muon's)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="inner warmup steps")
     p.add_argument("--outer-lr", type=_parse_outer_lr, default=None,
                    help="outer lr for every outer mode, or MODE=LR,... "
                         + ", ".join(f"{m} {lr}" for m, (lr, _) in OUTER_DEFAULTS.items()))
+    p.add_argument("--outer-momentum", type=_parse_outer_momentum, default=None,
+                   help="outer Nesterov momentum for every outer mode, or MODE=MU,... (0 ≤ μ < 1); defaults "
+                        + ", ".join(f"{m} {mu}" for m, (_, mu) in OUTER_DEFAULTS.items()))
     p.add_argument("--iso-method", default=d.iso_method, help="IsoLoCo flatten method (auto, svd, eigh, polar, ...)")
     p.add_argument("--iso-skip", default="", metavar="PREFIXES",
                    help="comma list of parameter-name prefixes kept out of Iso-C in the Iso-C modes, e.g. "
@@ -189,7 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the outer lr and momentum of the --iso-skip matrices (default: the mode's)")
     p.add_argument("--data", default=None, help="a text file or folder (default: Python's stdlib source)")
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="read at most this much text")
-    p.add_argument("--eval-windows", type=int, default=d.eval_windows, help="held-out windows per eval")
+    p.add_argument("--eval-windows", type=int, default=d.eval_windows,
+                   help="held-out windows in each split (default %(default)s): the selection split (first half "
+                        "of the held-out text, to pick settings on) and the test split (second half, to report)")
     p.add_argument("--sweep", type=_parse_sweep, default=None,
                    help="NAME=V1,V2,... e.g. workers=2,4,8,16 or inner-steps=30,100")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -249,14 +264,12 @@ def main(argv=None) -> int:
     if a.threads is not None and not 1 <= a.threads <= cpus:
         parser.error(f"--threads must be in 1..{cpus} (this machine's CPUs), got {a.threads}")
     outer_modes = [m for m in a.mode if m in OUTER_DEFAULTS]
-    if isinstance(a.outer_lr, float):
-        outer_lr = {m: a.outer_lr for m in outer_modes}
-    else:
-        outer_lr = a.outer_lr or {}
+    per_mode = lambda v: {m: v for m in outer_modes} if isinstance(v, float) else (v or {})
+    outer_lr, outer_momentum = per_mode(a.outer_lr), per_mode(a.outer_momentum)
     base = TrainConfig(
         model=a.model, workers=a.workers, inner_steps=a.inner_steps, rounds=a.rounds, batch=a.batch,
         seq_len=a.seq_len, tie_embeddings=a.tie_embeddings, inner_lr=a.inner_lr, warmup=a.warmup,
-        outer_lr=outer_lr, iso_method=a.iso_method, eval_windows=a.eval_windows, seed=a.seed, device=device,
+        outer_lr=outer_lr, outer_momentum=outer_momentum, inner=a.inner, iso_method=a.iso_method, eval_windows=a.eval_windows, seed=a.seed, device=device,
         vocab=a.vocab, init=a.init, divergence=not a.no_divergence,
         iso_skip=tuple(x for x in a.iso_skip.split(",") if x), iso_skip_outer=a.iso_skip_outer,
     )
