@@ -258,6 +258,31 @@ def _cell_key(r: dict) -> tuple:
     return (r["init"], r["vocab"], r["workers"], r["inner_steps"], r["rounds"])
 
 
+def paired_bootstrap_ci(a, b, level: float = 0.95, n_boot: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, lo, hi): the mean of the paired differences a_i − b_i and its percentile-bootstrap
+    interval at `level`. Pair i is one seed of both methods (same init and data), so the pairs are
+    resampled together, with replacement, n_boot times, and the interval is the (1 − level)/2 and
+    (1 + level)/2 quantiles of the resampled means. Deterministic for a given seed. With fewer than
+    two pairs there is no interval: lo and hi are NaN. With few pairs (3 seeds) the percentile
+    interval is too narrow (it cannot be wider than the pairs' range); read it with the pairs."""
+    import random
+
+    if len(a) != len(b):
+        raise ValueError(f"paired samples must have the same length, got {len(a)} and {len(b)}")
+    if not 0 < level < 1 or n_boot < 1:
+        raise ValueError(f"level must be in (0, 1) and n_boot ≥ 1, got {level}, {n_boot}")
+    d = [x - y for x, y in zip(a, b)]
+    if not d:
+        raise ValueError("no pairs")
+    mean = statistics.fmean(d)
+    if len(d) < 2:
+        return mean, float("nan"), float("nan")
+    rng, n = random.Random(seed), len(d)
+    boots = sorted(statistics.fmean(rng.choices(d, k=n)) for _ in range(n_boot))
+    q = lambda p: boots[min(n_boot - 1, max(0, round(p * (n_boot - 1))))]
+    return mean, q((1 - level) / 2), q((1 + level) / 2)
+
+
 def _paired_diffs(a: dict, b: dict) -> dict | None:
     """a − b per common seed (final losses), with mean and std; None without a common seed."""
     common = sorted(set(a) & set(b))
