@@ -49,7 +49,8 @@ def load(folder: Path) -> tuple[list[dict], dict]:
     for f in sorted(folder.glob("*.jsonl")):
         for r in read_jsonl(f):
             k = (r["seed"], r["workers"], r["inner_steps"], r["mode"], r["outer_lr"],
-                 r.get("study", "v1"), r.get("init", "gpt2"), r.get("vocab", 256), r["rounds"])
+                 r.get("study", "v1"), r.get("init", "gpt2"), r.get("vocab", 256), r["rounds"],
+                 r.get("eval_split", "whole"), r.get("eval_windows", 64))
             if k in seen:
                 dup["repeats"] += 1
                 dup["identical"] += seen[k]["heldout_loss"] == r["heldout_loss"]
@@ -580,6 +581,9 @@ def plot_grid(v2: dict, folder: Path) -> None:
 
 def main() -> None:
     recs, dup = load(HERE / "results")
+    # v1 and v2 were scored on the 64 windows over the whole held-out text of their loop; runs scored
+    # on the selection / test splits (records with "eval_split") are not mixed into their tables
+    recs = [r for r in recs if "eval_split" not in r]
     v2 = summarize_v2(v2_view(recs))
     v1_recs = [r for r in recs if r.get("study", "v1") == "v1"]
     v2_recs = [r for r in recs if r.get("study") == "v2"]

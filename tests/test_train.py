@@ -503,6 +503,16 @@ def test_cli_eval_windows_sets_both_splits(tmp_path):
     assert res["config"]["eval_windows"] == 5
     r = res["modes"]["ddp"]
     assert len(r["test_loss"]) == 3 and r["final_test_loss"] == r["test_loss"][-1]
+    assert r["eval_windows_scored"] == [5, 5]
+
+
+def test_cli_says_when_a_split_holds_fewer_windows_than_asked(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(CLI_SMALL + ["--eval-windows", "100000", "--mode", "ddp", "-R", "1", "--out", str(out)]) == 0
+    r = json.loads((out / "results.json").read_text())["modes"]["ddp"]
+    assert 0 < min(r["eval_windows_scored"]) < 100000
+    assert (f"each half of the held-out text holds only {r['eval_windows_scored'][0]} / {r['eval_windows_scored'][1]}"
+            in capsys.readouterr().err)
 
 
 def test_muon_inner_steps_the_hidden_matrices_and_adamw_the_rest():

@@ -334,6 +334,10 @@ def main(argv=None) -> int:
     per_value = []
     for v, c in zip(values, cfgs):
         setup = setup0 if c is cfgs[0] else Setup(c, corpus)
+        if min(setup.eval_windows) < c.eval_windows and c is cfgs[0]:
+            say(f"warning: --eval-windows {c.eval_windows}: each half of the held-out text holds only "
+                f"{setup.eval_windows[0]} / {setup.eval_windows[1]} windows of {setup.mcfg.seq_len} {corpus.unit} "
+                "(selection / test); those are scored", file=sys.stderr)
         runs = []
         for m in a.mode:
             tag = m if param is None else f"{m} {param}={v}"

@@ -408,6 +408,8 @@ class Setup:
         # nats/byte for tokens: the bytes the held-out targets stand for (None: they are bytes)
         self.heldout_bytes = None if corpus.token_bytes is None else float(corpus.token_bytes[hy].sum())
         self.test_bytes = None if corpus.token_bytes is None else float(corpus.token_bytes[ty].sum())
+        # windows per split: cfg.eval_windows, or fewer where a half of the held-out text holds fewer
+        self.eval_windows = (int(hx.shape[0]), int(tx.shape[0]))
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(cfg.seed)
         init = ByteLM(self.mcfg)
@@ -555,5 +557,6 @@ def run_mode(
     out["heldout_loss"] = losses  # the selection split
     out["final_loss"] = None if "diverged" in out else losses[-1]
     out["test_loss"] = test_losses
+    out["eval_windows_scored"] = list(setup.eval_windows)  # (selection, test): fewer than asked where a half is short
     out["final_test_loss"] = None if "diverged" in out else test_losses[-1]
     return out
