@@ -1,11 +1,12 @@
 """`python -m isoloco_kernels.train`: train DDP / DiLoCo / IsoLoCo on the same data and compare.
 
 With no flags: K=8 workers, H=30 inner steps, 12 rounds, the tiny (~0.5M) byte-level model on
-Python's standard-library source; prints a table of final held-out loss per mode and writes
-results.json and loss.png under --out. --vocab N trains a BPE tokenizer on the training split
-first (cached in --out); --init picks the initialisation; --save-pseudo-gradients DIR saves the
-averaged Δ of chosen rounds. Every option, the data and the output folder are checked before any
-training starts.
+Python's standard-library source; prints a table of final held-out loss per mode, on the
+selection and the test split of the held-out text, and writes results.json and loss.png under
+--out. --vocab N trains a BPE tokenizer on the training split first (cached in --out); --init picks
+the initialisation, --inner the inner optimizer; --save-pseudo-gradients DIR saves the averaged Δ
+of chosen rounds. Every option, the data, the memory the run needs and every output folder (by
+writing a file there) are checked before any training starts.
 
 Under torchrun (`torchrun --nproc_per_node=K -m isoloco_kernels.train ...`) each of the K ranks trains
 one worker and the ranks average over torch.distributed (dist.py); --outer sharded splits the outer
