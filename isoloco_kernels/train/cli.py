@@ -327,7 +327,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     setup0 = Setup(cfgs[0], corpus)
     say(
-        f"model {a.model}: {setup0.n_params:,} params, seq {setup0.mcfg.seq_len}, vocab {a.vocab}, init {a.init}; "
+        f"model {a.model}: {setup0.n_params:,} params, seq {setup0.mcfg.seq_len}, vocab {a.vocab}, init {a.init}, "
+        f"inner {a.inner}; "
         f"data: {corpus.source}, {corpus.train.numel():,} train / {corpus.heldout.numel():,} held-out "
         f"{corpus.unit}; device {device}",
         file=sys.stderr,
