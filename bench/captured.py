@@ -14,6 +14,9 @@ commands that made it):
     bpe1024/isoloco/round_010.pt   the same run with --vocab 1024: the 1024×128 embedding and head
                                    and the middle block's 4 matrices (the rest is cut for size)
 
+The files are in capture format 2 (a sha256 per tensor, checked at every load): the float16 files
+first committed (format 1) were rewritten on 2026-12-03 with `slim` (every round and parameter, same
+dtype), tensors bit-identical, so the checksums certify the bytes as committed, from then on.
 Each file also holds `cond`: σ₁/σ_min of every matrix in float32, before the float16 cast. The
 cast perturbs every entry by ~2.4e-4 relative, so condition numbers above ~1e3 are lower in the
 stored matrices than in the run; `load_captured_sets` reports both.
@@ -41,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from isoloco_kernels.train.capture import SAVE_DTYPES, load_pseudo_gradients
+from isoloco_kernels.train.capture import SAVE_DTYPES, load_pseudo_gradients, save_capture
 
 DATA = Path(__file__).resolve().parent / "data" / "captured"
 
@@ -137,6 +140,9 @@ def slim(src: str | os.PathLike, dst: str | os.PathLike, *, rounds: list[int] | 
     """Copy saved rounds from src to dst, keeping only some rounds/modes/parameters, cast to dtype.
 
     keep: parameter-name prefixes (None: every parameter). The float32 condition numbers stay.
+    The copies are written in the current format (capture.py), with checksums: slimming a format 1
+    capture onto itself with its own dtype and every parameter rewrites it in format 2, tensors
+    bit-identical. A cast that overflows the dtype is refused (CaptureError), writing nothing more.
     """
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
@@ -148,9 +154,8 @@ def slim(src: str | os.PathLike, dst: str | os.PathLike, *, rounds: list[int] | 
                  if keep is None or any(n.startswith(k) for k in keep)}
         cond = {n: c for n, c in blob.get("cond", {}).items() if n in delta}
         path = Path(dst) / blob["run"] / Path(blob["path"]).name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({**{k: blob[k] for k in ("round", "mode", "config")}, "cond": cond, "delta": delta}, path)
-        out.append(path)
+        out.append(save_capture(path, round=blob["round"], mode=blob["mode"], config=blob["config"],
+                                cond=cond, delta=delta))
     return out
 
 

@@ -33,8 +33,10 @@ from pathlib import Path
 import torch
 
 from isoloco_kernels.train import Setup, TrainConfig, load_corpus, run_mode
+from summarize import read_jsonl  # study/ is on sys.path: this file runs as a script
 
 STEPS_PER_WORKER = 300
+EVAL_WINDOWS = 1024  # per split: the paired-difference noise of 64 windows hid gaps ≤ 0.05
 CELLS = [(4, 30), (8, 30), (2, 30), (4, 100)]  # most informative first
 DEFAULTS = [("diloco", 0.7), ("isoloco", 1.8)]
 NEIGHBOURS = [("diloco", 1.0), ("isoloco", 2.4), ("diloco", 0.5), ("isoloco", 1.2)]
@@ -46,6 +48,9 @@ VARIANTS = {  # the embedding and head unflattened, at IsoLoCo's outer lr or wit
     "isoloco-noemb": ("isoloco", {"iso_skip": ("tok.", "head.")}),
     "isoloco-noemb-dl": ("isoloco", {"iso_skip": ("tok.", "head."), "iso_skip_outer": (0.35, 0.9)}),
 }
+# study v2's "torch" init is the loop's torch-pos1 today (the position table N(0, 1)); its records
+# keep the name "torch", so a v2 run is repeated, and found finished, under the meaning it had
+V2_INITS = {"torch": "torch-pos1"}
 V2_METHODS = [("ddp", None), ("avg", 1.0), ("diloco", 0.7), ("isoloco-sgd", 3.0), ("isoloco", 1.8)]
 
 
@@ -64,13 +69,15 @@ def jobs(cells, part: str = "all") -> list[tuple[int, int, str, float | None]]:
 
 
 def key(rec: dict) -> tuple:
+    # records from before the selection / test split lack eval_split: they were scored on 64 windows
+    # over the whole held-out text, and a rerun today is another run
     return (rec["seed"], rec["workers"], rec["inner_steps"], rec["mode"], rec["outer_lr"],
-            rec.get("study", "v1"), rec.get("init", "gpt2"), rec.get("vocab", 256), rec["rounds"])
+            rec.get("study", "v1"), rec.get("init", "gpt2"), rec.get("vocab", 256), rec["rounds"],
+            rec.get("eval_split", "whole"), rec.get("eval_windows", 64))
 
 
 def finished(folder: Path) -> set:
-    return {key(json.loads(line)) for f in folder.glob("*.jsonl")
-            for line in f.read_text().splitlines() if line.strip()}
+    return {key(r) for f in folder.glob("*.jsonl") for r in read_jsonl(f)}
 
 
 def claim(folder: Path, k: tuple) -> bool:
@@ -94,6 +101,8 @@ def main() -> None:
                    help="run only these outer lrs instead of a part, e.g. diloco=0.35,isoloco=3.2 (ddp=- for DDP)")
     p.add_argument("--init", default="gpt2", help="v2: comma list of inits (gpt2, torch)")
     p.add_argument("--vocab", type=int, default=256, help="v2: 256 (bytes) or a BPE vocabulary size")
+    p.add_argument("--eval-windows", type=int, default=EVAL_WINDOWS,
+                   help="held-out windows in each split (selection: pick lrs; test: report) (default %(default)s)")
     p.add_argument("--steps", type=int, default=STEPS_PER_WORKER,
                    help="inner steps per worker (the token budget); rounds = steps // H")
     a = p.parse_args()
@@ -120,17 +129,19 @@ def main() -> None:
         rounds = a.steps // H
         if rounds < 1:
             p.error(f"--steps {a.steps} is less than one round at H = {H}")
-        k = (seed, K, H, mode, lr, study, init, a.vocab, rounds)
-        if k in finished(out.parent) or not claim(out.parent, k if study == "v2" else k[:5]):
+        k = (seed, K, H, mode, lr, study, init, a.vocab, rounds, "halves", a.eval_windows)
+        if k in finished(out.parent) or not claim(out.parent, k):
             continue
         run, fields = VARIANTS.get(mode, (mode, {}))
         cfg = TrainConfig(workers=K, inner_steps=H, rounds=rounds, seed=seed,
-                          init=init, vocab=a.vocab, divergence=study == "v2", **fields)
+                          init=V2_INITS.get(init, init) if study == "v2" else init, vocab=a.vocab,
+                          divergence=study == "v2", eval_windows=a.eval_windows, **fields)
         if lr is not None:
             cfg = replace(cfg, outer_lr={run: lr})
         t0, c0 = time.perf_counter(), time.process_time()
         r = run_mode(run, Setup(cfg, corpus, cache_dir=cache))
         r.update(mode=mode, seed=seed, workers=K, inner_steps=H, rounds=cfg.rounds, outer_lr=lr,
+                 eval_split="halves", eval_windows=a.eval_windows,
                  cpu_s=time.process_time() - c0, wall_s=time.perf_counter() - t0)
         if study == "v2":
             r.update(study="v2", init=init, vocab=a.vocab)

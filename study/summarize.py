@@ -24,17 +24,33 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The run records of one results file. ValueError naming the file and line for a line that is
+    not a JSON object (a run cut off while it was written: delete that line and rerun the job)."""
+    out = []
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not a JSON record ({e.msg}); a run cut off while it was written? "
+                             "delete the line and run the job again") from None
+        if not isinstance(r, dict):
+            raise ValueError(f"{path}:{i}: a {type(r).__name__}, not a run record (a JSON object)")
+        out.append(r)
+    return out
+
+
 def load(folder: Path) -> tuple[list[dict], dict]:
     """Unique runs, and how many repeats of a run were found and whether each matched exactly
     (a run repeated by two processes must give bit-identical losses: the loop is deterministic)."""
     recs, seen, dup = [], {}, {"repeats": 0, "identical": 0}
     for f in sorted(folder.glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            if not line.strip():
-                continue
-            r = json.loads(line)
+        for r in read_jsonl(f):
             k = (r["seed"], r["workers"], r["inner_steps"], r["mode"], r["outer_lr"],
-                 r.get("study", "v1"), r.get("init", "gpt2"), r.get("vocab", 256), r["rounds"])
+                 r.get("study", "v1"), r.get("init", "gpt2"), r.get("vocab", 256), r["rounds"],
+                 r.get("eval_split", "whole"), r.get("eval_windows", 64))
             if k in seen:
                 dup["repeats"] += 1
                 dup["identical"] += seen[k]["heldout_loss"] == r["heldout_loss"]
@@ -241,6 +257,31 @@ def v2_view(recs: list[dict]) -> list[dict]:
 
 def _cell_key(r: dict) -> tuple:
     return (r["init"], r["vocab"], r["workers"], r["inner_steps"], r["rounds"])
+
+
+def paired_bootstrap_ci(a, b, level: float = 0.95, n_boot: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, lo, hi): the mean of the paired differences a_i − b_i and its percentile-bootstrap
+    interval at `level`. Pair i is one seed of both methods (same init and data), so the pairs are
+    resampled together, with replacement, n_boot times, and the interval is the (1 − level)/2 and
+    (1 + level)/2 quantiles of the resampled means. Deterministic for a given seed. With fewer than
+    two pairs there is no interval: lo and hi are NaN. With few pairs (3 seeds) the percentile
+    interval is too narrow (it cannot be wider than the pairs' range); read it with the pairs."""
+    import random
+
+    if len(a) != len(b):
+        raise ValueError(f"paired samples must have the same length, got {len(a)} and {len(b)}")
+    if not 0 < level < 1 or n_boot < 1:
+        raise ValueError(f"level must be in (0, 1) and n_boot ≥ 1, got {level}, {n_boot}")
+    d = [x - y for x, y in zip(a, b)]
+    if not d:
+        raise ValueError("no pairs")
+    mean = statistics.fmean(d)
+    if len(d) < 2:
+        return mean, float("nan"), float("nan")
+    rng, n = random.Random(seed), len(d)
+    boots = sorted(statistics.fmean(rng.choices(d, k=n)) for _ in range(n_boot))
+    q = lambda p: boots[min(n_boot - 1, max(0, round(p * (n_boot - 1))))]
+    return mean, q((1 - level) / 2), q((1 + level) / 2)
 
 
 def _paired_diffs(a: dict, b: dict) -> dict | None:
@@ -540,6 +581,9 @@ def plot_grid(v2: dict, folder: Path) -> None:
 
 def main() -> None:
     recs, dup = load(HERE / "results")
+    # v1 and v2 were scored on the 64 windows over the whole held-out text of their loop; runs scored
+    # on the selection / test splits (records with "eval_split") are not mixed into their tables
+    recs = [r for r in recs if "eval_split" not in r]
     v2 = summarize_v2(v2_view(recs))
     v1_recs = [r for r in recs if r.get("study", "v1") == "v1"]
     v2_recs = [r for r in recs if r.get("study") == "v2"]

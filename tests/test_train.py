@@ -142,7 +142,7 @@ def test_batch_or_sequence_larger_than_data(corpus):
     shard = corpus.train.numel() // 2
     with pytest.raises(ValueError, match=r"larger than each of the 2 workers' data shard"):
         check_fits(corpus, 2, shard // 17 + 1, 16)
-    with pytest.raises(ValueError, match=r"longer than the held-out data"):
+    with pytest.raises(ValueError, match=r"longer than each half of the held-out data"):
         check_fits(corpus, 1, 1, corpus.heldout.numel())
 
 
@@ -194,7 +194,7 @@ def test_text_file_and_folder(tmp_path, corpus):
      (["--mode", "ddp", "--iso-method", "bogus"], "iso_method must be one of"),
      (["--device", "tpu"], "device must be cpu, cuda or cuda:N, got 'tpu'"),
      (["--device", "meta"], "device must be cpu, cuda or cuda:N, got 'meta'"),
-     (["--vocab", "100"], "--vocab takes bytes, 256 or an integer > 256"),
+     (["--vocab", "100"], "--vocab takes bytes, 256 or an integer in 257..262144"),
      (["--init", "xavier"], "invalid choice: 'xavier'"),
      (["--iso-skip", "norm."], "iso_skip 'norm.' matches no matrix of the model"),
      (["--iso-skip", "tok.", "--iso-skip-outer", "0.35"], "takes LR,MOMENTUM"),
@@ -473,3 +473,185 @@ def test_committed_capture_sample():
     assert (2, 1024, 128) in bpe["shapes"]  # the BPE embedding and head
     for e in sets.values():
         assert all(torch.isfinite(x).all() and x.abs().max() > 0 for x in e["src"])
+
+
+# ----------------------------------------------------------------------------------------------
+# selection and test splits, Muon inner steps, outer momentum, the torch init's position table
+
+
+def test_selection_and_test_splits_are_disjoint_halves(corpus, setup):
+    from isoloco_kernels.train.data import heldout_splits
+
+    half = corpus.heldout.numel() // 2
+    (sx, sy), (tx, ty) = heldout_splits(corpus.heldout, 16, 8)
+    assert sx.shape == tx.shape == (8, 16)
+    first, second = bytes(corpus.heldout[:half].tolist()), bytes(corpus.heldout[half:].tolist())
+    for w in sx:
+        assert bytes(w.tolist()) in first
+    for w in tx:
+        assert bytes(w.tolist()) in second
+    r = run_mode("diloco", setup)
+    assert len(r["test_loss"]) == len(r["heldout_loss"]) == setup.cfg.rounds + 1
+    assert r["final_test_loss"] == r["test_loss"][-1] < r["test_loss"][0]
+    assert r["final_test_loss"] != r["final_loss"]  # two samples of the held-out text
+
+
+def test_cli_eval_windows_sets_both_splits(tmp_path):
+    out = tmp_path / "run"
+    assert main(CLI_SMALL + ["--eval-windows", "5", "--mode", "ddp", "--out", str(out)]) == 0  # the last wins
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["eval_windows"] == 5
+    r = res["modes"]["ddp"]
+    assert len(r["test_loss"]) == 3 and r["final_test_loss"] == r["test_loss"][-1]
+    assert r["eval_windows_scored"] == [5, 5]
+
+
+def test_cli_says_when_a_split_holds_fewer_windows_than_asked(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(CLI_SMALL + ["--eval-windows", "100000", "--mode", "ddp", "-R", "1", "--out", str(out)]) == 0
+    r = json.loads((out / "results.json").read_text())["modes"]["ddp"]
+    assert 0 < min(r["eval_windows_scored"]) < 100000
+    assert (f"each half of the held-out text holds only {r['eval_windows_scored'][0]} / {r['eval_windows_scored'][1]}"
+            in capsys.readouterr().err)
+
+
+def test_muon_inner_steps_the_hidden_matrices_and_adamw_the_rest():
+    from isoloco_kernels.train.loop import InnerOptimizers, inner_optimizer, muon_params
+
+    cfg = TrainConfig(**SMALL, inner="muon", weight_decay=0.0)
+    cfg.validate()
+    torch.manual_seed(0)
+    model = ByteLM(cfg.model_config())
+    hidden = muon_params(model)
+    assert hidden == [n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+    assert len(hidden) == 8 and "tok.weight" not in hidden and "head.weight" not in hidden
+    opt = inner_optimizer(model, cfg)
+    assert isinstance(opt, InnerOptimizers)
+    adamw, muon = opt.optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    ids = lambda o: {id(p) for g in o.param_groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert ids(muon) == {id(named[n]) for n in hidden}
+    assert ids(adamw) == {id(p) for n, p in named.items() if n not in hidden}
+    assert muon.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
+    before = {n: p.detach().clone() for n, p in named.items()}
+    x = torch.randint(0, 256, (16, 16), generator=torch.Generator().manual_seed(0))
+    model.loss(x, x.roll(-1, 1)).backward()
+    grads = {n: p.grad.clone() for n, p in named.items()}
+    lr = 1e-3
+    for g in opt.param_groups:  # the loop's schedule writes every group's lr, Muon's too
+        g["lr"] = lr
+    opt.step()
+    for n, p in named.items():
+        step = before[n] - p.detach()
+        if n in hidden:  # Muon: an orthogonalized update, RMS-matched: every direction the gradient
+            m, k = p.shape  # has (σ ≥ σ₁/10) moves by ~lr·0.2·sqrt(max(m, n)), the others by less
+            s = torch.linalg.svdvals(step.double() / (lr * 0.2 * math.sqrt(max(m, k))))
+            sg = torch.linalg.svdvals(grads[n].double())
+            r = int((sg >= sg[0] / 10).sum())
+            assert 0.5 < float(s[r - 1]) and float(s[0]) < 1.5, (n, r, s[:r])
+            assert float(sg[r - 1] / sg[0]) < 0.5  # the gradient itself is far from orthogonal
+        elif p.ndim == 2:  # AdamW's first step: lr·g/(|g| + eps) ≈ lr·sign(g) where g ≠ 0
+            big = grads[n].abs() > 1e-5  # |g| ≫ eps
+            assert big.sum() > 100, n
+            assert torch.allclose(step[big], lr * grads[n][big].sign(), rtol=1e-2), n
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_muon_inner_trains_through_the_loop(corpus):
+    s = Setup(TrainConfig(**SMALL, inner="muon"), corpus)
+    r = run_mode("diloco", s)
+    a = run_mode("diloco", Setup(TrainConfig(**SMALL), corpus))
+    assert "diverged" not in r and r["final_loss"] < r["heldout_loss"][0] - 0.05
+    assert r["heldout_loss"][0] == a["heldout_loss"][0] and r["final_loss"] != a["final_loss"]
+
+
+@pytest.mark.parametrize("mode, mu", [pytest.param("diloco", 0.5, id="diloco"), pytest.param("avg", 0.3, id="avg"),
+                                      pytest.param("isoloco", 0.0, id="isoloco-0"),
+                                      pytest.param("isoloco-sgd", 0.6, id="isoloco-sgd")])
+def test_outer_momentum_for_every_method(mode, mu):
+    from isoloco_kernels.train.loop import outer_optimizer
+
+    cfg = TrainConfig(**SMALL, outer_momentum={mode: mu})
+    cfg.validate()
+    assert cfg.outer(mode)[1] == mu
+    opt = outer_optimizer(mode, [torch.nn.Parameter(torch.zeros(3, 2))], cfg)
+    g = opt.param_groups[0]
+    assert g["momentum"] == mu and g["lr"] == cfg.outer(mode)[0]
+    if isinstance(opt, torch.optim.SGD):
+        assert g["nesterov"] is (mu > 0)
+
+
+@pytest.mark.parametrize("value, msg", [
+    pytest.param({"diloco": 1.0}, r"outer momentum for diloco must be in \[0, 1\), got 1.0", id="one"),
+    pytest.param({"isoloco": -0.1}, r"outer momentum for isoloco must be in \[0, 1\)", id="negative"),
+    pytest.param({"isoloco": float("nan")}, r"outer momentum for isoloco must be in \[0, 1\)", id="nan"),
+    pytest.param({"ddp": 0.5}, "outer momentum given for 'ddp', which has no outer step", id="ddp"),
+])
+def test_bad_outer_momentum_is_refused(value, msg):
+    with pytest.raises(ValueError, match=msg):
+        TrainConfig(**SMALL, outer_momentum=value).validate()
+
+
+def test_cli_outer_momentum_and_inner(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(CLI_SMALL + ["--out", str(out), "--mode", "diloco,isoloco", "--outer-momentum", "diloco=0.5",
+                             "--inner", "muon", "-R", "1"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["modes"]["diloco"]["outer_momentum"] == 0.5 and res["modes"]["isoloco"]["outer_momentum"] == 0.8
+    assert res["config"]["inner"] == "muon"
+    with pytest.raises(SystemExit):
+        main(CLI_SMALL + ["--out", str(out), "--outer-momentum", "0.5,0.9"])
+    assert "--outer-momentum takes a number or MODE=VALUE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(CLI_SMALL + ["--out", str(out), "--inner", "sgd"])
+    assert "invalid choice: 'sgd'" in capsys.readouterr().err
+
+
+def test_torch_init_position_table():
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=2, seq_len=256)
+    models = {}
+    for init in ("torch", "torch-pos1"):
+        torch.manual_seed(0)
+        models[init] = ByteLM(replace(cfg, init=init)).requires_grad_(False)
+    assert models["torch"].pos.weight.std() == pytest.approx(0.02, rel=0.05)
+    assert models["torch-pos1"].pos.weight.std() == pytest.approx(1.0, rel=0.05)  # nn.Embedding's N(0, 1)
+    # every other parameter is PyTorch's default draw in both
+    a, b = dict(models["torch"].named_parameters()), dict(models["torch-pos1"].named_parameters())
+    assert all(torch.equal(a[n], b[n]) for n in a if n != "pos.weight")
+    assert a["tok.weight"].std() == pytest.approx(1.0, rel=0.05)
+
+
+def _summarize():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "study" / "summarize.py"
+    spec = importlib.util.spec_from_file_location("study_summarize", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_paired_bootstrap_ci_covers_the_true_gap():
+    import random
+
+    ci = _summarize().paired_bootstrap_ci
+    rng = random.Random(0)
+    true, sd, n, trials, hits = 0.05, 0.02, 20, 100, 0
+    for t in range(trials):
+        base = [rng.gauss(2.5, 0.3) for _ in range(n)]  # the per-seed level is shared by the pair
+        a = [x + true + rng.gauss(0, sd) for x in base]
+        mean, lo, hi = ci(a, base, n_boot=500, seed=t)
+        assert lo <= mean <= hi
+        hits += lo <= true <= hi
+    assert 0.85 <= hits / trials <= 1.0  # nominal 95 %; a percentile bootstrap at n 20 under-covers a little
+    # pairing matters: the shared per-seed level cancels, so the interval is ~ 2·1.96·sd/sqrt(n) wide
+    mean, lo, hi = ci(a, base, n_boot=2000)
+    assert hi - lo == pytest.approx(2 * 1.96 * sd / math.sqrt(n), rel=0.35)
+    assert ci([1.0, 2.0], [1.0, 2.0]) == (0.0, 0.0, 0.0)
+    m, lo, hi = ci([1.0], [0.5])
+    assert m == 0.5 and math.isnan(lo) and math.isnan(hi)
+    with pytest.raises(ValueError, match="same length"):
+        ci([1.0, 2.0], [1.0])

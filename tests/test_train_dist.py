@@ -96,6 +96,9 @@ def test_torchrun_matches_the_simulation(simulation, data_file, tmp_path, outer,
         assert a[-1] < a[0] - 0.05, (m, a)  # it trained
         err = max(abs(x - y) / abs(y) for x, y in zip(a, b))
         assert err <= tol, f"{m} ({outer}): held-out {a} vs simulation {b}, rel err {err:.2e} > {tol}"
+        a, b = run["test_loss"], ref["test_loss"]  # and the test split
+        err = max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+        assert err <= tol, f"{m} ({outer}): test split {a} vs simulation {b}, rel err {err:.2e} > {tol}"
         # the divergence measurements all-reduce the per-worker sums: the same numbers on 2 ranks
         for d, e in zip(run.get("divergence", []), ref.get("divergence", []), strict=True):
             for what in ("cosine", "shrinkage", "norm"):

@@ -1,11 +1,12 @@
 """`python -m isoloco_kernels.train`: train DDP / DiLoCo / IsoLoCo on the same data and compare.
 
 With no flags: K=8 workers, H=30 inner steps, 12 rounds, the tiny (~0.5M) byte-level model on
-Python's standard-library source; prints a table of final held-out loss per mode and writes
-results.json and loss.png under --out. --vocab N trains a BPE tokenizer on the training split
-first (cached in --out); --init picks the initialisation; --save-pseudo-gradients DIR saves the
-averaged Δ of chosen rounds. Every option, the data and the output folder are checked before any
-training starts.
+Python's standard-library source; prints a table of final held-out loss per mode, on the
+selection and the test split of the held-out text, and writes results.json and loss.png under
+--out. --vocab N trains a BPE tokenizer on the training split first (cached in --out); --init picks
+the initialisation, --inner the inner optimizer; --save-pseudo-gradients DIR saves the averaged Δ
+of chosen rounds. Every option, the data, the memory the run needs and every output folder (by
+writing a file there) are checked before any training starts.
 
 Under torchrun (`torchrun --nproc_per_node=K -m isoloco_kernels.train ...`) each of the K ranks trains
 one worker and the ranks average over torch.distributed (dist.py); --outer sharded splits the outer
@@ -18,19 +19,22 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
 from .capture import SAVE_DTYPES, PseudoGradientWriter, parse_rounds
 from .data import check_fits, load_corpus
 from .dist import OUTER_PLACEMENTS, check_outer, torchrun_launch
-from .loop import DEFAULT_MODES, MODES, OUTER_DEFAULTS, Comm, Setup, TrainConfig, check_device, run_mode
+from .loop import DEFAULT_MODES, INNERS, MODES, OUTER_DEFAULTS, Comm, Setup, TrainConfig, check_device, check_memory, run_mode
 from .model import INITS, PRESETS
-from .tokenizer import tokenize
+from .tokenizer import MAX_VOCAB, tokenize
 from .report import mode_table, plot, sweep_table
 
 SWEEPABLE = {"workers": "workers", "inner-steps": "inner_steps", "rounds": "rounds", "batch": "batch"}
@@ -61,20 +65,26 @@ def _parse_sweep(s: str) -> tuple[str, list[int]]:
     return name, values
 
 
-def _parse_outer_lr(s: str) -> dict | float:
-    """'1.2' (every mode with an outer step) or 'diloco=0.5,isoloco=2.0'."""
-    try:
-        if "=" not in s:
-            return float(s)
-        out = {}
-        for part in s.split(","):
-            mode, _, v = part.partition("=")
-            out[mode.strip()] = float(v)
-        return out
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--outer-lr takes a number or MODE=LR,... (e.g. diloco=0.7,isoloco=1.8), got {s!r}"
-        ) from None
+def _per_mode(flag: str, example: str):
+    """A parser of '1.2' (every mode with an outer step) or 'diloco=0.5,isoloco=2.0'."""
+
+    def parse(s: str) -> dict | float:
+        try:
+            if "=" not in s:
+                return float(s)
+            out = {}
+            for part in s.split(","):
+                mode, _, v = part.partition("=")
+                out[mode.strip()] = float(v)
+            return out
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a number or MODE=VALUE,... (e.g. {example}), got {s!r}") from None
+
+    return parse
+
+
+_parse_outer_lr = _per_mode("--outer-lr", "diloco=0.7,isoloco=1.8")
+_parse_outer_momentum = _per_mode("--outer-momentum", "diloco=0.5,isoloco=0.8")
 
 
 def _parse_vocab(s: str) -> int:
@@ -84,22 +94,62 @@ def _parse_vocab(s: str) -> int:
         v = int(s)
     except ValueError:
         v = None
-    if v is None or v < 256:
-        raise argparse.ArgumentTypeError(f"--vocab takes bytes, 256 or an integer > 256 (BPE), got {s!r}")
+    if v is None or not 256 <= v <= MAX_VOCAB:
+        raise argparse.ArgumentTypeError(
+            f"--vocab takes bytes, 256 or an integer in 257..{MAX_VOCAB} (BPE), got {s!r}")
     return v
 
 
-def check_folder(flag: str, path: str) -> None:
-    """A folder the run will create or write into: refused when it, or a parent, is a file."""
+def check_folder(flag: str, path: str | os.PathLike, files: Sequence[str] = ()) -> None:
+    """A folder the run will create or write into, checked by writing: the missing folders are
+    created, a file is written in the deepest and removed, and the folders the probe made are
+    removed again. ValueError names the path when it, or a parent, is a file, when the write fails
+    (a read-only mount, a full disk, /proc: whatever os.access says), or when one of `files` (names
+    the run will write there) exists and is not a file."""
     p = Path(path)
-    for q in (p, *p.parents):
-        if q.exists() or q.is_symlink():
-            if not q.is_dir():
-                what = "is" if q == p else f"lies under {q}, which is"
-                raise ValueError(f"{flag} {path} {what} a file, not a folder")
-            if not os.access(q, os.W_OK | os.X_OK):
-                raise ValueError(f"{flag} {path}: {q} is not writable")
-            return
+    first = next(q for q in (p, *p.parents) if q.exists() or q.is_symlink())
+    if not first.is_dir():
+        what = "is" if first == p else f"lies under {first}, which is"
+        raise ValueError(f"{flag} {path} {what} a file, not a folder")
+    made = []
+    try:
+        for q in reversed(p.parents[: len(p.parents) - len(first.parents) - 1] if first != p else ()):
+            q.mkdir()
+            made.append(q)
+        if first != p:
+            p.mkdir()
+            made.append(p)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=p)
+        try:
+            os.write(fd, b"probe")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write there ({e.strerror}: {e.filename})") from None
+    finally:
+        for q in reversed(made):
+            try:
+                q.rmdir()
+            except OSError:
+                pass
+    for name in files:
+        f = p / name
+        if (f.exists() or f.is_symlink()) and not f.is_file():
+            raise ValueError(f"{flag} {path}: {f} exists and is not a file, so it cannot be written")
+
+
+def check_disk(flag: str, path: str | os.PathLike, need: int) -> None:
+    """ValueError when the file system holding path (or its nearest existing parent) has less than
+    `need` bytes free."""
+    p = Path(path)
+    first = next(q for q in (p, *p.parents) if q.exists())
+    free = shutil.disk_usage(first).free
+    if need > free:
+        raise ValueError(f"{flag} {path}: the run would write {need / 2**30:.2f} GiB there but "
+                         f"{free / 2**30:.2f} GiB is free; save fewer rounds (--save-rounds) or a smaller "
+                         "--save-dtype")
 
 
 def _parse_lr_momentum(s: str) -> tuple[float, float]:
@@ -132,12 +182,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "stays in nats/byte")
     p.add_argument("--init", choices=INITS, default=d.init,
                    help="gpt2 (default): every matrix N(0, 0.02), residual projections /sqrt(2·layers); "
-                        "torch: PyTorch's module defaults (embeddings N(0, 1), Kaiming-uniform linears)")
-    p.add_argument("--inner-lr", type=float, default=d.inner_lr, help="AdamW peak lr")
+                        "torch: PyTorch's module defaults (token embedding N(0, 1), Kaiming-uniform linears) "
+                        "with the position table N(0, 0.02); torch-pos1: the same with positions N(0, 1)")
+    p.add_argument("--inner", choices=INNERS, default=d.inner,
+                   help="inner optimizer: adamw (default), or muon: torch.optim.Muon on the blocks' matrices "
+                        "(lr scaled to AdamW's update RMS), AdamW on embeddings, head and norms (MuLoCo)")
+    p.add_argument("--inner-lr", type=float, default=d.inner_lr, help="inner peak lr (AdamW's, and Muon's)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="inner warmup steps")
     p.add_argument("--outer-lr", type=_parse_outer_lr, default=None,
                    help="outer lr for every outer mode, or MODE=LR,... "
                         + ", ".join(f"{m} {lr}" for m, (lr, _) in OUTER_DEFAULTS.items()))
+    p.add_argument("--outer-momentum", type=_parse_outer_momentum, default=None,
+                   help="outer Nesterov momentum for every outer mode, or MODE=MU,... (0 ≤ μ < 1); defaults "
+                        + ", ".join(f"{m} {mu}" for m, (_, mu) in OUTER_DEFAULTS.items()))
     p.add_argument("--iso-method", default=d.iso_method, help="IsoLoCo flatten method (auto, svd, eigh, polar, ...)")
     p.add_argument("--iso-skip", default="", metavar="PREFIXES",
                    help="comma list of parameter-name prefixes kept out of Iso-C in the Iso-C modes, e.g. "
@@ -146,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the outer lr and momentum of the --iso-skip matrices (default: the mode's)")
     p.add_argument("--data", default=None, help="a text file or folder (default: Python's stdlib source)")
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="read at most this much text")
-    p.add_argument("--eval-windows", type=int, default=d.eval_windows, help="held-out windows per eval")
+    p.add_argument("--eval-windows", type=int, default=d.eval_windows,
+                   help="held-out windows in each split (default %(default)s): the selection split (first half "
+                        "of the held-out text, to pick settings on) and the test split (second half, to report)")
     p.add_argument("--sweep", type=_parse_sweep, default=None,
                    help="NAME=V1,V2,... e.g. workers=2,4,8,16 or inner-steps=30,100")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -167,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="under torchrun: the outer step on every rank (replicated, default) or each "
                         "tensor's on one owner rank (sharded: ShardedIsoLoCo)")
     return p
+
+
+def capture_run(mode: str, param: str | None, value) -> str:
+    """The sub-folder of --save-pseudo-gradients one run writes: the mode, plus the swept value."""
+    return mode if param is None else f"{mode}_{param}{value}"
 
 
 def _progress_factory(quiet: bool):
@@ -197,17 +261,16 @@ def main(argv=None) -> int:
     launch = torchrun_launch(parser)  # None unless started by torchrun: then one worker per rank
     a = parser.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if a.threads is not None and a.threads < 1:
-        parser.error(f"--threads must be ≥ 1, got {a.threads}")
+    cpus = os.cpu_count() or 1
+    if a.threads is not None and not 1 <= a.threads <= cpus:
+        parser.error(f"--threads must be in 1..{cpus} (this machine's CPUs), got {a.threads}")
     outer_modes = [m for m in a.mode if m in OUTER_DEFAULTS]
-    if isinstance(a.outer_lr, float):
-        outer_lr = {m: a.outer_lr for m in outer_modes}
-    else:
-        outer_lr = a.outer_lr or {}
+    per_mode = lambda v: {m: v for m in outer_modes} if isinstance(v, float) else (v or {})
+    outer_lr, outer_momentum = per_mode(a.outer_lr), per_mode(a.outer_momentum)
     base = TrainConfig(
         model=a.model, workers=a.workers, inner_steps=a.inner_steps, rounds=a.rounds, batch=a.batch,
         seq_len=a.seq_len, tie_embeddings=a.tie_embeddings, inner_lr=a.inner_lr, warmup=a.warmup,
-        outer_lr=outer_lr, iso_method=a.iso_method, eval_windows=a.eval_windows, seed=a.seed, device=device,
+        outer_lr=outer_lr, outer_momentum=outer_momentum, inner=a.inner, iso_method=a.iso_method, eval_windows=a.eval_windows, seed=a.seed, device=device,
         vocab=a.vocab, init=a.init, divergence=not a.no_divergence,
         iso_skip=tuple(x for x in a.iso_skip.split(",") if x), iso_skip_outer=a.iso_skip_outer,
     )
@@ -220,13 +283,27 @@ def main(argv=None) -> int:
         for c in cfgs:
             c.validate()
         check_outer(launch, cfgs, param, device, a.outer)
-        check_folder("--out", a.out)
+        check_folder("--out", a.out, ["results.json", "loss.png"])
         if a.save_pseudo_gradients is not None:
-            check_folder("--save-pseudo-gradients", a.save_pseudo_gradients)
             save_rounds = {c.rounds: parse_rounds(a.save_rounds, c.rounds) for c in cfgs}
             if not any(m in OUTER_DEFAULTS for m in a.mode):
                 raise ValueError("--save-pseudo-gradients needs a mode with an outer step (not ddp alone)")
+            check_folder("--save-pseudo-gradients", a.save_pseudo_gradients)
+            need = 0
+            for v, c in zip(values, cfgs):
+                per_round = c.n_params() * SAVE_DTYPES[a.save_dtype].itemsize
+                for m in (m for m in a.mode if m in OUTER_DEFAULTS):
+                    run = capture_run(m, param, v)
+                    check_folder("--save-pseudo-gradients", Path(a.save_pseudo_gradients) / run,
+                                 [] if len(save_rounds[c.rounds]) > 1000 else
+                                 [f"round_{r:03d}.pt" for r in save_rounds[c.rounds]])
+                    need += len(save_rounds[c.rounds]) * per_round
+            check_disk("--save-pseudo-gradients", a.save_pseudo_gradients, need)
         corpus = load_corpus(a.data, a.max_bytes)
+        for c in cfgs:  # tokens ≤ bytes: what does not fit in bytes does not fit in tokens
+            check_fits(corpus, c.workers, c.batch, c.model_config().seq_len)
+        # before the tokenizer trainer allocates for the vocabulary
+        check_memory(cfgs, a.mode, lambda c: 1 if launch is not None else c.workers)
         corpus = tokenize(corpus, a.vocab, a.out)  # byte-level: unchanged; BPE: trained or loaded
         for c in cfgs:
             check_fits(corpus, c.workers, c.batch, c.model_config().seq_len)
@@ -250,7 +327,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     setup0 = Setup(cfgs[0], corpus)
     say(
-        f"model {a.model}: {setup0.n_params:,} params, seq {setup0.mcfg.seq_len}, vocab {a.vocab}, init {a.init}; "
+        f"model {a.model}: {setup0.n_params:,} params, seq {setup0.mcfg.seq_len}, vocab {a.vocab}, init {a.init}, "
+        f"inner {a.inner}; "
         f"data: {corpus.source}, {corpus.train.numel():,} train / {corpus.heldout.numel():,} held-out "
         f"{corpus.unit}; device {device}",
         file=sys.stderr,
@@ -258,13 +336,17 @@ def main(argv=None) -> int:
     per_value = []
     for v, c in zip(values, cfgs):
         setup = setup0 if c is cfgs[0] else Setup(c, corpus)
+        if min(setup.eval_windows) < c.eval_windows and c is cfgs[0]:
+            say(f"warning: --eval-windows {c.eval_windows}: each half of the held-out text holds only "
+                f"{setup.eval_windows[0]} / {setup.eval_windows[1]} windows of {setup.mcfg.seq_len} {corpus.unit} "
+                "(selection / test); those are scored", file=sys.stderr)
         runs = []
         for m in a.mode:
             tag = m if param is None else f"{m} {param}={v}"
             cb, close = make_progress(tag, c.workers * c.inner_steps * c.rounds)
             capture = None
             if a.save_pseudo_gradients is not None and m in OUTER_DEFAULTS and (launch is None or launch.is_main):
-                capture = PseudoGradientWriter(a.save_pseudo_gradients, m if param is None else f"{m}_{param}{v}",
+                capture = PseudoGradientWriter(a.save_pseudo_gradients, capture_run(m, param, v),
                                                save_rounds[c.rounds], a.save_dtype, m, c.as_dict())
             try:
                 runs.append(run_mode(m, setup, Comm(c.workers) if launch is None else launch.comm(c), cb,
@@ -300,7 +382,7 @@ def main(argv=None) -> int:
         table = sweep_table(param, values, per_value)
     if a.save_pseudo_gradients is not None:
         result["pseudo_gradients"] = {"dir": a.save_pseudo_gradients, "dtype": a.save_dtype,
-                                      "rounds": {str(k): v for k, v in save_rounds.items()}}
+                                      "rounds": {str(k): list(v) for k, v in save_rounds.items()}}
     if launch is not None:
         result["launch"] = launch.describe()
         launch.close()

@@ -207,8 +207,8 @@ def load_corpus(path: str | os.PathLike | None = None, max_bytes: int = 4_000_00
 
 
 def check_fits(corpus: Corpus, workers: int, batch: int, seq_len: int) -> None:
-    """Every worker's shard must hold `batch` windows of seq_len+1 bytes (tokens after BPE);
-    held-out at least one."""
+    """Every worker's shard must hold `batch` windows of seq_len+1 bytes (tokens after BPE); each
+    half of the held-out stream (the selection and test splits) at least one."""
     win = seq_len + 1
     shard = corpus.train.numel() // workers
     u = getattr(corpus, "unit", "bytes")
@@ -218,9 +218,10 @@ def check_fits(corpus: Corpus, workers: int, batch: int, seq_len: int) -> None:
             f"{workers} workers' data shard ({shard} of {corpus.train.numel()} train {u}); "
             "use more data, fewer workers, or a smaller batch/sequence"
         )
-    if win > corpus.heldout.numel():
+    if win > corpus.heldout.numel() // 2:
         raise ValueError(
-            f"sequence {seq_len} (+1) is longer than the held-out data ({corpus.heldout.numel()} {u})"
+            f"sequence {seq_len} (+1) is longer than each half of the held-out data (the selection and test "
+            f"splits: {corpus.heldout.numel() // 2} of {corpus.heldout.numel()} {u})"
         )
 
 
@@ -253,6 +254,14 @@ def heldout_windows(heldout: torch.Tensor, seq_len: int, max_windows: int) -> tu
     starts = torch.linspace(0, fit - 1, n).long() * win
     w = heldout[starts.unsqueeze(1) + torch.arange(win)].long()
     return w[:, :-1], w[:, 1:]
+
+
+def heldout_splits(heldout: torch.Tensor, seq_len: int, windows: int):
+    """The selection and test splits: up to `windows` windows each (heldout_windows) from the first
+    and the second half of the held-out stream, so the two never share a window and mostly not a
+    document (documents are joined in hash order; at most the one across the middle is cut in two)."""
+    half = heldout.numel() // 2
+    return heldout_windows(heldout[:half], seq_len, windows), heldout_windows(heldout[half:], seq_len, windows)
 
 
 def worker_seed(seed: int, worker: int) -> int:

@@ -25,13 +25,14 @@ global weights at the start of each worker's turn. The only cross-worker communi
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
-from .data import Batches, Corpus, check_fits, heldout_windows, worker_seed, worker_shards
+from .data import Batches, Corpus, check_fits, heldout_splits, worker_seed, worker_shards
 from .divergence import DivergenceMeter
 from .model import INITS, PRESETS, ByteLM, ModelConfig, count_params
 from .tokenizer import check_vocab, tokenize
@@ -41,6 +42,7 @@ DEFAULT_MODES = ("ddp", "diloco", "isoloco", "isoloco-sgd")  # the CLI's default
 # (outer lr, outer momentum) per mode; ddp has no outer step.
 OUTER_DEFAULTS = {"diloco": (0.7, 0.9), "isoloco": (1.8, 0.8), "isoloco-sgd": (3.0, 0.0), "avg": (1.0, 0.0)}
 SGD_MODES = ("diloco", "avg")  # outer torch.optim.SGD (no Iso-C)
+INNERS = ("adamw", "muon")  # the inner optimizer (inner_optimizer)
 
 
 @dataclass
@@ -60,12 +62,17 @@ class TrainConfig:
     beta2: float = 0.95
     clip: float = 1.0
     outer_lr: dict = field(default_factory=dict)  # mode -> lr, overrides OUTER_DEFAULTS
+    outer_momentum: dict = field(default_factory=dict)  # mode -> μ, overrides OUTER_DEFAULTS
+    inner: str = "adamw"  # "adamw", or "muon": Muon on the hidden matrices, AdamW on the rest (MuLoCo)
     iso_method: str = "auto"  # IsoLoCo's flatten method
-    eval_windows: int = 64  # held-out windows of seq_len tokens, the same for every mode
+    # held-out windows of seq_len tokens in each of two splits, the same for every mode: the
+    # selection split (first half of the held-out stream: heldout_loss, final_loss, to pick lrs on)
+    # and the test split (second half: test_loss, final_test_loss, to report)
+    eval_windows: int = 64
     seed: int = 0
     device: str = "cpu"
     vocab: int = 256  # 256: bytes; more: a BPE vocabulary trained on the training split
-    init: str = "gpt2"  # a key of model.INITS: "gpt2" N(0, 0.02) or "torch" (PyTorch defaults)
+    init: str = "gpt2"  # a key of model.INITS: "gpt2" N(0, 0.02), "torch" (PyTorch defaults), "torch-pos1"
     divergence: bool = True  # measure the workers' drift every round (divergence.py)
     # parameter-name prefixes kept out of Iso-C in the Iso-C modes (e.g. ("tok.", "head.")): their
     # averaged Δ takes the same outer step unflattened (an IsoLoCo param group with iso=False)
@@ -89,6 +96,8 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer ≥ 1, got {v!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
             raise ValueError(f"seq_len must be an integer ≥ 1, got {self.seq_len!r}")
         if not isinstance(self.warmup, int) or self.warmup < 0:
@@ -113,6 +122,16 @@ class TrainConfig:
                 )
             if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
                 raise ValueError(f"outer lr for {mode} must be a finite number > 0, got {lr!r}")
+        for mode, mu in self.outer_momentum.items():
+            if mode not in OUTER_DEFAULTS:
+                raise ValueError(
+                    f"outer momentum given for {mode!r}, which has no outer step; modes with one: "
+                    f"{sorted(OUTER_DEFAULTS)}"
+                )
+            if isinstance(mu, bool) or not (isinstance(mu, (int, float)) and 0 <= mu < 1):
+                raise ValueError(f"outer momentum for {mode} must be in [0, 1), got {mu!r}")
+        if self.inner not in INNERS:
+            raise ValueError(f"inner must be one of {INNERS}, got {self.inner!r}")
         from ..flatten import METHODS
 
         if self.iso_method not in METHODS:
@@ -143,16 +162,68 @@ class TrainConfig:
             if not (numbers and math.isfinite(v[0]) and v[0] > 0 and 0 <= v[1] < 1):
                 raise ValueError(f"iso_skip_outer must be (lr > 0, 0 ≤ momentum < 1), got {self.iso_skip_outer!r}")
 
+    def n_params(self) -> int:
+        """The model's parameter count, from its shapes alone (nothing allocated)."""
+        with torch.device("meta"):
+            return count_params(ByteLM(self.model_config()))
+
     def outer(self, mode: str) -> tuple[float, float]:
         if mode not in OUTER_DEFAULTS:
             raise ValueError(f"mode {mode!r} has no outer step; modes with one: {sorted(OUTER_DEFAULTS)}")
         lr, mom = OUTER_DEFAULTS[mode]
-        return float(self.outer_lr.get(mode, lr)), mom
+        return float(self.outer_lr.get(mode, lr)), float(self.outer_momentum.get(mode, mom))
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["model_config"] = self.model_config().as_dict()
         return d
+
+
+def memory_estimate(cfg: TrainConfig, modes: Sequence[str], local_workers: int) -> int:
+    """A lower bound, in bytes, of what one process holds at once to train cfg's modes with
+    `local_workers` workers on it: float32 weights, grads and AdamW moments (each worker keeps its
+    own), the global copy, Δ and the outer momentum, and the activations of one inner step (DDP
+    takes the local workers' batches together) or of one evaluation chunk."""
+    mcfg = cfg.model_config()
+    n = cfg.n_params()
+    outer = any(m != "ddp" for m in modes)
+    states = n * 4 * ((2 * local_workers + 5) if outer else 5)
+    seqs = cfg.batch * (local_workers if "ddp" in modes else 1)
+    per_token = 4 * (mcfg.n_layers * 8 * mcfg.d_model + 2 * mcfg.vocab)
+    return states + max(seqs, min(cfg.eval_windows, 64)) * mcfg.seq_len * per_token
+
+
+def available_memory(device) -> int | None:
+    """Bytes free for a new allocation on device: CUDA's free memory, or the CPU's MemAvailable
+    (None where the system does not say)."""
+    d = torch.device(device)
+    if d.type == "cuda":
+        return int(torch.cuda.mem_get_info(d)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_memory(cfgs: Sequence[TrainConfig], modes: Sequence[str], local_workers: Callable[[TrainConfig], int]) -> None:
+    """ValueError, before any training, when even memory_estimate exceeds the device's free memory
+    (e.g. --workers 20000, or a batch × sequence that fits the data but not the machine)."""
+    for c in cfgs:
+        free = available_memory(c.device)
+        need = memory_estimate(c, modes, local_workers(c))
+        if free is not None and need > free:
+            raise ValueError(
+                f"the run needs at least {need / 2**30:.2f} GiB on {c.device} (model {c.model}, vocab {c.vocab}, "
+                f"{local_workers(c)} worker(s) here, batch {c.batch}) but {free / 2**30:.2f} GiB is free; "
+                "use fewer workers, a smaller batch, sequence or vocabulary"
+            )
 
 
 def check_device(device) -> None:
@@ -211,15 +282,55 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
 
 
-def inner_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW(
+class InnerOptimizers:
+    """Several optimizers stepped as one (Muon on some parameters, AdamW on the others): what the
+    loop needs of an inner optimizer — param_groups (the lr schedule writes each group's lr),
+    step() and zero_grad()."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def muon_params(model: torch.nn.Module) -> list[str]:
+    """The names of the matrices Muon steps under inner="muon": the 2-D weights inside the blocks
+    (attention qkv and output, MLP up and down); the embeddings, head and norms stay on AdamW."""
+    return [n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+
+
+def inner_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer | InnerOptimizers:
+    """AdamW (weight decay on matrices only), or with cfg.inner "muon" the MuLoCo recipe:
+    torch.optim.Muon (momentum 0.95, Nesterov, 5 Newton–Schulz steps) on the hidden matrices with
+    the same lr and weight decay as AdamW, its step rescaled by 0.2·sqrt(max(m, n)) so its update
+    RMS matches AdamW's (adjust_lr_fn="match_rms_adamw", Moonlight's rule), and AdamW on the
+    embeddings, head and norm gains."""
+    hidden = set(muon_params(model)) if cfg.inner == "muon" else set()
+    named = [(n, p) for n, p in model.named_parameters() if n not in hidden]
+    decay = [p for _, p in named if p.ndim >= 2]
+    no_decay = [p for _, p in named if p.ndim < 2]
+    adamw = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.inner_lr,
         betas=(cfg.beta1, cfg.beta2),
         fused=True,  # one kernel for all params, on CPU and CUDA: the inner step is overhead-bound
     )
+    if not hidden:
+        return adamw
+    muon = torch.optim.Muon([p for n, p in model.named_parameters() if n in hidden], lr=cfg.inner_lr,
+                            weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True,
+                            adjust_lr_fn="match_rms_adamw")
+    return InnerOptimizers(adamw, muon)
 
 
 def outer_params(mode: str, names: Sequence[str], params: Sequence[torch.Tensor], cfg: TrainConfig) -> list:
@@ -291,10 +402,14 @@ class Setup:
         check_fits(corpus, cfg.workers, cfg.batch, self.mcfg.seq_len)
         self.device = torch.device(cfg.device)
         self.shards = [s.to(self.device) for s in worker_shards(corpus.train, cfg.workers)]
-        hx, hy = heldout_windows(corpus.heldout, self.mcfg.seq_len, cfg.eval_windows)
-        self.hx, self.hy = hx.to(self.device), hy.to(self.device)
+        (hx, hy), (tx, ty) = heldout_splits(corpus.heldout, self.mcfg.seq_len, cfg.eval_windows)
+        self.hx, self.hy = hx.to(self.device), hy.to(self.device)  # selection split
+        self.tx, self.ty = tx.to(self.device), ty.to(self.device)  # test split
         # nats/byte for tokens: the bytes the held-out targets stand for (None: they are bytes)
         self.heldout_bytes = None if corpus.token_bytes is None else float(corpus.token_bytes[hy].sum())
+        self.test_bytes = None if corpus.token_bytes is None else float(corpus.token_bytes[ty].sum())
+        # windows per split: cfg.eval_windows, or fewer where a half of the held-out text holds fewer
+        self.eval_windows = (int(hx.shape[0]), int(tx.shape[0]))
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(cfg.seed)
         init = ByteLM(self.mcfg)
@@ -313,7 +428,12 @@ class Setup:
         return [Batches(s, self.cfg.batch, T, worker_seed(self.cfg.seed, k)) for k, s in enumerate(self.shards)]
 
     def evaluate(self, model: ByteLM) -> float:
+        """Held-out loss on the selection split."""
         return evaluate(model, self.hx, self.hy, heldout_bytes=self.heldout_bytes)
+
+    def evaluate_test(self, model: ByteLM) -> float:
+        """Held-out loss on the test split (report it; pick settings on `evaluate`)."""
+        return evaluate(model, self.tx, self.ty, heldout_bytes=self.test_bytes)
 
     def tokens_per_round(self) -> int:
         c = self.cfg
@@ -348,6 +468,8 @@ def run_mode(
     with the averaged pseudo-gradient before the outer step; it must not modify it.
     With cfg.divergence, out["divergence"] holds one dict per round (divergence.py).
     A non-finite loss stops the mode and is reported under "diverged" (never silently).
+    Held-out losses: heldout_loss / final_loss on the selection split, test_loss / final_test_loss
+    on the test split (Setup.evaluate, Setup.evaluate_test).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -358,6 +480,7 @@ def run_mode(
     model = setup.model()
     batches = setup.batches()
     losses = [setup.evaluate(model)]
+    test_losses = [setup.evaluate_test(model)]
     tokens = [0]
     out = {"mode": mode}
     if mode != "ddp":
@@ -377,6 +500,7 @@ def run_mode(
                 done += len(local)
                 if (step + 1) % H == 0:
                     losses.append(setup.evaluate(model))
+                    test_losses.append(setup.evaluate_test(model))
                     tokens.append((step + 1) // H * setup.tokens_per_round())
                     _check_finite(torch.tensor(losses[-1]), f"ddp held-out after step {step + 1}")
                 if progress:
@@ -423,12 +547,16 @@ def run_mode(
                 outer.step()
                 outer.zero_grad(set_to_none=True)
                 losses.append(setup.evaluate(model))
+                test_losses.append(setup.evaluate_test(model))
                 tokens.append((r + 1) * setup.tokens_per_round())
                 _check_finite(torch.tensor(losses[-1]), f"{mode} held-out after round {r + 1}")
     except Diverged as e:
         out["diverged"] = str(e)
     out["wall_s"] = time.perf_counter() - t0
     out["tokens"] = tokens
-    out["heldout_loss"] = losses
+    out["heldout_loss"] = losses  # the selection split
     out["final_loss"] = None if "diverged" in out else losses[-1]
+    out["test_loss"] = test_losses
+    out["eval_windows_scored"] = list(setup.eval_windows)  # (selection, test): fewer than asked where a half is short
+    out["final_test_loss"] = None if "diverged" in out else test_losses[-1]
     return out

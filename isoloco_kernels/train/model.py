@@ -5,13 +5,17 @@ Pre-norm blocks (RMSNorm → causal self-attention → RMSNorm → GELU MLP), le
 biases. Every weight except the norms' gains is a 2-D matrix, so IsoLoCo flattens all of them
 (embeddings and the output head included); the gains and nothing else take the plain Nesterov step.
 
-Two initialisations (`ModelConfig.init`, the CLI's --init):
+Three initialisations (`ModelConfig.init`, the CLI's --init):
 
-    gpt2   (default) GPT-2 / Llama style: every matrix N(0, 0.02), the residual output projections
-           (attention proj, MLP down) N(0, 0.02/sqrt(2·layers)); embeddings N(0, 0.02) too.
-    torch  PyTorch's module defaults, a much larger scale: embeddings (token and position) N(0, 1),
-           every nn.Linear Kaiming-uniform U(−1/sqrt(fan_in), 1/sqrt(fan_in)) (std 0.051 at d 128,
-           0.026 for the 512-wide MLP down projection), no residual scaling.
+    gpt2        (default) GPT-2 / Llama style: every matrix N(0, 0.02), the residual output
+                projections (attention proj, MLP down) N(0, 0.02/sqrt(2·layers)); embeddings
+                N(0, 0.02) too.
+    torch       PyTorch's module defaults, a much larger scale: the token embedding N(0, 1), every
+                nn.Linear Kaiming-uniform U(−1/sqrt(fan_in), 1/sqrt(fan_in)) (std 0.051 at d 128,
+                0.026 for the 512-wide MLP down projection), no residual scaling; the learned
+                position table N(0, 0.02), as a GPT-style model built from PyTorch modules draws it.
+    torch-pos1  the same with the position table at nn.Embedding's own N(0, 1) (what `torch` was
+                before; study v2's "torch" runs).
 
 The init scale changes how far apart the workers' pseudo-gradients drift and how anisotropic
 their spectra are, which is a first-order factor of the DiLoCo / IsoLoCo gap (study/README.md).
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB = 256  # bytes: no tokenizer (the default vocabulary)
-INITS = ("gpt2", "torch")
+INITS = ("gpt2", "torch", "torch-pos1")
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,10 @@ class ByteLM(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        if self.cfg.init == "torch":  # keep what the modules' own constructors drew
+        if self.cfg.init == "torch-pos1":  # keep what the modules' own constructors drew
+            return
+        if self.cfg.init == "torch":  # the same, but a GPT-style position table
+            nn.init.normal_(self.pos.weight, 0.0, 0.02)
             return
         # GPT-2 style: N(0, 0.02), residual output projections scaled by 1/sqrt(2·layers).
         resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)

@@ -9,12 +9,13 @@ def _fmt(x) -> str:
 
 
 def mode_table(runs: Sequence[dict]) -> str:
-    """One row per mode: outer lr/μ, final held-out loss (nats/byte), wall time."""
-    rows = [("mode", "outer lr", "outer μ", "final held-out loss", "wall s")]
+    """One row per mode: outer lr/μ, final held-out loss (nats/byte) on the selection and the test
+    split, wall time."""
+    rows = [("mode", "outer lr", "outer μ", "final held-out loss (selection)", "(test)", "wall s")]
     for r in runs:
         lr = "-" if "outer_lr" not in r else f"{r['outer_lr']:g}"
         mu = "-" if "outer_momentum" not in r else f"{r['outer_momentum']:g}"
-        rows.append((r["mode"], lr, mu, _fmt(r["final_loss"]), f"{r['wall_s']:.1f}"))
+        rows.append((r["mode"], lr, mu, _fmt(r["final_loss"]), _fmt(r.get("final_test_loss")), f"{r['wall_s']:.1f}"))
     return _render(rows)
 
 

@@ -4,8 +4,11 @@ The tokenizer is Hugging Face `tokenizers`' BPE over the GPT-2 byte alphabet (By
 pre-tokenizer, GPT-2 split regex, no special tokens): every byte string has an encoding, and each
 token stands for a known number of bytes. It is trained at first use on the training split only
 (never the held-out one), in seconds, with nothing downloaded, and saved as
-`bpe<N>-<sha1 of the training bytes>.json` in a cache folder (the CLI uses the run's --out), so a
-second run on the same data and vocabulary loads it instead.
+`bpe<N>-<sha1 of the training bytes>.v2.json` in a cache folder (the CLI uses the run's --out), so
+a second run on the same data and vocabulary loads it instead. The cache file is a small JSON
+envelope: {"format": 2, "vocab": N, "train_sha1": …, "sha256": …, "tokenizer": the tokenizer's
+own JSON}; a cache that is empty, cut short, edited or made for other data is refused with its
+path and what is wrong (delete it to retrain).
 
 Held-out loss stays in nats per byte: the summed cross-entropy over the held-out target tokens
 divided by the number of bytes those tokens stand for (`Corpus.token_bytes`), so byte-level and
@@ -16,6 +19,7 @@ BPE runs compare on one scale.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -25,15 +29,18 @@ import torch
 from .data import Corpus
 
 BYTE_VOCAB = 256  # the byte-level model: no tokenizer
+MAX_VOCAB = 1 << 18  # 262,144 tokens: above any common LM vocabulary; the trainer's memory grows with it
+CACHE_FORMAT = 2
 _CHUNK = 1 << 16  # characters per piece handed to the trainer / encoder
 _MEMO: dict[tuple[str, int, str], Corpus] = {}
 
 
 def check_vocab(vocab) -> None:
-    """256 (bytes, the default) or an integer > 256 (a BPE vocabulary of that size)."""
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < BYTE_VOCAB:
+    """256 (bytes, the default) or an integer in (256, MAX_VOCAB] (a BPE vocabulary of that size)."""
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or not BYTE_VOCAB <= vocab <= MAX_VOCAB:
         raise ValueError(
-            f"vocab must be {BYTE_VOCAB} (byte-level) or an integer > {BYTE_VOCAB} (BPE), got {vocab!r}"
+            f"vocab must be {BYTE_VOCAB} (byte-level) or an integer in {BYTE_VOCAB + 1}..{MAX_VOCAB} (BPE), "
+            f"got {vocab!r}"
         )
     if vocab > BYTE_VOCAB:
         try:
@@ -88,6 +95,48 @@ def token_bytes(tok) -> torch.Tensor:
     return torch.tensor(lens, dtype=torch.float64)
 
 
+def write_cache(path: Path, tokenizer_json: str, vocab: int, train_sha1: str) -> None:
+    """Save a trained tokenizer's JSON in the cache envelope, atomically (parallel runs never read
+    half a file)."""
+    blob = {"format": CACHE_FORMAT, "vocab": vocab, "train_sha1": train_sha1,
+            "sha256": hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest(), "tokenizer": tokenizer_json}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(blob), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_cache(path: Path, vocab: int, train_sha1: str) -> str:
+    """The tokenizer JSON a cache file holds, checked: ValueError naming the file and what is wrong
+    for an empty, truncated or edited file, another format, vocabulary or training text."""
+    fix = "delete it to train the tokenizer again"
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"tokenizer cache {path} cannot be read ({e.strerror}); {fix}") from None
+    if not raw:
+        raise ValueError(f"tokenizer cache {path} is empty (0 bytes); {fix}")
+    try:
+        blob = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"tokenizer cache {path} is not valid JSON ({e}): truncated or corrupted; {fix}") from None
+    missing = [k for k in ("format", "vocab", "train_sha1", "sha256", "tokenizer")
+               if not isinstance(blob, dict) or k not in blob]
+    if missing:
+        raise ValueError(f"tokenizer cache {path} lacks {', '.join(missing)}: not a cache this loop wrote; {fix}")
+    if blob["format"] != CACHE_FORMAT:
+        raise ValueError(f"tokenizer cache {path} has format {blob['format']!r}, this loop reads {CACHE_FORMAT}; {fix}")
+    if blob["vocab"] != vocab or blob["train_sha1"] != train_sha1:
+        raise ValueError(
+            f"tokenizer cache {path} was trained for vocab {blob['vocab']!r} on training text "
+            f"{str(blob['train_sha1'])[:16]}, not vocab {vocab} on {train_sha1[:16]}; {fix}"
+        )
+    text = blob["tokenizer"]
+    if not isinstance(text, str) or hashlib.sha256(text.encode("utf-8")).hexdigest() != blob["sha256"]:
+        raise ValueError(f"tokenizer cache {path}: the tokenizer does not match its sha256 (corrupted or edited); {fix}")
+    return text
+
+
 def _encode(tok, text: str) -> torch.Tensor:
     ids = []
     for enc in tok.encode_batch(_pieces(text), add_special_tokens=False):
@@ -112,32 +161,40 @@ def tokenize(corpus: Corpus, vocab: int, cache_dir: str | os.PathLike | None = N
     if corpus.vocab != BYTE_VOCAB:
         raise ValueError(f"corpus is already tokenized (vocab {corpus.vocab})")
     sha = hashlib.sha1(corpus.train.numpy().tobytes()).hexdigest()
-    path = None if cache_dir is None else Path(cache_dir) / f"bpe{vocab}-{sha[:16]}.json"
+    path = None if cache_dir is None else Path(cache_dir) / f"bpe{vocab}-{sha[:16]}.v2.json"
     memo = _MEMO.get((sha, vocab, str(path)))  # the configs of one sweep share one tokenization
     if memo is not None and torch.equal(memo.heldout_bytes, corpus.heldout):
         return memo
     from tokenizers import Tokenizer
 
     train_text = _text(corpus.train)
-    if path is not None and path.is_file():
-        tok = Tokenizer.from_file(str(path))
-        cached = True
+    cached = path is not None and path.is_file()
+    if cached:
+        text = read_cache(path, vocab, sha)
+        try:
+            tok = Tokenizer.from_str(text)
+        except Exception as e:  # tokenizers raises a bare Exception for a JSON it cannot use
+            raise ValueError(f"tokenizer cache {path}: not a tokenizer ({e}); delete it to retrain") from None
     else:
         tok = train_bpe(train_text, vocab)
-        cached = False
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tok.save(str(tmp))
-            os.replace(tmp, path)  # atomic: parallel runs never read half a file
+            write_cache(path, tok.to_str(), vocab, sha)
+    where = f"tokenizer cache {path}" if cached else "BPE training"
     if tok.get_vocab_size() != vocab:
         raise ValueError(
-            f"BPE training reached {tok.get_vocab_size()} tokens, not {vocab}: the training text is too "
-            "small for this vocabulary; use more data or a smaller --vocab"
+            f"{where} reached {tok.get_vocab_size()} tokens, not {vocab}"
+            + ("" if cached else ": the training text is too small for this vocabulary; use more data or a "
+               "smaller --vocab")
         )
-    tb = token_bytes(tok)
+    try:
+        tb = token_bytes(tok)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    train = _encode(tok, train_text)
+    if tb[train.long()].sum() != len(train_text.encode("utf-8")):  # each token stands for its bytes
+        raise ValueError(f"{where}: the tokens do not cover the training bytes exactly; expected a byte-level BPE")
     out = replace(
-        corpus, train=_encode(tok, train_text), heldout=_encode(tok, _text(corpus.heldout)), vocab=vocab,
+        corpus, train=train, heldout=_encode(tok, _text(corpus.heldout)), vocab=vocab,
         token_bytes=tb, tokenizer_path=None if path is None else str(path), tokenizer_cached=cached,
         heldout_bytes=corpus.heldout,
     )
