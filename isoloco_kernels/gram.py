@@ -127,14 +127,15 @@ def gram_factor(
     f64 = torch.float64
     dev = x.device
     cols = n if cols is None else cols
-    inv = 1.0 / torch.where(amax > 0, amax, 1).to(f64)[:, None, None]
+    # divide (not multiply by 1/amax: that overflows for subnormal amax)
+    div = torch.where(amax > 0, amax, 1).to(f64)[:, None, None]
 
     # A₀ = X̃ X̃ᵀ and the exact rank bound, one pass over column chunks.
     a0 = torch.zeros(b, m, m, dtype=f64, device=dev)
     row_nz = torch.zeros(b, m, dtype=torch.bool, device=dev)
     col_nz = torch.zeros(b, dtype=torch.int64, device=dev)
     for sl in _chunks(n, cols):
-        ch = _chunk64(x[:, :, sl]).mul_(inv)
+        ch = _chunk64(x[:, :, sl]).div_(div)
         a0.baddbmm_(ch, ch.mT)
         nz = ch != 0
         row_nz |= nz.any(-1)
@@ -184,22 +185,6 @@ def _iterate(a0: torch.Tensor, rank: torch.Tensor, coeffs, update: str):
 
 # ----------------------------------------------------------------------------------------------
 # The in-place flatten
-
-
-def _svd_fallback(sub: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """The exact SVD path (exact.flatten_svd_) on a copy of `sub`; far from 1 the copy is first
-    scaled by a power of two (exact) so that LAPACK neither overflows nor underflows."""
-    sub = sub.clone()
-    k = torch.zeros_like(amax, dtype=torch.float64)
-    big = (amax > 2.0**60) | ((amax > 0) & (amax < 2.0**-60))
-    if bool(big.any()):
-        k = torch.where(big, torch.floor(torch.log2(torch.where(amax > 0, amax, 1).double())), 0)
-        sub.mul_(torch.exp2(-k).to(sub.dtype)[:, None, None])
-    exact.flatten_svd_(sub)
-    if bool(big.any()):
-        cd = torch.float64 if sub.dtype == torch.float64 else torch.float32
-        sub = (sub.to(cd) * torch.exp2(k).to(cd)[:, None, None])
-    return sub
 
 
 def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = "pap") -> None:
@@ -267,12 +252,13 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
                 matrix=i,
             )
 
-    # The exact fallback for flagged matrices, computed aside; it must fit too.
+    # The exact fallback for flagged matrices (float64 SVD, its own power-of-two scaling),
+    # computed aside; it must fit too.
     fallback = None
     if flagged.numel():
-        fallback = _svd_fallback(x3[flagged], amax[flagged])
+        fallback = exact.svd_result(x3[flagged])
         top = fallback.abs().flatten(1).amax(-1)
-        ok = torch.isfinite(top) & (top < big)
+        ok = top < big
         if not bool(ok.all()):
             k = int((~ok).nonzero()[0, 0])
             i = int(flagged[k])

@@ -45,6 +45,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def _number(v: Any, key: str, where: str) -> float:
     """v as a float; a one-element tensor counts (as torch's optimizers accept a tensor lr)."""
     if isinstance(v, torch.Tensor):
+        if v.device.type == "meta":
+            raise ValueError(f"{where}: '{key}' is a meta tensor, which holds no value; pass a number")
         if v.numel() != 1:
             raise ValueError(f"{where}: a Tensor {key} must have one element, got shape {tuple(v.shape)}")
         return float(v)
@@ -107,6 +109,8 @@ def buffer_problem(buf, p: torch.Tensor) -> Optional[str]:
     if not isinstance(buf, torch.Tensor):
         return f"must be a tensor, got {type(buf).__name__}"
     lb, lp = local(buf), local(p)
+    if lb.device.type == "meta":
+        return "is a meta tensor (it holds no data)"
     if buf.shape != p.shape or lb.shape != lp.shape or lb.device != lp.device or buf.dtype not in (
         p.dtype, compute_dtype(p.dtype)
     ):
@@ -138,6 +142,10 @@ def collect(
                 if require_grads:
                     raise ValueError(f"{n} has no grad; set p.grad to the pseudo-gradient on every rank")
                 continue
+            for what, t in (("param", p), ("grad", g)):
+                if local(t).device.type == "meta":
+                    raise RuntimeError(f"{where}: {n}: the {what} is a meta tensor (it holds no data to "
+                                       "compute from or write to); nothing was changed")
             if g.is_sparse:
                 raise RuntimeError(f"{where}: {n} has a sparse grad; IsoLoCo needs dense grads")
             if g.dtype not in SUPPORTED_DTYPES:

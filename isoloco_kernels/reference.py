@@ -4,22 +4,38 @@ For one matrix Δ (m×n), r0 = min(m, n), SVD Δ = U diag(σ) Vᵀ:
 
     iso(Δ) = s̄ · U_r V_rᵀ,    s̄ = (σ_1 + … + σ_r0) / r0
 
-U_r, V_r keep the directions with σ_i > tol·σ_1, tol = max(m, n)·eps(float64): the numerically
-nonzero ones. A zero row or column stays zero and a zero matrix stays zero (never NaN). For a
-full-rank Δ this is the published Iso-C merge, U diag(mean σ) Vᵀ (Marczak et al., 2025).
+The rank cut, one definition for every method (`rank_tol`): σ_i is numerically zero when
+
+    σ_i ≤ max(m, n)·eps(float64)·σ_1,
+
+σ being the singular values of the input's values as given, in float64 (a float32 or half input is
+exact data: its rounding is not undone). U_r, V_r keep the other directions; s̄ sums every σ. The
+line sits at float64 round-off, far below what a float32 or half input can carry (rounding a
+low-rank matrix to float32 leaves singular values of ~0.1·eps32·σ_1: data of that float32 matrix,
+kept), so no direction of any input is cut for its dtype: a κ 1e6 float32 matrix keeps all of
+them. Every method computes this: svd in float64, eigh where its float64 Gram matrix resolves the
+spectrum (svd elsewhere), and the polar and gram iterations map every σ they keep to 1 and send
+the matrices their residual check cannot certify (rank-deficient, or beyond their condition
+range) on to svd. A zero row or column stays zero and a zero matrix stays zero (never NaN). For a full-rank Δ this is the published Iso-C merge,
+U diag(mean σ) Vᵀ (Marczak et al., 2025).
 
 The IsoLoCo outer step (Iso-C, then Nesterov momentum without dampening) is `nesterov_ref`.
 
-Nothing here is fast and nothing here is imported by the kernels: tests and the benchmark's error
-column use it.
+Nothing here is fast: tests and the benchmark's error column use it; the kernels import only
+`rank_tol`, so the cut has one definition.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["iso_flatten_ref", "polar_ref", "nesterov_ref", "isoloco_step_ref"]
+__all__ = ["iso_flatten_ref", "polar_ref", "nesterov_ref", "isoloco_step_ref", "rank_tol"]
 
 _EPS64 = torch.finfo(torch.float64).eps
+
+
+def rank_tol(m: int, n: int) -> float:
+    """The rank cut relative to σ_1 for an m×n matrix (module docstring): max(m, n)·eps64."""
+    return max(m, n) * _EPS64
 
 
 def _svd64(x: torch.Tensor):
@@ -36,7 +52,7 @@ def polar_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         z = torch.zeros(x.shape, dtype=torch.float64)
         return z, torch.zeros(x.shape[:-2], dtype=torch.float64)
     _, (u, s, vh) = _svd64(x)
-    keep = s > (max(m, n) * _EPS64) * s[..., :1]
+    keep = s > rank_tol(m, n) * s[..., :1]
     q = (u * keep.unsqueeze(-2).to(u.dtype)) @ vh
     return q, s.sum(-1)
 
