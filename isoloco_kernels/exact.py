@@ -4,7 +4,8 @@ Both take a [B, m, n] tensor (any view; written back with `copy_`, so transposed
 are updated in place) and are all-or-nothing: the result is computed aside in float64 and copied
 in last. Float64 throughout also makes them immune to TF32 settings.
 
-The rank cut is reference.py's (`reference.rank_tol`): σ_i ≤ max(m, n)·eps64·σ_1 is zero.
+The rank cut is reference.py's (`reference.rank_tol`): σ_i ≤ τ·σ_1 is zero, τ = 4·eps(compute
+dtype) + max(m, n)·eps64.
 - svd:  float64 torch.linalg.svd of the input's values (half, bfloat16 and float32 inputs too: a
         float32 SVD carries ~eps32·κ error, 2e-4 at condition number 1e4), cut at rank_tol.
 - eigh: float64 eigh of the short-side Gram matrix. Forming Δ Δᵀ squares the condition number,
@@ -57,7 +58,7 @@ def svd_result(x3: torch.Tensor) -> torch.Tensor:
     _, m, n = x3.shape
     a, scale = _scaled(x3)
     u, s, vh = torch.linalg.svd(a, full_matrices=False)
-    keep = s > rank_tol(m, n) * s[:, :1]
+    keep = s > rank_tol(m, n, x3.dtype) * s[:, :1]
     q = (u * keep.unsqueeze(1).to(F64)) @ vh
     return _result(x3, s.sum(-1) / min(m, n), q, scale)
 

@@ -71,7 +71,7 @@ def _fp64_rate(device: torch.device) -> float:
 def gram_beats_polar(m: int, n: int, fp64_rate: float) -> bool:
     """Whether "gram" is modelled faster than "polar" for an m×n matrix on a device whose float64
     GEMM rate is `fp64_rate` × its float32 rate (r = short side, k = long side): gram's float64
-    FLOPs `gram.gram_flops` = 4kr² + (8T + 2)·r³ (T = 15) over the rate against polar's float32
+    FLOPs `gram.gram_flops` = 4kr² + (8T + 5)·r³ (T = 15) over the rate against polar's float32
     T'·(4kr² + 2r³) (T' = 10). At rate 1 (A100/H100/H200) gram wins from k ≈ 2.9r (2.2× at
     k = 8r; 2.1× polar's time on square ones); at rate 0.5 from k ≈ 7r."""
     if fp64_rate <= 0:

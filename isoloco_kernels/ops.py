@@ -221,7 +221,7 @@ def _nesterov_aside(p, b, u, lr: float, mu: float, s: float, name: str, i: int):
     for what, t, t64 in (("param", out[0], p64), ("momentum buffer", out[1], b64)):
         if not bool(torch.isfinite(t).all()):
             raise ResultOverflowError(
-                f"{name}: the outer update (lr={lr:g}, momentum={mu:g}) does not fit the {what}'s dtype "
+                f"{name}: the outer update (lr={lr:g}, momentum={mu:g}) overflows the {what}'s dtype "
                 f"{t.dtype} (largest new entry {float(t64.abs().max()):.4g}); nothing was written",
                 tensor=i,
             )
