@@ -244,6 +244,8 @@ def check_state_dict(opt: torch.optim.Optimizer, state_dict: Any, where: str) ->
         name = f"{where}: param {pid} (shape {tuple(p.shape)}) momentum_buffer"
         if not isinstance(b, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(b).__name__} {b!r:.40}")
+        if local(b).device.type == "meta":
+            raise ValueError(f"{name} is a meta tensor (it holds no data to load)")
         if b.dtype not in SUPPORTED_DTYPES or tuple(b.shape) != tuple(p.shape):
             raise ValueError(f"{name} has shape {tuple(b.shape)}, dtype {b.dtype}; want {tuple(p.shape)}, "
                              f"one of {SUPPORTED_DTYPES}")

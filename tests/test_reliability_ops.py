@@ -383,6 +383,19 @@ def test_isoloco_with_a_meta_momentum_buffer_says_so_with_nothing_changed():
     assert torch.equal(p, before)
 
 
+def test_isoloco_load_state_dict_with_a_meta_momentum_buffer_says_so_with_nothing_changed():
+    p = torch.randn(4, 4, generator=_gen(62))
+    opt = ik.IsoLoCo([p])
+    p.grad = torch.randn(4, 4, generator=_gen(63))
+    opt.step()
+    sd = opt.state_dict()
+    sd = {"state": {0: {"momentum_buffer": torch.empty(4, 4, device="meta")}}, "param_groups": sd["param_groups"]}
+    before = opt.state[p]["momentum_buffer"].clone()
+    with pytest.raises(ValueError, match=r"param 0 .*momentum_buffer is a meta tensor"):
+        opt.load_state_dict(sd)
+    assert torch.equal(opt.state[p]["momentum_buffer"], before)
+
+
 def test_isoloco_with_a_meta_lr_tensor_says_so():
     with pytest.raises(ValueError, match=r"'lr' is a meta tensor"):
         ik.IsoLoCo([torch.randn(3)], lr=torch.tensor(0.1, device="meta"))
