@@ -9,8 +9,8 @@
                              float lr, float momentum, Tensor? scales) -> ()
         buf ← μ·buf + s·u ; p ← p − lr·(s·u + μ·buf), s = scales[i] (1 when scales is None).
 
-Every implementation registered here checks its arguments (one check per op, the same on every
-device) and then runs what `dispatch.select` picks: on CUDA the compiled extension's kernels
+Every implementation registered here checks its arguments and the finiteness rule (below: one
+check per op, the same on every device) and then runs what `dispatch.select` picks: on CUDA the compiled extension's kernels
 (csrc/, registered as the private ops csrc_iso_scale_ / csrc_nesterov_outer_), the same kernels
 through CuPy, Triton or torch; torch on the CPU.
 """
@@ -65,8 +65,8 @@ _ext.load()  # registers the csrc_* CUDA kernels, if the extension was built
 #      naming the operand (and matrix), before anything is written.
 #   2. What an op writes or returns is its result rounded to the output dtype, never an overflow of
 #      an intermediate: where a bound from the inputs' largest entries says the compute dtype could
-#      overflow, that part is computed aside in float64 at a power-of-two scale (iso_flatten_'s
-#      methods always scale). A result that is not finite in its dtype raises ResultOverflowError
+#      overflow, that part is computed aside in float64 (iso_scale_ at a power-of-two scale of each
+#      operand; iso_flatten_'s methods always scale each matrix). A result that is not finite in its dtype raises ResultOverflowError
 #      (a ValueError) naming the tensor or matrix, with nothing written.
 
 
