@@ -14,7 +14,7 @@ float16 params with float32 momentum buffers are updated in float32 and rounded 
 `nesterov_outer_torch` is the torch implementation (torch._foreach_* per (device, dtypes); torch's
 fused CPU SGD kernel for unscaled contiguous float32/float64 CPU groups); csrc/, CuPy and Triton
 serve CUDA first (dispatch.py). Arguments and the finiteness rule are checked in ops.py (before
-any backend runs); `prepare_outer_update` is the optimizers' checked call.
+any backend runs; ops.prepare_nesterov_outer_ is the optimizers' checked call).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["nesterov_outer_torch", "update_compute_dtype", "prepare_outer_update"]
+__all__ = ["nesterov_outer_torch", "update_compute_dtype"]
 
 
 def update_compute_dtype(param_dtype: torch.dtype, buf_dtype: torch.dtype) -> torch.dtype:
@@ -111,18 +111,3 @@ def nesterov_outer_torch(
             lr,
             momentum,
         )
-
-
-# ----------------------------------------------------------------------------------------------
-# The optimizers' call: decide, then write
-
-
-def prepare_outer_update(params, bufs, updates, lr: float, momentum: float, names: Sequence[str]):
-    """Everything of one nesterov_outer_ call but the writes, with tensor i named `names[i]` in
-    errors: the op's checks and its finiteness rule (ops.prepare_nesterov_outer_: a non-finite
-    param, buffer or update raises ValueError; an update whose result does not fit raises
-    ResultOverflowError; tensors whose compute-dtype update could overflow are updated in float64
-    aside). Returns the function that writes."""
-    from .ops import prepare_nesterov_outer_
-
-    return prepare_nesterov_outer_(params, bufs, updates, lr, momentum, None, names=list(names))

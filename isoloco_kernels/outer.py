@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ._validate import SUPPORTED_DTYPES, check_all_finite, check_writable, compute_dtype
-from .nesterov import prepare_outer_update
+from .ops import prepare_nesterov_outer_
 
 __all__ = ["SGD_KEYS", "Entry", "check_group", "check_hyper", "check_state_dict", "collect",
            "is_dtensor", "load_sgd_state", "local", "prepare_nesterov"]
@@ -173,9 +173,9 @@ def prepare_nesterov(opt: torch.optim.Optimizer, rows) -> Callable[[], None]:
     """Everything but the writes of the Nesterov update. rows: (param, update, lr, momentum, name)
     with the update shaped like the param's local tensor. Momentum buffers are made where missing
     (zeros in the compute dtype, a DTensor for a DTensor param); one fused `nesterov_outer_` call per
-    (device, lr, momentum), each checked for overflow (`nesterov.prepare_outer_update`). Returns
-    the function that writes; new buffers join the state only after it ran, so a failure cannot
-    leave half-made state behind."""
+    (device, lr, momentum), each checked by the op's finiteness rule (`ops.prepare_nesterov_outer_`).
+    Returns the function that writes; new buffers join the state only after it ran, so a failure
+    cannot leave half-made state behind."""
     calls: dict[tuple, tuple[list, list, list, list]] = {}
     fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
     for p, u, lr, momentum, name in rows:
@@ -188,7 +188,8 @@ def prepare_nesterov(opt: torch.optim.Optimizer, rows) -> Callable[[], None]:
         bs.append(local(buf))
         us.append(u)
         names.append(name)
-    applies = [prepare_outer_update(ps, bs, us, lr, mu, names) for (_, lr, mu), (ps, bs, us, names) in calls.items()]
+    applies = [prepare_nesterov_outer_(ps, bs, us, lr, mu, None, names=names)
+               for (_, lr, mu), (ps, bs, us, names) in calls.items()]
 
     def apply() -> None:
         for fn in applies:
