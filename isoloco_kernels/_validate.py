@@ -64,6 +64,35 @@ def check_all_finite(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> N
             raise ValueError(_describe_nonfinite(tensors[i], names[i]))
 
 
+def amaxes(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """Largest |entry| of each tensor (0 for an empty one; NaN when it holds a NaN, Inf when it
+    holds an Inf): one fused pass and one host sync per (device, dtype)."""
+    out = [0.0] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    for idx in groups.values():
+        norms = torch._foreach_norm([tensors[i] for i in idx], float("inf"))
+        for i, v in zip(idx, torch.stack(norms).tolist()):
+            out[i] = v
+    return out
+
+
+def check_amax_finite(tensors: Sequence[torch.Tensor], amax: Sequence[float], names: Sequence[str]) -> None:
+    """Raise ValueError naming the first tensor (and matrix) whose `amaxes` entry is not finite."""
+    for t, a, name in zip(tensors, amax, names):
+        if not math.isfinite(a):
+            raise ValueError(_describe_nonfinite(t, name) + "; nothing was written")
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether t is a FakeTensor (FakeTensorMode, torch.compile tracing): it has no data to check."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 # ----------------------------------------------------------------------------------------------
 # Tensors that will be written: checked all together, before the first write
 
@@ -140,11 +169,12 @@ class ResultOverflowError(ValueError):
     """A finite input whose Iso-C result (or outer update) does not fit the output dtype.
 
     matrix: index inside the [B, m, n] batch (None when not a matrix); bucket: set by callers that
-    flatten several buckets."""
+    flatten several buckets; tensor: index in a nesterov_outer_ call's tensor lists."""
 
-    def __init__(self, msg: str, matrix: Optional[int] = None, bucket: Optional[int] = None):
+    def __init__(self, msg: str, matrix: Optional[int] = None, bucket: Optional[int] = None,
+                 tensor: Optional[int] = None):
         super().__init__(msg)
-        self.matrix, self.bucket = matrix, bucket
+        self.matrix, self.bucket, self.tensor = matrix, bucket, tensor
 
 
 def pow2_scale(x3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,56 +1,71 @@
 """Exact Iso-C flatten backends: LAPACK/cuSOLVER SVD, and eigh of the small Gram matrix.
 
 Both take a [B, m, n] tensor (any view; written back with `copy_`, so transposed or strided views
-are updated in place) and are all-or-nothing: the result is computed aside and copied in last.
+are updated in place) and are all-or-nothing: the result is computed aside in float64 and copied
+in last. Float64 throughout also makes them immune to TF32 settings.
 
-Tolerances (which directions count as nonzero, σ_i > tol·σ_1):
-- svd:  tol = sqrt(max(m, n))·eps(compute dtype) — float32 for float16/bfloat16/float32 inputs.
-        Rounding a rank-deficient matrix to float32 leaves spurious singular values of about
-        0.5–3·eps·σ_1 (measured, 10×8 to 4096×256), so the cut sits above that noise floor; the
-        common max(m, n)·eps would be 1.5e-2·σ_1 for a 128256×2048 embedding and drop real
-        directions of well-conditioned matrices.
-- eigh: the Gram matrix is formed in float64, so σ is resolved down to about sqrt(eps64)·σ_1;
-        tol = sqrt(max(m, n))·eps(float32) for float16/bfloat16/float32 inputs (as svd) and
-        max(sqrt(max(m, n))·eps64, 1e-7) for float64 inputs. Forming Δ Δᵀ squares the condition
-        number, so for float64 input eigh is accurate to float64 only up to cond ~1e4 (1.4e-8 at
-        cond 1e5, measured); method="auto" therefore uses svd for float64.
+The rank cut is reference.py's (`reference.rank_tol`): σ_i ≤ τ·σ_1 is zero, τ = 4·eps(compute
+dtype) + max(m, n)·eps64.
+- svd:  float64 torch.linalg.svd of the input's values (half, bfloat16 and float32 inputs too: a
+        float32 SVD carries ~eps32·κ error, 2e-4 at condition number 1e4), cut at rank_tol.
+- eigh: float64 eigh of the short-side Gram matrix. Forming Δ Δᵀ squares the condition number,
+        so σ is resolved only down to ~1e-8·σ_1: eigh keeps the r largest directions, r the exact
+        rank bound min(#nonzero rows, #nonzero columns) (the others are exactly zero), and only
+        where σ_r ≥ `EIGH_MIN_RATIO`·σ_1 (measured error at that ratio: 3e-6 for float32 input,
+        ~4e-11 for float64); every other matrix (ill-conditioned or rank-deficient) is
+        recomputed by svd, so both methods give reference.py's result.
 
 Scaling: Iso-C is positively homogeneous, iso(c·Δ) = c·iso(Δ), so each matrix is divided by a
-power of two near its largest entry before the decomposition and the result multiplied back (both
-exact): every finite input whose result fits the output dtype gets it, however large or small (an
-unscaled 1e37 matrix overflows σ or the Gram matrix). A result that does not fit the output dtype
-(float16/bfloat16 outputs, or float32 near its max) raises ResultOverflowError naming the matrix,
-with nothing written.
+power of two near its largest entry before the decomposition and the result multiplied back after
+Q is applied (both exact): every finite input whose result fits the output dtype gets it, however
+large or small. A result that does not fit the output dtype raises ResultOverflowError naming the
+matrix, with nothing written.
 """
 from __future__ import annotations
 
 import torch
 
-from ._validate import check_result_fits, compute_dtype, pow2_scale
+from ._validate import check_result_fits, pow2_scale
+from .reference import rank_tol
+
+F64 = torch.float64
+#: eigh serves a matrix only when σ_r / σ_1 is at least this (per input dtype), else svd does.
+EIGH_MIN_RATIO = {torch.float64: 1e-3, torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 1e-5}
 
 
-def _write(x3: torch.Tensor, sbar: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, method: str) -> None:
-    """x3 ← scale·s̄·Q (s̄ of the scaled matrix), once every result is known to fit x3's dtype.
-    Rows and columns that are exactly zero in Δ are exactly zero in Q (in exact arithmetic);
-    LAPACK leaves ~eps there, so they are masked to keep "zero in, zero out" exact."""
+def _result(x3: torch.Tensor, sbar: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """scale·(s̄·Q) in float64 (s̄ of the scaled matrix: Q first, then the power of two, so no
+    intermediate overflows). Rows and columns that are exactly zero in Δ are exactly zero in Q
+    (in exact arithmetic); LAPACK leaves ~eps there, so they are masked to keep "zero in, zero
+    out" exact."""
     nz = x3 != 0
     mask = nz.any(-1, keepdim=True) & nz.any(-2, keepdim=True)
-    out = torch.where(mask, (sbar * scale.to(sbar.dtype))[:, None, None].to(q.dtype) * q, 0)
+    return torch.where(mask, (sbar[:, None, None] * q) * scale[:, None, None], 0)
+
+
+def _store(x3: torch.Tensor, out: torch.Tensor, method: str) -> None:
     check_result_fits(out, x3.dtype, f"iso_flatten_ ({method})")
     x3.copy_(out)
 
 
-def flatten_svd_(x3: torch.Tensor) -> None:
-    """In place Iso-C via torch.linalg.svd (the fallback and the published code's way)."""
+def _scaled(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = pow2_scale(x3, F64)
+    return x3.to(F64) / scale[:, None, None], scale
+
+
+def svd_result(x3: torch.Tensor) -> torch.Tensor:
+    """Iso-C of a [B, m, n] batch by float64 SVD (a new float64 tensor; x3 is not written)."""
     _, m, n = x3.shape
-    cd = compute_dtype(x3.dtype)
-    scale = pow2_scale(x3, cd)
-    a = x3.to(cd) / scale[:, None, None]
+    a, scale = _scaled(x3)
     u, s, vh = torch.linalg.svd(a, full_matrices=False)
-    tol = max(m, n) ** 0.5 * torch.finfo(cd).eps
-    keep = s > tol * s[:, :1]
-    q = (u * keep.unsqueeze(1).to(cd)) @ vh
-    _write(x3, s.sum(-1) / min(m, n), q, scale, "svd")
+    keep = s > rank_tol(m, n, x3.dtype) * s[:, :1]
+    q = (u * keep.unsqueeze(1).to(F64)) @ vh
+    return _result(x3, s.sum(-1) / min(m, n), q, scale)
+
+
+def flatten_svd_(x3: torch.Tensor) -> None:
+    """In place Iso-C via float64 torch.linalg.svd (the fallback and the published code's way)."""
+    _store(x3, svd_result(x3), "svd")
 
 
 def flatten_eigh_(x3: torch.Tensor) -> None:
@@ -58,24 +73,26 @@ def flatten_eigh_(x3: torch.Tensor) -> None:
 
     With a [r, k] view (r ≤ k, tall inputs transposed) and A Aᵀ = V diag(λ) Vᵀ, σ = sqrt(λ):
     Q = V_r diag(1/σ_r) V_rᵀ A. Costs two r×r×k matmuls and one r×r eigh, far cheaper than an SVD
-    of a wide matrix on a CPU.
+    of a wide matrix on a CPU. Matrices eigh cannot resolve go to svd (module docstring).
     """
     _, m, n = x3.shape
-    tall = m > n
-    scale = pow2_scale(x3, torch.float64)
-    a = x3.to(torch.float64) / scale[:, None, None]
-    if tall:
+    k = min(m, n)
+    a, scale = _scaled(x3)
+    if m > n:
         a = a.mT
+    nz = a != 0
+    rank = torch.minimum(nz.any(-1).sum(-1), nz.any(-2).sum(-1))  # exact bound, ≥ the rank
     lam, v = torch.linalg.eigh(a @ a.mT)
     sig = lam.clamp_min(0).sqrt()  # ascending
-    if x3.dtype == torch.float64:
-        tol = max(max(m, n) ** 0.5 * torch.finfo(torch.float64).eps, 1e-7)
-    else:
-        tol = max(m, n) ** 0.5 * torch.finfo(torch.float32).eps
-    keep = sig > tol * sig[:, -1:]
-    inv = torch.where(keep, 1.0 / torch.where(keep, sig, 1.0), 0.0)
+    keep = torch.arange(k, device=a.device) >= (k - rank)[:, None]  # the `rank` largest
+    sig_r = sig.gather(1, (k - rank).clamp_max(k - 1)[:, None]).squeeze(1)
+    ok = (rank == 0) | (sig_r >= EIGH_MIN_RATIO[x3.dtype] * sig[:, -1])
+    inv = torch.where(keep, 1.0 / torch.where(keep & (sig > 0), sig, 1.0), 0.0)
     q = ((v * inv.unsqueeze(1)) @ v.mT) @ a
-    if tall:
+    if m > n:
         q = q.mT
-    # σ below tol are Gram round-off (≈ sqrt(eps64)·σ_1), not signal: they join neither Q nor s̄.
-    _write(x3, (sig * keep).sum(-1) / min(m, n), q, scale, "eigh")
+    out = _result(x3, (sig * keep).sum(-1) / k, q, scale)
+    redo = (~ok).nonzero().flatten()
+    if redo.numel():
+        out[redo] = svd_result(x3[redo])
+    _store(x3, out, "eigh")

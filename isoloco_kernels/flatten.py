@@ -17,7 +17,6 @@ import functools
 import torch
 
 from . import exact, gram, polar
-from ._validate import check_all_finite, check_matrix_tensor
 
 METHODS = ("auto", "svd", "eigh", "polar", "polar_bf16", "gram")
 
@@ -28,8 +27,6 @@ _BACKENDS = {
     "polar_bf16": functools.partial(polar.flatten_polar_, mode="bf16"),
     "gram": gram.flatten_gram_,
 }
-# Methods that refuse non-finite input themselves before writing (no separate pass needed).
-_SELF_CHECKED = ("polar", "polar_bf16", "gram")
 
 
 def check_method(method) -> None:
@@ -74,7 +71,7 @@ def _fp64_rate(device: torch.device) -> float:
 def gram_beats_polar(m: int, n: int, fp64_rate: float) -> bool:
     """Whether "gram" is modelled faster than "polar" for an m×n matrix on a device whose float64
     GEMM rate is `fp64_rate` × its float32 rate (r = short side, k = long side): gram's float64
-    FLOPs `gram.gram_flops` = 4kr² + (8T + 2)·r³ (T = 15) over the rate against polar's float32
+    FLOPs `gram.gram_flops` = 4kr² + (8T + 5)·r³ (T = 15) over the rate against polar's float32
     T'·(4kr² + 2r³) (T' = 10). At rate 1 (A100/H100/H200) gram wins from k ≈ 2.9r (2.2× at
     k = 8r; 2.1× polar's time on square ones); at rate 0.5 from k ≈ 7r."""
     if fp64_rate <= 0:
@@ -87,6 +84,8 @@ def gram_beats_polar(m: int, n: int, fp64_rate: float) -> bool:
 
 def resolve_method(method: str, x3: torch.Tensor) -> str:
     """The backend `method` means for this tensor. "auto":
+    - float64 input, on every device: "svd" (the only method exact to float64 at any condition
+      number: the Gram matrix squares it, the iterations stop at their residual check).
     - CUDA: "gram" where the device has a strong float64 unit (`FP64_RATE`) and the shape makes it
       cheaper (`gram_beats_polar`), else "polar" (batched float32 GEMMs on tensor cores). Either
       way accurate: polar's matrices that miss its residual check go to "gram".
@@ -97,6 +96,8 @@ def resolve_method(method: str, x3: torch.Tensor) -> str:
     """
     if method != "auto":
         return method
+    if x3.dtype == torch.float64:
+        return "svd"
     if x3.is_cuda:
         _, m, n = x3.shape
         return "gram" if gram_beats_polar(m, n, _fp64_rate(x3.device)) else "polar"
@@ -104,14 +105,9 @@ def resolve_method(method: str, x3: torch.Tensor) -> str:
 
 
 def iso_flatten_impl(x: torch.Tensor, method: str) -> None:
-    check_matrix_tensor(x, "iso_flatten_: x")
-    check_method(method)
+    """The flatten behind the isoloco::iso_flatten_ op, for input the op checked (ops.py: type,
+    rank, method, writable, finite)."""
     if x.numel() == 0:
         return
     x3 = x if x.ndim == 3 else x.unsqueeze(0)
-    backend = resolve_method(method, x3)
-    if backend not in _SELF_CHECKED:
-        # The polar and gram paths need no separate pass: a NaN/Inf makes polar's s̄ and gram's
-        # amax non-finite, which they refuse before writing. LAPACK gets checked input.
-        check_all_finite([x], ["iso_flatten_: x"])
-    _BACKENDS[backend](x3)
+    _BACKENDS[resolve_method(method, x3)](x3)

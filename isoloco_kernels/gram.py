@@ -19,6 +19,7 @@ import warnings
 import torch
 
 from . import exact
+from .reference import rank_tol
 from ._validate import ResultOverflowError, _describe_nonfinite, overflow_limit
 from .iteration_stats import PolarFallbackWarning, PolarStats, Recorder
 
@@ -69,8 +70,9 @@ reset_stats = _RECORD.reset
 def gram_flops(k: int, r: int, steps: int = STEPS) -> float:
     """float64 FLOPs of one r×k matrix (r ≤ k): A₀ = X·Xᵀ and Q = Y·X (2kr² each), the σ_max
     bound (two r³ products), every step but the last A², p·Y, p·A and (p·A)·p (four), the last
-    A² and p·Y (two), and Y·Ã₀ for the scale and the check (one); 2r³ FLOPs per product."""
-    return 4.0 * k * r * r + (8.0 * steps + 2.0) * r**3
+    A² and p·Y (two), Y·Ã₀ for the scale and the check (one) and the rank-cut check's Y², Y²·Z and
+    its square (three); 2r³ FLOPs per product."""
+    return 4.0 * k * r * r + (8.0 * steps + 5.0) * r**3
 
 
 
@@ -127,27 +129,35 @@ def gram_factor(
     f64 = torch.float64
     dev = x.device
     cols = n if cols is None else cols
-    inv = 1.0 / torch.where(amax > 0, amax, 1).to(f64)[:, None, None]
+    # divide (not multiply by 1/amax: that overflows for subnormal amax)
+    div = torch.where(amax > 0, amax, 1).to(f64)[:, None, None]
 
     # A₀ = X̃ X̃ᵀ and the exact rank bound, one pass over column chunks.
     a0 = torch.zeros(b, m, m, dtype=f64, device=dev)
     row_nz = torch.zeros(b, m, dtype=torch.bool, device=dev)
     col_nz = torch.zeros(b, dtype=torch.int64, device=dev)
     for sl in _chunks(n, cols):
-        ch = _chunk64(x[:, :, sl]).mul_(inv)
+        ch = _chunk64(x[:, :, sl]).div_(div)
         a0.baddbmm_(ch, ch.mT)
         nz = ch != 0
         row_nz |= nz.any(-1)
         col_nz += nz.any(-2).sum(-1)
         del ch, nz
     rank = torch.minimum(row_nz.sum(-1), col_nz).to(f64)
-    y, tq, resid, s = _iterate(a0, rank, coeffs, update)
+    y, tq, resid, s = _iterate(a0, rank, coeffs, update, tau=rank_tol(m, n, x.dtype))
     return y, tq, resid, rank, s
 
 
-def _iterate(a0: torch.Tensor, rank: torch.Tensor, coeffs, update: str):
+def _iterate(a0: torch.Tensor, rank: torch.Tensor, coeffs, update: str, tau: float | None = None):
     """The m×m part of `gram_factor` on A₀ [b, m, m] (float64, overwritten by Ã₀): the σ_max
-    bound, the schedule and the residual check. Returns (Y, t, resid, s) as `gram_factor`."""
+    bound, the schedule and the residual check. Returns (Y, t, resid, s) as `gram_factor`.
+
+    tau: reference.py's rank cut. The iteration maps every σ̃ ≥ ELL to 1, some of them below the
+    cut; so a matrix also fails the check (resid = inf) unless it provably keeps no direction
+    with σ < τ·σ_1: M = Y²·Y·Ã₀ has eigenvalues q³/σ̃ (q the mapped value, 0 on Ã₀'s null space),
+    1/σ̃ for every kept direction, and ‖M²‖_F^{1/2} ≥ λ_max(M); with σ̃_1 ≤ 1, a bound below 1/τ
+    means every kept σ̃ > τ·σ̃_1. (Loose by at most r^{1/4}: a matrix of condition number above
+    ~1/(τ·r^{1/4}) may go to the SVD though it keeps nothing below the cut.)"""
     # σ_max bound: B = A₀ / tr(A₀), λ_max(B) ≤ ‖B⁴‖_F^{1/4} ≤ r^{1/4} λ_max(B).
     tr = a0.diagonal(dim1=-2, dim2=-1).sum(-1)
     tr = torch.where(tr > 0, tr, 1)[:, None, None]
@@ -178,28 +188,17 @@ def _iterate(a0: torch.Tensor, rank: torch.Tensor, coeffs, update: str):
     tq = z.diagonal(dim1=-2, dim2=-1).sum(-1) / r0  # s̄ / c
     fro2 = (z * y).sum((-2, -1))  # tr(Y Ã₀ Yᵀ) = ‖Q‖_F²
     resid = (rank - fro2).abs() / rank.clamp_min(1).sqrt()
+    if tau is not None:
+        mm = (y @ y) @ z
+        bound = torch.linalg.vector_norm(mm @ mm, dim=(-2, -1)).sqrt()
+        resid = torch.where(bound * tau < 1, resid, math.inf)
+        del mm
     del z
     return y, tq, resid, s
 
 
 # ----------------------------------------------------------------------------------------------
 # The in-place flatten
-
-
-def _svd_fallback(sub: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """The exact SVD path (exact.flatten_svd_) on a copy of `sub`; far from 1 the copy is first
-    scaled by a power of two (exact) so that LAPACK neither overflows nor underflows."""
-    sub = sub.clone()
-    k = torch.zeros_like(amax, dtype=torch.float64)
-    big = (amax > 2.0**60) | ((amax > 0) & (amax < 2.0**-60))
-    if bool(big.any()):
-        k = torch.where(big, torch.floor(torch.log2(torch.where(amax > 0, amax, 1).double())), 0)
-        sub.mul_(torch.exp2(-k).to(sub.dtype)[:, None, None])
-    exact.flatten_svd_(sub)
-    if bool(big.any()):
-        cd = torch.float64 if sub.dtype == torch.float64 else torch.float32
-        sub = (sub.to(cd) * torch.exp2(k).to(cd)[:, None, None])
-    return sub
 
 
 def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = "pap") -> None:
@@ -267,12 +266,13 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
                 matrix=i,
             )
 
-    # The exact fallback for flagged matrices, computed aside; it must fit too.
+    # The exact fallback for flagged matrices (float64 SVD, its own power-of-two scaling),
+    # computed aside; it must fit too.
     fallback = None
     if flagged.numel():
-        fallback = _svd_fallback(x3[flagged], amax[flagged])
+        fallback = exact.svd_result(x3[flagged])
         top = fallback.abs().flatten(1).amax(-1)
-        ok = torch.isfinite(top) & (top < big)
+        ok = top < big
         if not bool(ok.all()):
             k = int((~ok).nonzero()[0, 0])
             i = int(flagged[k])

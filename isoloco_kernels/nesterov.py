@@ -13,20 +13,17 @@ float16 params with float32 momentum buffers are updated in float32 and rounded 
 
 `nesterov_outer_torch` is the torch implementation (torch._foreach_* per (device, dtypes); torch's
 fused CPU SGD kernel for unscaled contiguous float32/float64 CPU groups); csrc/, CuPy and Triton
-serve CUDA first (dispatch.py). Arguments are checked in ops.py; `prepare_outer_update` is the
-optimizers' overflow-checked call.
+serve CUDA first (dispatch.py). Arguments and the finiteness rule are checked in ops.py (before
+any backend runs; ops.prepare_nesterov_outer_ is the optimizers' checked call).
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Optional, Sequence
 
 import torch
 
-from ._validate import ResultOverflowError
-
-__all__ = ["nesterov_outer_torch", "update_compute_dtype", "prepare_outer_update"]
+__all__ = ["nesterov_outer_torch", "update_compute_dtype"]
 
 
 def update_compute_dtype(param_dtype: torch.dtype, buf_dtype: torch.dtype) -> torch.dtype:
@@ -114,73 +111,3 @@ def nesterov_outer_torch(
             lr,
             momentum,
         )
-
-
-# ----------------------------------------------------------------------------------------------
-# Overflow-checked update for the optimizers: decide, then write
-
-
-def _half_ulp_of_max(dtype: torch.dtype) -> float:
-    """A quarter of the spacing of `dtype` at its max: adding anything smaller to a finite value
-    (rounded once) cannot overflow."""
-    fi = torch.finfo(dtype)
-    return fi.eps * math.ldexp(1.0, math.frexp(fi.max)[1] - 1) / 4
-
-
-def prepare_outer_update(params, bufs, updates, lr: float, momentum: float, names: Sequence[str]):
-    """Check that one nesterov_outer_ call cannot overflow, before anything is written; returns
-    a function that applies it.
-
-    Bound per tensor from amax (one `_foreach_norm(inf)` pass over updates and bufs per dtype):
-    |buf'| ≤ μ·|buf| + |u| and |Δp| ≤ lr·(|u| + μ·|buf'|). When both stay well inside the dtypes'
-    range (Δp below a quarter ulp of the param dtype's max, so p + Δp cannot round to Inf for any
-    finite p), the returned function runs the op in place. Otherwise the update is computed now on
-    copies of the params and bufs of the tensors at risk; a non-finite result raises
-    ResultOverflowError naming the tensor (nothing written), else the function copies it in.
-    """
-    lr, momentum = float(lr), float(momentum)
-    amax_u = _amax(updates)
-    amax_b = _amax(bufs)
-    risky = []
-    for i, (p, b) in enumerate(zip(params, bufs)):
-        nb = momentum * amax_b[i] + amax_u[i]
-        dp = lr * (amax_u[i] + momentum * nb)
-        if not (nb < torch.finfo(b.dtype).max / 4 and dp < _half_ulp_of_max(p.dtype)):
-            risky.append(i)
-    if not risky:
-        return lambda: torch.ops.isoloco.nesterov_outer_(list(params), list(bufs), list(updates), lr, momentum, None)
-    P = [params[i].detach().clone() for i in risky]
-    B = [bufs[i].detach().clone() for i in risky]
-    torch.ops.isoloco.nesterov_outer_(P, B, [updates[i] for i in risky], lr, momentum, None)
-    for k, i in enumerate(risky):
-        for what, t in (("param", P[k]), ("momentum buffer", B[k])):
-            if not bool(torch.isfinite(t).all()):
-                raise ResultOverflowError(
-                    f"{names[i]}: the outer update (lr={lr}, momentum={momentum}) overflows the "
-                    f"{what}'s dtype {t.dtype} (largest update entry {amax_u[i]:.4g}); nothing was changed"
-                )
-    safe = [i for i in range(len(params)) if i not in set(risky)]
-
-    def apply() -> None:
-        if safe:
-            torch.ops.isoloco.nesterov_outer_(
-                [params[i] for i in safe], [bufs[i] for i in safe], [updates[i] for i in safe], lr, momentum, None
-            )
-        torch._foreach_copy_([params[i].detach() for i in risky], P)
-        torch._foreach_copy_([bufs[i] for i in risky], B)
-
-    return apply
-
-
-def _amax(tensors) -> list[float]:
-    """Largest |entry| of each tensor (0 for empty ones), one fused pass per (device, dtype)."""
-    out = [0.0] * len(tensors)
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for i, t in enumerate(tensors):
-        if t.numel():
-            groups[(t.device, t.dtype)].append(i)
-    for idx in groups.values():
-        norms = torch._foreach_norm([tensors[i] for i in idx], float("inf"))
-        for i, v in zip(idx, torch.stack(norms).tolist()):
-            out[i] = v
-    return out

@@ -9,15 +9,15 @@
                              float lr, float momentum, Tensor? scales) -> ()
         buf ← μ·buf + s·u ; p ← p − lr·(s·u + μ·buf), s = scales[i] (1 when scales is None).
 
-Every implementation registered here checks its arguments (one check per op, the same on every
-device) and then runs what `dispatch.select` picks: on CUDA the compiled extension's kernels
+Every implementation registered here checks its arguments and the finiteness rule (below: one
+check per op, the same on every device) and then runs what `dispatch.select` picks: on CUDA the compiled extension's kernels
 (csrc/, registered as the private ops csrc_iso_scale_ / csrc_nesterov_outer_), the same kernels
 through CuPy, Triton or torch; torch on the CPU.
 """
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -25,12 +25,16 @@ from . import _ext, dispatch, flatten
 from ._validate import (
     SUPPORTED_DTYPES,
     ResultOverflowError,
+    amaxes,
     check_all_finite,
+    check_amax_finite,
     check_matrix_tensor,
     check_writable,
     compute_dtype,
+    is_fake,
 )
 from .flatten import check_method, iso_flatten_impl
+from .nesterov import update_compute_dtype
 
 _lib = torch.library.Library("isoloco", "DEF")  # noqa: TOR901 (owned by this module)
 
@@ -54,8 +58,29 @@ _lib.define(
 _ext.load()  # registers the csrc_* CUDA kernels, if the extension was built
 
 
+# ----------------------------------------------------------------------------------------------
+# The finiteness rule: one for every op, checked here, so it is the same on every backend
+# (README "Guarantees"):
+#   1. Every tensor an op reads, and lr and momentum, is finite: a NaN or Inf raises ValueError
+#      naming the operand (and matrix), before anything is written.
+#   2. What an op writes or returns is its result rounded to the output dtype, never an overflow of
+#      an intermediate: where a bound from the inputs' largest entries says the compute dtype could
+#      overflow, that part is computed aside in float64 (iso_scale_ at a power-of-two scale of each
+#      operand; iso_flatten_'s methods always scale each matrix). A result that is not finite in its dtype raises ResultOverflowError
+#      (a ValueError) naming the tensor or matrix, with nothing written.
+
+
+def _safe(dtype: torch.dtype) -> float:
+    """Magnitudes below this leave room for one more rounding and an add in `dtype`."""
+    return torch.finfo(dtype).max / 4
+
+
 @torch.library.impl(_lib, "iso_flatten_", "CompositeExplicitAutograd")
 def _iso_flatten_(x: torch.Tensor, method: str) -> None:
+    check_matrix_tensor(x, "iso_flatten_: x")
+    check_method(method)
+    check_writable([x], ["iso_flatten_: x"])
+    check_all_finite([x], ["iso_flatten_: x"])
     iso_flatten_impl(x, method)
 
 
@@ -79,7 +104,47 @@ def _check_scale_args(x: torch.Tensor, q: torch.Tensor) -> None:
 @torch.library.impl(_lib, "iso_scale_", "CUDA")
 def _iso_scale_impl(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     _check_scale_args(x, q)
-    return dispatch.select("iso_scale_", x.device, x, q).run(x, q)
+    check_writable([x], ["iso_scale_: x"])
+    ax, aq = amaxes([x, q])
+    check_amax_finite([x, q], [ax, aq], ["iso_scale_: x", "iso_scale_: q"])
+    # |s̄| ≤ Σ|x·q| / min(m, n) ≤ max(m, n)·ax·aq and |s̄·q| ≤ |s̄|·aq (rule 2)
+    s_bound = max(x.shape[-2:]) * ax * aq
+    if s_bound < _safe(compute_dtype(x.dtype)) and s_bound * aq < _safe(x.dtype):
+        return dispatch.select("iso_scale_", x.device, x, q).run(x, q)
+    return _iso_scale_aside(x, q, ax, aq)
+
+
+def _mul_pow2(t: torch.Tensor, e: int) -> torch.Tensor:
+    """t·2^e in steps that are each a representable power of two (exact unless t·2^e over- or
+    underflows t's dtype)."""
+    while e:
+        k = max(-1000, min(1000, e))
+        t = t * 2.0**k
+        e -= k
+    return t
+
+
+def _iso_scale_aside(x: torch.Tensor, q: torch.Tensor, ax: float, aq: float) -> torch.Tensor:
+    """iso_scale_ in float64 on x / 2^ex and q / 2^eq (exact scalings), checked before writing."""
+    ex = math.frexp(ax)[1] if ax > 0 else 0
+    eq = math.frexp(aq)[1] if aq > 0 else 0
+    x3, q3 = x.reshape(-1, *x.shape[-2:]), q.reshape(-1, *q.shape[-2:])
+    qs = _mul_pow2(q3.to(torch.float64), -eq)
+    t = (_mul_pow2(x3.to(torch.float64), -ex) * qs).sum((-2, -1)) / max(min(x.shape[-2:]), 1)
+    out = _mul_pow2(t[:, None, None] * qs, ex + 2 * eq).to(x.dtype)
+    sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    sbar = _mul_pow2(t, ex + eq).to(sdt)
+    bad = (~(torch.isfinite(out).flatten(1).all(1) & torch.isfinite(sbar))).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        what = f"the result s̄·q does not fit {x.dtype}" if torch.isfinite(sbar[i]) else f"s̄ does not fit {sdt}"
+        raise ResultOverflowError(
+            f"iso_scale_: matrix {i}: {what} (s̄ = {float(_mul_pow2(t[i], ex + eq)):.4g}, the inputs are "
+            f"finite); nothing was written",
+            matrix=i,
+        )
+    x.copy_(out.reshape(x.shape))
+    return sbar.reshape(x.shape[:-2])
 
 
 @torch.library.register_fake("isoloco::iso_scale_", lib=_lib)
@@ -136,14 +201,77 @@ def check_nesterov_written(params, bufs) -> None:
     )
 
 
+def _nesterov_fits(p, b, ap: float, ab: float, au: float, lr: float, mu: float) -> bool:
+    """Whether the compute-dtype update of one tensor provably stays finite (rule 2), from the
+    largest entries: |buf'| ≤ μ·|buf| + |s·u|, |Δp| ≤ lr·(|s·u| + μ·|buf'|), |p'| ≤ |p| + |Δp|;
+    lr and lr·μ must fit too (the kernels take them in the compute dtype)."""
+    lim = _safe(update_compute_dtype(p.dtype, b.dtype))
+    nb = mu * ab + au
+    dp = lr * (au + mu * nb)
+    return (max(lr, lr * mu, mu, au, dp) < lim and nb < min(lim, _safe(b.dtype))
+            and ap + dp < _safe(p.dtype))
+
+
+def _nesterov_aside(p, b, u, lr: float, mu: float, s: float, name: str, i: int):
+    """One tensor's update in float64 on scratch; (p', buf') in their dtypes, or ResultOverflowError."""
+    g = u.to(torch.float64) * s
+    b64 = b.to(torch.float64).mul_(mu).add_(g)
+    p64 = p.to(torch.float64).sub_(g.add_(b64, alpha=mu).mul_(lr))
+    out = p64.to(p.dtype), b64.to(b.dtype)
+    for what, t, t64 in (("param", out[0], p64), ("momentum buffer", out[1], b64)):
+        if not bool(torch.isfinite(t).all()):
+            raise ResultOverflowError(
+                f"{name}: the outer update (lr={lr:g}, momentum={mu:g}) overflows the {what}'s dtype "
+                f"{t.dtype} (largest new entry {float(t64.abs().max()):.4g}); nothing was written",
+                tensor=i,
+            )
+    return out
+
+
+def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales, names=None) -> Callable[[], None]:
+    """Every check of nesterov_outer_ (arguments, written tensors, the finiteness rule) and the
+    float64 update of the tensors whose compute-dtype update could overflow, before any write;
+    returns the function that writes. names[i] names tensor i in errors (default
+    "nesterov_outer_: tensor i"). One fused pass and one host sync per (device, dtype)."""
+    params, bufs, updates = list(params), list(bufs), list(updates)
+    lr, momentum = float(lr), float(momentum)
+    check_nesterov_args(params, bufs, updates, lr, momentum, scales)
+    check_nesterov_written(params, bufs)
+    n = len(params)
+    names = names or [f"nesterov_outer_: tensor {i}" for i in range(n)]
+    tensors = [*params, *bufs, *updates]
+    amax = amaxes(tensors)
+    check_amax_finite(tensors, amax, [f"{nm}: {w}" for w in ("param", "momentum buffer", "update") for nm in names])
+    s = [1.0] * n if scales is None else scales.tolist()
+    for i, v in enumerate(s):
+        if not math.isfinite(v):
+            raise ValueError(f"{names[i]}: scales[{i}] is {v}; scales must be finite; nothing was written")
+    aside = {
+        i: _nesterov_aside(params[i], bufs[i], updates[i], lr, momentum, s[i], names[i], i)
+        for i in range(n)
+        if not _nesterov_fits(params[i], bufs[i], amax[i], amax[n + i], abs(s[i]) * amax[2 * n + i], lr, momentum)
+    }
+    rest = [i for i in range(n) if i not in aside]
+    if len(rest) == n:
+        args = (params, bufs, updates, lr, momentum, scales)
+    else:
+        sc = None if scales is None else scales[torch.tensor(rest, dtype=torch.long, device=scales.device)]
+        args = ([params[i] for i in rest], [bufs[i] for i in rest], [updates[i] for i in rest], lr, momentum, sc)
+
+    def apply() -> None:
+        if args[0]:
+            dispatch.select("nesterov_outer_", args[0][0].device, *args).run(*args)
+        for i, (p_new, b_new) in aside.items():
+            params[i].copy_(p_new)
+            bufs[i].copy_(b_new)
+
+    return apply
+
+
 @torch.library.impl(_lib, "nesterov_outer_", "CPU")
 @torch.library.impl(_lib, "nesterov_outer_", "CUDA")
 def _nesterov_outer_impl(params, bufs, updates, lr, momentum, scales) -> None:
-    check_nesterov_args(params, bufs, updates, lr, momentum, scales)
-    check_nesterov_written(params, bufs)
-    if params:
-        args = (params, bufs, updates, lr, momentum, scales)
-        dispatch.select("nesterov_outer_", params[0].device, *args).run(*args)
+    prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales)()
 
 
 @torch.library.register_fake("isoloco::nesterov_outer_", lib=_lib)
@@ -165,41 +293,40 @@ def iso_merge_(buckets: Sequence[torch.Tensor], *, method: str = "auto") -> list
     and every bucket stays bit-identical. Every finite input whose Iso-C result fits its dtype
     gets it (each matrix is scaled by a power of two first); a result that does not fit raises
     ResultOverflowError (a ValueError) naming bucket and matrix, with nothing written.
-    Zero-size buckets pass through; buckets may live on different devices.
+    All or nothing across buckets: with several non-empty buckets, all but the largest are
+    flattened into scratch copies first (memory: those buckets once more), the largest in place,
+    and the copies are written back only once every bucket succeeded.
+    Zero-size buckets pass through; buckets may live on different devices. Fake tensors
+    (FakeTensorMode, tracing) get the metadata checks and the op's fake impl.
 
-    method: "svd" (exact, torch.linalg.svd), "eigh" (float64 eigh of the short-side Gram
-    matrix), "polar" (matmul-only Polar Express iteration, residual-checked, exact fallback),
-    "polar_bf16" (bf16 GEMMs; well-conditioned inputs only), "gram" (the iteration in float64 on
-    the short-side Gram matrix: two big GEMMs, exact to cond ~1e5) or "auto" ("gram" or "polar"
-    per shape and device on CUDA, the faster exact method on the CPU; see flatten.resolve_method).
+    method: "svd" (exact, float64 torch.linalg.svd), "eigh" (float64 eigh of the short-side Gram
+    matrix, svd where it cannot resolve the spectrum), "polar" (matmul-only Polar Express
+    iteration, residual-checked, exact fallback), "polar_bf16" (bf16 GEMMs; well-conditioned
+    inputs only), "gram" (the iteration in float64 on the short-side Gram matrix: two big GEMMs,
+    exact to cond ~1e5) or "auto" ("gram" or "polar" per shape and device on CUDA, the faster exact
+    method on the CPU, svd for float64 everywhere; see flatten.resolve_method).
     """
     buckets = list(buckets)
     check_method(method)
     names = [f"bucket {i}" for i in range(len(buckets))]
     for b, name in zip(buckets, names):
         check_matrix_tensor(b, name)
+    if any(is_fake(b) for b in buckets):  # no data: shapes only
+        for b in buckets:
+            torch.ops.isoloco.iso_flatten_(b, method)
+        return buckets
     check_writable(buckets, names)
     check_all_finite(buckets, names)
-    # All or nothing across buckets: those whose result might not fit their dtype (a bound from
-    # the Frobenius norm) are flattened aside first; only when all of them fit is anything written.
-    risky = [i for i, b in enumerate(buckets) if b.numel() and _may_not_fit(b)]
-    done = {}
-    for i in risky:
-        done[i] = buckets[i].clone()
-        iso_merge_unchecked_([done[i]], method, first=i)
-    iso_merge_unchecked_([b for i, b in enumerate(buckets) if i not in done], method,
-                         index=[i for i in range(len(buckets)) if i not in done])
-    for i, r in done.items():
-        buckets[i].copy_(r)
+    todo = [i for i, b in enumerate(buckets) if b.numel()]
+    last = max(todo, key=lambda i: buckets[i].numel(), default=None)
+    aside = {i: buckets[i].clone() for i in todo if i != last}
+    for i, c in aside.items():
+        iso_merge_unchecked_([c], method, first=i)
+    if last is not None:
+        iso_merge_unchecked_([buckets[last]], method, first=last)
+    for i, c in aside.items():
+        buckets[i].copy_(c)
     return buckets
-
-
-def _may_not_fit(b: torch.Tensor) -> bool:
-    """Whether an Iso-C result of bucket b could exceed half its dtype's range: every entry of
-    iso(Δ) is at most s̄ ≤ ‖Δ‖_F / √r0 (r0 = min(m, n)), bounded here by the whole bucket's norm."""
-    r0 = min(b.shape[-2:])
-    norm = float(torch.linalg.vector_norm(b, dtype=compute_dtype(b.dtype)))
-    return not norm / math.sqrt(r0) < torch.finfo(b.dtype).max / 2
 
 
 def iso_merge_unchecked_(buckets: Sequence[torch.Tensor], method: str, *, first: int = 0, index=None) -> None:

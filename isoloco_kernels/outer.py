@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ._validate import SUPPORTED_DTYPES, check_all_finite, check_writable, compute_dtype
-from .nesterov import prepare_outer_update
+from .ops import prepare_nesterov_outer_
 
 __all__ = ["SGD_KEYS", "Entry", "check_group", "check_hyper", "check_state_dict", "collect",
            "is_dtensor", "load_sgd_state", "local", "prepare_nesterov"]
@@ -45,6 +45,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def _number(v: Any, key: str, where: str) -> float:
     """v as a float; a one-element tensor counts (as torch's optimizers accept a tensor lr)."""
     if isinstance(v, torch.Tensor):
+        if v.device.type == "meta":
+            raise ValueError(f"{where}: '{key}' is a meta tensor, which holds no value; pass a number")
         if v.numel() != 1:
             raise ValueError(f"{where}: a Tensor {key} must have one element, got shape {tuple(v.shape)}")
         return float(v)
@@ -107,6 +109,8 @@ def buffer_problem(buf, p: torch.Tensor) -> Optional[str]:
     if not isinstance(buf, torch.Tensor):
         return f"must be a tensor, got {type(buf).__name__}"
     lb, lp = local(buf), local(p)
+    if lb.device.type == "meta":
+        return "is a meta tensor (it holds no data)"
     if buf.shape != p.shape or lb.shape != lp.shape or lb.device != lp.device or buf.dtype not in (
         p.dtype, compute_dtype(p.dtype)
     ):
@@ -138,6 +142,10 @@ def collect(
                 if require_grads:
                     raise ValueError(f"{n} has no grad; set p.grad to the pseudo-gradient on every rank")
                 continue
+            for what, t in (("param", p), ("grad", g)):
+                if local(t).device.type == "meta":
+                    raise RuntimeError(f"{where}: {n}: the {what} is a meta tensor (it holds no data to "
+                                       "compute from or write to); nothing was changed")
             if g.is_sparse:
                 raise RuntimeError(f"{where}: {n} has a sparse grad; IsoLoCo needs dense grads")
             if g.dtype not in SUPPORTED_DTYPES:
@@ -165,9 +173,9 @@ def prepare_nesterov(opt: torch.optim.Optimizer, rows) -> Callable[[], None]:
     """Everything but the writes of the Nesterov update. rows: (param, update, lr, momentum, name)
     with the update shaped like the param's local tensor. Momentum buffers are made where missing
     (zeros in the compute dtype, a DTensor for a DTensor param); one fused `nesterov_outer_` call per
-    (device, lr, momentum), each checked for overflow (`nesterov.prepare_outer_update`). Returns
-    the function that writes; new buffers join the state only after it ran, so a failure cannot
-    leave half-made state behind."""
+    (device, lr, momentum), each checked by the op's finiteness rule (`ops.prepare_nesterov_outer_`).
+    Returns the function that writes; new buffers join the state only after it ran, so a failure
+    cannot leave half-made state behind."""
     calls: dict[tuple, tuple[list, list, list, list]] = {}
     fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
     for p, u, lr, momentum, name in rows:
@@ -180,7 +188,8 @@ def prepare_nesterov(opt: torch.optim.Optimizer, rows) -> Callable[[], None]:
         bs.append(local(buf))
         us.append(u)
         names.append(name)
-    applies = [prepare_outer_update(ps, bs, us, lr, mu, names) for (_, lr, mu), (ps, bs, us, names) in calls.items()]
+    applies = [prepare_nesterov_outer_(ps, bs, us, lr, mu, None, names=names)
+               for (_, lr, mu), (ps, bs, us, names) in calls.items()]
 
     def apply() -> None:
         for fn in applies:
@@ -236,6 +245,8 @@ def check_state_dict(opt: torch.optim.Optimizer, state_dict: Any, where: str) ->
         name = f"{where}: param {pid} (shape {tuple(p.shape)}) momentum_buffer"
         if not isinstance(b, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(b).__name__} {b!r:.40}")
+        if local(b).device.type == "meta":
+            raise ValueError(f"{name} is a meta tensor (it holds no data to load)")
         if b.dtype not in SUPPORTED_DTYPES or tuple(b.shape) != tuple(p.shape):
             raise ValueError(f"{name} has shape {tuple(b.shape)}, dtype {b.dtype}; want {tuple(p.shape)}, "
                              f"one of {SUPPORTED_DTYPES}")

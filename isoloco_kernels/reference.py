@@ -4,22 +4,41 @@ For one matrix Δ (m×n), r0 = min(m, n), SVD Δ = U diag(σ) Vᵀ:
 
     iso(Δ) = s̄ · U_r V_rᵀ,    s̄ = (σ_1 + … + σ_r0) / r0
 
-U_r, V_r keep the directions with σ_i > tol·σ_1, tol = max(m, n)·eps(float64): the numerically
-nonzero ones. A zero row or column stays zero and a zero matrix stays zero (never NaN). For a
-full-rank Δ this is the published Iso-C merge, U diag(mean σ) Vᵀ (Marczak et al., 2025).
+The rank cut, one definition for every method (`rank_tol`): σ_i is numerically zero when
+
+    σ_i ≤ τ·σ_1,   τ = 4·eps(c) + max(m, n)·eps(float64),
+
+c the input's compute dtype (float32 for float16/bfloat16/float32 input, float64 for float64) and
+σ the singular values of the input's values, in float64. Rounding a rank-deficient matrix to c
+(or forming it in c) leaves spurious singular values of up to ~1·eps(c)·σ_1 (measured for float32:
+0.01–0.2·eps32 for ranks 1–16, 0.95·eps32 for a rank-500 1024×1024 product), and a float64 SVD
+adds max(m, n)·eps64; τ sits above both, so a rank-one float32 outer product stays rank one, and
+below the smallest direction a float32 matrix of condition number up to ~2e6 holds (κ 1e6 keeps
+every direction). U_r, V_r keep the other directions; s̄ sums every σ. Every method computes this:
+svd in float64, eigh where its float64 Gram matrix resolves the spectrum (svd elsewhere), and the
+polar and gram iterations map every σ they keep to 1, and send on to svd the matrices their checks
+cannot certify (rank-deficient, beyond their condition range, or gram's bound on the smallest kept
+σ below τ). A zero row or column stays zero and a zero matrix stays zero (never NaN). For a full-rank Δ this is the published Iso-C merge,
+U diag(mean σ) Vᵀ (Marczak et al., 2025).
 
 The IsoLoCo outer step (Iso-C, then Nesterov momentum without dampening) is `nesterov_ref`.
 
-Nothing here is fast and nothing here is imported by the kernels: tests and the benchmark's error
-column use it.
+Nothing here is fast: tests and the benchmark's error column use it; the kernels import only
+`rank_tol`, so the cut has one definition.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["iso_flatten_ref", "polar_ref", "nesterov_ref", "isoloco_step_ref"]
+__all__ = ["iso_flatten_ref", "polar_ref", "nesterov_ref", "isoloco_step_ref", "rank_tol"]
 
 _EPS64 = torch.finfo(torch.float64).eps
+
+
+def rank_tol(m: int, n: int, dtype: torch.dtype) -> float:
+    """τ of the rank cut (module docstring) for an m×n matrix of `dtype`: σ_i ≤ τ·σ_1 is zero."""
+    c = torch.float64 if dtype == torch.float64 else torch.float32
+    return 4 * torch.finfo(c).eps + max(m, n) * _EPS64
 
 
 def _svd64(x: torch.Tensor):
@@ -36,7 +55,7 @@ def polar_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         z = torch.zeros(x.shape, dtype=torch.float64)
         return z, torch.zeros(x.shape[:-2], dtype=torch.float64)
     _, (u, s, vh) = _svd64(x)
-    keep = s > (max(m, n) * _EPS64) * s[..., :1]
+    keep = s > rank_tol(m, n, x.dtype) * s[..., :1]
     q = (u * keep.unsqueeze(-2).to(u.dtype)) @ vh
     return q, s.sum(-1)
 
