@@ -20,6 +20,7 @@ from ._validate import ResultOverflowError
 from .buckets import BucketPlan
 from . import distributed
 from .distributed import dtensor
+from .distributed.agree import agreed_init, describe, optimizer_settings
 from .flatten import check_method
 from .ops import iso_merge_unchecked_
 from .outer import SGD_KEYS, Entry, check_group, check_hyper, check_param_dtypes, collect, load_sgd_state
@@ -52,6 +53,7 @@ class IsoLoCo(torch.optim.Optimizer):
             results all-gathered. None (default): this process flattens everything.
     """
 
+    @agreed_init("IsoLoCo()", lambda kwargs: kwargs.get("process_group"), lambda opt: opt._settings())
     def __init__(
         self,
         params,
@@ -113,6 +115,15 @@ class IsoLoCo(torch.optim.Optimizer):
             )
         return self._process_group
 
+    def _settings(self, grads=None) -> dict[str, str]:
+        """What every rank of the process group must share (each group's hyper-parameters, the
+        method, the params, and at a step the grads): compared at construction and every step."""
+        out = optimizer_settings(self, method=self.method)
+        out["params (shapes, dtypes)"] = repr(describe([p for g in self.param_groups for p in g["params"]]))
+        if grads is not None:
+            out["grads (shapes, dtypes)"] = repr(describe(grads))
+        return out
+
     def add_param_group(self, param_group: dict) -> None:
         where = f"IsoLoCo: param group {len(self.param_groups)}"
         check_group({**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}, where)
@@ -165,6 +176,16 @@ class IsoLoCo(torch.optim.Optimizer):
         """failed: what the closure raised (only passed over a process group, where the other
         ranks must learn of it before anyone writes)."""
         if dtensor.uses_dtensor(self):  # -- DTensor params: the sharded step lives in dtensor.py --
+            if failed is not None:  # the other ranks wait in step_'s first agreement: tell them
+                from .distributed.agree import agree_on_mesh, error_text
+
+                mesh = dtensor._agreement_mesh(self)
+                if mesh.size() == 1:
+                    raise failed
+                try:
+                    agree_on_mesh(error_text(failed), mesh, "IsoLoCo.step")
+                except distributed.DistributedStepError as e:
+                    raise e from failed
             return dtensor.step_(self)
         group = self._group()
         if group is None:
@@ -174,7 +195,7 @@ class IsoLoCo(torch.optim.Optimizer):
             return
         # Over a process group every rank must fail together: agree after the checks (and on the
         # shapes), sharded_iso_merge_ agrees around the flatten, and once more before writing.
-        from .distributed.agree import agree, comm_device, describe, error_text, fingerprint
+        from .distributed.agree import agree, error_text
 
         error, entries = None, []
         try:
@@ -183,9 +204,7 @@ class IsoLoCo(torch.optim.Optimizer):
             entries = self._gather()
         except Exception as e:  # noqa: BLE001 — any failure must reach the other ranks
             error = error_text(e)
-        device = comm_device(group, entries[0].p.device if entries else None)
-        fp = fingerprint((describe([e.g for e in entries]), [bool(e.group["iso"]) for e in entries]))
-        agree(error, group, device, "IsoLoCo.step", fp)
+        agree(error, group, "IsoLoCo.step", settings=None if error else self._settings([e.g for e in entries]))
         if not entries:
             return
         iso = self._iso_updates(entries)
@@ -194,7 +213,7 @@ class IsoLoCo(torch.optim.Optimizer):
             apply = self._prepare_update(entries, iso)
         except Exception as e:  # noqa: BLE001
             error = error_text(e)
-        agree(error, group, device, "IsoLoCo.step")
+        agree(error, group, "IsoLoCo.step")
         apply()
 
     def _prepare_update(self, entries: list[Entry], iso: dict[int, torch.Tensor]) -> Callable[[], None]:
@@ -211,8 +230,8 @@ class IsoLoCo(torch.optim.Optimizer):
                 with torch.enable_grad():
                     loss = closure()
             except Exception as e:  # noqa: BLE001
-                if self._process_group is None or dtensor.uses_dtensor(self):
+                if self._process_group is None and not dtensor.uses_dtensor(self):
                     raise
-                failed = e  # over a process group: every rank must fail together
+                failed = e  # over a process group or a mesh: every rank must fail together
         self._update(failed)
         return loss

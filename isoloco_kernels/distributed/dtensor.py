@@ -26,7 +26,7 @@ from .._validate import check_all_finite
 from ..buckets import BucketPlan
 from ..ops import iso_merge_unchecked_
 from ..outer import Entry, collect, is_dtensor, local, prepare_nesterov
-from .agree import agree_on_mesh, error_text
+from .agree import agree_on_mesh, error_text, optimizer_settings
 
 # torch 2.14 renamed the single-tensor all-gather; older releases only have the old name
 _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
@@ -284,7 +284,8 @@ def step_(opt) -> None:
         entries = _gather_entries(opt)
     except Exception as e:
         error = error_text(e)
-    agree_on_mesh(error, mesh0, "IsoLoCo.step", _fingerprint(entries) if error is None else 0)
+    agree_on_mesh(error, mesh0, "IsoLoCo.step", _fingerprint(entries) if error is None else 0,
+                  settings=None if error else optimizer_settings(opt, method=opt.method, dtensor_route=mode))
     if not entries:
         return
     stats = _Stats()
