@@ -87,6 +87,8 @@ def _setting(v: Any) -> str:
     number; NaN equals NaN), everything else by repr."""
     if isinstance(v, torch.Tensor) and v.numel() == 1:
         v = v.item()
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return repr(int(v))
     if isinstance(v, numbers.Real) and not isinstance(v, bool):
         v = float(v)
         return "nan" if math.isnan(v) else repr(v)
@@ -160,7 +162,7 @@ def _raise(what: str, world: int, failed: list, texts: list, settings: list, mis
     raise DistributedStepError(f"{head}, nothing was changed on any rank: {detail}")
 
 
-def agree(error: Optional[str], group, what: str, fp: Optional[int] = None,
+def agree(error: Optional[str], group, what: str, *, fp: Optional[int] = None,
           mismatch: str = "the ranks passed different tensors", settings: Optional[dict] = None) -> None:
     """Every rank learns whether any rank failed, and whether the fingerprints (`fp` and the
     named `settings`) match; all raise DistributedStepError if not.
@@ -214,9 +216,10 @@ def agree_on_mesh(error: Optional[str], mesh, what: str, fp: int = 0,
 
 def agreed_init(where: str, group_of: Callable[[dict], Any], settings: Callable[[Any], dict]):
     """Decorate an optimizer's __init__ so that, over a process group (`group_of(kwargs)`, None:
-    no agreement), every rank constructs or none does: a rank whose __init__ raised, or whose
-    `settings(self)` differ, makes every rank raise DistributedStepError (the failing rank's
-    exception chained), instead of leaving the others waiting at their first collective."""
+    no agreement), every rank constructs or none does, instead of leaving the others waiting at
+    their first collective: a rank whose __init__ raised raises its own exception after the
+    agreement, the others DistributedStepError naming it; settings that differ between ranks
+    (`settings(self)`) raise DistributedStepError on every rank, naming them."""
     def deco(init):
         @functools.wraps(init)
         def wrapper(self, *args, **kwargs):
@@ -231,8 +234,10 @@ def agreed_init(where: str, group_of: Callable[[dict], Any], settings: Callable[
                 failure = e
             try:
                 agree(None if failure is None else error_text(failure), group, where, settings=mine)
-            except DistributedStepError as e:
-                raise e from failure
+            except DistributedStepError:
+                if failure is not None:
+                    raise failure from None
+                raise
 
         return wrapper
 

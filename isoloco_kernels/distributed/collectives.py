@@ -100,7 +100,7 @@ def average_(
         return tensors
     # Agree before the first all-reduce: a rank with bad input, or ranks passing different shapes,
     # dtypes or chunk sizes (gloo would abort the process on a size mismatch), fail on every rank.
-    agree(error, group, "average_", fingerprint(describe(tensors)), settings={"bucket_bytes": repr(bucket_bytes)})
+    agree(error, group, "average_", fp=fingerprint(describe(tensors)), settings={"bucket_bytes": repr(bucket_bytes)})
     device = comm_device(group)
     by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):

@@ -62,8 +62,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         self.group = group
         self.rank, self.world_size = group_info(group)
         self._built = False
-        # Every rank constructs or none does: a rank whose arguments are refused, or whose
-        # settings differ from the others', makes every rank raise here (never a hang at step one).
+        # Every rank constructs or none does (never a hang at step one): a rank whose arguments are
+        # refused raises its error after the agreement, the others DistributedStepError naming it;
+        # settings that differ between ranks raise DistributedStepError everywhere, naming them.
         error = None
         try:
             self._build(params, lr, momentum, iso, method, bucket_bytes, solo_above)
@@ -72,10 +73,12 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                 raise
             error = e
         try:
-            agree(None if error is None else error_text(error), group, "ShardedIsoLoCo()", PLAN_MISMATCH,
+            agree(None if error is None else error_text(error), group, "ShardedIsoLoCo()", mismatch=PLAN_MISMATCH,
                   settings=self._settings() if error is None else None)
-        except DistributedStepError as e:
-            raise e from error
+        except DistributedStepError:
+            if error is not None:  # this rank's own error; the others raise DistributedStepError
+                raise error from None
+            raise
         self._built = True
 
     def _build(self, params, lr, momentum, iso, method, bucket_bytes, solo_above) -> None:
@@ -114,8 +117,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     def _settings(self) -> dict[str, str]:
         """What every rank must share for the step to run the same collectives and write the same
         values: each group's hyper-parameters, the method, the chunk size and the shard plan."""
+        plan = {"shard plan (shapes, dtypes, iso, solo_above)": f"{self.plan.fingerprint:#x}"}
         return optimizer_settings(self, method=self.method, bucket_bytes=self.bucket_bytes,
-                                  **{"shard plan (shapes, dtypes, iso, solo_above)": f"{self.plan.fingerprint:#x}"})
+                                  solo_above=self.solo_above, **plan)
 
     def add_param_group(self, param_group: dict) -> None:
         """Only while constructing: the shard plan (which rank steps which param and keeps its
