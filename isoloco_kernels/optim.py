@@ -20,7 +20,7 @@ from ._validate import ResultOverflowError
 from .buckets import BucketPlan
 from . import distributed
 from .distributed import dtensor
-from .distributed.agree import agreed_init, describe, optimizer_settings
+from .distributed.agree import agree, agree_on_mesh, agreed_init, describe, error_text, optimizer_settings
 from .flatten import check_method
 from .ops import iso_merge_unchecked_
 from .outer import SGD_KEYS, Entry, check_group, check_hyper, check_param_dtypes, collect, load_sgd_state
@@ -177,8 +177,6 @@ class IsoLoCo(torch.optim.Optimizer):
         ranks must learn of it before anyone writes)."""
         if dtensor.uses_dtensor(self):  # -- DTensor params: the sharded step lives in dtensor.py --
             if failed is not None:  # the other ranks wait in step_'s first agreement: tell them
-                from .distributed.agree import agree_on_mesh, error_text
-
                 mesh = dtensor._agreement_mesh(self)
                 if mesh.size() == 1:
                     raise failed
@@ -195,8 +193,6 @@ class IsoLoCo(torch.optim.Optimizer):
             return
         # Over a process group every rank must fail together: agree after the checks (and on the
         # shapes), sharded_iso_merge_ agrees around the flatten, and once more before writing.
-        from .distributed.agree import agree, error_text
-
         error, entries = None, []
         try:
             if failed is not None:

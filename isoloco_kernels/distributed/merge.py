@@ -62,8 +62,6 @@ def sharded_iso_merge_(
         mine = sorted({units[u][0] for u in plan.owned(rank)})
         check_all_finite([buckets[k] for k in mine], [names[k] for k in mine])
     except Exception as e:  # noqa: BLE001 — any failure must reach the other ranks
-        if world == 1:
-            raise
         error = error_text(e)
     # the settings that change which collectives run (plan, chunk size) or what is written (method)
     settings = None if error else {"method": repr(method), "bucket_bytes": repr(bucket_bytes),

@@ -44,7 +44,14 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     iso); half-precision params keep float32 momentum, as in IsoLoCo.
 
     If any rank finds bad input (missing grad, wrong shape or dtype, NaN/Inf, a failed flatten),
-    every rank raises DistributedStepError and no param or buffer changes on any rank.
+    every rank raises DistributedStepError and no param or buffer changes on any rank. The ranks
+    also agree on their settings, at construction and before every step: each group's
+    hyper-parameters, `method`, `bucket_bytes`, `solo_above` and the shard plan; a setting that
+    differs on some rank raises DistributedStepError everywhere, naming it and which ranks hold
+    which value. A rank whose constructor arguments are refused raises its own error, the others
+    DistributedStepError naming it. Params must live on the group's communication device
+    (`agree.comm_device`: CUDA for NCCL, the CPU for gloo). Param groups are fixed at construction
+    (`add_param_group` afterwards is refused).
     """
 
     def __init__(
