@@ -53,7 +53,7 @@ class IsoLoCo(torch.optim.Optimizer):
             results all-gathered. None (default): this process flattens everything.
     """
 
-    @agreed_init("IsoLoCo()", lambda kwargs: kwargs.get("process_group"), lambda opt: opt._settings())
+    @agreed_init("IsoLoCo()", lambda opt: opt._settings())
     def __init__(
         self,
         params,
@@ -116,8 +116,9 @@ class IsoLoCo(torch.optim.Optimizer):
         return self._process_group
 
     def _settings(self, grads=None) -> dict[str, str]:
-        """What every rank of the process group must share (each group's hyper-parameters, the
-        method, the params, and at a step the grads): compared at construction and every step."""
+        """What every rank of the process group (or of the DTensor params' mesh) must share: each
+        group's hyper-parameters, the method, the params, and at a step the grads; compared at
+        construction and every step."""
         out = optimizer_settings(self, method=self.method)
         out["params (shapes, dtypes)"] = repr(describe([p for g in self.param_groups for p in g["params"]]))
         if grads is not None:

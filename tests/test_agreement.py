@@ -154,6 +154,8 @@ CASES["sharded_step_lr"] = _sharded_step(lambda o: o.param_groups[0].update(lr=0
                                          "1.8", "0.5")
 CASES["sharded_step_momentum"] = _sharded_step(lambda o: o.param_groups[0].update(momentum=0.5),
                                                "param_groups[0]['momentum']", "0.8", "0.5")
+CASES["sharded_step_iso"] = _sharded_step(lambda o: o.param_groups[0].update(iso=False), "param_groups[0]['iso']",
+                                          "True", "False")
 CASES["sharded_step_method"] = _sharded_step(lambda o: setattr(o, "method", "gram"), "method", "'auto'", "'gram'")
 CASES["sharded_step_bucket_bytes"] = _sharded_step(lambda o: setattr(o, "bucket_bytes", 64), "bucket_bytes",
                                                    str(D.collectives.BUCKET_BYTES), "64")
@@ -272,26 +274,53 @@ def _dtensor_opt(rank, world, **kw):
     return params, IsoLoCo(params, **kw)
 
 
-def _dtensor_watch(params):
+def _dtensor_watch(params, grads=True):
     from isoloco_kernels.outer import local
 
-    return [local(p) for p in params] + [local(p.grad) for p in params]
+    return [local(p) for p in params] + ([local(p.grad) for p in params] if grads else [])
 
 
-def _dtensor(odd_kw, key, common, other, route=None):
+def _dtensor_init(odd_kw, match=None, refused=None):
+    """IsoLoCo on DTensor params built differently on one rank: the ranks agree over the mesh."""
     def case(rank, world, odd):
-        params, opt = _dtensor_opt(rank, world, **(odd_kw if rank == odd and route is None else {}))
-        if route is not None:
-            opt.dtensor_route = route if rank == odd else "auto"
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = _mesh(world)
+        params = [distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None) for t in _model(SHAPES, torch.float32)]
+        make = lambda: IsoLoCo(params, **(odd_kw if rank == odd else {}))  # noqa: E731
+        if refused:
+            _refused_on_last(rank, world, odd, make, refused, _dtensor_watch(params, grads=False))
+        else:
+            _fails_together(make, match(world), _dtensor_watch(params, grads=False))
+    return case
+
+
+CASES["dtensor_init_lr"] = _dtensor_init({"lr": 0.7}, lambda w: _differs("param_groups[0]['lr']", "1.8", "0.7", w))
+CASES["dtensor_init_iso"] = _dtensor_init({"iso": False}, lambda w: _differs(
+    "param_groups[0]['iso']", "True", "False", w))
+CASES["dtensor_init_method"] = _dtensor_init({"method": "svd"}, lambda w: _differs("method", "'auto'", "'svd'", w))
+CASES["dtensor_init_lr_nan"] = _dtensor_init({"lr": float("nan")}, refused=".*learning rate")
+
+
+def _dtensor_step(change, key, common, other):
+    """A setting changed on one rank after construction: the DTensor step's first agreement."""
+    def case(rank, world, odd):
+        params, opt = _dtensor_opt(rank, world)
+        if rank == odd:
+            change(opt)
         _fails_together(opt.step, _differs(key, common, other, world), _dtensor_watch(params), opt)
     return case
 
 
-CASES["dtensor_lr"] = _dtensor({"lr": 0.7}, "param_groups[0]['lr']", "1.8", "0.7")
-CASES["dtensor_momentum"] = _dtensor({"momentum": 0.9}, "param_groups[0]['momentum']", "0.8", "0.9")
-CASES["dtensor_iso"] = _dtensor({"iso": False}, "param_groups[0]['iso']", "True", "False")
-CASES["dtensor_method"] = _dtensor({"method": "svd"}, "method", "'auto'", "'svd'")
-CASES["dtensor_route"] = _dtensor({}, "dtensor_route", "'auto'", "'gather'", route="gather")
+CASES["dtensor_step_lr"] = _dtensor_step(lambda o: o.param_groups[0].update(lr=0.7), "param_groups[0]['lr']",
+                                         "1.8", "0.7")
+CASES["dtensor_step_momentum"] = _dtensor_step(lambda o: o.param_groups[0].update(momentum=0.9),
+                                               "param_groups[0]['momentum']", "0.8", "0.9")
+CASES["dtensor_step_iso"] = _dtensor_step(lambda o: o.param_groups[0].update(iso=False), "param_groups[0]['iso']",
+                                          "True", "False")
+CASES["dtensor_step_method"] = _dtensor_step(lambda o: setattr(o, "method", "svd"), "method", "'auto'", "'svd'")
+CASES["dtensor_step_route"] = _dtensor_step(lambda o: setattr(o, "dtensor_route", "gather"), "dtensor_route",
+                                            "'auto'", "'gather'")
 
 
 @_case

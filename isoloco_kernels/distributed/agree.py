@@ -214,17 +214,65 @@ def agree_on_mesh(error: Optional[str], mesh, what: str, fp: int = 0,
     _raise(what, size, failed, texts, sets, mismatch, names=ranks)
 
 
-def agreed_init(where: str, group_of: Callable[[dict], Any], settings: Callable[[Any], dict]):
-    """Decorate an optimizer's __init__ so that, over a process group (`group_of(kwargs)`, None:
-    no agreement), every rank constructs or none does, instead of leaving the others waiting at
-    their first collective: a rank whose __init__ raised raises its own exception after the
+def _listed(params):
+    """params (an iterable of tensors or of param-group dicts) as a list the caller can read and
+    still pass on: generators are drained once, each group's own iterable too."""
+    if isinstance(params, torch.Tensor):
+        return params  # the optimizer refuses it itself
+    out = []
+    for item in params:
+        if isinstance(item, dict) and "params" in item and not isinstance(item["params"], torch.Tensor):
+            item = {**item, "params": list(item["params"])}
+        out.append(item)
+    return out
+
+
+def _dtensor_mesh(params) -> Optional[Any]:
+    """The mesh the DTensor step agrees over, for DTensor params; None without DTensors (or when
+    the meshes do not nest: the optimizer then refuses them alike on every rank)."""
+    from ..outer import is_dtensor
+
+    def tensors(x) -> list:  # a tensor, a (name, tensor) pair, or a group's list of either
+        if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str):
+            x = x[1]
+        return [x] if isinstance(x, torch.Tensor) else []
+
+    flat = []
+    for item in params if isinstance(params, list) else ():
+        ps = item["params"] if isinstance(item, dict) else [item]
+        flat += [t for p in ([ps] if isinstance(ps, torch.Tensor) else ps) for t in tensors(p) if is_dtensor(t)]
+    if not flat:
+        return None
+    from types import SimpleNamespace
+
+    from .dtensor import _agreement_mesh
+
+    try:
+        return _agreement_mesh(SimpleNamespace(param_groups=[{"params": flat}]))
+    except ValueError:
+        return None
+
+
+def agreed_init(where: str, settings: Callable[[Any], dict]):
+    """Decorate an outer optimizer's `__init__(self, params, ..., process_group=None)` so that
+    every rank constructs or none does, instead of leaving the others waiting at their first
+    collective. The ranks agree over `process_group`, or over the device mesh of DTensor params
+    (neither: no agreement): a rank whose __init__ raised raises its own exception after the
     agreement, the others DistributedStepError naming it; settings that differ between ranks
     (`settings(self)`) raise DistributedStepError on every rank, naming them."""
     def deco(init):
         @functools.wraps(init)
         def wrapper(self, *args, **kwargs):
-            group = group_of(kwargs)
-            if group is None or group_info(group)[1] == 1:
+            group, mesh = kwargs.get("process_group"), None
+            if group is None:
+                args = list(args)
+                if args:
+                    args[0] = _listed(args[0])
+                    mesh = _dtensor_mesh(args[0])
+                elif "params" in kwargs:
+                    kwargs["params"] = _listed(kwargs["params"])
+                    mesh = _dtensor_mesh(kwargs["params"])
+            if (group is None and mesh is None) or (mesh.size() if mesh is not None else group_info(group)[1]) == 1:
                 return init(self, *args, **kwargs)
             failure, mine = None, None
             try:
@@ -232,8 +280,12 @@ def agreed_init(where: str, group_of: Callable[[dict], Any], settings: Callable[
                 mine = settings(self)
             except Exception as e:  # noqa: BLE001 — every rank must learn of it
                 failure = e
+            text = None if failure is None else error_text(failure)
             try:
-                agree(None if failure is None else error_text(failure), group, where, settings=mine)
+                if mesh is not None:
+                    agree_on_mesh(text, mesh, where, settings=mine)
+                else:
+                    agree(text, group, where, settings=mine)
             except DistributedStepError:
                 if failure is not None:
                     raise failure from None
