@@ -56,8 +56,9 @@ def comm_device(group=None) -> torch.device:
 
 
 def check_on_comm_device(tensors, names, group) -> None:
-    """Refuse tensors that the group's collectives cannot carry (a CPU tensor on NCCL, a CUDA
-    tensor on gloo) with their names, before any collective sees them."""
+    """Refuse, by name, tensors handed to the group's collectives in place that are not on its
+    communication device (a CPU tensor on NCCL, which refuses it; a CUDA tensor on gloo), before
+    any collective sees them."""
     want = comm_device(group)
     for t, name in zip(tensors, names):
         if isinstance(t, torch.Tensor) and t.device != want:
@@ -124,7 +125,16 @@ def gather_objects(obj, group) -> list:
     return [pickle.loads(bytes(rows[r, : sizes[r]].tolist())) for r in range(world)]
 
 
-def _differences(settings: list) -> str:
+def _by_value(values: list, names: list) -> str:
+    """'a on ranks 0, 2, b on rank 1': each distinct value (repr strings) and the ranks holding it."""
+    groups: dict[str, list] = {}
+    for v, name in zip(values, names):
+        groups.setdefault(v, []).append(name)
+    return ", ".join(f"{v if len(v) <= 200 else v[:200] + '…'} on rank{'s' if len(rs) > 1 else ''} "
+                     f"{', '.join(map(str, rs))}" for v, rs in groups.items())
+
+
+def _differences(settings: list, names: list) -> str:
     """'name: value on ranks [..], value on ranks [..]' for each setting the ranks disagree on."""
     keys = []
     for s in settings:
@@ -133,13 +143,9 @@ def _differences(settings: list) -> str:
                 keys.append(k)
     parts = []
     for k in keys:
-        by_value: dict[str, list[int]] = {}
-        for r, s in enumerate(settings):
-            by_value.setdefault((s or {}).get(k, "<unset>"), []).append(r)
-        if len(by_value) > 1:
-            parts.append(f"{k}: " + ", ".join(
-                f"{v if len(v) <= 200 else v[:200] + '…'} on rank{'s' if len(rs) > 1 else ''} "
-                f"{', '.join(map(str, rs))}" for v, rs in by_value.items()))
+        values = [(s or {}).get(k, "<unset>") for s in settings]
+        if len(set(values)) > 1:
+            parts.append(f"{k}: {_by_value(values, names)}")
     return "; ".join(parts)
 
 
@@ -149,16 +155,17 @@ def _settings_fp(fp: Optional[int], settings: Optional[dict]) -> int:
     return fingerprint((fp or 0, sorted(settings.items())))
 
 
-def _raise(what: str, world: int, failed: list, texts: list, settings: list, mismatch: str, names=None) -> None:
+def _raise(what: str, world: int, failed: list, texts: list, settings: list, prints: list, mismatch: str,
+           names=None) -> None:
     names = names or list(range(world))
     if failed:
         head = f"{what} failed on {len(failed)} of {world} ranks"
         detail = "; ".join(f"rank {names[r]}: {texts[r]}" for r in failed)
     else:
-        diff = _differences(settings)
+        diff = _differences(settings, names)
         head = f"{what}: " + ("the ranks' settings differ" if diff else mismatch)
-        detail = diff or ("every rank must pass the same tensor shapes and dtypes in the same order, "
-                          "with the same settings")
+        detail = diff or ("fingerprints " + _by_value([f"{p:#x}" for p in prints], names)
+                          + "; every rank must pass the same tensor shapes and dtypes in the same order")
     raise DistributedStepError(f"{head}, nothing was changed on any rank: {detail}")
 
 
@@ -183,7 +190,7 @@ def agree(error: Optional[str], group, what: str, *, fp: Optional[int] = None,
     if not failed and (not check or prints.unique().numel() == 1):
         return
     got = gather_objects((error, settings), group)
-    _raise(what, world, failed, [t for t, _ in got], [s for _, s in got], mismatch)
+    _raise(what, world, failed, [t for t, _ in got], [s for _, s in got], prints.tolist(), mismatch)
 
 
 def agree_on_mesh(error: Optional[str], mesh, what: str, fp: int = 0,
@@ -211,7 +218,7 @@ def agree_on_mesh(error: Optional[str], mesh, what: str, fp: int = 0,
         known = {k: t for part in gather_objects(known, g) for k, t in part.items()}
     texts = [known.get(i, (None, None))[0] for i in range(size)]
     sets = [known.get(i, (None, None))[1] for i in range(size)]
-    _raise(what, size, failed, texts, sets, mismatch, names=ranks)
+    _raise(what, size, failed, texts, sets, prints.tolist(), mismatch, names=ranks)
 
 
 def _listed(params):
