@@ -416,6 +416,9 @@ def test_comm_device_is_decided_by_the_backend(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     g.bound_device_id = torch.device("cuda", 1)
     assert A.comm_device(g) == torch.device("cuda", 1)
+    # tensors handed over in place must be there: a CPU param on NCCL is refused by name
+    with pytest.raises(ValueError, match=r"param 3 is on cpu, but the process group \(nccl\) communicates on cuda:1"):
+        A.check_on_comm_device([torch.zeros(2)], ["param 3"], g)
 
 
 class NcclRule:
