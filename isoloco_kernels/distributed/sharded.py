@@ -147,7 +147,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     def _name(self, gi: int, pi: int, p: torch.Tensor) -> str:
         return f"param {self._index[p]} (shape {tuple(p.shape)}) on rank {self.rank}"
 
-    # -- the step: check → reduce → compute → agree → write → gather ------------------------------
+    # -- the step: check → agree → reduce → compute → agree → write → gather ----------------------
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -248,10 +248,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         per_rank, seg = self.plan.layout(dtype)
         own = torch.empty(seg, dtype=dtype, device=self._data_device)
         for i, off in per_rank[0]:
-            if flat[i] is None:
-                own[off : off + self.plan.numel(i)].zero_()
-            else:
-                own[off : off + self.plan.numel(i)].copy_(flat[i])
+            own[off : off + self.plan.numel(i)].copy_(flat[i])
         return own
 
     # -- state ---------------------------------------------------------------------------------
