@@ -20,6 +20,7 @@ from ._validate import ResultOverflowError
 from .buckets import BucketPlan
 from . import distributed
 from .distributed import dtensor
+from .distributed.agree import agree, agree_on_mesh, agreed_init, describe, error_text, optimizer_settings
 from .flatten import check_method
 from .ops import iso_merge_unchecked_
 from .outer import SGD_KEYS, Entry, check_group, check_hyper, check_param_dtypes, collect, load_sgd_state
@@ -52,6 +53,7 @@ class IsoLoCo(torch.optim.Optimizer):
             results all-gathered. None (default): this process flattens everything.
     """
 
+    @agreed_init("IsoLoCo()", lambda opt: opt._settings())
     def __init__(
         self,
         params,
@@ -112,6 +114,16 @@ class IsoLoCo(torch.optim.Optimizer):
                 "the group again (or to None to flatten everything on this process)"
             )
         return self._process_group
+
+    def _settings(self, grads=None) -> dict[str, str]:
+        """What every rank of the process group (or of the DTensor params' mesh) must share: each
+        group's hyper-parameters, the method, the params, and at a step the grads; compared at
+        construction and every step."""
+        out = optimizer_settings(self, method=self.method)
+        out["params (shapes, dtypes)"] = repr(describe([p for g in self.param_groups for p in g["params"]]))
+        if grads is not None:
+            out["grads (shapes, dtypes)"] = repr(describe(grads))
+        return out
 
     def add_param_group(self, param_group: dict) -> None:
         where = f"IsoLoCo: param group {len(self.param_groups)}"
@@ -175,8 +187,6 @@ class IsoLoCo(torch.optim.Optimizer):
             return
         # Over a process group every rank must fail together: agree after the checks (and on the
         # shapes), sharded_iso_merge_ agrees around the flatten, and once more before writing.
-        from .distributed.agree import agree, comm_device, describe, error_text, fingerprint
-
         error, entries = None, []
         try:
             if failed is not None:
@@ -184,9 +194,7 @@ class IsoLoCo(torch.optim.Optimizer):
             entries = self._gather()
         except Exception as e:  # noqa: BLE001 — any failure must reach the other ranks
             error = error_text(e)
-        device = comm_device(group, entries[0].p.device if entries else None)
-        fp = fingerprint((describe([e.g for e in entries]), [bool(e.group["iso"]) for e in entries]))
-        agree(error, group, device, "IsoLoCo.step", fp)
+        agree(error, group, "IsoLoCo.step", settings=None if error else self._settings([e.g for e in entries]))
         if not entries:
             return
         iso = self._iso_updates(entries)
@@ -195,7 +203,7 @@ class IsoLoCo(torch.optim.Optimizer):
             apply = self._prepare_update(entries, iso)
         except Exception as e:  # noqa: BLE001
             error = error_text(e)
-        agree(error, group, device, "IsoLoCo.step")
+        agree(error, group, "IsoLoCo.step")
         apply()
 
     def _prepare_update(self, entries: list[Entry], iso: dict[int, torch.Tensor]) -> Callable[[], None]:

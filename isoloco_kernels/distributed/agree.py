@@ -2,19 +2,25 @@
 
 Before a collective operation writes anything, every rank contributes (failed?, fingerprint) to
 one small all-gather: `failed` says whether this rank's checks (or anything it computed so far)
-raised, `fingerprint` hashes what the ranks must pass alike (shapes, dtypes, the plan). If any
-rank failed or the fingerprints differ, every rank raises DistributedStepError naming the ranks
-and their errors, and nothing was written on any rank. A rank that fails must still reach the
-agreement (so callers catch its exception first); a rank that dies is caught by the process
-group's timeout.
+raised, the fingerprint hashes what the ranks must pass alike: the tensors' shapes and dtypes,
+the plan, and every setting that changes which collectives run or what is written (lr, momentum,
+iso, method, route, chunk sizes). If any rank failed or the fingerprints differ, every rank raises
+DistributedStepError naming the ranks and their errors, or the settings that differ and where, and
+nothing was written on any rank. A rank that fails must still reach the agreement (so callers
+catch its exception first); a rank that dies is caught by the process group's timeout.
 
 `agree` runs over a process group (one all-gather); `agree_on_mesh` over a DeviceMesh of any
-number of dimensions (one all-reduce per dimension), for the DTensor step.
+number of dimensions (one all-reduce per dimension), for the DTensor step. Every tensor the
+package hands to a collective of a group lives on `comm_device(group)`.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
-from typing import Optional
+import math
+import numbers
+import pickle
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,8 +28,8 @@ import torch.distributed as dist
 # torch 2.14 renamed the single-tensor collectives; older releases only have the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 
-__all__ = ["DistributedStepError", "agree", "agree_on_mesh", "comm_device", "describe", "error_text", "fingerprint",
-           "group_info"]
+__all__ = ["DistributedStepError", "agree", "agree_on_mesh", "agreed_init", "check_on_comm_device", "comm_device",
+           "describe", "error_text", "fingerprint", "gather_objects", "group_info", "optimizer_settings"]
 
 
 class DistributedStepError(RuntimeError):
@@ -36,11 +42,30 @@ def group_info(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def comm_device(group, device) -> torch.device:
-    """Where small control tensors live: the CPU for gloo, else the data's device."""
-    if dist.get_backend(group) == "gloo" or device is None:
+def comm_device(group=None) -> torch.device:
+    """The device of every tensor this package hands to a collective of `group`, decided from the
+    group's backend alone (so every rank decides alike, whatever it holds): a group with NCCL
+    ("nccl", or "cpu:gloo,cuda:nccl") communicates on this process's CUDA device (the group's
+    bound device, else `torch.cuda.current_device()`); any other backend (gloo) on the CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" not in backend:
         return torch.device("cpu")
-    return torch.device(device)
+    pg = group if group is not None else dist.group.WORLD
+    bound = getattr(pg, "bound_device_id", None)
+    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def check_on_comm_device(tensors, names, group) -> None:
+    """Refuse, by name, tensors handed to the group's collectives in place that are not on its
+    communication device (a CPU tensor on NCCL, which refuses it; a CUDA tensor on gloo), before
+    any collective sees them."""
+    want = comm_device(group)
+    for t, name in zip(tensors, names):
+        if isinstance(t, torch.Tensor) and t.device != want:
+            raise ValueError(
+                f"{name} is on {t.device}, but the process group ({dist.get_backend(group)}) communicates on "
+                f"{want}; put the tensors on {want} (for NCCL: torch.cuda.set_device(local_rank) first)"
+            )
 
 
 def error_text(e: BaseException) -> str:
@@ -58,61 +83,221 @@ def describe(tensors) -> tuple:
                  for t in tensors)
 
 
-def agree(error: Optional[str], group, device, what: str, fp: Optional[int] = None,
-          mismatch: str = "the ranks passed different tensors") -> None:
-    """Every rank learns whether any rank failed (and whether fingerprints match); all raise if so.
+def _setting(v: Any) -> str:
+    """A setting as the ranks compare it: numbers by value (a one-element tensor lr counts as its
+    number; NaN equals NaN), everything else by repr."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        v = v.item()
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return repr(int(v))
+    if isinstance(v, numbers.Real) and not isinstance(v, bool):
+        v = float(v)
+        return "nan" if math.isnan(v) else repr(v)
+    return repr(v)
 
-    One all-gather of (failed, fingerprint) per rank; the error texts are gathered only when
-    something failed. fp=None: no fingerprint comparison.
+
+def optimizer_settings(opt, **extra) -> dict[str, str]:
+    """What the ranks of one outer optimizer must share, by name: every param group's
+    hyper-parameters (`param_groups[i]['lr']`, …) and param count, plus `extra` (method, route,
+    chunk size, …)."""
+    out = {k: _setting(v) for k, v in extra.items()}
+    for gi, g in enumerate(opt.param_groups):
+        for k, v in g.items():
+            out[f"param_groups[{gi}]['{k}']"] = str(len(v)) + " params" if k == "params" else _setting(v)
+    return out
+
+
+def gather_objects(obj, group) -> list:
+    """Every rank's picklable `obj`, in rank order: two all-gathers on `comm_device(group)` (the
+    sizes, then the padded bytes), so the object exchange follows the same device rule as the rest."""
+    _, world = group_info(group)
+    device = comm_device(group)
+    data = pickle.dumps(obj)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = torch.empty(world, dtype=torch.int64, device=device)
+    _all_gather_single(sizes, size, group=group)
+    sizes = sizes.tolist()
+    mine = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    every = torch.empty(world * max(sizes), dtype=torch.uint8, device=device)
+    _all_gather_single(every, mine, group=group)
+    rows = every.view(world, -1).cpu()
+    return [pickle.loads(bytes(rows[r, : sizes[r]].tolist())) for r in range(world)]
+
+
+def _by_value(values: list, names: list) -> str:
+    """'a on ranks 0, 2, b on rank 1': each distinct value (repr strings) and the ranks holding it."""
+    groups: dict[str, list] = {}
+    for v, name in zip(values, names):
+        groups.setdefault(v, []).append(name)
+    return ", ".join(f"{v if len(v) <= 200 else v[:200] + '…'} on rank{'s' if len(rs) > 1 else ''} "
+                     f"{', '.join(map(str, rs))}" for v, rs in groups.items())
+
+
+def _differences(settings: list, names: list) -> str:
+    """'name: value on ranks [..], value on ranks [..]' for each setting the ranks disagree on."""
+    keys = []
+    for s in settings:
+        for k in s or {}:
+            if k not in keys:
+                keys.append(k)
+    parts = []
+    for k in keys:
+        values = [(s or {}).get(k, "<unset>") for s in settings]
+        if len(set(values)) > 1:
+            parts.append(f"{k}: {_by_value(values, names)}")
+    return "; ".join(parts)
+
+
+def _settings_fp(fp: Optional[int], settings: Optional[dict]) -> int:
+    if not settings:
+        return fp or 0
+    return fingerprint((fp or 0, sorted(settings.items())))
+
+
+def _raise(what: str, world: int, failed: list, texts: list, settings: list, prints: list, mismatch: str,
+           names=None) -> None:
+    names = names or list(range(world))
+    if failed:
+        head = f"{what} failed on {len(failed)} of {world} ranks"
+        detail = "; ".join(f"rank {names[r]}: {texts[r]}" for r in failed)
+    else:
+        diff = _differences(settings, names)
+        head = f"{what}: " + ("the ranks' settings differ" if diff else mismatch)
+        detail = diff or ("fingerprints " + _by_value([f"{p:#x}" for p in prints], names)
+                          + "; every rank must pass the same tensor shapes and dtypes in the same order")
+    raise DistributedStepError(f"{head}, nothing was changed on any rank: {detail}")
+
+
+def agree(error: Optional[str], group, what: str, *, fp: Optional[int] = None,
+          mismatch: str = "the ranks passed different tensors", settings: Optional[dict] = None) -> None:
+    """Every rank learns whether any rank failed, and whether the fingerprints (`fp` and the
+    named `settings`) match; all raise DistributedStepError if not.
+
+    One all-gather of (failed, fingerprint) per rank; the error texts and settings are gathered
+    only when something failed or differs (then the error names each differing setting and the
+    ranks holding each value). fp=None and no settings: no fingerprint comparison.
     """
     _, world = group_info(group)
-    mine = torch.tensor([int(error is not None), fp or 0], dtype=torch.int64, device=device)
+    device = comm_device(group)
+    check = fp is not None or bool(settings)
+    mine = torch.tensor([int(error is not None), _settings_fp(fp, settings) if check else 0],
+                        dtype=torch.int64, device=device)
     every = torch.empty(2 * world, dtype=torch.int64, device=device)
     _all_gather_single(every, mine, group=group)
     flags, prints = every.view(world, 2).cpu().unbind(1)
     failed = flags.nonzero().view(-1).tolist()
-    if not failed and (fp is None or prints.unique().numel() == 1):
+    if not failed and (not check or prints.unique().numel() == 1):
         return
-    texts: list = [None] * world
-    dist.all_gather_object(texts, error, group=group)
-    if failed:
-        head = f"{what} failed on {len(failed)} of {world} ranks"
-        detail = "; ".join(f"rank {r}: {texts[r]}" for r in failed)
-    else:
-        head = f"{what}: {mismatch}"
-        detail = (
-            "fingerprints " + ", ".join(f"rank {r}: {p:#x}" for r, p in enumerate(prints.tolist()))
-            + "; every rank must pass the same tensor shapes and dtypes in the same order"
-        )
-    raise DistributedStepError(f"{head}, nothing was changed on any rank: {detail}")
+    got = gather_objects((error, settings), group)
+    _raise(what, world, failed, [t for t, _ in got], [s for _, s in got], prints.tolist(), mismatch)
 
 
 def agree_on_mesh(error: Optional[str], mesh, what: str, fp: int = 0,
-                  mismatch: str = "the ranks hold different sets of grads (shapes, placements or dtypes)") -> None:
+                  mismatch: str = "the ranks hold different sets of grads (shapes, placements or dtypes)",
+                  settings: Optional[dict] = None) -> None:
     """`agree` over every rank of a DeviceMesh: one all-reduce per mesh dimension of a [2·size]
-    int64 vector holding this rank's failure flag and fingerprint at its own slot (the sum over
-    the dimensions fills every slot). Error texts travel only when something failed."""
+    int64 vector (on the mesh groups' `comm_device`) holding this rank's failure flag and
+    fingerprint (`fp` and the named `settings`) at its own slot (the sum over the dimensions fills
+    every slot). Error texts and settings travel only when something failed or differs."""
     size = mesh.size()
     ranks = mesh.mesh.flatten().tolist()
     me = ranks.index(dist.get_rank())
-    v = torch.zeros(2 * size, dtype=torch.int64)
-    v[me], v[size + me] = int(error is not None), fp
-    for d in range(mesh.ndim):
-        dist.all_reduce(v, group=mesh.get_group(d))
+    groups = [mesh.get_group(d) for d in range(mesh.ndim)]
+    v = torch.zeros(2 * size, dtype=torch.int64, device=comm_device(groups[0]))
+    v[me], v[size + me] = int(error is not None), _settings_fp(fp, settings)
+    for g in groups:
+        dist.all_reduce(v, group=g)
+    v = v.cpu()
     flags, prints = v[:size], v[size:]
     failed = flags.nonzero().view(-1).tolist()
     if not failed and prints.unique().numel() == 1:
         return
-    texts = {me: error}
-    for d in range(mesh.ndim):
-        g = mesh.get_group(d)
-        got = [None] * dist.get_world_size(g)
-        dist.all_gather_object(got, texts, group=g)
-        texts = {k: t for part in got for k, t in part.items()}
-    if failed:
-        head = f"{what} failed on {len(failed)} of {size} ranks"
-        detail = "; ".join(f"rank {ranks[i]}: {texts.get(i)}" for i in failed)
-    else:
-        head = f"{what}: {mismatch}"
-        detail = "every rank must set p.grad for the same params"
-    raise DistributedStepError(f"{head}, nothing was changed on any rank: {detail}")
+    known = {me: (error, settings)}
+    for g in groups:
+        known = {k: t for part in gather_objects(known, g) for k, t in part.items()}
+    texts = [known.get(i, (None, None))[0] for i in range(size)]
+    sets = [known.get(i, (None, None))[1] for i in range(size)]
+    _raise(what, size, failed, texts, sets, prints.tolist(), mismatch, names=ranks)
+
+
+def _listed(params):
+    """params (an iterable of tensors or of param-group dicts) as a list the caller can read and
+    still pass on: generators are drained once, each group's own iterable too."""
+    if isinstance(params, torch.Tensor):
+        return params  # the optimizer refuses it itself
+    out = []
+    for item in params:
+        if isinstance(item, dict) and "params" in item and not isinstance(item["params"], torch.Tensor):
+            item = {**item, "params": list(item["params"])}
+        out.append(item)
+    return out
+
+
+def _dtensor_mesh(params) -> Optional[Any]:
+    """The mesh the DTensor step agrees over, for DTensor params; None without DTensors (or when
+    the meshes do not nest: the optimizer then refuses them alike on every rank)."""
+    from ..outer import is_dtensor
+
+    def tensors(x) -> list:  # a tensor, a (name, tensor) pair, or a group's list of either
+        if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str):
+            x = x[1]
+        return [x] if isinstance(x, torch.Tensor) else []
+
+    flat = []
+    for item in params if isinstance(params, list) else ():
+        ps = item["params"] if isinstance(item, dict) else [item]
+        flat += [t for p in ([ps] if isinstance(ps, torch.Tensor) else ps) for t in tensors(p) if is_dtensor(t)]
+    if not flat:
+        return None
+    from types import SimpleNamespace
+
+    from .dtensor import _agreement_mesh
+
+    try:
+        return _agreement_mesh(SimpleNamespace(param_groups=[{"params": flat}]))
+    except ValueError:
+        return None
+
+
+def agreed_init(where: str, settings: Callable[[Any], dict]):
+    """Decorate an outer optimizer's `__init__(self, params, ..., process_group=None)` so that
+    every rank constructs or none does, instead of leaving the others waiting at their first
+    collective. The ranks agree over `process_group`, or over the device mesh of DTensor params
+    (neither: no agreement): a rank whose __init__ raised raises its own exception after the
+    agreement, the others DistributedStepError naming it; settings that differ between ranks
+    (`settings(self)`) raise DistributedStepError on every rank, naming them."""
+    def deco(init):
+        @functools.wraps(init)
+        def wrapper(self, *args, **kwargs):
+            group, mesh = kwargs.get("process_group"), None
+            if group is None:
+                args = list(args)
+                if args:
+                    args[0] = _listed(args[0])
+                    mesh = _dtensor_mesh(args[0])
+                elif "params" in kwargs:
+                    kwargs["params"] = _listed(kwargs["params"])
+                    mesh = _dtensor_mesh(kwargs["params"])
+            if (group is None and mesh is None) or (mesh.size() if mesh is not None else group_info(group)[1]) == 1:
+                return init(self, *args, **kwargs)
+            failure, mine = None, None
+            try:
+                init(self, *args, **kwargs)
+                mine = settings(self)
+            except Exception as e:  # noqa: BLE001 — every rank must learn of it
+                failure = e
+            text = None if failure is None else error_text(failure)
+            try:
+                if mesh is not None:
+                    agree_on_mesh(text, mesh, where, settings=mine)
+                else:
+                    agree(text, group, where, settings=mine)
+            except DistributedStepError:
+                if failure is not None:
+                    raise failure from None
+                raise
+
+        return wrapper
+
+    return deco

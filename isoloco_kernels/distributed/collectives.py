@@ -2,6 +2,8 @@
 
 Every helper moves data in chunks of about `bucket_bytes` with at most two asynchronous
 collectives in flight (`InFlight`), so extra memory is a few chunks, never a copy of the model.
+Every buffer handed to a collective lives on the group's `comm_device` (NCCL's rule: CUDA only);
+tensors handed over in place (params broadcast into) were checked to live there by the caller.
 """
 from __future__ import annotations
 
@@ -74,7 +76,9 @@ def average_(
     Tensors are packed per (device, dtype) end to end into flat buckets (a tensor larger than a
     bucket is split), and up to two buckets' all-reduces are in flight at once, so extra memory is
     two buckets. Call it on every rank with the same shapes and dtypes in the same order (the
-    DiLoCo pseudo-gradient average). Returns the tensors as a list.
+    DiLoCo pseudo-gradient average), with the same bucket_bytes. Tensors off the group's
+    communication device (`agree.comm_device`) travel through buffers on it. Returns the tensors
+    as a list.
     """
     tensors = list(tensors)
     _, world = group_info(group)
@@ -94,15 +98,15 @@ def average_(
         error = error_text(e)
     if world == 1:
         return tensors
-    # Agree before the first all-reduce: a rank with bad input, or ranks passing different shapes
-    # or dtypes (gloo would abort the process on a size mismatch), fail on every rank.
-    device = comm_device(group, next((t.device for t in tensors if isinstance(t, torch.Tensor)), None))
-    agree(error, group, device, "average_", fingerprint(describe(tensors)))
+    # Agree before the first all-reduce: a rank with bad input, or ranks passing different shapes,
+    # dtypes or chunk sizes (gloo would abort the process on a size mismatch), fail on every rank.
+    agree(error, group, "average_", fp=fingerprint(describe(tensors)), settings={"bucket_bytes": repr(bucket_bytes)})
+    device = comm_device(group)
     by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         if t.numel():
             by_kind.setdefault((t.device, t.dtype), []).append(i)
-    for (device, dtype), idx in by_kind.items():
+    for (_, dtype), idx in by_kind.items():
         flats = {i: flat_view(tensors[i]) for i in idx}
         entries, total = [], 0
         for i in idx:
@@ -130,14 +134,16 @@ def average_(
     return tensors
 
 
-def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, device, bucket_bytes) -> torch.Tensor:
+def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, bucket_bytes) -> torch.Tensor:
     """This rank's segment of the mean over ranks of the sharded tensors of one dtype.
 
     src(i) is tensor i's flat local pseudo-gradient, or None (sent as zeros). Chunk k covers
-    elements [a, b) of every rank's segment: send holds world pieces of b − a elements.
+    elements [a, b) of every rank's segment: send holds world pieces of b − a elements. The
+    segment and the buffers live on the group's communication device.
     """
     per_rank, seg = plan.layout(dtype)
     world = plan.world_size
+    device = comm_device(group)
     own = torch.empty(seg, dtype=dtype, device=device)
     if seg == 0:
         return own
@@ -165,7 +171,7 @@ def all_gather_segments(plan: ShardPlan, dtype, own, dst, rank, group, bucket_by
     if seg == 0:
         return
     per = max(1, bucket_bytes // (world * own.element_size()))
-    bufs = [torch.empty(world * min(per, seg), dtype=dtype, device=own.device) for _ in range(3)]
+    bufs = [torch.empty(world * min(per, seg), dtype=dtype, device=comm_device(group)) for _ in range(3)]
     flight = InFlight(2)
     for k, (a, b) in enumerate(_chunks(seg, per)):
         w = b - a
@@ -180,13 +186,15 @@ def all_gather_segments(plan: ShardPlan, dtype, own, dst, rank, group, bucket_by
     flight.drain()
 
 
-def reduce_to_owner(src, numel, dtype, device, owner, rank, group, bucket_bytes) -> Optional[torch.Tensor]:
+def reduce_to_owner(src, numel, dtype, owner, rank, group, bucket_bytes) -> Optional[torch.Tensor]:
     """Mean over ranks of one flat tensor, delivered to `owner` only (returned there, else None).
 
     src: this rank's flat values, or None (sent as zeros). Sent in chunks through a scratch buffer
-    (a reduce may use a non-root's input as scratch, so grads are never handed to it directly).
+    (a reduce may use a non-root's input as scratch, so grads are never handed to it directly),
+    on the group's communication device.
     """
     world = dist.get_world_size(group)
+    device = comm_device(group)
     dst = dist.get_global_rank(group, owner) if group is not None else owner
     per = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
     out = torch.empty(numel, dtype=dtype, device=device) if rank == owner else None
@@ -214,11 +222,15 @@ def broadcast_from_owner(flat: torch.Tensor, owner: int, group, bucket_bytes) ->
 
 
 def broadcast_into(t: torch.Tensor, owner: int, group, bucket_bytes) -> None:
-    """t ← the owner's t (non-contiguous t through a flat copy)."""
-    flat = flat_view(t)
+    """t ← the owner's t (t on the group's communication device; non-contiguous t through a
+    flat copy there)."""
+    if t.is_contiguous():
+        broadcast_from_owner(t.view(-1), owner, group, bucket_bytes)
+        return
+    flat = torch.empty(t.numel(), dtype=t.dtype, device=comm_device(group))
+    flat.copy_(t.reshape(-1))
     broadcast_from_owner(flat, owner, group, bucket_bytes)
-    if not t.is_contiguous():
-        t.copy_(flat.view(t.shape))
+    t.copy_(flat.view(t.shape))
 
 
 def scatter_into(plan, dtype, own, tensors, rank, group, bucket_bytes) -> None:

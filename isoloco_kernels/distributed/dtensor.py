@@ -30,7 +30,7 @@ from .._validate import ResultOverflowError, _overlap, _span, check_all_finite, 
 from ..buckets import BucketPlan
 from ..ops import iso_merge_unchecked_
 from ..outer import Entry, collect, is_dtensor, local, prepare_nesterov
-from .agree import agree_on_mesh, error_text
+from .agree import agree_on_mesh, error_text, optimizer_settings
 
 # torch 2.14 renamed the single-tensor all-gather; older releases only have the old name
 _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
@@ -341,17 +341,19 @@ def step_(opt, failed: Optional[BaseException] = None) -> None:
     failed: what the closure raised on this rank; it reaches every rank as a DistributedStepError."""
     mesh0 = _agreement_mesh(opt)
     mode = getattr(opt, "dtensor_route", "auto")
-    entries, plan, error = [], None, None
-    try:
+    entries, plan, error, fp, settings = [], None, None, 0, None
+    try:  # everything that can fail on one rank comes before its first collective
         if failed is not None:
             raise failed
         if mode not in ROUTES:
             raise ValueError(f"IsoLoCo: dtensor_route must be one of {ROUTES}, got {mode!r}")
         entries = _gather_entries(opt)
         plan = _StepPlan(entries, mode)  # every collective's size, before any of them runs
+        fp = _fingerprint(entries)
+        settings = optimizer_settings(opt, method=opt.method, dtensor_route=mode)
     except Exception as e:
-        error = error_text(e)
-    agree_on_mesh(error, mesh0, "IsoLoCo.step", _fingerprint(entries) if error is None else 0)
+        error, fp, settings = error_text(e), 0, None
+    agree_on_mesh(error, mesh0, "IsoLoCo.step", fp, settings=settings)
     if not entries:
         return
     stats = _Stats()

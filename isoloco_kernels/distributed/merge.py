@@ -5,6 +5,7 @@ Iso-C-flattens the matrices `plan_shards` gives it and the results are all-gathe
 """
 from __future__ import annotations
 
+import numbers
 from typing import Iterable, Optional
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from .._validate import check_all_finite, check_matrix_tensor, check_writable
 from ..flatten import check_method
 from ..ops import iso_merge_unchecked_
-from .agree import agree, comm_device, error_text, group_info
+from .agree import agree, check_on_comm_device, comm_device, error_text, group_info
 from .collectives import BUCKET_BYTES, broadcast_into, scatter_into
 from .plan import plan_shards
 
@@ -35,18 +36,23 @@ def sharded_iso_merge_(
     spread over many ranks. Each rank flattens the matrices `plan_shards` gives it, batched per
     bucket; the results are all-gathered into every rank's buckets (solo matrices: broadcast from
     their owner). The result equals `iso_merge_(buckets, method=method)` on every rank.
-    All-or-nothing across the group: bad input on any rank (type, dtype, shape, NaN/Inf, ranks
-    passing different shapes) raises DistributedStepError on every rank and no bucket changes.
+    All-or-nothing across the group: bad input on any rank (method, type, dtype, shape, NaN/Inf,
+    buckets off the group's communication device) or ranks passing different shapes, method,
+    bucket_bytes or solo_above raise DistributedStepError on every rank (naming the ranks and what
+    differs) and no bucket changes.
     """
     buckets = list(buckets)
     rank, world = group_info(group)
-    check_method(method)
-    device = comm_device(group, next((b.device for b in buckets if isinstance(b, torch.Tensor)), None))
     error, plan, units = None, None, []
-    try:
+    try:  # every check inside: a rank that refuses its arguments must still reach the agreement
+        check_method(method)
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 1:
+            raise ValueError(f"sharded_iso_merge_: bucket_bytes must be a positive int, got {bucket_bytes!r}")
         names = [f"bucket {i}" for i in range(len(buckets))]
         for b, name in zip(buckets, names):
             check_matrix_tensor(b, name)
+        if world > 1:
+            check_on_comm_device(buckets, [f"sharded_iso_merge_: {n}" for n in names], group)
         units = [(k, j) for k, b in enumerate(buckets) for j in (range(b.shape[0]) if b.ndim == 3 else (None,))]
         plan = plan_shards(
             [buckets[k].shape[-2:] for k, _ in units], world, dtypes=[buckets[k].dtype for k, _ in units],
@@ -57,7 +63,12 @@ def sharded_iso_merge_(
         check_all_finite([buckets[k] for k in mine], [names[k] for k in mine])
     except Exception as e:  # noqa: BLE001 — any failure must reach the other ranks
         error = error_text(e)
-    agree(error, group, device, "sharded_iso_merge_", plan.fingerprint if plan else None, PLAN_MISMATCH)
+    # the settings that change which collectives run (plan, chunk size) or what is written (method)
+    settings = None if error else {"method": repr(method), "bucket_bytes": repr(bucket_bytes),
+                                   "solo_above": repr(solo_above),
+                                   "shard plan (bucket shapes and dtypes)": f"{plan.fingerprint:#x}"}
+    agree(error, group, "sharded_iso_merge_", mismatch=PLAN_MISMATCH, settings=settings)
+    device = comm_device(group)
 
     def unit(u: int) -> torch.Tensor:
         k, j = units[u]
@@ -68,7 +79,7 @@ def sharded_iso_merge_(
     owns, batches = {}, []
     for dt in plan.sharded_dtypes:
         per_rank, seg = plan.layout(dt)
-        own = torch.empty(seg, dtype=dt, device=unit(per_rank[rank][0][0]).device if per_rank[rank] else device)
+        own = torch.empty(seg, dtype=dt, device=device)
         by_bucket: dict[int, list[tuple[int, int]]] = {}
         for u, off in per_rank[rank]:
             by_bucket.setdefault(units[u][0], []).append((u, off))
@@ -88,7 +99,7 @@ def sharded_iso_merge_(
         iso_merge_unchecked_([blk for blk, _ in batches], method)  # checked above
     except Exception as e:  # any failure must reach the other ranks before they write
         error = error_text(e)
-    agree(error, group, device, "sharded_iso_merge_")
+    agree(error, group, "sharded_iso_merge_")
 
     for blk, us in batches:
         if us is not None:

@@ -9,6 +9,7 @@ All-or-nothing across ranks (agree.py). README "Distributed" has the contract.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -17,8 +18,8 @@ from ..buckets import BucketPlan
 from ..flatten import check_method
 from ..ops import iso_merge_unchecked_
 from .._validate import check_all_finite
-from ..outer import SGD_KEYS, check_hyper, check_param_dtypes, collect, load_sgd_state, prepare_nesterov
-from .agree import agree, comm_device, error_text, group_info
+from ..outer import SGD_KEYS, check_group, check_hyper, check_param_dtypes, collect, load_sgd_state, prepare_nesterov
+from .agree import DistributedStepError, agree, check_on_comm_device, error_text, group_info, optimizer_settings
 from .collectives import (BUCKET_BYTES, broadcast_into, flat_view, reduce_scatter_mean, reduce_to_owner,
                           scatter_into)
 from .merge import PLAN_MISMATCH
@@ -43,7 +44,14 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     iso); half-precision params keep float32 momentum, as in IsoLoCo.
 
     If any rank finds bad input (missing grad, wrong shape or dtype, NaN/Inf, a failed flatten),
-    every rank raises DistributedStepError and no param or buffer changes on any rank.
+    every rank raises DistributedStepError and no param or buffer changes on any rank. The ranks
+    also agree on their settings, at construction and before every step: each group's
+    hyper-parameters, `method`, `bucket_bytes`, `solo_above` and the shard plan; a setting that
+    differs on some rank raises DistributedStepError everywhere, naming it and which ranks hold
+    which value. A rank whose constructor arguments are refused raises its own error, the others
+    DistributedStepError naming it. Params must live on the group's communication device
+    (`agree.comm_device`: CUDA for NCCL, the CPU for gloo). Param groups are fixed at construction
+    (`add_param_group` afterwards is refused).
     """
 
     def __init__(
@@ -58,20 +66,47 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         bucket_bytes: int = BUCKET_BYTES,
         solo_above: Optional[float] = 1.0,
     ):
+        self.group = group
+        self.rank, self.world_size = group_info(group)
+        self._built = False
+        # Every rank constructs or none does (never a hang at step one): a rank whose arguments are
+        # refused raises its error after the agreement, the others DistributedStepError naming it;
+        # settings that differ between ranks raise DistributedStepError everywhere, naming them.
+        error = None
+        try:
+            self._build(params, lr, momentum, iso, method, bucket_bytes, solo_above)
+        except Exception as e:  # noqa: BLE001 — every rank must learn of it
+            if self.world_size == 1:
+                raise
+            error = e
+        try:
+            agree(None if error is None else error_text(error), group, "ShardedIsoLoCo()", mismatch=PLAN_MISMATCH,
+                  settings=self._settings() if error is None else None)
+        except DistributedStepError:
+            if error is not None:  # this rank's own error; the others raise DistributedStepError
+                raise error from None
+            raise
+        self._built = True
+
+    def _build(self, params, lr, momentum, iso, method, bucket_bytes, solo_above) -> None:
         check_hyper(lr, momentum, "ShardedIsoLoCo")
         check_method(method)
         if not isinstance(iso, bool):
             raise ValueError(f"ShardedIsoLoCo: iso must be a bool, got {iso!r}")
-        if bucket_bytes < 1:
-            raise ValueError(f"ShardedIsoLoCo: bucket_bytes must be positive, got {bucket_bytes}")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 1:
+            raise ValueError(f"ShardedIsoLoCo: bucket_bytes must be a positive int, got {bucket_bytes!r}")
         super().__init__(params, dict(lr=lr, momentum=momentum, iso=iso, **SGD_KEYS))
+        for k, g in enumerate(self.param_groups):
+            check_group(g, f"ShardedIsoLoCo: param group {k}")
         self._buckets: Optional[BucketPlan] = None  # batched Iso-C of my matrices, reused across steps
-        self.method, self.group, self.bucket_bytes = method, group, bucket_bytes
-        self.rank, self.world_size = group_info(group)
+        self.method, self.bucket_bytes, self.solo_above = method, bucket_bytes, solo_above
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._index = {p: i for i, p in enumerate(self._params)}
         self._group_of = [k for k, g in enumerate(self.param_groups) for _ in g["params"]]
         check_param_dtypes(self._params, "ShardedIsoLoCo")
+        if self.world_size > 1:  # the collectives carry the params' own memory (broadcasts)
+            check_on_comm_device(self._params, [f"ShardedIsoLoCo: param {i}" for i in range(len(self._params))],
+                                 self.group)
         for i, p in enumerate(self._params):
             if p.device != self._params[0].device:
                 raise ValueError(
@@ -85,8 +120,24 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             solo_above=solo_above,
         )
         self._data_device = self._params[0].device if self._params else torch.device("cpu")
-        self._device = comm_device(group, self._data_device)  # for the small control tensors
-        agree(None, group, self._device, "ShardedIsoLoCo()", self.plan.fingerprint, PLAN_MISMATCH)
+
+    def _settings(self) -> dict[str, str]:
+        """What every rank must share for the step to run the same collectives and write the same
+        values: each group's hyper-parameters, the method, the chunk size and the shard plan."""
+        plan = {"shard plan (shapes, dtypes, iso, solo_above)": f"{self.plan.fingerprint:#x}"}
+        return optimizer_settings(self, method=self.method, bucket_bytes=self.bucket_bytes,
+                                  solo_above=self.solo_above, **plan)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Only while constructing: the shard plan (which rank steps which param and keeps its
+        momentum) is fixed then, so a group added later is refused, nothing changed."""
+        if self._built:
+            raise ValueError(
+                "ShardedIsoLoCo.add_param_group: the shard plan (which rank steps which param and holds "
+                "its momentum) is fixed at construction; pass every param group to ShardedIsoLoCo(...), or "
+                "build a new ShardedIsoLoCo (on every rank) for the new params"
+            )
+        super().add_param_group(param_group)
 
     @property
     def mine(self) -> list[int]:
@@ -96,7 +147,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     def _name(self, gi: int, pi: int, p: torch.Tensor) -> str:
         return f"param {self._index[p]} (shape {tuple(p.shape)}) on rank {self.rank}"
 
-    # -- the step: check → reduce → compute → agree → write → gather ------------------------------
+    # -- the step: check → agree → reduce → compute → agree → write → gather ----------------------
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -108,14 +159,16 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             grads = self._check()
         except Exception as e:  # noqa: BLE001
             error = error_text(e)
+        # Agree before the first collective: bad input, or settings that differ between ranks (lr,
+        # method, bucket_bytes, … changed on one rank since construction), stop every rank here.
+        agree(error, self.group, "ShardedIsoLoCo.step", settings=self._settings() if error is None else None)
         segments, means = self._reduce(grads)
         write = None
-        if error is None:
-            try:
-                write = self._compute(means)
-            except Exception as e:  # noqa: BLE001
-                error = error_text(e)
-        agree(error, self.group, self._device, "ShardedIsoLoCo.step")
+        try:
+            write = self._compute(means)
+        except Exception as e:  # noqa: BLE001
+            error = error_text(e)
+        agree(error, self.group, "ShardedIsoLoCo.step")
         write()
         self._gather(segments)
         return loss
@@ -132,23 +185,21 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
 
     def _reduce(self, grads) -> tuple[dict, dict[int, torch.Tensor]]:
         """Mean pseudo-gradient of each param this rank owns: segments by reduce-scatter, solo
-        tensors by a reduce to their owner. A rank whose checks failed sends zeros, so the
-        collectives always run in full. Returns (my segment per dtype, param index → mean)."""
+        tensors by a reduce to their owner (every rank's checks passed: the ranks agreed first).
+        Returns (my segment per dtype, param index → mean)."""
         plan, rank = self.plan, self.rank
-        flat = [None if grads is None else flat_view(g) for g in (grads or self._params)]
+        flat = [flat_view(g) for g in grads]
         segments, means = {}, {}
         for dt in plan.sharded_dtypes:
             if self.world_size > 1:
-                own = reduce_scatter_mean(plan, dt, lambda i: flat[i], rank, self.group, self._data_device,
-                                          self.bucket_bytes)
+                own = reduce_scatter_mean(plan, dt, lambda i: flat[i], rank, self.group, self.bucket_bytes)
             else:
                 own = self._own_single(dt, flat)
             segments[dt] = own
             means.update(owned_views(plan, dt, own, rank))
         for i in sorted(plan.solo):
             p = self._params[i]
-            mean = reduce_to_owner(flat[i], p.numel(), p.dtype, p.device, plan.owners[i], rank, self.group,
-                                   self.bucket_bytes)
+            mean = reduce_to_owner(flat[i], p.numel(), p.dtype, plan.owners[i], rank, self.group, self.bucket_bytes)
             if mean is not None:
                 means[i] = mean.view(p.shape)
         return segments, means
@@ -197,10 +248,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         per_rank, seg = self.plan.layout(dtype)
         own = torch.empty(seg, dtype=dtype, device=self._data_device)
         for i, off in per_rank[0]:
-            if flat[i] is None:
-                own[off : off + self.plan.numel(i)].zero_()
-            else:
-                own[off : off + self.plan.numel(i)].copy_(flat[i])
+            own[off : off + self.plan.numel(i)].copy_(flat[i])
         return own
 
     # -- state ---------------------------------------------------------------------------------
