@@ -301,3 +301,103 @@ def test_polar_rejects_unknown_mode_and_backend():
 def test_opcheck_iso_flatten_polar():
     x = torch.randn(2, 6, 9, generator=_gen(13))
     torch.library.opcheck(torch.ops.isoloco.iso_flatten_.default, (x, "polar"))
+
+
+# ---------------------------------------------------------------------------------------------
+# TF32: the polar GEMMs run in IEEE float32 whatever the user switched on, and the user's
+# setting comes back unchanged (torch >= 2.9 has two APIs; mixing them makes getters raise).
+
+def _tf32_state() -> dict:
+    """Every TF32 getter a user or cuBLAS may read, with "raises" where it raises."""
+    getters = {
+        "get_float32_matmul_precision": torch.get_float32_matmul_precision,
+        "cuda.matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+        "cuda.matmul.fp32_precision": lambda: torch.backends.cuda.matmul.fp32_precision,
+        "fp32_precision": lambda: torch.backends.fp32_precision,
+        "mkldnn.matmul.fp32_precision": lambda: torch.backends.mkldnn.matmul.fp32_precision,
+    }
+    out = {}
+    for name, get in getters.items():
+        try:
+            out[name] = get()
+        except (RuntimeError, AttributeError) as e:
+            out[name] = f"raises {type(e).__name__}"
+    return out
+
+
+def _set_user_tf32(state: str) -> None:
+    if state == "legacy-allow_tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    elif state == "legacy-precision-high":
+        torch.set_float32_matmul_precision("high")
+    elif state == "new-cuda-matmul-tf32":
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+    elif state == "new-global-tf32":
+        torch.backends.fp32_precision = "tf32"
+    elif state != "default":
+        raise ValueError(state)
+
+
+@pytest.fixture
+def restore_tf32():
+    """Puts every TF32 setting back to torch's defaults after the test (and checks it did)."""
+    start = _tf32_state()
+    yield
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.fp32_precision = "none"
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        torch.backends.mkldnn.matmul.fp32_precision = "none"
+    else:
+        torch.set_float32_matmul_precision("highest")
+    assert _tf32_state() == start
+
+
+TF32_STATES = ["default", "legacy-allow_tf32", "legacy-precision-high", "new-cuda-matmul-tf32", "new-global-tf32"]
+
+
+@pytest.mark.parametrize("state", TF32_STATES)
+def test_ieee_fp32_matmul_inside_and_the_user_setting_restored(restore_tf32, state):
+    """Inside: cuBLAS's settings say IEEE under both APIs (and reading them does not raise,
+    which it did for the new API's "tf32"); after: every getter reads as before."""
+    _set_user_tf32(state)
+    before = _tf32_state()
+    with polar.ieee_fp32_matmul(True):
+        inside = _tf32_state()
+    assert _tf32_state() == before
+    assert inside["cuda.matmul.allow_tf32"] is False
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        assert inside["cuda.matmul.fp32_precision"] == "ieee"
+    if not before["get_float32_matmul_precision"].startswith("raises"):
+        assert inside["get_float32_matmul_precision"] == "highest"
+
+
+@pytest.mark.parametrize("state", TF32_STATES)
+def test_ieee_fp32_matmul_restores_after_an_error(restore_tf32, state):
+    _set_user_tf32(state)
+    before = _tf32_state()
+    with pytest.raises(KeyError), polar.ieee_fp32_matmul(True):
+        raise KeyError("inside")
+    assert _tf32_state() == before
+
+
+def test_ieee_fp32_matmul_on_torch_without_the_new_api(restore_tf32, monkeypatch):
+    """Torch < 2.9 (no fp32_precision settings): the legacy setting alone, saved and restored."""
+    monkeypatch.setattr(polar, "_fp32_precision_props", lambda: None)
+    torch.set_float32_matmul_precision("medium")
+    with polar.ieee_fp32_matmul(True):
+        assert torch.get_float32_matmul_precision() == "highest"
+    assert torch.get_float32_matmul_precision() == "medium"
+
+
+@pytest.mark.parametrize("state", TF32_STATES)
+def test_polar_flatten_runs_under_every_user_tf32_state(restore_tf32, state):
+    """The flatten (CPU here; the CUDA twin is in test_cuda_kernels.py) neither raises nor
+    changes the setting, whatever TF32 state the user left."""
+    _set_user_tf32(state)
+    before = _tf32_state()
+    x = with_spectrum(2, 12, 20, spectrum("geometric", 12, cond=1e2), torch.Generator().manual_seed(5))
+    y = x.float()
+    ik.iso_merge_([y], method="polar")
+    assert rel_err(y, iso_flatten_ref(x)) <= TOL[("polar", torch.float32)]
+    assert _tf32_state() == before
