@@ -8,7 +8,8 @@ CUDA build of torch, nvcc, and CMake >= 3.26 with ninja (e.g. the PyPI `cmake` a
     ISOLOCO_CUDA=0 pip install .                    # never builds it
 
 Plain `pip install .` uses build isolation, which hides the installed torch: it installs the pure
-Python package. Other knobs: TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), MAX_JOBS, CUDA_HOME.
+Python package. Other knobs: TORCH_CUDA_ARCH_LIST (default "8.0;9.0+PTX": A100 and H100/H200 cubins plus
+sm_90 PTX that newer GPUs JIT-compile; the kernels need sm_80), MAX_JOBS, CUDA_HOME.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from setuptools.command.build_py import build_py
 ROOT = os.path.dirname(os.path.abspath(__file__))
 KERNEL_SOURCES = os.path.join("csrc", "kernels")  # NVRTC-clean kernels, shipped for _cupy.py
 MIN_CMAKE = (3, 26)
+DEFAULT_ARCHS = "8.0;9.0+PTX"  # as in CMakeLists.txt
 
 
 def _find_cuda_home() -> str | None:
@@ -147,7 +149,7 @@ class BuildCMake(build_ext):
             f"-DCMAKE_PREFIX_PATH={t['torch_prefix']}",
             f"-DCMAKE_CUDA_COMPILER={t['nvcc']}",
             f"-DCUDA_TOOLKIT_ROOT_DIR={t['cuda_home']}",
-            f"-DTORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '8.0;9.0')}",
+            f"-DTORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', DEFAULT_ARCHS)}",
             f"-DISOLOCO_OUTPUT={out}",
             "-DCMAKE_BUILD_TYPE=Release",
         ]

@@ -401,3 +401,77 @@ def test_polar_flatten_runs_under_every_user_tf32_state(restore_tf32, state):
     ik.iso_merge_([y], method="polar")
     assert rel_err(y, iso_flatten_ref(x)) <= TOL[("polar", torch.float32)]
     assert _tf32_state() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# auto's float64 rate per CUDA device (flatten._fp64_rate), device properties mocked.
+
+from isoloco_kernels import flatten  # noqa: E402
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """set(name, capability): one visible CUDA device with these properties; the cache cleared."""
+    monkeypatch.delenv(flatten.FP64_RATE_ENV, raising=False)
+
+    def set_device(name, capability):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        flatten._device_fp64_rate.cache_clear()
+
+    yield set_device
+    flatten._device_fp64_rate.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "name,capability,rate",
+    [
+        pytest.param("NVIDIA H100 80GB HBM3", (9, 0), 1.0, id="H100"),
+        pytest.param("NVIDIA H200", (9, 0), 1.0, id="H200"),
+        pytest.param("NVIDIA H800", (9, 0), 0.0, id="H800"),
+        pytest.param("NVIDIA H800 PCIe", (9, 0), 0.0, id="H800-PCIe"),
+        pytest.param("NVIDIA H20", (9, 0), 0.0, id="H20"),
+        pytest.param("NVIDIA A100-SXM4-80GB", (8, 0), 1.0, id="A100"),
+        pytest.param("NVIDIA B200", (10, 0), 0.5, id="B200"),
+        pytest.param("NVIDIA GeForce RTX 4090", (8, 9), 0.0, id="consumer"),
+        pytest.param("NVIDIA L40S", (8, 9), 0.0, id="workstation"),
+    ],
+)
+def test_fp64_rate_by_name_and_capability(fake_cuda, name, capability, rate):
+    fake_cuda(name, capability)
+    assert flatten._fp64_rate(torch.device("cuda")) == rate
+    assert flatten._fp64_rate(torch.device("cuda", 0)) == rate
+
+
+@pytest.mark.parametrize("name,gram_for_wide", [("NVIDIA H100 80GB HBM3", True), ("NVIDIA H20", False)])
+def test_auto_keeps_weak_float64_parts_on_polar(fake_cuda, name, gram_for_wide):
+    """A wide 1024×8192 matrix goes to gram on an H100 and stays on polar on an H20 (both sm_90)."""
+    fake_cuda(name, (9, 0))
+    assert flatten.gram_beats_polar(1024, 8192, flatten._fp64_rate(torch.device("cuda"))) is gram_for_wide
+
+
+def test_fp64_rate_override(fake_cuda, monkeypatch):
+    fake_cuda("NVIDIA H20", (9, 0))
+    monkeypatch.setenv(flatten.FP64_RATE_ENV, "0.75")
+    assert flatten._fp64_rate(torch.device("cuda")) == 0.75
+    fake_cuda("NVIDIA H100 80GB HBM3", (9, 0))
+    monkeypatch.setenv(flatten.FP64_RATE_ENV, "0")
+    assert flatten._fp64_rate(torch.device("cuda")) == 0.0
+
+
+@pytest.mark.parametrize("bad", ["fast", "-1", "nan"])
+def test_fp64_rate_override_must_be_a_rate(fake_cuda, monkeypatch, bad):
+    fake_cuda("NVIDIA H100 80GB HBM3", (9, 0))
+    monkeypatch.setenv(flatten.FP64_RATE_ENV, bad)
+    with pytest.raises(ValueError, match=f"ISOLOCO_FP64_RATE must be a number >= 0.*{bad}"):
+        flatten._fp64_rate(torch.device("cuda"))
+
+
+def test_fp64_rate_is_read_once_per_device(fake_cuda, monkeypatch):
+    fake_cuda("NVIDIA H100 80GB HBM3", (9, 0))
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: calls.append(device) or "NVIDIA H100")
+    for _ in range(3):
+        flatten._fp64_rate(torch.device("cuda", 0))
+    assert len(calls) == 1
