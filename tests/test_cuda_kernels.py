@@ -387,3 +387,27 @@ def test_cuda_flatten_float64(method, shape):
     tol = {"polar": TOL[("polar", torch.float64)], "gram": gram_tol(torch.float64, cond),
            "eigh": 1e-6}.get(method, TOL[("exact", torch.float64)])
     assert rel_err(x, iso_flatten_ref(x64)) <= tol
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs: torch.compile's CUDA graphs refuse the host-bound ops (tagged cudagraph_unsafe)
+# and still compute the right result.
+
+@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason="no cudagraph_unsafe tag in this torch")
+def test_reduce_overhead_compile_skips_cuda_graphs_for_the_nesterov_op():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    p, b, u = (torch.randn(1000, device=DEV) for _ in range(3))
+    p0, b0 = p.clone(), b.clone()
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def step(p, b, u):
+        torch.ops.isoloco.nesterov_outer_([p], [b], [u * 2], 0.5, 0.9, None)
+
+    step(p, b, u)
+    torch.cuda.synchronize()
+    assert counters["inductor"]["cudagraph_skips"] >= 1
+    want_p, want_b = nesterov_ref(p0, b0, u * 2, 0.5, 0.9, 1.0)
+    assert rel_err(p, want_p) <= TOL[("update", torch.float32)] and rel_err(b, want_b) <= TOL[("update", torch.float32)]

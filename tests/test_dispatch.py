@@ -176,3 +176,21 @@ def test_supports_checks_the_tensors_own_device(fake_gpu, monkeypatch):
     x0, x1 = _CudaStandIn(0), _CudaStandIn(1)
     assert dispatch.select("iso_scale_", "cuda", x0, x0).name == "csrc (compiled extension)"
     assert dispatch.select("iso_scale_", "cuda", x1, x1).name in ("triton", "torch")  # triton: not under the interpreter
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs: the ops that sync with the host or launch from host-built tables are tagged.
+
+HOST_BOUND_OPS = ["iso_flatten_", "nesterov_outer_", "csrc_nesterov_outer_"]
+
+
+@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason=f"torch {torch.__version__} has no cudagraph_unsafe tag")
+@pytest.mark.parametrize("op", HOST_BOUND_OPS)
+def test_host_bound_ops_are_tagged_cudagraph_unsafe(op):
+    assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.isoloco, op).default.tags
+
+
+@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason=f"torch {torch.__version__} has no cudagraph_unsafe tag")
+def test_iso_scale_stays_capturable():
+    """The epilogue alone neither syncs nor bakes host tables: no tag, graphs may hold it."""
+    assert torch.Tag.cudagraph_unsafe not in torch.ops.isoloco.iso_scale_.default.tags
