@@ -118,6 +118,19 @@ def _decide() -> tuple[dict | None, str]:
 
 TRAIN_EXTRA = ["tqdm", "matplotlib", "tokenizers>=0.15"]
 
+
+def cupy_wheel() -> str:
+    """The CuPy wheel for the `cupy` extra: cupy-cuda<major>x of the build environment's torch
+    (importable with --no-build-isolation), else cupy-cuda13x, torch's default CUDA 13 wheels.
+    Extras are fixed when the package is built, so on a CUDA 12 torch with build isolation ask
+    for `.[cupy-cuda12]` or `pip install cupy-cuda12x` (the CuPy path's message names the wheel)."""
+    try:
+        import torch
+    except ImportError:
+        return "cupy-cuda13x"
+    major = (torch.version.cuda or "13").split(".")[0]
+    return f"cupy-cuda{major}x"
+
 TOOLS, SKIP_REASON = _decide()
 FORCED = os.environ.get("ISOLOCO_CUDA", "").strip() == "1"
 
@@ -196,7 +209,10 @@ setup(
         "train": TRAIN_EXTRA,
         # the tests, the training-loop tests included
         "test": ["pytest", "pytest-benchmark", 'triton; platform_system == "Linux"', "torchft", *TRAIN_EXTRA],
-        "cupy": ["cupy-cuda13x"],
+        # the CuPy path (_cupy.py): the CuPy wheel of torch's CUDA major version (see cupy_wheel)
+        "cupy": [cupy_wheel()],
+        "cupy-cuda12": ["cupy-cuda12x"],
+        "cupy-cuda13": ["cupy-cuda13x"],
     },
     ext_modules=[CMakeExtension("isoloco_kernels._C")] if TOOLS is not None else [],
     cmdclass={"build_ext": BuildCMake, "build_py": BuildPy},

@@ -67,8 +67,7 @@ def load() -> bool:
         return False
     LOADED = True
     PATH = path
-    archs = built_archs()
-    STATUS = f"loaded {path}" + (f" (built for {', '.join(archs)})" if archs else "")
+    STATUS = f"loaded {path}"
     return True
 
 
