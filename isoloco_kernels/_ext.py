@@ -71,15 +71,17 @@ def load() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
 def built_archs() -> tuple[str, ...] | None:
     """The GPU code the loaded extension carries, as recorded at build time from nvcc's -gencode
     targets: "sm_80" (a cubin) or "compute_90" (PTX); None if unknown (not loaded, or built by
     a CMakeLists.txt that did not record them)."""
-    if PATH is None:
-        return None
+    return None if PATH is None else _archs_of(PATH)
+
+
+@functools.lru_cache(maxsize=None)
+def _archs_of(path: str) -> tuple[str, ...] | None:
     try:
-        fn = ctypes.CDLL(PATH).isoloco_cuda_archs
+        fn = ctypes.CDLL(path).isoloco_cuda_archs
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_char_p

@@ -220,3 +220,30 @@ def test_missing_cupy_names_the_wheel_for_torchs_cuda(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)
     ok, why = _cupy.available.__wrapped__()
     assert not ok and "pip install cupy-cuda12x" in why
+
+
+def _shared_lib(tmp_path, body: str) -> str:
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build a stand-in library")
+    src, lib = tmp_path / "lib.c", tmp_path / "lib.so"
+    src.write_text(body)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    return str(lib)
+
+
+def test_built_archs_reads_the_record_from_the_library(tmp_path, monkeypatch):
+    """What csrc/iso_scale.cu exports (isoloco_cuda_archs) is what built_archs() returns; a
+    library without the record gives None (then only the sm_80 floor is checked)."""
+    with_record = _shared_lib(tmp_path, 'const char* isoloco_cuda_archs(void) { return "sm_80,sm_90,compute_90"; }\n')
+    monkeypatch.setattr(_ext, "PATH", with_record)
+    assert _ext.built_archs() == ("sm_80", "sm_90", "compute_90")
+    other = tmp_path / "old"
+    other.mkdir()
+    monkeypatch.setattr(_ext, "PATH", _shared_lib(other, "int unrelated(void) { return 0; }\n"))
+    assert _ext.built_archs() is None
+    monkeypatch.setattr(_ext, "PATH", None)
+    assert _ext.built_archs() is None
