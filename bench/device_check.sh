@@ -4,10 +4,11 @@
 #   1. build the CUDA extension (sm_90 only unless TORCH_CUDA_ARCH_LIST says otherwise);
 #   2. every CUDA test (`pytest tests -m cuda`: the tests that skip without a GPU);
 #   3. gram against polar on this GPU and auto's choice;
-#   4. the GPU benchmarks: iso_merge_ per method (with its error against reference.py) on the
-#      llama-178m and llama-1b bucket sets, Nesterov on llama-1b's fp32 params (as % of copy
-#      bandwidth), the FSDP2 outer step on one GPU (NCCL, world size 1, host syncs counted);
-#   5. a short table, printed last.
+#   4. the FSDP2 outer step on one GPU (NCCL, world size 1, host syncs counted);
+#   5. the GPU benchmarks: Nesterov on llama-1b's fp32 params (as % of copy bandwidth), then
+#      iso_merge_ per method (with its error against reference.py) on the llama-178m and
+#      llama-1b bucket sets until the budget ends;
+#   6. a short table, printed last.
 # Everything goes under $OUT (default bench/results): <date>-<device>.{log,tests.log,json,md},
 # fsdp2.json.
 #
@@ -29,6 +30,7 @@ START=$(date +%s)
 BUDGET_S=${BUDGET_S:-470}
 PY=${PYTHON:-python3}
 left() { echo $(( START + BUDGET_S - $(date +%s) )); }
+cap() { local t=$(( $(left) - ${2:-0} )); echo $(( t < $1 ? (t > 5 ? t : 5) : $1 )); }  # min(cap, left - reserve), ≥ 5 s
 
 if [ "$DRY_RUN" = 1 ]; then
     DEV=dry-run-cpu
@@ -49,6 +51,7 @@ RES=${OUT:-bench/results}
 mkdir -p "$RES"
 LOG="$RES/$NAME.log"
 JSON="$RES/$NAME.json"
+JSON_NESTEROV="$RES/$NAME-nesterov.json"
 : > "$LOG"
 exec > >(tee -a "$LOG") 2>&1
 
@@ -86,7 +89,7 @@ fi
 echo "tests exit code: $TEST_RC"
 
 step "gram vs polar here (float64 Gram space vs float32 direct iteration; auto's choice)"
-timeout 90 env DRY_RUN="$DRY_RUN" "$PY" - <<'EOF' || echo "gram probe failed"
+timeout "$(cap 90 120)" env DRY_RUN="$DRY_RUN" "$PY" - <<'EOF' || echo "gram probe failed"
 import os, time, torch, warnings
 import isoloco_kernels as ik
 from isoloco_kernels import flatten
@@ -118,37 +121,44 @@ for shape in shapes:
     print(shape, " | ".join(row), "| auto ->", flatten.resolve_method("auto", x))
 EOF
 
-step "benchmarks ($(( $(left) - 60 )) s left for them)"
-BENCH_S=$(( $(left) - 60 ))
+step "FSDP2 outer step, world size 1 ($( [ "$DRY_RUN" = 1 ] && echo gloo on the CPU || echo NCCL on the GPU ))"
+timeout -k 10 "$(cap 90 60)" "$PY" bench/fsdp2_step.py $FSDP_ARGS --json "$RES/fsdp2.json" 2>&1 \
+    | grep -v -i "numpy" || echo "fsdp2 step failed or timed out"
+
+step "benchmarks ($(( $(left) - 25 )) s left for them)"
 if [ "$DRY_RUN" = 1 ]; then
     SECS=0.05
-    SEL='flatten and (polar or gram or auto) and not bf16 or nesterov and (fused or foreach)'
+    FLATTEN_SEL='polar or gram or auto'
+    NESTEROV_SEL='fused or foreach'
 else
     SECS=0.4
-    SEL='flatten or nesterov'
+    FLATTEN_SEL=''
+    NESTEROV_SEL=''
 fi
-if [ "$BENCH_S" -gt 30 ]; then
-    # flatten per method with its error, then Nesterov (its % of copy bandwidth is in the table)
-    timeout -s INT -k 15 "$BENCH_S" "$PY" -m pytest bench/test_bench_flatten.py bench/test_bench_optim.py \
-        -q -p no:cacheprovider -o addopts="" -k "$SEL" \
-        --benchmark-only --bench-devices "$BENCH_DEVICE" --bench-seconds "$SECS" \
-        --bench-sets "$FLATTEN_SETS,$NESTEROV_SETS" \
-        --benchmark-json "$JSON" --benchmark-columns=median,rounds --benchmark-sort=name 2>&1 | tail -40
-    echo "benchmarks exit code: $? (2 or 130: stopped at the time budget; finished cases are in the JSON)"
+bench() {  # bench SECONDS JSON FILE SETS SELECTION
+    timeout -s INT -k 15 "$1" "$PY" -m pytest "$3" -q -p no:cacheprovider -o addopts="" ${5:+-k "$5"} \
+        --benchmark-only --bench-devices "$BENCH_DEVICE" --bench-seconds "$SECS" --bench-sets "$4" \
+        --benchmark-json "$2" --benchmark-columns=median,rounds --benchmark-sort=name 2>&1 | tail -25
+    echo "exit code: $? (2 or 130: stopped at the time budget; finished cases are in $2)"
+}
+# Nesterov first (short), then the flatten per method with its error until the budget ends.
+if [ "$(left)" -gt 90 ]; then
+    bench "$(cap 60 30)" "$JSON_NESTEROV" bench/test_bench_optim.py "$NESTEROV_SETS" "test_nesterov${NESTEROV_SEL:+ and ($NESTEROV_SEL)}"
+    BENCH_S=$(( $(left) - 25 ))
+    if [ "$BENCH_S" -gt 30 ]; then
+        bench "$BENCH_S" "$JSON" bench/test_bench_flatten.py "$FLATTEN_SETS" "$FLATTEN_SEL"
+    fi
 else
     echo "no time left for the benchmarks"
 fi
 
-step "FSDP2 outer step, world size 1 ($( [ "$DRY_RUN" = 1 ] && echo gloo on the CPU || echo NCCL on the GPU ))"
-timeout -k 10 "$(( $(left) > 70 ? 60 : 30 ))" "$PY" bench/fsdp2_step.py $FSDP_ARGS --json "$RES/fsdp2.json" 2>&1 \
-    | grep -v -i "numpy" || echo "fsdp2 step failed or timed out"
-
 step "report"
-if [ -s "$JSON" ]; then
-    timeout 60 "$PY" bench/report.py "$JSON" --table --out "$RES/$NAME.md" || echo "report failed"
+JSONS=$(ls "$JSON_NESTEROV" "$JSON" 2>/dev/null | tr '\n' ' ')
+if [ -n "$JSONS" ]; then
+    timeout 60 "$PY" bench/report.py $JSONS --table --out "$RES/$NAME.md" || echo "report failed"
 else
     echo "no benchmark JSON was written"
 fi
 [ -s "$RES/fsdp2.json" ] && { cat "$RES/fsdp2.json"; echo; }
-echo "files: $(ls "$RES"/"$NAME".* "$RES"/fsdp2.json 2>/dev/null | tr '\n' ' ')"
+echo "files: $(ls "$RES"/"$NAME"* "$RES"/fsdp2.json 2>/dev/null | tr '\n' ' ')"
 echo "total $(( $(date +%s) - START )) s (budget $BUDGET_S s); build $BUILD_RC, tests $TEST_RC"
