@@ -8,7 +8,8 @@ CUDA build of torch, nvcc, and CMake >= 3.26 with ninja (e.g. the PyPI `cmake` a
     ISOLOCO_CUDA=0 pip install .                    # never builds it
 
 Plain `pip install .` uses build isolation, which hides the installed torch: it installs the pure
-Python package. Other knobs: TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), MAX_JOBS, CUDA_HOME.
+Python package. Other knobs: TORCH_CUDA_ARCH_LIST (default "8.0;9.0+PTX": A100 and H100/H200 cubins plus
+sm_90 PTX that newer GPUs JIT-compile; the kernels need sm_80), MAX_JOBS, CUDA_HOME.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from setuptools.command.build_py import build_py
 ROOT = os.path.dirname(os.path.abspath(__file__))
 KERNEL_SOURCES = os.path.join("csrc", "kernels")  # NVRTC-clean kernels, shipped for _cupy.py
 MIN_CMAKE = (3, 26)
+DEFAULT_ARCHS = "8.0;9.0+PTX"  # as in CMakeLists.txt
 
 
 def _find_cuda_home() -> str | None:
@@ -116,6 +118,19 @@ def _decide() -> tuple[dict | None, str]:
 
 TRAIN_EXTRA = ["tqdm", "matplotlib", "tokenizers>=0.15"]
 
+
+def cupy_wheel() -> str:
+    """The CuPy wheel for the `cupy` extra: cupy-cuda<major>x of the build environment's torch
+    (importable with --no-build-isolation), else cupy-cuda13x, torch's default CUDA 13 wheels.
+    Extras are fixed when the package is built, so on a CUDA 12 torch with build isolation ask
+    for `.[cupy-cuda12]` or `pip install cupy-cuda12x` (the CuPy path's message names the wheel)."""
+    try:
+        import torch
+    except ImportError:
+        return "cupy-cuda13x"
+    major = (torch.version.cuda or "13").split(".")[0]
+    return f"cupy-cuda{major}x"
+
 TOOLS, SKIP_REASON = _decide()
 FORCED = os.environ.get("ISOLOCO_CUDA", "").strip() == "1"
 
@@ -147,7 +162,7 @@ class BuildCMake(build_ext):
             f"-DCMAKE_PREFIX_PATH={t['torch_prefix']}",
             f"-DCMAKE_CUDA_COMPILER={t['nvcc']}",
             f"-DCUDA_TOOLKIT_ROOT_DIR={t['cuda_home']}",
-            f"-DTORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '8.0;9.0')}",
+            f"-DTORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', DEFAULT_ARCHS)}",
             f"-DISOLOCO_OUTPUT={out}",
             "-DCMAKE_BUILD_TYPE=Release",
         ]
@@ -194,7 +209,10 @@ setup(
         "train": TRAIN_EXTRA,
         # the tests, the training-loop tests included
         "test": ["pytest", "pytest-benchmark", 'triton; platform_system == "Linux"', "torchft", *TRAIN_EXTRA],
-        "cupy": ["cupy-cuda13x"],
+        # the CuPy path (_cupy.py): the CuPy wheel of torch's CUDA major version (see cupy_wheel)
+        "cupy": [cupy_wheel()],
+        "cupy-cuda12": ["cupy-cuda12x"],
+        "cupy-cuda13": ["cupy-cuda13x"],
     },
     ext_modules=[CMakeExtension("isoloco_kernels._C")] if TOOLS is not None else [],
     cmdclass={"build_ext": BuildCMake, "build_py": BuildPy},

@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
 # One script for a lent GPU machine (one GPU, CUDA torch, nvcc, nothing downloadable), at most
-# 8 minutes wall: build the CUDA extension, run the CUDA/Triton/polar/gram tests, time gram against
-# polar, run the GPU benchmarks, write bench/results/<date>-<device>.{json,log,png} (and copy them
-# to $OUT if set), print a short table last.
+# 8 minutes wall from a bare machine:
+#   1. build the CUDA extension (sm_90 only unless TORCH_CUDA_ARCH_LIST says otherwise);
+#   2. every CUDA test (`pytest tests -m cuda`: the tests that skip without a GPU);
+#   3. gram against polar on this GPU and auto's choice;
+#   4. the FSDP2 outer step on one GPU (NCCL, world size 1, host syncs counted);
+#   5. the GPU benchmarks: Nesterov on llama-1b's fp32 params (as % of copy bandwidth), then
+#      iso_merge_ per method (with its error against reference.py) on the llama-178m and
+#      llama-1b bucket sets until the budget ends;
+#   6. a short table, printed last.
+# Everything goes under $OUT (default bench/results): <date>-<device>.{log,tests.log,json,md},
+# fsdp2.json.
 #
 #   bash bench/device_check.sh              # from anywhere; runs in the repository root
 #   BUDGET_S=300 bash bench/device_check.sh # a tighter wall-clock budget (default 470 s)
+#   bash bench/device_check.sh --dry-run    # (or DRY_RUN=1) end to end on a CPU machine: builds
+#                                           # nothing (uses the extension if built), collects the
+#                                           # CUDA tests only, runs CPU stand-ins of the rest
 #
 # Every step runs under `timeout`, so the script ends within BUDGET_S + ~20 s whatever hangs. The
 # benchmark step is stopped with SIGINT, which lets pytest-benchmark write the JSON of the cases
@@ -13,56 +24,85 @@
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 
+DRY_RUN=${DRY_RUN:-0}
+[ "${1:-}" = "--dry-run" ] && DRY_RUN=1
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-470}
 PY=${PYTHON:-python3}
 left() { echo $(( START + BUDGET_S - $(date +%s) )); }
+cap() { local t=$(( $(left) - ${2:-0} )); echo $(( t < $1 ? (t > 5 ? t : 5) : $1 )); }  # min(cap, left - reserve), ≥ 5 s
 
-DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9._\n-' '-' | tr -s '-')
-DEV=${DEV:-nogpu}
+if [ "$DRY_RUN" = 1 ]; then
+    DEV=dry-run-cpu
+    BENCH_DEVICE=cpu
+    FLATTEN_SETS=ref-tiny
+    NESTEROV_SETS=ref-tiny
+    FSDP_ARGS="--device cpu --set ref-tiny --rounds 2"
+else
+    DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9._\n-' '-' | tr -s '-')
+    DEV=${DEV:-nogpu}
+    BENCH_DEVICE=cuda
+    FLATTEN_SETS=llama-178m,llama-1b
+    NESTEROV_SETS=llama-1b
+    FSDP_ARGS="--device cuda --set llama-178m --rounds 5"
+fi
 NAME="$(date -u +%Y-%m-%d)-${DEV}"
-RES=bench/results
+RES=${OUT:-bench/results}
 mkdir -p "$RES"
 LOG="$RES/$NAME.log"
 JSON="$RES/$NAME.json"
+JSON_NESTEROV="$RES/$NAME-nesterov.json"
 : > "$LOG"
 exec > >(tee -a "$LOG") 2>&1
 
 step() { echo; echo "=== [$(( $(date +%s) - START )) s] $*"; }
 
-step "machine"
-nvidia-smi -L || echo "nvidia-smi failed"
+step "machine (dry run: $DRY_RUN)"
+nvidia-smi -L 2>/dev/null || echo "nvidia-smi: no GPU"
 timeout 60 "$PY" - <<'EOF'
 import torch, triton
 print("torch", torch.__version__, "| triton", triton.__version__, "| cuda", torch.version.cuda,
       "| gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 EOF
 
-step "build the CUDA extension (sm_90 only, to save time)"
 BUILD_RC=0
-timeout 200 env ISOLOCO_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS=16 \
-    "$PY" -m pip install --no-build-isolation --no-deps -e . -q || BUILD_RC=$?
-echo "build exit code: $BUILD_RC (non-zero: the torch/Triton fallbacks serve the benchmarks)"
-timeout 60 "$PY" -c "import isoloco_kernels as ik; print(ik.backends())"
+if [ "$DRY_RUN" = 1 ]; then
+    step "build: skipped (dry run; the extension as built, if at all)"
+else
+    step "build the CUDA extension (${TORCH_CUDA_ARCH_LIST:-9.0} only, to save time)"
+    timeout 200 env ISOLOCO_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS=16 \
+        "$PY" -m pip install --no-build-isolation --no-deps -e . -q || BUILD_RC=$?
+    echo "build exit code: $BUILD_RC (non-zero: the CuPy/Triton/torch fallbacks serve the benchmarks)"
+fi
+timeout 60 "$PY" -c "import isoloco_kernels as ik; [print(f'  {k}: {v}') for k, v in ik.backends().items()]"
 
-step "CUDA, Triton, polar and gram tests"
-TEST_S=$(( $(left) > 360 ? 130 : 60 ))
-timeout -s INT -k 10 "$TEST_S" "$PY" -m pytest tests -q -p no:cacheprovider -k "cuda or triton or polar or gram" \
-    -o addopts="" --durations=5
-TEST_RC=$?
+step "every CUDA test (pytest tests -m cuda)"
+if [ "$DRY_RUN" = 1 ]; then
+    timeout 120 "$PY" -m pytest tests -q -p no:cacheprovider -m cuda --collect-only -o addopts="" | tail -3
+    TEST_RC=$?
+else
+    TEST_S=$(( $(left) > 360 ? 150 : 80 ))
+    timeout -s INT -k 10 "$TEST_S" "$PY" -m pytest tests -q -p no:cacheprovider -m cuda -o addopts="" \
+        -rs --durations=5 2>&1 | tee "$RES/$NAME.tests.log" | tail -60
+    TEST_RC=$?
+fi
 echo "tests exit code: $TEST_RC"
 
-step "gram vs polar on this GPU (float64 Gram space vs float32 direct iteration; auto's choice)"
-timeout 90 "$PY" - <<'EOF' || echo "gram probe failed"
-import time, torch, warnings
+step "gram vs polar here (float64 Gram space vs float32 direct iteration; auto's choice)"
+timeout "$(cap 90 120)" env DRY_RUN="$DRY_RUN" "$PY" - <<'EOF' || echo "gram probe failed"
+import os, time, torch, warnings
 import isoloco_kernels as ik
 from isoloco_kernels import flatten
 from isoloco_kernels.reference import iso_flatten_ref
 warnings.simplefilter("ignore")
-dev = torch.device("cuda")
-cap = torch.cuda.get_device_capability(dev)
-print("compute capability", cap, "| FP64_RATE table:", flatten.FP64_RATE.get(cap, 0.0))
-for shape in [(8, 1024, 1024), (4, 1024, 4096), (2, 2048, 32000), (16, 256, 256)]:
+dry = os.environ.get("DRY_RUN") == "1"
+dev = torch.device("cpu" if dry else "cuda")
+sync = (lambda: None) if dry else torch.cuda.synchronize
+if dev.type == "cuda":
+    print("compute capability", torch.cuda.get_device_capability(dev), "| float64 rate auto assumes:",
+          flatten._fp64_rate(dev))
+shapes = [(2, 64, 64), (2, 32, 256)] if dry else [(8, 1024, 1024), (4, 1024, 4096), (2, 2048, 32000), (16, 256, 256)]
+for shape in shapes:
     g = torch.Generator(device=dev).manual_seed(0)
     b, m, n = shape
     u, _ = torch.linalg.qr(torch.randn(b, m, m, device=dev, generator=g))
@@ -71,37 +111,54 @@ for shape in [(8, 1024, 1024), (4, 1024, 4096), (2, 2048, 32000), (16, 256, 256)
     ref = iso_flatten_ref(x[:1])
     row = []
     for meth in ("polar", "gram"):
-        y = x.clone(); ik.iso_merge_([y], method=meth); torch.cuda.synchronize()
+        y = x.clone(); ik.iso_merge_([y], method=meth); sync()
         err = float((y[:1].double().cpu() - ref).norm() / ref.norm())
         ts = []
         for _ in range(5):
-            y.copy_(x); torch.cuda.synchronize(); t = time.perf_counter()
-            ik.iso_merge_([y], method=meth); torch.cuda.synchronize(); ts.append(time.perf_counter() - t)
+            y.copy_(x); sync(); t = time.perf_counter()
+            ik.iso_merge_([y], method=meth); sync(); ts.append(time.perf_counter() - t)
         row.append(f"{meth} {min(ts) * 1e3:.2f} ms err {err:.1e}")
     print(shape, " | ".join(row), "| auto ->", flatten.resolve_method("auto", x))
 EOF
 
-step "GPU benchmarks ($(( $(left) - 35 )) s left for them)"
-BENCH_S=$(( $(left) - 35 ))
-if [ "$BENCH_S" -gt 30 ]; then
-    timeout -s INT -k 15 "$BENCH_S" "$PY" -m pytest bench -q -p no:cacheprovider -o addopts="" \
-        --benchmark-only --bench-devices cuda --bench-seconds 0.4 \
-        --bench-sets llama-178m,ref-tiny,llama-tiny,llama-1b,wide-vocab \
-        --benchmark-json "$JSON" --benchmark-columns=median,rounds --benchmark-sort=name
-    echo "benchmarks exit code: $? (2 or 130: stopped at the time budget; finished cases are in the JSON)"
+step "FSDP2 outer step, world size 1 ($( [ "$DRY_RUN" = 1 ] && echo gloo on the CPU || echo NCCL on the GPU ))"
+timeout -k 10 "$(cap 90 60)" "$PY" bench/fsdp2_step.py $FSDP_ARGS --json "$RES/fsdp2.json" 2>&1 \
+    | grep -v -i "numpy" || echo "fsdp2 step failed or timed out"
+
+step "benchmarks ($(( $(left) - 25 )) s left for them)"
+if [ "$DRY_RUN" = 1 ]; then
+    SECS=0.05
+    FLATTEN_SEL='polar or gram or auto'
+    NESTEROV_SEL='fused or foreach'
+else
+    SECS=0.4
+    FLATTEN_SEL=''
+    NESTEROV_SEL=''
+fi
+bench() {  # bench SECONDS JSON FILE SETS SELECTION
+    timeout -s INT -k 15 "$1" "$PY" -m pytest "$3" -q -p no:cacheprovider -o addopts="" ${5:+-k "$5"} \
+        --benchmark-only --bench-devices "$BENCH_DEVICE" --bench-seconds "$SECS" --bench-sets "$4" \
+        --benchmark-json "$2" --benchmark-columns=median,rounds --benchmark-sort=name 2>&1 | tail -25
+    echo "exit code: $? (2 or 130: stopped at the time budget; finished cases are in $2)"
+}
+# Nesterov first (short), then the flatten per method with its error until the budget ends.
+if [ "$(left)" -gt 90 ]; then
+    bench "$(cap 60 30)" "$JSON_NESTEROV" bench/test_bench_optim.py "$NESTEROV_SETS" "test_nesterov${NESTEROV_SEL:+ and ($NESTEROV_SEL)}"
+    BENCH_S=$(( $(left) - 25 ))
+    if [ "$BENCH_S" -gt 30 ]; then
+        bench "$BENCH_S" "$JSON" bench/test_bench_flatten.py "$FLATTEN_SETS" "$FLATTEN_SEL"
+    fi
 else
     echo "no time left for the benchmarks"
 fi
 
 step "report"
-if [ -s "$JSON" ]; then
-    timeout 60 "$PY" bench/report.py "$JSON" --table --out "$RES/$NAME.md" || echo "report failed"
+JSONS=$(ls "$JSON_NESTEROV" "$JSON" 2>/dev/null | tr '\n' ' ')
+if [ -n "$JSONS" ]; then
+    timeout 60 "$PY" bench/report.py $JSONS --table --out "$RES/$NAME.md" || echo "report failed"
 else
     echo "no benchmark JSON was written"
 fi
-
-if [ -n "${OUT:-}" ]; then
-    cp "$RES/$NAME".* "$OUT"/ 2>/dev/null
-    echo "copied $(ls "$RES/$NAME".* 2>/dev/null | tr '\n' ' ') to \$OUT"
-fi
+[ -s "$RES/fsdp2.json" ] && { cat "$RES/fsdp2.json"; echo; }
+echo "files: $(ls "$RES"/"$NAME"* "$RES"/fsdp2.json 2>/dev/null | tr '\n' ' ')"
 echo "total $(( $(date +%s) - START )) s (budget $BUDGET_S s); build $BUILD_RC, tests $TEST_RC"

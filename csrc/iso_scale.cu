@@ -81,3 +81,13 @@ at::Tensor iso_scale_cuda(const at::Tensor& x, const at::Tensor& q) {
 TORCH_LIBRARY_IMPL(isoloco, CUDA, m) {
   m.impl("csrc_iso_scale_", &isoloco::iso_scale_cuda);
 }
+
+// The GPU code this library carries ("sm_80,sm_90,compute_90": nvcc's -gencode targets, recorded
+// by CMakeLists.txt), read by _ext.built_archs() so that dispatch falls back to another backend on
+// a device without a matching cubin or PTX instead of failing with "no kernel image".
+#ifndef ISOLOCO_CUDA_ARCHS
+#define ISOLOCO_CUDA_ARCHS ""
+#endif
+extern "C" __attribute__((visibility("default"))) const char* isoloco_cuda_archs() {
+  return ISOLOCO_CUDA_ARCHS;
+}

@@ -67,7 +67,6 @@ def kernel_code(*headers: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def available() -> tuple[bool, str]:
     """(True, "cupy <version>") when the CuPy path can run here, else (False, why not)."""
     if not torch.cuda.is_available():
@@ -77,7 +76,9 @@ def available() -> tuple[bool, str]:
     try:
         import cupy
     except ImportError as e:
-        return False, f"cupy is not installed ({e}); pip install 'isoloco_kernels[cupy]'"
+        major = (torch.version.cuda or "13").split(".")[0]
+        return False, (f"cupy is not installed ({e}); pip install cupy-cuda{major}x (the wheel for "
+                       f"torch's CUDA {torch.version.cuda})")
     try:
         cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # CUDA driver/runtime mismatch and the like

@@ -33,6 +33,24 @@ def _always(*_args) -> tuple[bool, str]:
 
 # -- availability -------------------------------------------------------------------------------
 
+def _capability(device) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def _csrc_device_problem(device, extension: bool) -> str:
+    """Why the csrc kernels cannot run on `device` ("" if they can): below sm_80 (bfloat16
+    conversions), or, for the compiled extension, no cubin or PTX it can load."""
+    from . import _ext as ext
+
+    return ext.device_problem(_capability(device), ext.built_archs() if extension else None)
+
+
+def _current_device_problem(extension: bool) -> str:
+    if not torch.cuda.is_available():
+        return ""  # nothing to run on; supports() sees the tensors' device
+    return _csrc_device_problem(torch.cuda.current_device(), extension)
+
+
 def _ext(op: str) -> Callable[[], tuple[bool, str]]:
     def available() -> tuple[bool, str]:
         from . import _ext as ext
@@ -41,7 +59,8 @@ def _ext(op: str) -> Callable[[], tuple[bool, str]]:
             return False, ext.STATUS.split(" (")[0] + " (backends()['cuda_extension'] says why)"
         if not ext.has_kernel(f"csrc_{op}", "CUDA"):
             return False, f"the loaded extension has no kernel for isoloco::csrc_{op}"
-        return OK
+        why = _current_device_problem(extension=True)
+        return (False, why) if why else OK
     return available
 
 
@@ -49,7 +68,10 @@ def _cupy_available() -> tuple[bool, str]:
     from . import _cupy
 
     ok, why = _cupy.available()
-    return (True, "") if ok else (False, why)
+    if not ok:
+        return False, why
+    why = _current_device_problem(extension=False)
+    return (False, why) if why else OK
 
 
 def _triton_available() -> tuple[bool, str]:
@@ -67,12 +89,21 @@ def _polar_gemm_triton_available() -> tuple[bool, str]:
 
 # -- what each candidate takes ------------------------------------------------------------------
 
-def _on_cuda(x: torch.Tensor, *_rest) -> tuple[bool, str]:
-    return OK if x.is_cuda else (False, f"needs CUDA tensors, got {x.device}")
+def _csrc_on(device, extension: bool) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, f"needs CUDA tensors, got {device}"
+    why = _csrc_device_problem(device, extension)
+    return (False, why) if why else OK
 
 
-def _params_on_cuda(params, *_rest) -> tuple[bool, str]:
-    return OK if not params or params[0].is_cuda else (False, f"needs CUDA tensors, got {params[0].device}")
+def _on_cuda(extension: bool) -> Callable[..., tuple[bool, str]]:
+    """supports() of a csrc candidate for iso_scale_(x, q): CUDA tensors on a device it runs on."""
+    return lambda x, *_rest: _csrc_on(x.device, extension)
+
+
+def _params_on_cuda(extension: bool) -> Callable[..., tuple[bool, str]]:
+    """supports() of a csrc candidate for nesterov_outer_(params, …)."""
+    return lambda params, *_rest: OK if not params else _csrc_on(params[0].device, extension)
 
 
 def _triton_nesterov_supports(params, bufs, *_rest) -> tuple[bool, str]:
@@ -152,15 +183,15 @@ def _gemm_triton(_x) -> str:
 
 TABLES: dict[tuple[str, str], list[Candidate]] = {
     ("iso_scale_", "cuda"): [
-        Candidate("csrc (compiled extension)", _ext("iso_scale_"), _on_cuda, _csrc_iso_scale),
-        Candidate("csrc through CuPy/NVRTC", _cupy_available, _on_cuda, _cupy_iso_scale),
+        Candidate("csrc (compiled extension)", _ext("iso_scale_"), _on_cuda(True), _csrc_iso_scale),
+        Candidate("csrc through CuPy/NVRTC", _cupy_available, _on_cuda(False), _cupy_iso_scale),
         Candidate("triton", _triton_available, _triton_iso_scale_supports, _triton_iso_scale),
         Candidate("torch", lambda: OK, _always, _torch_iso_scale),
     ],
     ("iso_scale_", "cpu"): [Candidate("torch", lambda: OK, _always, _torch_iso_scale)],
     ("nesterov_outer_", "cuda"): [
-        Candidate("csrc (compiled extension)", _ext("nesterov_outer_"), _params_on_cuda, _csrc_nesterov),
-        Candidate("csrc through CuPy/NVRTC", _cupy_available, _params_on_cuda, _cupy_nesterov),
+        Candidate("csrc (compiled extension)", _ext("nesterov_outer_"), _params_on_cuda(True), _csrc_nesterov),
+        Candidate("csrc through CuPy/NVRTC", _cupy_available, _params_on_cuda(False), _cupy_nesterov),
         Candidate("triton", _triton_available, _triton_nesterov_supports, _triton_nesterov),
         Candidate("torch (foreach)", lambda: OK, _always, _torch_nesterov),
     ],

@@ -13,6 +13,8 @@ the compute dtype, residual-checked, exact fallback for the matrices that miss t
 from __future__ import annotations
 
 import functools
+import os
+import re
 
 import torch
 
@@ -61,11 +63,35 @@ FP64_RATE = {
     (9, 0): 1.0,  # H100 / H200: 67 vs 67
     (10, 0): 0.5,  # B200: 40 vs 80
 }
+# Parts that share a compute capability above but carry a cut-down float64 unit (~1 TFLOP/s
+# against 51–67 float32: H800 and H20 are sm_90), matched as words in the device name: rate 0.
+FP64_WEAK_NAMES = ("H800", "H20")
+# Override for every device (a number ≥ 0; 0 keeps "auto" off "gram"): for parts the tables miss.
+FP64_RATE_ENV = "ISOLOCO_FP64_RATE"
+
+
+def _fp64_rate(device: torch.device) -> float:
+    """The float64 : float32 GEMM rate "auto" assumes for a CUDA device: $ISOLOCO_FP64_RATE if
+    set, else 0 for a name in FP64_WEAK_NAMES, else FP64_RATE by compute capability (0 if absent)."""
+    env = os.environ.get(FP64_RATE_ENV, "").strip()
+    if env:
+        try:
+            rate = float(env)
+        except ValueError:
+            rate = float("nan")
+        if not rate >= 0:  # NaN too
+            raise ValueError(f"{FP64_RATE_ENV} must be a number >= 0 (float64 : float32 GEMM rate), got {env!r}")
+        return rate
+    device = torch.device(device)
+    return _device_fp64_rate(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def _fp64_rate(device: torch.device) -> float:
-    return FP64_RATE.get(torch.cuda.get_device_capability(device), 0.0)
+def _device_fp64_rate(index: int) -> float:
+    name = torch.cuda.get_device_name(index)
+    if any(re.search(rf"\b{re.escape(w)}\b", name) for w in FP64_WEAK_NAMES):
+        return 0.0
+    return FP64_RATE.get(tuple(torch.cuda.get_device_capability(index)), 0.0)
 
 
 def gram_beats_polar(m: int, n: int, fp64_rate: float) -> bool:

@@ -38,21 +38,26 @@ from .nesterov import update_compute_dtype
 
 _lib = torch.library.Library("isoloco", "DEF")  # noqa: TOR901 (owned by this module)
 
+# Not capturable in a CUDA graph: the flatten syncs with the host (method choice, fallbacks), the
+# Nesterov kernels launch from a pointer table built on the host each call. torch.compile's CUDA
+# graphs skip graphs holding these ops (torch >= 2.8 has the tag; older torch: none).
+_HOST_BOUND = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
 # One flatten for every device: the method choice and the backend live in flatten.py.
-_lib.define("iso_flatten_(Tensor(a!) x, str method) -> ()")
+_lib.define("iso_flatten_(Tensor(a!) x, str method) -> ()", tags=_HOST_BOUND)
 # Iso-C epilogue; CUDA kernel in csrc/iso_scale.cu.
 _lib.define("iso_scale_(Tensor(a!) x, Tensor q) -> Tensor")
 # Multi-tensor Nesterov outer update; CUDA kernel in csrc/nesterov.cu.
 _lib.define(
     "nesterov_outer_(Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor[] updates, "
-    "float lr, float momentum, Tensor? scales) -> ()"
+    "float lr, float momentum, Tensor? scales) -> ()", tags=_HOST_BOUND
 )
 
 # The compiled extension's kernels, behind the checks of the public ops (called by dispatch.py only).
 _lib.define("csrc_iso_scale_(Tensor(a!) x, Tensor q) -> Tensor")
 _lib.define(
     "csrc_nesterov_outer_(Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor[] updates, "
-    "float lr, float momentum, Tensor? scales) -> ()"
+    "float lr, float momentum, Tensor? scales) -> ()", tags=_HOST_BOUND
 )
 
 _ext.load()  # registers the csrc_* CUDA kernels, if the extension was built

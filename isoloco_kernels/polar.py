@@ -144,19 +144,55 @@ def polar_factor(
     return q, resid
 
 
+def _fp32_precision_props():
+    """The new-API (torch >= 2.9) per-backend matmul precision settings a legacy call also moves:
+    cuBLAS's and oneDNN's; None on older torch."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        return None
+    props = [matmul]
+    mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    if mkldnn is not None and hasattr(mkldnn, "fp32_precision"):
+        props.append(mkldnn)
+    return props
+
+
 @contextlib.contextmanager
-def _ieee_fp32_matmul(on: bool):
-    """Full-precision float32 GEMMs inside (TF32 breaks the 1e-3 bound: bench/results/
-    polar_accuracy.md measures 2e-3 to 5e-3 with TF32-rounded operands). Restores the setting."""
+def ieee_fp32_matmul(on: bool = True):
+    """Full-precision (IEEE, no TF32) float32 GEMMs on CUDA inside; every setting restored after.
+
+    TF32 breaks polar's 1e-3 bound (bench/results/polar_accuracy.md measures 2e-3 to 5e-3 with
+    TF32-rounded operands). Works whichever API the user set TF32 with: on torch >= 2.9 with
+    `torch.backends.cuda.matmul.fp32_precision` (or the global `torch.backends.fp32_precision`,
+    which makes `torch.get_float32_matmul_precision()` raise), that setting is saved, set to
+    "ieee" and restored; when the legacy state is readable (`allow_tf32`,
+    `set_float32_matmul_precision`, or nothing set) it is switched to "highest" as well, so
+    both APIs agree inside and neither getter raises. Older torch: the legacy setting only.
+
+    The switch is process-global, as torch's setting is: float32 matmuls that other threads run
+    on CUDA while a flatten is inside also run without TF32.
+    """
     if not on:
         yield
         return
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
+    props = _fp32_precision_props()
     try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:  # new and legacy API disagree: only the new one describes the state
+        legacy = None
+    saved = [p.fp32_precision for p in props] if props is not None else None
+    try:
+        if legacy is not None:
+            torch.set_float32_matmul_precision("highest")
+        if props is not None:
+            torch.backends.cuda.matmul.fp32_precision = "ieee"
         yield
     finally:
-        torch.set_float32_matmul_precision(old)
+        if legacy is not None:
+            torch.set_float32_matmul_precision(legacy)
+        if saved is not None:  # after the legacy restore, which rewrites these
+            for p, v in zip(props, saved):
+                p.fp32_precision = v
 
 
 class TorchSteps:
@@ -216,7 +252,7 @@ def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", backend: str | None 
     if mode == "bf16":
         k = max(len(COEFFS) - BF16_FP32_STEPS, 0)
         gd = (torch.bfloat16,) * k + (cd,) * (len(COEFFS) - k)
-    with _ieee_fp32_matmul(x3.is_cuda and cd == torch.float32):
+    with ieee_fp32_matmul(x3.is_cuda and cd == torch.float32):
         q, resid = polar_factor(x3, gemm_dtypes=gd, backend=backend)
     # Iso-C is homogeneous: s̄ = ⟨Δ, Q⟩ / r0 is formed on Δ / scale (a power of two near amax, so
     # exact) and the result multiplied back: no overflow for any finite Δ whose result fits.

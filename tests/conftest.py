@@ -1,6 +1,8 @@
 """Fixtures shared by the test files."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -13,3 +15,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (bench/device_check.sh runs `-m cuda`)")
+
+
+_NEEDS_GPU = re.compile(r"\bneeds? .*\b(CUDA|GPUs?)\b|CUDA extension not loaded")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark `cuda` every test that skips without a GPU (a skipif whose reason says it needs
+    CUDA or a GPU, or the CUDA extension), so one selection runs exactly the device tests."""
+    for item in items:
+        if any(_NEEDS_GPU.search(str(m.kwargs.get("reason", ""))) for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.cuda)

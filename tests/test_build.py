@@ -160,3 +160,90 @@ def test_kernels_use_vector_loads_and_stores():
         body = text[start:end if end > 0 else None]
         for pat in patterns:
             assert re.search(pat, body), f"{name}: no {pat} in its PTX"
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU code the extension carries, and the CuPy wheel for torch's CUDA.
+
+@pytest.mark.skipif(not _ext.LOADED, reason=f"CUDA extension not loaded: {_ext.STATUS}")
+def test_extension_records_the_gpu_code_it_carries():
+    """The library says which cubins/PTX it holds (dispatch reads it to fall back on other GPUs):
+    the default build ("8.0;9.0+PTX") holds sm_80 and sm_90 cubins and sm_90 PTX."""
+    archs = _ext.built_archs()
+    assert archs and all(re.fullmatch(r"(sm|compute)_\d+[af]?", a) for a in archs), archs
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        assert set(archs) == {"sm_80", "sm_90", "compute_90"}
+
+
+def test_default_arch_list_ships_ptx():
+    """setup.py and CMakeLists.txt agree on a default arch list that ends in PTX (newer GPUs
+    JIT-compile it instead of finding no kernel image)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    setup_default = re.search(r'DEFAULT_ARCHS = "([^"]+)"', open(os.path.join(root, "setup.py")).read()).group(1)
+    cmake_default = re.search(r'set\(TORCH_CUDA_ARCH_LIST "([^"]+)"\)', open(os.path.join(root, "CMakeLists.txt")).read()).group(1)
+    assert setup_default == cmake_default and setup_default.split(";")[-1].endswith("+PTX")
+
+
+def _setup_function(name: str):
+    """One function of setup.py, without running setup()."""
+    import ast
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tree = ast.parse(open(os.path.join(root, "setup.py")).read())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    ns: dict = {}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), "setup.py", "exec"), ns)
+    return ns[name]
+
+
+@pytest.mark.parametrize("cuda,wheel", [("12.8", "cupy-cuda12x"), ("13.0", "cupy-cuda13x"), (None, "cupy-cuda13x")])
+def test_cupy_extra_follows_torchs_cuda(monkeypatch, cuda, wheel):
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    assert _setup_function("cupy_wheel")() == wheel
+
+
+def test_cupy_extra_without_torch_in_the_build(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    assert _setup_function("cupy_wheel")() == "cupy-cuda13x"
+
+
+def test_missing_cupy_names_the_wheel_for_torchs_cuda(monkeypatch):
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("cupy is installed here")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "12.6")
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    ok, why = _cupy.available.__wrapped__()
+    assert not ok and "pip install cupy-cuda12x" in why
+
+
+def _shared_lib(tmp_path, body: str) -> str:
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build a stand-in library")
+    src, lib = tmp_path / "lib.c", tmp_path / "lib.so"
+    src.write_text(body)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    return str(lib)
+
+
+def test_built_archs_reads_the_record_from_the_library(tmp_path, monkeypatch):
+    """What csrc/iso_scale.cu exports (isoloco_cuda_archs) is what built_archs() returns; a
+    library without the record gives None (then only the sm_80 floor is checked)."""
+    with_record = _shared_lib(tmp_path, 'const char* isoloco_cuda_archs(void) { return "sm_80,sm_90,compute_90"; }\n')
+    monkeypatch.setattr(_ext, "PATH", with_record)
+    assert _ext.built_archs() == ("sm_80", "sm_90", "compute_90")
+    other = tmp_path / "old"
+    other.mkdir()
+    monkeypatch.setattr(_ext, "PATH", _shared_lib(other, "int unrelated(void) { return 0; }\n"))
+    assert _ext.built_archs() is None
+    monkeypatch.setattr(_ext, "PATH", None)
+    assert _ext.built_archs() is None

@@ -1,5 +1,7 @@
-"""The CUDA kernels (csrc/kernels) against reference.py in float64, through both ways in: the
-compiled extension (torch.ops.isoloco.* with _C loaded) and the CuPy JIT path (_cupy.py).
+"""The CUDA kernels (csrc/kernels) against reference.py in float64, through the public ops
+(torch.ops.isoloco.iso_scale_ / nesterov_outer_) with one backend forced at a time: the compiled
+extension (csrc, _C loaded) or the same kernels through CuPy/NVRTC (_cupy.py). The private entry
+points (csrc_* ops, _cupy.*) check nothing: the public ops check once, before any backend runs.
 
 Skipped without a GPU; each backend is skipped with its reason when it is absent.
 """
@@ -10,36 +12,48 @@ import zlib
 import pytest
 import torch
 
-from isoloco_kernels import _cupy, _ext
+from isoloco_kernels import dispatch
 from isoloco_kernels.reference import iso_flatten_ref, nesterov_ref, polar_ref
 
 from .helpers import DTYPES, TOL, rel_err
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 DEV = "cuda"
+BACKENDS = ["ext", "cupy"]
+_NAMES = {"ext": "csrc (compiled extension)", "cupy": "csrc through CuPy/NVRTC"}
 
 
-def _ext_iso_scale(x, q):
-    return torch.ops.isoloco.csrc_iso_scale_(x, q)
+@pytest.fixture(autouse=True)
+def _only_backend(request, monkeypatch):
+    """For a test parametrized with `backend`: the public ops' CUDA tables hold that candidate
+    only (skipped with its reason where it cannot run), so the op's checks run before it."""
+    backend = getattr(request.node, "callspec", None) and request.node.callspec.params.get("backend")
+    if backend is None:
+        return
+    for op in ("iso_scale_", "nesterov_outer_"):
+        (cand,) = [c for c in dispatch.TABLES[(op, "cuda")] if c.name == _NAMES[backend]]
+        ok, why = cand.available()
+        if not ok:
+            pytest.skip(f"{cand.name} unavailable: {why}")
+        monkeypatch.setitem(dispatch.TABLES, (op, "cuda"), [cand])
 
 
-def _ext_nesterov(params, bufs, updates, lr, momentum, scales=None):
-    torch.ops.isoloco.csrc_nesterov_outer_(params, bufs, updates, lr, momentum, scales)
+def _iso_scale(x, q):
+    return torch.ops.isoloco.iso_scale_(x, q)
+
+
+def _nesterov(params, bufs, updates, lr, momentum, scales=None):
+    torch.ops.isoloco.nesterov_outer_(params, bufs, updates, lr, momentum, scales)
+
+
+ISO_SCALE = {b: _iso_scale for b in BACKENDS}
+NESTEROV = {b: _nesterov for b in BACKENDS}
 
 
 def _need(backend: str) -> None:
-    if backend == "ext" and not (_ext.LOADED and _ext.has_kernel("csrc_iso_scale_", "CUDA")):
-        pytest.skip(f"CUDA extension not loaded: {_ext.STATUS}")
-    if backend == "cupy":
-        ok, why = _cupy.available()
-        if not ok:
-            pytest.skip(f"CuPy path unavailable: {why}")
-
-
-ISO_SCALE = {"ext": _ext_iso_scale, "cupy": _cupy.iso_scale_}
-NESTEROV = {"ext": _ext_nesterov, "cupy": _cupy.nesterov_outer_}
-BACKENDS = ["ext", "cupy"]
+    """The backend was forced (or the test skipped) by `_only_backend`."""
+    assert [c.name for c in dispatch.TABLES[("iso_scale_", "cuda")]] == [_NAMES[backend]]
 
 
 def _iso_scale_ref(x, q):
@@ -299,8 +313,101 @@ def test_nesterov_refuses_bad_written_tensors_before_writing(backend):
     expanded = torch.randn(1, device=DEV).expand(6)
     with pytest.raises(RuntimeError, match="param 1 .*overlap"):
         NESTEROV[backend]([ps[0], expanded], bs, us, 0.1, 0.9, None)
-    with pytest.raises(RuntimeError, match="buf 0 and buf 1 overlap"):
+    with pytest.raises(RuntimeError, match="buf 0 and .*buf 1 overlap"):
         NESTEROV[backend](ps, [bs[0], bs[0]], us, 0.1, 0.9, None)
     with pytest.raises((ValueError, RuntimeError), match="lr"):
         NESTEROV[backend](ps, bs, us, float("inf"), 0.9, None)
     assert all(torch.equal(a, b) for a, b in zip(ps + bs, snapshot))
+
+
+# ---------------------------------------------------------------------------------------------
+# The flatten methods on CUDA (polar, gram, auto), with the user's TF32 switched on, on 1×n /
+# n×1 shapes and in float64: the accuracy contract and an unchanged TF32 setting.
+
+def _tf32_on(how: str) -> None:
+    if how == "legacy":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    elif how == "new":
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+
+
+@pytest.fixture
+def tf32_restored():
+    yield
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.fp32_precision = "none"
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        torch.backends.mkldnn.matmul.fp32_precision = "none"
+    else:
+        torch.set_float32_matmul_precision("highest")
+
+
+def _spectral(shape, cond, seed, dtype):
+    from .helpers import spectrum, with_spectrum
+
+    b, m, n = shape
+    x64 = with_spectrum(b, m, n, spectrum("geometric", min(m, n), cond=cond), torch.Generator().manual_seed(seed))
+    return x64, x64.to(DEV, dtype)
+
+
+FLATTEN_SHAPES = [(2, 64, 96), (3, 96, 40), (2, 1, 300), (2, 300, 1), (1, 1, 1)]
+
+
+@pytest.mark.parametrize("tf32", ["off", "legacy", "new"])
+@pytest.mark.parametrize("method", ["polar", "gram", "auto"])
+@pytest.mark.parametrize("shape", FLATTEN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_cuda_flatten_float32_with_tf32_on(tf32_restored, tf32, method, shape):
+    import isoloco_kernels as ik
+
+    from .helpers import gram_tol
+
+    _tf32_on(tf32)
+    before = torch.backends.cuda.matmul.fp32_precision if hasattr(torch.backends.cuda.matmul, "fp32_precision") else None
+    _, x = _spectral(shape, 1e3, zlib.crc32(f"{shape}{method}".encode()), torch.float32)
+    want = iso_flatten_ref(x.cpu().double())  # of the float32 input as given
+    ik.iso_merge_([x], method=method)
+    tol = gram_tol(torch.float32, 1e3) if method == "gram" else TOL[("polar", torch.float32)]
+    assert rel_err(x, want) <= tol
+    if before is not None:
+        assert torch.backends.cuda.matmul.fp32_precision == before
+
+
+@pytest.mark.parametrize("method", ["polar", "gram", "auto", "svd", "eigh"])
+@pytest.mark.parametrize("shape", FLATTEN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_cuda_flatten_float64(method, shape):
+    """float64 on CUDA: every method within its float64 contract (auto: exact, as on the CPU)."""
+    import isoloco_kernels as ik
+
+    from .helpers import gram_tol
+
+    cond = 1e4
+    x64, x = _spectral(shape, cond, zlib.crc32(f"{shape}{method}64".encode()), torch.float64)
+    ik.iso_merge_([x], method=method)
+    tol = {"polar": TOL[("polar", torch.float64)], "gram": gram_tol(torch.float64, cond),
+           "eigh": 1e-6}.get(method, TOL[("exact", torch.float64)])
+    assert rel_err(x, iso_flatten_ref(x64)) <= tol
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs: torch.compile's CUDA graphs refuse the host-bound ops (tagged cudagraph_unsafe)
+# and still compute the right result.
+
+@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason="no cudagraph_unsafe tag in this torch")
+def test_reduce_overhead_compile_skips_cuda_graphs_for_the_nesterov_op():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    p, b, u = (torch.randn(1000, device=DEV) for _ in range(3))
+    p0, b0 = p.clone(), b.clone()
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def step(p, b, u):
+        torch.ops.isoloco.nesterov_outer_([p], [b], [u * 2], 0.5, 0.9, None)
+
+    step(p, b, u)
+    torch.cuda.synchronize()
+    assert counters["inductor"]["cudagraph_skips"] >= 1
+    want_p, want_b = nesterov_ref(p0, b0, u * 2, 0.5, 0.9, 1.0)
+    assert rel_err(p, want_p) <= TOL[("update", torch.float32)] and rel_err(b, want_b) <= TOL[("update", torch.float32)]

@@ -302,3 +302,177 @@ def test_polar_rejects_unknown_mode_and_backend():
 def test_opcheck_iso_flatten_polar():
     x = torch.randn(2, 6, 9, generator=_gen(13))
     torch.library.opcheck(torch.ops.isoloco.iso_flatten_.default, (x, "polar"))
+
+
+# ---------------------------------------------------------------------------------------------
+# TF32: the polar GEMMs run in IEEE float32 whatever the user switched on, and the user's
+# setting comes back unchanged (torch >= 2.9 has two APIs; mixing them makes getters raise).
+
+def _tf32_state() -> dict:
+    """Every TF32 getter a user or cuBLAS may read, with "raises" where it raises."""
+    getters = {
+        "get_float32_matmul_precision": torch.get_float32_matmul_precision,
+        "cuda.matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+        "cuda.matmul.fp32_precision": lambda: torch.backends.cuda.matmul.fp32_precision,
+        "fp32_precision": lambda: torch.backends.fp32_precision,
+        "mkldnn.matmul.fp32_precision": lambda: torch.backends.mkldnn.matmul.fp32_precision,
+    }
+    out = {}
+    for name, get in getters.items():
+        try:
+            out[name] = get()
+        except (RuntimeError, AttributeError) as e:
+            out[name] = f"raises {type(e).__name__}"
+    return out
+
+
+def _set_user_tf32(state: str) -> None:
+    if state == "legacy-allow_tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    elif state == "legacy-precision-high":
+        torch.set_float32_matmul_precision("high")
+    elif state == "new-cuda-matmul-tf32":
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+    elif state == "new-global-tf32":
+        torch.backends.fp32_precision = "tf32"
+    elif state != "default":
+        raise ValueError(state)
+
+
+@pytest.fixture
+def restore_tf32():
+    """Puts every TF32 setting back to torch's defaults after the test (and checks it did)."""
+    start = _tf32_state()
+    yield
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.fp32_precision = "none"
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        torch.backends.mkldnn.matmul.fp32_precision = "none"
+    else:
+        torch.set_float32_matmul_precision("highest")
+    assert _tf32_state() == start
+
+
+TF32_STATES = ["default", "legacy-allow_tf32", "legacy-precision-high", "new-cuda-matmul-tf32", "new-global-tf32"]
+
+
+@pytest.mark.parametrize("state", TF32_STATES)
+def test_ieee_fp32_matmul_inside_and_the_user_setting_restored(restore_tf32, state):
+    """Inside: cuBLAS's settings say IEEE under both APIs (and reading them does not raise,
+    which it did for the new API's "tf32"); after: every getter reads as before."""
+    _set_user_tf32(state)
+    before = _tf32_state()
+    with polar.ieee_fp32_matmul(True):
+        inside = _tf32_state()
+    assert _tf32_state() == before
+    assert inside["cuda.matmul.allow_tf32"] is False
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        assert inside["cuda.matmul.fp32_precision"] == "ieee"
+    if not before["get_float32_matmul_precision"].startswith("raises"):
+        assert inside["get_float32_matmul_precision"] == "highest"
+
+
+@pytest.mark.parametrize("state", TF32_STATES)
+def test_ieee_fp32_matmul_restores_after_an_error(restore_tf32, state):
+    _set_user_tf32(state)
+    before = _tf32_state()
+    with pytest.raises(KeyError), polar.ieee_fp32_matmul(True):
+        raise KeyError("inside")
+    assert _tf32_state() == before
+
+
+def test_ieee_fp32_matmul_on_torch_without_the_new_api(restore_tf32, monkeypatch):
+    """Torch < 2.9 (no fp32_precision settings): the legacy setting alone, saved and restored."""
+    monkeypatch.setattr(polar, "_fp32_precision_props", lambda: None)
+    torch.set_float32_matmul_precision("medium")
+    with polar.ieee_fp32_matmul(True):
+        assert torch.get_float32_matmul_precision() == "highest"
+    assert torch.get_float32_matmul_precision() == "medium"
+
+
+@pytest.mark.parametrize("state", TF32_STATES)
+def test_polar_flatten_runs_under_every_user_tf32_state(restore_tf32, state):
+    """The flatten (CPU here; the CUDA twin is in test_cuda_kernels.py) neither raises nor
+    changes the setting, whatever TF32 state the user left."""
+    _set_user_tf32(state)
+    before = _tf32_state()
+    x = with_spectrum(2, 12, 20, spectrum("geometric", 12, cond=1e2), torch.Generator().manual_seed(5))
+    y = x.float()
+    ik.iso_merge_([y], method="polar")
+    assert rel_err(y, iso_flatten_ref(x)) <= TOL[("polar", torch.float32)]
+    assert _tf32_state() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# auto's float64 rate per CUDA device (flatten._fp64_rate), device properties mocked.
+
+from isoloco_kernels import flatten  # noqa: E402
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """set(name, capability): one visible CUDA device with these properties; the cache cleared."""
+    monkeypatch.delenv(flatten.FP64_RATE_ENV, raising=False)
+
+    def set_device(name, capability):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        flatten._device_fp64_rate.cache_clear()
+
+    yield set_device
+    flatten._device_fp64_rate.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "name,capability,rate",
+    [
+        pytest.param("NVIDIA H100 80GB HBM3", (9, 0), 1.0, id="H100"),
+        pytest.param("NVIDIA H200", (9, 0), 1.0, id="H200"),
+        pytest.param("NVIDIA H800", (9, 0), 0.0, id="H800"),
+        pytest.param("NVIDIA H800 PCIe", (9, 0), 0.0, id="H800-PCIe"),
+        pytest.param("NVIDIA H20", (9, 0), 0.0, id="H20"),
+        pytest.param("NVIDIA A100-SXM4-80GB", (8, 0), 1.0, id="A100"),
+        pytest.param("NVIDIA B200", (10, 0), 0.5, id="B200"),
+        pytest.param("NVIDIA GeForce RTX 4090", (8, 9), 0.0, id="consumer"),
+        pytest.param("NVIDIA L40S", (8, 9), 0.0, id="workstation"),
+    ],
+)
+def test_fp64_rate_by_name_and_capability(fake_cuda, name, capability, rate):
+    fake_cuda(name, capability)
+    assert flatten._fp64_rate(torch.device("cuda")) == rate
+    assert flatten._fp64_rate(torch.device("cuda", 0)) == rate
+
+
+@pytest.mark.parametrize("name,gram_for_wide", [("NVIDIA H100 80GB HBM3", True), ("NVIDIA H20", False)])
+def test_auto_keeps_weak_float64_parts_on_polar(fake_cuda, name, gram_for_wide):
+    """A wide 1024×8192 matrix goes to gram on an H100 and stays on polar on an H20 (both sm_90)."""
+    fake_cuda(name, (9, 0))
+    assert flatten.gram_beats_polar(1024, 8192, flatten._fp64_rate(torch.device("cuda"))) is gram_for_wide
+
+
+def test_fp64_rate_override(fake_cuda, monkeypatch):
+    fake_cuda("NVIDIA H20", (9, 0))
+    monkeypatch.setenv(flatten.FP64_RATE_ENV, "0.75")
+    assert flatten._fp64_rate(torch.device("cuda")) == 0.75
+    fake_cuda("NVIDIA H100 80GB HBM3", (9, 0))
+    monkeypatch.setenv(flatten.FP64_RATE_ENV, "0")
+    assert flatten._fp64_rate(torch.device("cuda")) == 0.0
+
+
+@pytest.mark.parametrize("bad", ["fast", "-1", "nan"])
+def test_fp64_rate_override_must_be_a_rate(fake_cuda, monkeypatch, bad):
+    fake_cuda("NVIDIA H100 80GB HBM3", (9, 0))
+    monkeypatch.setenv(flatten.FP64_RATE_ENV, bad)
+    with pytest.raises(ValueError, match=f"ISOLOCO_FP64_RATE must be a number >= 0.*{bad}"):
+        flatten._fp64_rate(torch.device("cuda"))
+
+
+def test_fp64_rate_is_read_once_per_device(fake_cuda, monkeypatch):
+    fake_cuda("NVIDIA H100 80GB HBM3", (9, 0))
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: calls.append(device) or "NVIDIA H100")
+    for _ in range(3):
+        flatten._fp64_rate(torch.device("cuda", 0))
+    assert len(calls) == 1

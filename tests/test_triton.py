@@ -43,49 +43,164 @@ def test_kernels_under_the_interpreter():
     assert "failed" not in proc.stdout.splitlines()[-1], tail
 
 
-def _compile_sm90(fn, signature: dict, constexprs: dict) -> int:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+# ----------------------------------------------------------------------------------------------
+# Real GPU code, built without a GPU: every kernel of the package, compiled for sm_80 and sm_90
+# with exactly the signature Triton's launcher would derive from the wrapper's arguments (an
+# integer argument equal to 1 becomes a constexpr, one ≥ 2^31 an i64, 16-byte-aligned pointers
+# and multiples of 16 get divisibility attributes). The interpreter accepts code the compiler
+# rejects (`R0.to(...)` on a constexpr 1, for one), so only these compiles prove the kernels build.
 
-    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
-    return len(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"])
+TARGETS = (80, 90)
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kw)` records the launch."""
+
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((self.kernel, args, kw))
+
+
+def _launches(monkeypatch, module, names, call) -> list:
+    """The kernel launches `call()` makes through `module`'s kernels `names` (nothing runs)."""
+    launches = []
+    for name in names:
+        monkeypatch.setattr(module, name, _Recorder(getattr(module, name), launches))
+    call()
+    assert launches, f"{call} launched none of {names}"
+    return launches
+
+
+def _compile_launch(kernel, args, kw, capability: int):
+    """Compile one recorded launch for a CUDA GPU of this compute capability, as the launcher
+    would (Triton's own argument binder and specialization; no device needed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kw)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kw, bound, specialization, options)
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=target, options=options.__dict__), signature
+
+
+def _iso_scale_cases():
+    """(id, x, q): the shapes, dtypes and layouts iso_scale_ can get (CPU or meta stand-ins)."""
+    f32, f64, bf16, f16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
+    misaligned = torch.empty(1 + 2 * 64 * 48)[1:].view(2, 64, 48)
+    return [
+        ("1xn", torch.empty(1, 37), torch.empty(1, 37)),  # R0 = 1, S = 1: constexprs
+        ("nx1-bf16", torch.empty(41, 1, dtype=bf16), torch.empty(41, 1, dtype=bf16)),  # N = 1
+        ("1x1-f16", torch.empty(1, 1, dtype=f16), torch.empty(1, 1, dtype=f16)),  # NUMEL = 1
+        ("batched-f64", torch.empty(3, 128, 64, dtype=f64), torch.empty(3, 128, 64, dtype=f64)),
+        ("mixed-f32-f16", torch.empty(2, 300, 301), torch.empty(2, 300, 301, dtype=f16)),
+        ("tall-transposed-bf16", torch.empty(2, 40, 300, dtype=bf16).mT, torch.empty(2, 300, 40)),
+        ("misaligned", misaligned, torch.empty(2, 64, 48)),
+        ("1xn-wide-f64", torch.empty(1, 1, 70001, dtype=f64), torch.empty(1, 1, 70001, dtype=f64)),
+        # one matrix of 2^31 − 2^15 elements (32-bit arguments, 64-bit loop) and of 2^31 (i64)
+        ("just-below-2^31", torch.empty(1, 2**16 - 1, 2**15, device="meta"), torch.empty(1, 2**16 - 1, 2**15, device="meta")),
+        ("2^31-bf16", torch.empty(2**16, 2**15, dtype=bf16, device="meta"), torch.empty(2**16, 2**15, device="meta")),
+        ("2^31-strided", torch.empty(2**15, 2**16, device="meta").mT, torch.empty(2**16, 2**15, device="meta")),
+    ]
 
 
 @pytest.mark.skipif(INTERPRETER, reason="compiles real GPU code; the interpreter builds no kernels")
-def test_kernels_compile_for_sm90_without_a_gpu():
-    """The interpreter accepts things the compiler rejects: build the real cubins (ptxas ships with
-    triton), for the dtypes the polar path and the epilogue launch."""
-    from isoloco_kernels.experimental import triton_gram as gram, triton_polar_steps as polar_step
+@pytest.mark.parametrize("capability", TARGETS, ids=lambda c: f"sm_{c}")
+@pytest.mark.parametrize("case", _iso_scale_cases(), ids=lambda c: c[0])
+def test_iso_scale_kernels_compile_for_every_specialization(monkeypatch, capability, case):
     from isoloco_kernels.triton import iso_scale
 
-    i32 = "i32"
-    st = lambda *names: {n: i32 for n in names}  # noqa: E731
-    for dt in ("fp32", "bf16"):
-        assert _compile_sm90(gram._gram_kernel, {"x_ptr": f"*{dt}", "a_ptr": f"*{dt}", **st("M", "K", "sxb", "sxm", "sxk", "sab", "sam", "san")},
-                             {"BLOCK_M": 64, "BLOCK_K": 32, "PRECISION": "ieee", "INT64": False}) > 0
-        assert _compile_sm90(polar_step._poly_kernel, {"a_ptr": f"*{dt}", "out_ptr": f"*{dt}", "M": i32, "coef_b": "fp32", "coef_c": "fp32",
-                                                       **st("sab", "sam", "san", "sob", "som", "son")},
-                             {"BLOCK_M": 64, "BLOCK_K": 32, "HAS_LINEAR": True, "PRECISION": "ieee", "INT64": False}) > 0
-        assert _compile_sm90(polar_step._step_kernel, {"x_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}", "M": i32, "N": i32, "coef_a": "fp32",
-                                                       **st("sxb", "sxm", "sxn", "sbb", "sbm", "sbn", "sob", "som", "son")},
-                             {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "PRECISION": "ieee", "INT64": False}) > 0
-    # one matrix of 2^31 elements or more: the 64-bit-offset variants build too
-    assert _compile_sm90(gram._gram_kernel, {"x_ptr": "*fp32", "a_ptr": "*fp32", **st("M", "K", "sxb", "sab", "sam", "san"),
-                                             "sxm": "i64", "sxk": i32},
-                         {"BLOCK_M": 64, "BLOCK_K": 32, "PRECISION": "ieee", "INT64": True}) > 0
-    assert _compile_sm90(polar_step._poly_kernel, {"a_ptr": "*fp32", "out_ptr": "*fp32", "M": i32, "coef_b": "fp32", "coef_c": "fp32",
-                                                   **st("sab", "sam", "san", "sob", "som", "son")},
-                         {"BLOCK_M": 64, "BLOCK_K": 32, "HAS_LINEAR": True, "PRECISION": "ieee", "INT64": True}) > 0
-    assert _compile_sm90(polar_step._step_kernel, {"x_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*fp32", "M": i32, "N": i32, "coef_a": "fp32",
-                                                   **st("sxb", "sxm", "sxn", "sbb", "sbm", "sbn", "sob", "som", "son")},
-                         {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "PRECISION": "ieee", "INT64": True}) > 0
-    for dt, acc in (("bf16", "fp32"), ("fp64", "fp64")):
-        strides = st("N", "NUMEL", "S", "sxb", "sxm", "sxn", "sqb", "sqm", "sqn")
-        assert _compile_sm90(iso_scale._iso_dot_kernel, {"x_ptr": f"*{dt}", "q_ptr": "*fp32", "part_ptr": f"*{acc}", **strides},
-                             {"BLOCK": 1024, "ACC_F64": acc == "fp64"}) > 0
-        assert _compile_sm90(iso_scale._iso_write_kernel, {"x_ptr": f"*{dt}", "q_ptr": "*fp32", "part_ptr": f"*{acc}", "sbar_ptr": f"*{acc}",
-                                                           **strides, "R0": i32},
-                             {"BLOCK": 1024, "S_POW2": 256}) > 0
+    _, x, q = case
+    launches = _launches(monkeypatch, iso_scale, ["_iso_dot_kernel", "_iso_write_kernel"],
+                         lambda: iso_scale.iso_scale_triton(x, q))
+    assert len(launches) == 2
+    for kernel, args, kw in launches:
+        compiled, signature = _compile_launch(kernel, args, kw, capability)
+        assert compiled.asm["cubin"], kernel
+        ttir = compiled.asm["ttir"]
+        assert re.search(r"scf\.for .*: i64", ttir), f"{kernel}: the chunk loop is not 64-bit"
+        if x.numel() >= 2**31:
+            assert signature["NUMEL"] == "i64"
+
+
+@pytest.mark.skipif(INTERPRETER, reason="compiles real GPU code; the interpreter builds no kernels")
+def test_iso_scale_specializations_include_the_integer_one_constexprs(monkeypatch):
+    """The 1×n case above really is the constexpr specialization that broke `R0.to(...)`."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from isoloco_kernels.triton import iso_scale
+
+    _, x, q = _iso_scale_cases()[0]
+    (_, (kernel, args, kw)) = _launches(monkeypatch, iso_scale, ["_iso_dot_kernel", "_iso_write_kernel"],
+                                        lambda: iso_scale.iso_scale_triton(x, q))
+    binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+    spec = dict(zip((p.name for p in kernel.params), binder(*args, **kw)[1]))
+    assert spec["R0"] == ("constexpr", 1) and spec["S"] == ("constexpr", 1)
+
+
+def _nesterov_cases():
+    f32, f64, bf16, f16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
+    combos = [(d, d, d) for d in (f32, f64, bf16, f16)] + [
+        (bf16, f32, bf16), (f16, f32, f32), (f64, f32, f16), (f32, f32, bf16)]
+    cases = [(f"{'-'.join(str(d)[6:] for d in c)}{'-scales' if k % 2 else ''}", c, k % 2 == 1, False)
+             for k, c in enumerate(combos)]
+    cases.append(("f32-misaligned-scales", (f32, f32, f32), True, True))
+    return cases
+
+
+@pytest.mark.skipif(INTERPRETER, reason="compiles real GPU code; the interpreter builds no kernels")
+@pytest.mark.parametrize("capability", TARGETS, ids=lambda c: f"sm_{c}")
+@pytest.mark.parametrize("case", _nesterov_cases(), ids=lambda c: c[0])
+def test_nesterov_kernel_compiles_for_every_specialization(monkeypatch, capability, case):
+    from isoloco_kernels.triton import nesterov
+
+    _, (pd, bd, ud), with_scales, misaligned = case
+    sizes = [1, 4097, 3 * 4096]  # a one-element tensor, a partial last block, full blocks
+    ps = [torch.empty(n + misaligned, dtype=pd)[misaligned:] for n in sizes]
+    bs = [torch.empty(n, dtype=bd) for n in sizes]
+    us = [torch.empty(n, dtype=ud) for n in sizes]
+    scales = torch.ones(len(sizes), dtype=torch.float64) if with_scales else None
+    (launch,) = _launches(monkeypatch, nesterov, ["_nesterov_outer_kernel"],
+                          lambda: nesterov.nesterov_outer_triton(ps, bs, us, 0.7, 0.9, scales))
+    kernel, args, kw = launch
+    assert kw["ALIGNED"] == (not misaligned)
+    compiled, _ = _compile_launch(kernel, args, kw, capability)
+    assert compiled.asm["cubin"]
+
+
+def _gemm_cases():
+    from isoloco_kernels.experimental import triton_gram as gram, triton_polar_steps as ps
+
+    out = []
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        for m, n in ((1, 37), (40, 300)):  # 1×n: M = 1 is a constexpr
+            x, b = torch.empty(2, m, n, dtype=dt), torch.empty(2, m, m, dtype=dt)
+            tag = f"{str(dt)[6:]}-{m}x{n}"
+            out += [(f"gram-{tag}", gram, "_gram_kernel", lambda x=x: gram.gram(x)),
+                    (f"poly-{tag}", ps, "_poly_kernel", lambda b=b: ps.poly(b, 0.5, 0.25)),
+                    (f"square-{tag}", ps, "_poly_kernel", lambda b=b: ps.poly(b, 0.0, 1.0)),
+                    (f"step-{tag}", ps, "_step_kernel", lambda x=x, b=b: ps.axpy_matmul(x, b, 2.0))]
+    big = torch.empty(1, 2**16, 2**15, device="meta")  # 64-bit offsets
+    out += [("gram-2^31", gram, "_gram_kernel", lambda: gram.gram(big)),
+            ("gram-tf32", gram, "_gram_kernel", lambda: gram.gram(torch.empty(1, 64, 64), tf32=True))]
+    return out
+
+
+@pytest.mark.skipif(INTERPRETER, reason="compiles real GPU code; the interpreter builds no kernels")
+@pytest.mark.parametrize("capability", TARGETS, ids=lambda c: f"sm_{c}")
+@pytest.mark.parametrize("case", _gemm_cases(), ids=lambda c: c[0])
+def test_experimental_gemm_kernels_compile_for_every_specialization(monkeypatch, capability, case):
+    _, module, name, call = case
+    for kernel, args, kw in _launches(monkeypatch, module, [name], call):
+        compiled, _ = _compile_launch(kernel, args, kw, capability)
+        assert compiled.asm["cubin"]
 
 
 @pytest.mark.skipif(INTERPRETER, reason="compiles real GPU code; the interpreter builds no kernels")
@@ -105,8 +220,8 @@ def test_iso_scale_divides_by_integer_r0_in_float64_for_float64_input():
     assert "R0" in params and "inv_r0" not in params
     sig = {"x_ptr": "*fp64", "q_ptr": "*fp32", "part_ptr": "*fp64", "sbar_ptr": "*fp64",
            **{k: "i32" for k in ("N", "NUMEL", "S", "R0", "sxb", "sxm", "sxn", "sqb", "sqm", "sqn")},
-           "BLOCK": "constexpr", "S_POW2": "constexpr"}
-    src = ASTSource(fn=iso_scale._iso_write_kernel, signature=sig, constexprs={"BLOCK": 1024, "S_POW2": 256})
+           "BLOCK": "constexpr", "S_POW2": "constexpr", "FLAT": "constexpr"}
+    src = ASTSource(fn=iso_scale._iso_write_kernel, signature=sig, constexprs={"BLOCK": 1024, "S_POW2": 256, "FLAT": True})
     ttir = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ttir"]
     assert re.search(r"arith\.divf .*: f64", ttir), ttir
     assert re.search(r"arith\.sitofp .*i32 to f64", ttir), ttir
@@ -200,7 +315,7 @@ def test_step_pieces_match_torch_steps(tk):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.float16, torch.bfloat16), ids=str)
-@pytest.mark.parametrize("shape", [(3, 7, 40), (5, 9), (1, 1, 1)], ids=str)
+@pytest.mark.parametrize("shape", [(3, 7, 40), (5, 9), (1, 1, 1), (1, 37), (2, 41, 1)], ids=str)
 def test_iso_scale(tk, dtype, shape):
     _, _, iso, dev = tk
     x = _x(shape, dtype, dev, seed=sum(shape))
@@ -226,6 +341,32 @@ def test_iso_scale_strided_in_place(tk):
     want = iso_flatten_ref(view)
     iso.iso_scale_triton(view, q, block=32, max_splits=4)
     assert rel_err(base.transpose(-1, -2), want) <= TOL[("exact", torch.float32)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["x-flat-q-transposed", "both-flat", "x-transposed-q-flat"])
+def test_iso_scale_flat_and_strided_paths_agree(tk, layout):
+    """The row-major fast path (FLAT) and the (row, col) path give the same result, also when
+    only one operand is row-major; many splits per matrix (block 32, up to 1024 splits)."""
+    _, _, iso, dev = tk
+    x0 = _x((2, 24, 50), torch.float32, dev, seed=31)
+    q0 = polar_ref(x0)[0].float().to(dev)
+    x = x0.clone() if layout != "x-transposed-q-flat" else x0.mT.contiguous().mT
+    q = q0 if layout != "x-flat-q-transposed" else q0.mT.contiguous().mT
+    assert iso.splits_for(2, 24 * 50, 32) == triton.cdiv(24 * 50, 32)
+    sbar = iso.iso_scale_triton(x, q, block=32)
+    want = (x0.double() * q0.double()).sum((-2, -1)) / 24
+    assert rel_err(sbar, want) <= TOL[("exact", torch.float32)]
+    assert rel_err(x, want[:, None, None] * q0.double()) <= TOL[("exact", torch.float32)]
+
+
+def test_iso_scale_splits_fill_the_gpu_for_few_huge_matrices():
+    from isoloco_kernels.triton import iso_scale as iso
+
+    assert iso.splits_for(1, 128256 * 2048, 1024) == iso.MAX_SPLITS  # one embedding: 1024 programs
+    assert iso.splits_for(2, 128256 * 2048, 1024) == iso.MAX_SPLITS
+    assert iso.splits_for(64, 2048 * 2048, 1024) == 256  # many matrices: as before
+    assert iso.splits_for(3, 5, 1024) == 1
 
 
 @needs_kernels

@@ -8,8 +8,8 @@ For tensor t, with s_t = scales[t] (1 without scales), in the compute dtype C:
 
 Layout: the host writes one int64 row per tensor — addresses of p, buf and update, numel, the
 tensor's index into `scales`, and its first block — after lr and μ (as float64 bit patterns), and
-copies the table to the device in one go. The addresses become typed pointers in the kernel
-(int → pointer casts), so any number of tensors share one launch; dtypes are constexpr, one
+copies the table to the device in one go (from pinned memory on CUDA). The addresses become typed
+pointers in the kernel (int → pointer casts), so any number of tensors share one launch; dtypes are constexpr, one
 launch per (param, buf, update) dtype triple. Program c handles BLOCK elements of one tensor;
 `block_tensor[c]` says which (cached per list of sizes). Full blocks run unmasked and, when every
 address is 16-byte aligned (the usual case), with that alignment declared, so loads and stores
@@ -139,7 +139,12 @@ def _launch(params, bufs, updates, scale_index, lr, momentum, scales, block, num
         first += nb
     aligned = all(a % 16 == 0 for r in range(2, len(rows), 6) for a in rows[r : r + 3])
     device = p0.device
-    table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    table = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        # From pinned memory the copy is a true async DMA on the current stream (pageable memory
+        # is staged by the driver); the caching host allocator keeps the block until it is done.
+        table = table.pin_memory()
+    table = table.to(device, non_blocking=True)
     bmap = _block_map(blocks, device)
     # Triton launches on the current CUDA device and stream: make them the tensors' own
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
