@@ -1,7 +1,7 @@
 """Bucket sets from real pseudo-gradients: the averaged Δ the reference training loop saved.
 
 Synthetic inputs (shapes.pseudo_gradient) have a clean power-law spectrum; real pseudo-gradients
-are worse conditioned (DESIGN.md, "Inputs that look like real ones"). This module turns a folder
+are worse conditioned (bench/results/captured.md). This module turns a folder
 written by `python -m isoloco_kernels.train --save-pseudo-gradients DIR` into bucket sets with the
 same layout the flatten benchmark uses — a list of [B, m, n] tensors, matrices grouped by shape,
 each stored tall (m ≥ n; Iso-C commutes with transposition) — and reports their condition numbers.

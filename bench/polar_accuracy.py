@@ -35,7 +35,7 @@ def _tf32(t: torch.Tensor) -> torch.Tensor:
     return ((i + 0x1000) & ~0x1FFF).view(torch.float32).view(t.shape)
 
 
-class _TF32Steps(polar._TorchSteps):
+class _TF32Steps(polar.TorchSteps):
     @staticmethod
     def gram(x):
         xr = _tf32(x)

@@ -46,7 +46,7 @@ class IsoLoCo(torch.optim.Optimizer):
         lr: outer learning rate (released IsoLoCo config: 1.8).
         momentum: Nesterov momentum μ (released IsoLoCo config: 0.8).
         iso: flatten 2-D pseudo-gradients with Iso-C; False gives SGD(nesterov=True).
-        method: flatten backend ("auto", "svd", "eigh", "polar", "polar_bf16"; see `iso_merge_`);
+        method: flatten method ("auto", "svd", "eigh", "polar", "polar_bf16", "gram"; see `iso_merge_`);
             kept on the optimizer, not in the state dict.
         process_group: a torch.distributed group whose ranks all hold the same, already averaged
             grads (torchft, OpenDiLoCo): the flatten work is split across its ranks and the
