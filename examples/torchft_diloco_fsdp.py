@@ -54,13 +54,32 @@ def teacher_batch(gen: torch.Generator, n: int = BATCH) -> tuple[torch.Tensor, t
     return x, (torch.tanh(x @ t1) @ t2).argmax(-1)
 
 
-def run_one(name: str, lighthouse: str, replica: int, rank: int, shards: int, args) -> dict:
-    """One DiLoCo run of this replica group's rank with the outer optimizer `name`."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def build_torchft(name: str, model: nn.Module, inner, state_fns, replica: int, rank: int, shards: int,
+                  lighthouse: str, args):
+    """torchft's Manager and DiLoCo as a torchft user writes them, with the outer optimizer `name`."""
     from torchft.local_sgd import DiLoCo
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
+
+    outer = OUTER[name](model.parameters())  # <- the line that changes
+    t = timedelta(seconds=60)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=t), min_replica_size=2, use_async_quorum=False,
+        load_state_dict=state_fns[0], state_dict=state_fns[1], replica_id=f"{name}:group{replica}",
+        lighthouse_addr=lighthouse, store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+        rank=rank, world_size=shards, timeout=t, quorum_timeout=t, connect_timeout=t,
+        init_sync=False,  # both groups start from the same seed: no transfer of the initial weights
+    )
+    diloco = DiLoCo(manager, [model], inner, outer, sync_every=args.inner, backup_device=torch.device("cpu"),
+                    pin_memory=False)
+    return diloco, manager
+
+
+def run_one(build, name: str, lighthouse: str, replica: int, rank: int, shards: int, args) -> dict:
+    """One DiLoCo run of this replica group's rank with the outer optimizer `name`; `build` makes
+    the manager and the DiLoCo wrapper."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (shards,))
     model = make_model()
@@ -69,7 +88,6 @@ def run_one(name: str, lighthouse: str, replica: int, rank: int, shards: int, ar
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    outer = OUTER[name](model.parameters())
 
     def state_dict():
         return {"model": model.state_dict(), "inner": inner.state_dict()}
@@ -78,19 +96,11 @@ def run_one(name: str, lighthouse: str, replica: int, rank: int, shards: int, ar
         model.load_state_dict(sd["model"])
         inner.load_state_dict(sd["inner"])
 
-    t = timedelta(seconds=60)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=t), min_replica_size=2, use_async_quorum=False,
-        load_state_dict=load_state_dict, state_dict=state_dict, replica_id=f"{name}:group{replica}",
-        lighthouse_addr=lighthouse, store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
-        rank=rank, world_size=shards, timeout=t, quorum_timeout=t, connect_timeout=t,
-        init_sync=False,  # both groups start from the same seed: no transfer of the initial weights
-    )
+    diloco, manager = build(name, model, inner, (load_state_dict, state_dict), replica, rank, shards, lighthouse, args)
     gen = torch.Generator().manual_seed(100 + replica)  # each replica group its own data
     train_losses = []
     try:
-        with DiLoCo(manager, [model], inner, outer, sync_every=args.inner, backup_device=torch.device("cpu"),
-                    pin_memory=False):
+        with diloco:
             for _ in range(args.rounds * args.inner):
                 x, y = teacher_batch(gen)
                 loss = nn.functional.cross_entropy(model(x), y)
@@ -108,12 +118,12 @@ def run_one(name: str, lighthouse: str, replica: int, rank: int, shards: int, ar
     return {"held_out": held_out, "train": train_losses, "weights": weights, "steps": manager.current_step()}
 
 
-def worker(replica: int, rank: int, shards: int, port: int, lighthouse: str, args, out) -> None:
+def worker(build, replica: int, rank: int, shards: int, port: int, lighthouse: str, args, out) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=shards)
-        result = {name: run_one(name, lighthouse, replica, rank, shards, args) for name in OUTER}
+        result = {name: run_one(build, name, lighthouse, replica, rank, shards, args) for name in OUTER}
         out.put((replica, rank, result))
     except BaseException as e:  # the parent reports it instead of waiting for a result forever
         out.put((replica, rank, f"{type(e).__name__}: {e}"))
@@ -131,8 +141,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, build=build_torchft, doc: str = __doc__) -> dict:
+    """Run the three DiLoCo runs (`build` makes each one's manager and DiLoCo) and check them."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=4, help="outer steps")
     p.add_argument("--inner", type=int, default=10, help="inner steps per outer step (sync_every)")
     p.add_argument("--shards", type=int, default=1, help="FSDP2 ranks per replica group")
@@ -149,7 +160,7 @@ def main(argv=None) -> dict:
     for replica in range(2):
         port = free_port()
         for rank in range(args.shards):
-            procs.append(ctx.Process(target=worker, args=(replica, rank, args.shards, port,
+            procs.append(ctx.Process(target=worker, args=(build, replica, rank, args.shards, port,
                                                           lighthouse.address(), args, out)))
     for pr in procs:
         pr.start()
