@@ -195,6 +195,7 @@ setup(
         # the tests, the training-loop tests included
         "test": ["pytest", "pytest-benchmark", 'triton; platform_system == "Linux"', "torchft", *TRAIN_EXTRA],
         "cupy": ["cupy-cuda13x"],
+        "examples": ["torchft", "torchtitan", "hivemind"],  # examples/: torchtitan's DiLoCo setup, hivemind peers
     },
     ext_modules=[CMakeExtension("isoloco_kernels._C")] if TOOLS is not None else [],
     cmdclass={"build_ext": BuildCMake, "build_py": BuildPy},
