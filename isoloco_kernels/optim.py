@@ -203,7 +203,12 @@ class IsoLoCo(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load an IsoLoCo or a torch.optim.SGD state dict (SGD's must be nesterov, no dampening,
-        no weight decay); checked first, so a refused dict changes nothing (`outer.load_sgd_state`)."""
+        no weight decay, not differentiable); checked first, so a refused dict changes nothing
+        (`sgd_keywords`, `outer.load_sgd_state`)."""
+        saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        for gi, g in enumerate(saved if isinstance(saved, (list, tuple)) else []):
+            if isinstance(g, dict):
+                sgd_keywords(f"IsoLoCo.load_state_dict: param group {gi}", **{k: g[k] for k in SGD_KEYS if k in g})
         load_sgd_state(self, state_dict, "IsoLoCo.load_state_dict", super().load_state_dict)
         self._plan = None
 

@@ -128,3 +128,27 @@ def test_groups_and_state_dict_are_sgds():
     assert sgd2.param_groups[0]["nesterov"] is True and sgd2.param_groups[0]["momentum"] == 0.9
     _step_both(a2, b2, sgd2, iso2, steps=3, seed=2)
     assert _max_rel(b2, a2) <= EPS[torch.float64]
+
+
+@pytest.mark.parametrize(
+    "kwargs, fix",
+    [
+        pytest.param(dict(nesterov=True, differentiable=True), "differentiable=False", id="differentiable"),
+        pytest.param(dict(nesterov=False), "nesterov=True", id="nesterov-false"),
+        pytest.param(dict(dampening=0.5, nesterov=False), "nesterov=True", id="dampened-heavy-ball"),
+    ],
+)
+def test_refuses_sgd_checkpoints_it_cannot_continue(kwargs, fix):
+    """An SGD state dict whose settings IsoLoCo cannot honour is refused before anything loads."""
+    a, b = _twins(torch.float32)
+    sgd = torch.optim.SGD(a, lr=0.7, momentum=0.9, **kwargs)  # its settings are what matters
+    iso = ik.IsoLoCo(b, lr=0.7, momentum=0.9, nesterov=True)
+    for p in b:
+        p.grad = torch.ones_like(p)
+    iso.step()
+    before = copy.deepcopy(iso.state_dict())
+    with pytest.raises(ValueError, match=fix):
+        iso.load_state_dict(sgd.state_dict())
+    after = iso.state_dict()
+    assert after["param_groups"] == before["param_groups"] and after["state"].keys() == before["state"].keys()
+    assert all(torch.equal(after["state"][k]["momentum_buffer"], v["momentum_buffer"]) for k, v in before["state"].items())
