@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torchft_diloco_fsdp import OUTER, make_model, teacher_batch  # noqa: E402  (model and data)
+from torchft_diloco_fsdp import OUTER, make_model, report_sgd_match, teacher_batch  # noqa: E402
 
 
 def peer(index: int, initial_peers: list[str], args, out) -> None:
@@ -132,8 +132,7 @@ def check(results: dict) -> dict:
             for a, b in zip(res["weights"][name], first["weights"][name]):
                 torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)
     sgd, off = ([torch.tensor(w) for w in first["weights"][name]] for name in ("SGD", "IsoLoCo(iso=False)"))
-    for a, b in zip(off, sgd):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    report_sgd_match(off, sgd)
     losses = first["held_out"]
     for name, v in losses.items():
         print(f"{name:>20}: held-out loss {v:.4f} (initial train loss {first['train'][name][0]:.4f})")

@@ -180,6 +180,15 @@ def main(argv=None, build=build_torchft, doc: str = __doc__) -> dict:
     return check(results, args)
 
 
+def report_sgd_match(off: list, sgd: list) -> None:
+    """IsoLoCo(iso=False)'s weights against SGD's: equal, or a rounding apart per outer step where
+    SGD's loop and IsoLoCo's fused update round differently, carried through the inner steps."""
+    for a, b in zip(off, sgd):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    rel = max(float((a - b).norm() / b.norm()) for a, b in zip(off, sgd))
+    print(f"IsoLoCo(iso=False) vs SGD: largest relative weight difference {rel:.1e}")
+
+
 def check(results: dict, args) -> dict:
     """The DiLoCo invariants and the drop-in claim; returns the held-out loss per outer optimizer."""
     first = results[(0, 0)]
@@ -189,10 +198,8 @@ def check(results: dict, args) -> dict:
             assert all(math.isfinite(v) for v in res[name]["train"]) and math.isfinite(res[name]["held_out"])
             # after an outer step every replica group holds the same global weights
             assert res[name]["weights"] == first[name]["weights"], (key, name)
-    sgd, off = ({k: torch.tensor(v) for k, v in first[name]["weights"].items()} for name in ("SGD", "IsoLoCo(iso=False)"))
-    # one rounding apart per outer step (SGD's for-loop vs the fused update), carried through AdamW
-    for k in sgd:
-        torch.testing.assert_close(off[k], sgd[k], rtol=1e-4, atol=1e-5)
+    sgd, off = ([torch.tensor(w) for w in first[name]["weights"].values()] for name in ("SGD", "IsoLoCo(iso=False)"))
+    report_sgd_match(off, sgd)
     losses = {name: first[name]["held_out"] for name in OUTER}
     for name, v in losses.items():
         print(f"{name:>20}: held-out loss {v:.4f} (initial train loss {first[name]['train'][0]:.4f})")

@@ -151,4 +151,5 @@ def test_refuses_sgd_checkpoints_it_cannot_continue(kwargs, fix):
         iso.load_state_dict(sgd.state_dict())
     after = iso.state_dict()
     assert after["param_groups"] == before["param_groups"] and after["state"].keys() == before["state"].keys()
-    assert all(torch.equal(after["state"][k]["momentum_buffer"], v["momentum_buffer"]) for k, v in before["state"].items())
+    for k, v in before["state"].items():
+        assert torch.equal(after["state"][k]["momentum_buffer"], v["momentum_buffer"])
