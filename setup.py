@@ -213,6 +213,7 @@ setup(
         "cupy": [cupy_wheel()],
         "cupy-cuda12": ["cupy-cuda12x"],
         "cupy-cuda13": ["cupy-cuda13x"],
+        "examples": ["torchft", "torchtitan", "hivemind"],  # examples/: torchtitan's DiLoCo setup, hivemind peers
     },
     ext_modules=[CMakeExtension("isoloco_kernels._C")] if TOOLS is not None else [],
     cmdclass={"build_ext": BuildCMake, "build_py": BuildPy},

@@ -12,6 +12,7 @@ distributed/dtensor.py. README "The outer optimizer" has the contract.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Callable, Optional
 
 import torch
@@ -26,7 +27,7 @@ from .ops import iso_merge_unchecked_
 from .outer import SGD_KEYS, Entry, check_group, check_hyper, check_param_dtypes, collect, load_sgd_state
 from .outer import prepare_nesterov
 
-__all__ = ["IsoLoCo"]
+__all__ = ["IsoLoCo", "sgd_keywords"]
 
 
 def _name(gi: int, pi: int, p: torch.Tensor) -> str:
@@ -38,6 +39,66 @@ def _check_plain(p: torch.Tensor, g: torch.Tensor, name: str) -> None:
         raise ValueError(f"IsoLoCo: {name}: grad has shape {tuple(g.shape)} on {g.device}, param is on {p.device}")
 
 
+def _flag(value, key: str, where: str, allow_none: bool = False) -> None:
+    if not (isinstance(value, bool) or (allow_none and value is None)):
+        raise TypeError(f"{where}: {key} must be a bool{' or None' if allow_none else ''}, got {value!r}")
+
+
+def sgd_keywords(
+    where: str,
+    dampening=0,
+    weight_decay=0,
+    nesterov=True,
+    maximize=False,
+    foreach=None,
+    differentiable=False,
+    fused=None,
+) -> dict:
+    """torch.optim.SGD's keywords, checked against what IsoLoCo does: the group entries to store.
+
+    Honoured with SGD's meaning: nesterov=True, dampening=0, weight_decay=0, maximize=False (the
+    update SGD(nesterov=True) applies), foreach/fused None, False or True (how SGD runs its loop;
+    IsoLoCo always batches its update, so they change nothing and are kept in the group as given).
+    Anything else raises a ValueError that says what to use instead (a TypeError for a wrong type)."""
+    for key, v in (("dampening", dampening), ("weight_decay", weight_decay)):
+        if isinstance(v, bool) or not isinstance(v, (numbers.Real, torch.Tensor)):
+            raise TypeError(f"{where}: {key} must be a real number, got {v!r}")
+    _flag(nesterov, "nesterov", where)
+    _flag(maximize, "maximize", where)
+    _flag(differentiable, "differentiable", where)
+    _flag(foreach, "foreach", where, allow_none=True)
+    _flag(fused, "fused", where, allow_none=True)
+    if not nesterov:
+        raise ValueError(
+            f"{where}: nesterov=False, but IsoLoCo's momentum is Nesterov's (DiLoCo's outer step); "
+            "pass nesterov=True or leave it out (for heavy-ball momentum without Iso-C use torch.optim.SGD)"
+        )
+    if float(dampening) != 0:
+        raise ValueError(
+            f"{where}: dampening={float(dampening)!r}, but Nesterov momentum has no dampening "
+            "(torch.optim.SGD refuses it too); use dampening=0"
+        )
+    if float(weight_decay) != 0:
+        raise ValueError(
+            f"{where}: weight_decay={float(weight_decay)!r}, but IsoLoCo's outer step has no weight "
+            "decay; use weight_decay=0 and decay the weights in the inner optimizer (e.g. AdamW's weight_decay)"
+        )
+    if maximize:
+        raise ValueError(
+            f"{where}: maximize=True is not supported; use maximize=False and write the pseudo-gradient "
+            "(global − local) into p.grad, negated if the objective is to be maximized"
+        )
+    if differentiable:
+        raise ValueError(
+            f"{where}: differentiable=True is not supported: the Iso-C flatten and the update run in "
+            "place outside autograd; use differentiable=False"
+        )
+    if foreach and fused:
+        raise ValueError(f"{where}: foreach=True and fused=True cannot be set together (as for torch.optim.SGD); "
+                         "set one of them, or neither")
+    return {**SGD_KEYS, "foreach": foreach, "fused": fused}
+
+
 class IsoLoCo(torch.optim.Optimizer):
     """Iso-C + Nesterov outer optimizer (see the module docstring).
 
@@ -45,6 +106,10 @@ class IsoLoCo(torch.optim.Optimizer):
         params: parameters or param groups (groups may set their own lr, momentum, iso).
         lr: outer learning rate (released IsoLoCo config: 1.8).
         momentum: Nesterov momentum μ (released IsoLoCo config: 0.8).
+        dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused: torch.optim.SGD's
+            keywords, in SGD's positions, so `partial(torch.optim.SGD, ...)` becomes
+            `partial(IsoLoCo, ...)` unchanged; accepted at the values that mean IsoLoCo's update,
+            refused with a ValueError otherwise (`sgd_keywords`).
         iso: flatten 2-D pseudo-gradients with Iso-C; False gives SGD(nesterov=True).
         method: flatten method ("auto", "svd", "eigh", "polar", "polar_bf16", "gram"; see `iso_merge_`);
             kept on the optimizer, not in the state dict.
@@ -59,12 +124,20 @@ class IsoLoCo(torch.optim.Optimizer):
         params,
         lr: float = 1.8,
         momentum: float = 0.8,
+        dampening: float = 0,
+        weight_decay: float = 0,
+        nesterov: bool = True,
         *,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
         iso: bool = True,
         method: str = "auto",
         process_group=None,
     ):
         check_hyper(lr, momentum, "IsoLoCo")
+        sgd = sgd_keywords("IsoLoCo", dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused)
         check_method(method)
         if not isinstance(iso, bool):
             raise ValueError(f"IsoLoCo: iso must be a bool, got {iso!r}")
@@ -73,7 +146,7 @@ class IsoLoCo(torch.optim.Optimizer):
         # OpenDiLoCo): each rank flattens only its share of the matrices (sharded_iso_merge_).
         self.process_group = process_group
         self._plan: Optional[BucketPlan] = None  # bucket buffers, reused while the grads' shapes hold
-        super().__init__(params, dict(lr=lr, momentum=momentum, iso=iso, **SGD_KEYS))
+        super().__init__(params, dict(lr=lr, momentum=momentum, iso=iso, **sgd))
 
     @property
     def process_group(self):
@@ -127,7 +200,9 @@ class IsoLoCo(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         where = f"IsoLoCo: param group {len(self.param_groups)}"
-        check_group({**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}, where)
+        settings = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        sgd_keywords(where, **{k: settings[k] for k in SGD_KEYS if k in settings})
+        check_group(settings, where)
         super().add_param_group(param_group)
         try:
             check_param_dtypes(self.param_groups[-1]["params"], where)
@@ -140,8 +215,13 @@ class IsoLoCo(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load an IsoLoCo or a torch.optim.SGD state dict (SGD's must be nesterov, no dampening,
-        no weight decay); checked first, so a refused dict changes nothing (`outer.load_sgd_state`)."""
+        no weight decay, not differentiable); checked first, so a refused dict changes nothing
+        (`sgd_keywords`, `outer.load_sgd_state`)."""
         dtensor.check_loaded_state(self, state_dict, "IsoLoCo.load_state_dict")  # aliasing, DTensor layout
+        saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        for gi, g in enumerate(saved if isinstance(saved, (list, tuple)) else []):
+            if isinstance(g, dict):
+                sgd_keywords(f"IsoLoCo.load_state_dict: param group {gi}", **{k: g[k] for k in SGD_KEYS if k in g})
         load_sgd_state(self, state_dict, "IsoLoCo.load_state_dict", super().load_state_dict)
         self._plan = None
 

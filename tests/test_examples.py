@@ -1,0 +1,119 @@
+"""The examples/ scripts at a tiny size: each runs when its framework is importable (skipped with
+the reason otherwise) and must exit 0, which means its own checks held (both replicas agree,
+IsoLoCo(iso=False) lands on SGD's weights, finite losses); the printed losses are checked too. The
+pieces that need no framework (the outer-optimizer factories, torchtitan's SGD-line swap) always run."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+import isoloco_kernels as ik
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+TINY = ["--rounds", "2", "--inner", "3"]
+
+
+def _has(*modules: str) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+def _load(name: str):
+    sys.path.insert(0, EXAMPLES)
+    try:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(EXAMPLES)
+
+
+def _run(script: str, *args: str) -> dict[str, float]:
+    """Run an example in its own process; its final held-out losses by outer optimizer."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    losses = dict(re.findall(r"^\s*(\S+): held-out loss (\S+)", proc.stdout, re.M))
+    assert set(losses) == {"SGD", "IsoLoCo(iso=False)", "IsoLoCo"}, proc.stdout
+    return {k: float(v) for k, v in losses.items()}
+
+
+def _check_losses(losses: dict[str, float]) -> None:
+    assert all(math.isfinite(v) for v in losses.values()), losses
+    assert losses["IsoLoCo(iso=False)"] == pytest.approx(losses["SGD"], rel=1e-4), losses
+
+
+# -- what runs without any framework ----------------------------------------------------------
+
+def test_example_factories_build_the_outer_optimizers():
+    """The factories the examples hand to the frameworks: SGD's, and IsoLoCo's with SGD's keywords."""
+    ex = _load("torchft_diloco_fsdp")
+    model = ex.make_model()
+    built = {name: f(model.parameters()) for name, f in ex.OUTER.items()}
+    assert type(built["SGD"]) is torch.optim.SGD
+    assert isinstance(built["IsoLoCo"], ik.IsoLoCo) and built["IsoLoCo"].param_groups[0]["iso"] is True
+    off = built["IsoLoCo(iso=False)"].param_groups[0]
+    assert off["iso"] is False and {k: off[k] for k in ("lr", "momentum", "nesterov")} == dict(
+        lr=0.7, momentum=0.9, nesterov=True)
+
+
+@pytest.mark.skipif(not _has("torchft"), reason="torchft is not installed")  # imported by the module
+def test_torchtitan_sgd_line_swap():
+    """The run-time form of the torchtitan change: its `torch.optim.SGD(params, lr=0.7, momentum=0.9,
+    nesterov=True)` call makes IsoLoCo inside `outer_optimizer_as`, SGD again after it."""
+    ex = _load("torchtitan_diloco")
+    params = [nn.Parameter(torch.randn(4, 3))]
+    with ex.outer_optimizer_as(ex.REPLACE["IsoLoCo(iso=False)"]):
+        off = torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+    with ex.outer_optimizer_as(ex.REPLACE["IsoLoCo"]):
+        iso = torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+    with ex.outer_optimizer_as(ex.REPLACE["SGD"]):
+        sgd = torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+    assert isinstance(off, ik.IsoLoCo) and off.param_groups[0]["iso"] is False and off.param_groups[0]["lr"] == 0.7
+    assert isinstance(iso, ik.IsoLoCo) and iso.param_groups[0]["iso"] and iso.param_groups[0]["lr"] == 1.8
+    assert type(sgd) is torch.optim.SGD and type(torch.optim.SGD(params, lr=0.1)) is torch.optim.SGD
+
+
+def test_sgd_factory_swap_is_sgd_with_iso_off():
+    """The line the examples change, applied to a plain loop: the same weights over a few steps."""
+    g = torch.Generator().manual_seed(0)
+    a = [nn.Parameter(torch.randn(6, 5, generator=g)), nn.Parameter(torch.randn(5, generator=g))]
+    b = [nn.Parameter(p.detach().clone()) for p in a]
+    sgd = partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)(a)
+    iso = partial(ik.IsoLoCo, lr=0.7, momentum=0.9, nesterov=True, iso=False)(b)
+    for _ in range(4):
+        for pa, pb in zip(a, b):
+            pa.grad = torch.randn(pa.shape, generator=g)
+            pb.grad = pa.grad.clone()
+        sgd.step()
+        iso.step()
+    for pa, pb in zip(a, b):
+        torch.testing.assert_close(pb, pa, rtol=1e-6, atol=1e-7)
+
+
+# -- the examples themselves ----------------------------------------------------------------------
+
+@pytest.mark.skipif(not _has("torchft"), reason="torchft is not installed")
+def test_torchft_diloco_fsdp_example():
+    _check_losses(_run("torchft_diloco_fsdp.py", *TINY))
+
+
+@pytest.mark.skipif(not _has("torchft", "torchtitan"), reason="torchtitan (with torchft) is not installed")
+def test_torchtitan_diloco_example():
+    _check_losses(_run("torchtitan_diloco.py", *TINY))
+
+
+@pytest.mark.skipif(not _has("hivemind"), reason="hivemind is not installed")
+def test_opendiloco_hivemind_example():
+    _check_losses(_run("opendiloco_hivemind.py", *TINY))
