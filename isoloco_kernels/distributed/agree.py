@@ -29,7 +29,7 @@ import torch.distributed as dist
 _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 
 __all__ = ["DistributedStepError", "agree", "agree_on_mesh", "agreed_init", "check_on_comm_device", "comm_device",
-           "describe", "error_text", "fingerprint", "gather_objects", "group_info", "optimizer_settings"]
+           "describe", "error_text", "fingerprint", "gather_objects", "group_info", "largest_mesh", "optimizer_settings"]
 
 
 class DistributedStepError(RuntimeError):
@@ -250,14 +250,27 @@ def _dtensor_mesh(params) -> Optional[Any]:
         flat += [t for p in ([ps] if isinstance(ps, torch.Tensor) else ps) for t in tensors(p) if is_dtensor(t)]
     if not flat:
         return None
-    from types import SimpleNamespace
-
-    from .dtensor import _agreement_mesh
-
     try:
-        return _agreement_mesh(SimpleNamespace(param_groups=[{"params": flat}]))
+        return largest_mesh(flat)
     except ValueError:
         return None
+
+
+def largest_mesh(dtensors) -> Any:
+    """The mesh DTensors agree over: the one with most ranks; every other mesh must lie inside it."""
+    meshes = []
+    for t in dtensors:
+        if t.device_mesh not in meshes:
+            meshes.append(t.device_mesh)
+    big = max(meshes, key=lambda m: (m.size(), m.ndim))
+    ranks = lambda m: frozenset(m.mesh.reshape(-1).tolist())  # noqa: E731
+    for m in meshes:
+        if not ranks(m) <= ranks(big):
+            raise ValueError(
+                f"IsoLoCo: params live on meshes with ranks {sorted(ranks(m))} and {sorted(ranks(big))}; "
+                "every mesh must lie inside the largest one (the step agrees over it)"
+            )
+    return big
 
 
 def agreed_init(where: str, settings: Callable[[Any], dict]):

@@ -30,7 +30,7 @@ from .._validate import ResultOverflowError, _overlap, _span, check_all_finite, 
 from ..buckets import BucketPlan
 from ..ops import iso_merge_unchecked_
 from ..outer import Entry, collect, is_dtensor, local, prepare_nesterov
-from .agree import agree_on_mesh, error_text, optimizer_settings
+from .agree import agree_on_mesh, error_text, largest_mesh, optimizer_settings
 
 # torch 2.14 renamed the single-tensor all-gather; older releases only have the old name
 _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
@@ -70,10 +70,6 @@ def _placement_ok(pl, ndim: int, mesh_ndim: int) -> Optional[str]:
 
 def _shard_dim(pl) -> Optional[int]:
     return pl.dim if pl.is_shard() else None
-
-
-def _ranks(mesh) -> frozenset:
-    return frozenset(mesh.mesh.reshape(-1).tolist())
 
 
 def check_params(opt) -> bool:
@@ -164,26 +160,9 @@ def _shares_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1 and _overlap(a, b)
 
 
-def _meshes(opt) -> list:
-    seen = []
-    for g in opt.param_groups:
-        for p in g["params"]:
-            if p.device_mesh not in seen:
-                seen.append(p.device_mesh)
-    return seen
-
-
 def _agreement_mesh(opt):
-    """The mesh the ranks agree over: the one with most ranks; every other mesh must lie inside."""
-    meshes = _meshes(opt)
-    big = max(meshes, key=lambda m: (m.size(), m.ndim))
-    for m in meshes:
-        if not _ranks(m) <= _ranks(big):
-            raise ValueError(
-                f"IsoLoCo: params live on meshes with ranks {sorted(_ranks(m))} and {sorted(_ranks(big))}; "
-                "every mesh must lie inside the largest one (the step agrees over it)"
-            )
-    return big
+    """The mesh the ranks agree over (`agree.largest_mesh` of the params' meshes)."""
+    return largest_mesh([p for g in opt.param_groups for p in g["params"]])
 
 
 # ----------------------------------------------------------------------------------------------
