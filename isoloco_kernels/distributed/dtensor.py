@@ -480,7 +480,7 @@ def _iso_updates(opt, entries: list[Entry], plan: _StepPlan, stats: _Stats) -> d
         ents = [entries[k] for k in ks]
         send = torch.zeros(sum(layout.out_send), dtype=dtype, device=comm_device(mesh.get_group(0)))
         guard.run(_owner_pack, ents, layout, send)
-        recv = torch.empty(sum(layout.out_recv), dtype=dtype, device=send.device)
+        recv = torch.empty(sum(layout.out_recv), dtype=dtype, device=comm_device(mesh.get_group(0)))
         dist.all_to_all_single(recv, send, layout.out_recv, layout.out_send, group=mesh.get_group(0))
         stats.owner_elements += send.numel() - layout.out_send[mesh.get_local_rank()]
         got = guard.run(_owner_unpack, ents, layout, recv)
@@ -507,7 +507,7 @@ def _iso_updates(opt, entries: list[Entry], plan: _StepPlan, stats: _Stats) -> d
         rdtype = compute_dtype(dtype)
         send = torch.zeros(sum(layout.back_send), dtype=rdtype, device=comm_device(mesh.get_group(0)))
         guard.run(_owner_return, mesh, ents, layout, {j: results.get(k) for j, k in enumerate(ks)}, send)
-        recv = torch.empty(sum(layout.back_recv), dtype=rdtype, device=send.device)
+        recv = torch.empty(sum(layout.back_recv), dtype=rdtype, device=comm_device(mesh.get_group(0)))
         dist.all_to_all_single(recv, send, layout.back_recv, layout.back_send, group=mesh.get_group(0))
         stats.owner_elements += send.numel() - layout.back_send[mesh.get_local_rank()]
         mine = guard.run(_owner_receive, ents, layout, recv)
@@ -565,7 +565,7 @@ def _gather_whole(mesh, entries: list[Entry], ks: list[int], guard, stats,
         lay = layout if layout is not None else _GatherLayout(mesh, ents)
         send = torch.zeros(lay.longest, dtype=dtype, device=comm_device(group))
         guard.run(_gather_pack, mesh, ents, lay, send)
-        recv = torch.empty(mesh.size() * lay.longest, dtype=dtype, device=send.device)
+        recv = torch.empty(mesh.size() * lay.longest, dtype=dtype, device=comm_device(group))
         _all_gather_single(recv, send, group=group)
         stats.gather_elements += recv.numel()
         got = guard.run(_gather_unpack, ents, lay, recv)
