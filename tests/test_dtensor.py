@@ -817,6 +817,41 @@ def _check_rank_cut_case(mesh, case):
             assert st.gram_exact == 2 and st.gram_iterated == 0, (case, method, st)
 
 
+def _check_exact_path_failures(mesh, rank):
+    """A failure on one rank around the Gram route's exact path: that rank flags nothing (its A₀
+    results are gone) or packs nothing, yet joins the agreed all-gather; every rank raises
+    DistributedStepError within seconds, nothing changed."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    grads = _rank_cut_grads("rank-deficient:float32")
+    params = [nn.Parameter(distribute_tensor(torch.ones_like(gr), mesh, [Shard(d)], src_data_rank=None))
+              for d, gr in enumerate(grads)]
+    opt = IsoLoCo(params, lr=1.0, momentum=0.5)
+    opt.dtensor_route = "gram"
+    for k, name in enumerate(("_gram_results", "_gather_pack", "_gather_unpack", "_flatten_whole")):
+        who = k % 2
+        for d, (p, gr) in enumerate(zip(params, grads)):
+            p.grad = distribute_tensor(gr, mesh, [Shard(d)], src_data_rank=None)
+        before = [p.to_local().clone() for p in params]
+        real = getattr(DT, name)
+
+        def broken(*args, _name=name, **kwargs):
+            raise RuntimeError(f"injected failure in {_name}")
+
+        if rank == who:
+            setattr(DT, name, broken)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(DistributedStepError, match=rf"rank {who}: RuntimeError: injected failure in {name}"):
+                opt.step()
+        finally:
+            setattr(DT, name, real)
+        assert time.monotonic() - t0 < PG_TIMEOUT_S / 3, f"{name}: took {time.monotonic() - t0:.1f} s"
+        assert all(torch.equal(p.to_local(), b) for p, b in zip(params, before)) and not opt.state, name
+    opt.step()  # and it still works, through the exact path
+    assert opt.dtensor_stats.gram_exact == 2, opt.dtensor_stats
+
+
 def _body_rank_cut(rank, world, tmpdir):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -825,6 +860,7 @@ def _body_rank_cut(rank, world, tmpdir):
     mesh = init_device_mesh("cpu", (world,))
     for case in RANK_CUT_CASES:
         _record(tmpdir, rank, case.replace(":", "-"), _check_rank_cut_case, mesh, case)
+    _record(tmpdir, rank, "exact-path-failures", _check_exact_path_failures, mesh, rank)
 
 
 @pytest.fixture(scope="module")
@@ -838,13 +874,23 @@ def rank_cut_group(tmp_path_factory):
     return tmp, None
 
 
+def _rank_cut_reported(rank_cut_group, name):
+    tmp, spawn_error = rank_cut_group
+    for rank in range(2):
+        f = tmp / f"check-{name}-rank{rank}"
+        assert f.exists(), f"rank {rank} did not report {name!r}: {spawn_error}"
+        assert f.read_text() == "ok", f"rank {rank}:\n{f.read_text()}"
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.replace(":", "-")) for c in RANK_CUT_CASES])
 def test_gram_route_rank_cut_matches_reference(rank_cut_group, case):
     """Gram-route matrices (2 gloo ranks, both orientations) that A₀ cannot resolve — κ 1e6 and
     2e6 in float32, rank-deficient, float64 at κ 1e8 — give reference.py's result for svd, eigh,
     auto and gram, as single-process IsoLoCo does (the exact path), not an older rank cut's."""
-    tmp, spawn_error = rank_cut_group
-    for rank in range(2):
-        f = tmp / f"check-{case.replace(':', '-')}-rank{rank}"
-        assert f.exists(), f"rank {rank} did not report case {case!r}: {spawn_error}"
-        assert f.read_text() == "ok", f"rank {rank}:\n{f.read_text()}"
+    _rank_cut_reported(rank_cut_group, case.replace(":", "-"))
+
+
+def test_gram_route_exact_path_failure_on_one_rank(rank_cut_group):
+    """A failure on one rank before or inside the Gram route's exact path fails every rank quickly,
+    nothing changed (the failed rank still joins the agreed all-gather)."""
+    _rank_cut_reported(rank_cut_group, "exact-path-failures")
