@@ -68,12 +68,33 @@ def flatten_svd_(x3: torch.Tensor) -> None:
     _store(x3, svd_result(x3), "svd")
 
 
+def eigh_polar(g: torch.Tensor, rank: torch.Tensor, m: int, n: int, dtype: torch.dtype):
+    """The eigh step shared by `flatten_eigh_` and the DTensor Gram route: (P, Σσ, ok) from the
+    short-side Gram matrices g = A Aᵀ [B, k, k] (float64) of m×n matrices of `dtype` whose rank is
+    at most `rank` [B] (an exact bound, e.g. the number of nonzero lines).
+
+    With g = V diag(σ²) Vᵀ, P = V_r diag(1/σ_r) V_rᵀ over the `rank` largest σ, so Q = P·A, and Σσ
+    sums them. ok: eigh resolves the matrix, i.e. it has rank 0 or its `rank`-th σ is at least
+    max(EIGH_MIN_RATIO, reference.rank_tol)·σ_1 (so every kept direction is above the rank cut
+    and the bound is the rank); a matrix that is not ok needs svd."""
+    k = g.shape[-1]
+    lam, v = torch.linalg.eigh(g)
+    sig = lam.clamp_min(0).sqrt()  # ascending
+    keep = torch.arange(k, device=g.device) >= (k - rank)[:, None]  # the `rank` largest
+    sig_r = sig.gather(1, (k - rank).clamp_max(k - 1)[:, None]).squeeze(1)
+    floor = max(EIGH_MIN_RATIO[dtype], rank_tol(m, n, dtype))
+    ok = (rank == 0) | (sig_r >= floor * sig[:, -1])
+    inv = torch.where(keep, 1.0 / torch.where(keep & (sig > 0), sig, 1.0), 0.0)
+    return (v * inv.unsqueeze(1)) @ v.mT, (sig * keep).sum(-1), ok
+
+
 def flatten_eigh_(x3: torch.Tensor) -> None:
     """In place Iso-C from eigh of the short-side Gram matrix, in float64.
 
     With a [r, k] view (r ≤ k, tall inputs transposed) and A Aᵀ = V diag(λ) Vᵀ, σ = sqrt(λ):
-    Q = V_r diag(1/σ_r) V_rᵀ A. Costs two r×r×k matmuls and one r×r eigh, far cheaper than an SVD
-    of a wide matrix on a CPU. Matrices eigh cannot resolve go to svd (module docstring).
+    Q = V_r diag(1/σ_r) V_rᵀ A (`eigh_polar`). Costs two r×r×k matmuls and one r×r eigh, far
+    cheaper than an SVD of a wide matrix on a CPU. Matrices eigh cannot resolve go to svd (module
+    docstring).
     """
     _, m, n = x3.shape
     k = min(m, n)
@@ -82,16 +103,11 @@ def flatten_eigh_(x3: torch.Tensor) -> None:
         a = a.mT
     nz = a != 0
     rank = torch.minimum(nz.any(-1).sum(-1), nz.any(-2).sum(-1))  # exact bound, ≥ the rank
-    lam, v = torch.linalg.eigh(a @ a.mT)
-    sig = lam.clamp_min(0).sqrt()  # ascending
-    keep = torch.arange(k, device=a.device) >= (k - rank)[:, None]  # the `rank` largest
-    sig_r = sig.gather(1, (k - rank).clamp_max(k - 1)[:, None]).squeeze(1)
-    ok = (rank == 0) | (sig_r >= EIGH_MIN_RATIO[x3.dtype] * sig[:, -1])
-    inv = torch.where(keep, 1.0 / torch.where(keep & (sig > 0), sig, 1.0), 0.0)
-    q = ((v * inv.unsqueeze(1)) @ v.mT) @ a
+    pm, nuc, ok = eigh_polar(a @ a.mT, rank, m, n, x3.dtype)
+    q = pm @ a
     if m > n:
         q = q.mT
-    out = _result(x3, (sig * keep).sum(-1) / k, q, scale)
+    out = _result(x3, nuc / k, q, scale)
     redo = (~ok).nonzero().flatten()
     if redo.numel():
         out[redo] = svd_result(x3[redo])

@@ -309,22 +309,24 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
         )
 
 
-def gram_from_a0(a0: torch.Tensor, *, coeffs=COEFFS, update: str = "pap"):
+def gram_from_a0(a0: torch.Tensor, *, long_side: int, dtype: torch.dtype, coeffs=COEFFS, update: str = "pap"):
     """(Y, s̄, resid, ok) from the short-side Gram matrices alone: a0 [b, d, d] float64, A₀ = X Xᵀ of a
-    wide d×n X (or XᵀX of a tall n×d one), e.g. summed over the row shards of a sharded matrix.
+    wide d×n X (or XᵀX of a tall n×d one), e.g. summed over the row shards of a sharded matrix;
+    long_side: n; dtype: X's dtype (they set reference.py's rank cut τ = `rank_tol(d, n, dtype)`).
 
-    The same scaling, schedule and residual check as `flatten_gram_`; a0 is not modified. Y [b, d, d]
-    (float64) gives Q = Y·X (wide) or Q = X·Yᵀ (tall), and the Iso-C result is s̄·Q with s̄ [b] the
-    mean singular value. The rank bound comes from A₀'s nonzero diagonal (X's nonzero short-side
-    lines); a matrix with fewer nonzero long-side lines than that fails the check. resid [b] and
-    ok = resid ≤ CHECK_TOL: a matrix that fails it needs an exact method. Deterministic: the same
-    A₀ gives the same Y and decision (so ranks holding one all-reduced A₀ agree). Non-finite a0
-    raises ValueError."""
+    The same scaling, schedule and checks as `flatten_gram_` (the residual and the bound on the
+    smallest kept direction, σ > τ·σ_1); a0 is not modified. Y [b, d, d] (float64) gives Q = Y·X
+    (wide) or Q = X·Yᵀ (tall), and the Iso-C result is s̄·Q with s̄ [b] the mean singular value. The
+    rank bound comes from A₀'s nonzero diagonal (X's nonzero short-side lines); a matrix with fewer
+    nonzero long-side lines than that fails the check. resid [b] (inf where the rank-cut bound
+    fails) and ok = resid ≤ CHECK_TOL: a matrix that fails it needs an exact method. Deterministic:
+    the same A₀ gives the same Y and decision. Non-finite a0 raises ValueError."""
     if a0.ndim != 3 or a0.shape[-1] != a0.shape[-2] or a0.dtype != torch.float64:
         raise ValueError(f"gram_from_a0: expected float64 [B, d, d], got {a0.dtype} {tuple(a0.shape)}")
     if not bool(torch.isfinite(a0).all()):
         raise ValueError("gram_from_a0: the Gram matrix has NaN/Inf entries")
     rank = (a0.diagonal(dim1=-2, dim2=-1) != 0).sum(-1).to(torch.float64)
-    y, tq, resid, s = _iterate(a0.clone(), rank, coeffs, update)
+    tau = rank_tol(a0.shape[-1], long_side, dtype)
+    y, tq, resid, s = _iterate(a0.clone(), rank, coeffs, update, tau=tau)
     sc = torch.where(s > 0, s, 1)
     return y / sc[:, None, None], tq * s, resid, resid <= CHECK_TOL

@@ -431,8 +431,9 @@ class NcclRule:
     collective called from inside the package must then get only recorded tensors: a tensor made
     on a device taken from anywhere else (a default CPU tensor, the data's device, "the CPU when
     this rank holds nothing") is a violation, although gloo would carry it. Object collectives
-    (which pick their own device) are violations too. dtensor.py's data buffers follow its local
-    shards (on a DeviceMesh, the device its groups communicate on): they are checked by device.
+    (which pick their own device) are violations too. dtensor.py's data collectives (the Gram
+    all-reduce and its exact path, the owner all-to-alls, the gathers) are held to the same rule.
+    `calls` counts the collectives by name, `by_caller` by (calling module, name).
     """
 
     TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_to_all_single", "all_gather_into_tensor",
@@ -445,6 +446,7 @@ class NcclRule:
         self.answer = self.device
         self.made: dict[int, weakref.ref] = {}  # storage address → the live tensor made there
         self.calls: dict[str, int] = {}
+        self.by_caller: dict[tuple[str, str], int] = {}
         self.violations: list[str] = []
 
     def _record(self, tensors) -> None:
@@ -499,6 +501,7 @@ class NcclRule:
             caller = sys._getframe(1).f_globals.get("__name__", "")
             if caller.startswith("isoloco_kernels"):
                 self.calls[name] = self.calls.get(name, 0) + 1
+                self.by_caller[caller, name] = self.by_caller.get((caller, name), 0) + 1
                 self.check(name, caller, [*args, *kwargs.values()])
             return real(*args, **kwargs)
 
@@ -514,7 +517,7 @@ class NcclRule:
             where = f"{caller}: {name} got a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
             if t.device != self.device:
                 self.violations.append(f"{where}, not on the communication device")
-            elif not caller.endswith(".dtensor") and not self._was_made(t):
+            elif not self._was_made(t):
                 self.violations.append(f"{where}, not made on the device comm_device decided")
 
 
@@ -569,6 +572,13 @@ def _every_collective(rank, world, rule):
         ps, opt = _dtensor_opt(rank, world)
         opt.dtensor_route = route
         opt.step()
+    # the Gram route's exact path (agreed flags, then an all-gather): a rank-one grad
+    ps, opt = _dtensor_opt(rank, world)
+    opt.dtensor_route = "gram"
+    low = torch.outer(torch.arange(1.0, 9.0), torch.arange(1.0, 7.0))  # 8 × 6
+    ps[0].grad = distribute_tensor(low, mesh, [Shard(0)], src_data_rank=None)
+    opt.step()
+    assert opt.dtensor_stats.gram_exact >= 1, opt.dtensor_stats
     from isoloco_kernels.outer import local
 
     nan_on_last(local(ps[0].grad))
@@ -598,6 +608,11 @@ def _body_nccl_rule(rank, world, tmpdir):
     assert not rule.violations, "\n".join(rule.violations[:20])
     for name in ("all_reduce", "reduce_scatter", "all_gather", "reduce", "broadcast", "all_to_all_single"):
         assert any(k.startswith(name) for k in rule.calls), f"no {name} ran under the stand-in: {rule.calls}"
+    # dtensor.py's data collectives ran under the rule: the Gram all-reduce and the exact path's
+    # flags, the gathers, the owner all-to-alls
+    dt = {name: n for (caller, name), n in rule.by_caller.items() if caller.endswith(".dtensor")}
+    assert dt.get("all_reduce", 0) >= 2 and dt.get("all_to_all_single", 0) >= 2, dt
+    assert any(name.startswith("all_gather") for name in dt), dt
     # the stand-in refuses what NCCL would: a control tensor made on a device decided elsewhere
     rule.answer = torch.device("cpu")  # equal to the decision, but not the decision
     A.agree(None, None, "stand-in check")

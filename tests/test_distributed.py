@@ -608,3 +608,66 @@ def _body_reliability(rank, world, tmpdir):
 
 def test_a_failure_on_one_rank_fails_every_rank_with_nothing_changed(tmp_path):
     _spawn(_body_reliability, 2, tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Half-precision means: summed in float32, rounded once
+
+
+def _half_grads(shapes, dtype, rank, world, step=0):
+    """Every rank's grads in `dtype`. float16: entries near 40000 (the sum of two overflows
+    float16, the mean fits); bfloat16: magnitudes in [0.5, 2) (a float32 sum of a few is exact,
+    so the float32 mean rounded once is one well-defined value)."""
+    out = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(100 * step + 10 * r + 1)
+        if dtype == torch.float16:
+            out.append([(40000 + 20000 * torch.rand(s, generator=g)).to(dtype) for s in shapes])
+        else:
+            out.append([((0.5 + 1.5 * torch.rand(s, generator=g))
+                         * (torch.randint(0, 2, s, generator=g) * 2 - 1)).to(dtype) for s in shapes])
+    return out
+
+
+def _mean_rounded_once(grads, i, dtype):
+    return (sum(g[i].float() for g in grads) / len(grads)).to(dtype)
+
+
+def _body_half_means(rank, world, tmpdir):
+    shapes = [(7, 5), (33,), (4, 6), (257,)]
+    for dtype in (torch.float16, torch.bfloat16):
+        grads = _half_grads(shapes, dtype, rank, world)
+        # average_: several buckets, a non-contiguous tensor
+        xs = [_noncontig(g.clone()) for g in grads[rank]]
+        D.average_(xs, bucket_bytes=40)
+        for i, x in enumerate(xs):
+            want = _mean_rounded_once(grads, i, dtype)
+            assert x.dtype == dtype and torch.equal(x, want), \
+                f"average_ {dtype}, {world} ranks: tensor {i} is not the float32 mean rounded once " \
+                f"({int((x != want).sum())} of {x.numel()} elements differ, max {float(x.float().abs().max()):.6g})"
+        # ShardedIsoLoCo: the reduce-scatter (segments) and the reduce to an owner (solo tensors);
+        # iso off, so the first step's momentum buffer is the mean pseudo-gradient itself
+        for solo in (None, 0.2):
+            params = [torch.zeros(s, dtype=dtype) for s in shapes]
+            opt = D.ShardedIsoLoCo(params, lr=1e-6, momentum=0.5, iso=False, bucket_bytes=64, solo_above=solo)
+            assert solo is None or opt.plan.solo
+            for p, g in zip(params, grads[rank]):
+                p.grad = g.clone()
+            opt.step()
+            for i in opt.mine:
+                buf = opt.state[params[i]]["momentum_buffer"]
+                want = _mean_rounded_once(grads, i, dtype).float()
+                assert torch.equal(buf, want), \
+                    f"ShardedIsoLoCo {dtype}, {world} ranks, solo_above={solo}: param {i}'s mean is not the " \
+                    f"float32 mean rounded once ({int((buf != want).sum())} of {buf.numel()} elements differ)"
+            for i, p in enumerate(params):
+                want = (-1e-6 * 1.5 * _mean_rounded_once(grads, i, dtype).float()).to(dtype)
+                assert rel_err(p, want) <= TOL[("update", dtype)], f"ShardedIsoLoCo {dtype}: param {i}"
+
+
+@pytest.mark.parametrize("world", [pytest.param(2, id="2ranks"), pytest.param(3, id="3ranks")])
+def test_half_precision_means_are_float32_means_rounded_once(tmp_path, world):
+    """average_ and ShardedIsoLoCo's reduce-scatter and reduce-to-owner sum float16/bfloat16 in
+    float32: float16 grads near 40000 (the sum overflows, the mean fits) give their mean, not a
+    refused step; bfloat16 over 3 ranks is rounded once, bit for bit."""
+    _spawn(_body_half_means, world, tmp_path)

@@ -23,7 +23,7 @@ import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import IsoLoCo
 from isoloco_kernels.distributed import dtensor as DT
 from isoloco_kernels.distributed import DistributedStepError
-from tests.helpers import rel_err, spectrum, with_spectrum
+from tests.helpers import TOL, rel_err, spectrum, with_spectrum
 from tests.test_distributed import PG_TIMEOUT_S, _spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
@@ -558,7 +558,7 @@ def test_gram_from_a0_matches_flatten_gram_and_falls_back_deterministically():
     ref = x.clone()
     gram.flatten_gram_(ref)
     a0 = x.double() @ x.double().mT
-    y, sbar, _, ok = gram.gram_from_a0(a0)
+    y, sbar, _, ok = gram.gram_from_a0(a0, long_side=150, dtype=torch.float32)
     assert bool(ok.all())
     w = y * sbar[:, None, None]
     wide = (w @ x.double()).float()
@@ -568,8 +568,35 @@ def test_gram_from_a0_matches_flatten_gram_and_falls_back_deterministically():
     assert bool((wide[1, 4] == 0).all())
     x[2, 5] = x[2, 6]  # rank deficient beyond zero lines
     a0 = x.double() @ x.double().mT
-    oks = [gram.gram_from_a0(a0.clone())[3].tolist() for _ in range(2)]
+    oks = [gram.gram_from_a0(a0.clone(), long_side=150, dtype=torch.float32)[3].tolist() for _ in range(2)]
     assert oks[0] == oks[1] == [True, True, False]
+
+
+@pytest.mark.parametrize("kind, cond, certified", [
+    pytest.param("geometric", 1e3, True, id="kappa1e3-certified"),
+    # 31 directions at 1e-6·σ_1: above the cut, but the bound (loose by r^¼) cannot show it; the
+    # residual check alone passed this one (9e-6 ≤ CHECK_TOL)
+    pytest.param("lowrank_noise", 1e6, False, id="noise-floor-1e-6-uncertified"),
+    pytest.param("lowrank_noise", 4e6, False, id="noise-floor-below-the-rank-cut"),
+])
+def test_gram_from_a0_certifies_the_rank_cut_like_flatten_gram(kind, cond, certified):
+    """gram_from_a0 applies flatten_gram_'s bound on the smallest kept direction (σ > τ·σ_1,
+    reference.rank_tol) besides the residual: a float32 matrix it cannot certify is refused, so
+    the DTensor Gram route sends it to the exact path as flatten_gram_ sends it to the SVD."""
+    import warnings
+
+    from isoloco_kernels import gram
+
+    g = torch.Generator().manual_seed(11)
+    x = with_spectrum(1, 32, 200, spectrum(kind, 32, cond), g).float()
+    a0 = x.double() @ x.double().mT
+    ok = gram.gram_from_a0(a0, long_side=200, dtype=torch.float32)[3]
+    gram.reset_stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gram.GramFallbackWarning)
+        gram.flatten_gram_(x.clone())
+    single = not gram.last_stats().recomputed
+    assert ok.tolist() == [certified] and single == certified, (ok, gram.last_stats())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -722,3 +749,148 @@ def test_load_refuses_buffer_sharing_param_memory(make, pattern):
         opt.load_state_dict(sd)
     assert all(opt.state[p]["momentum_buffer"] is h and torch.equal(h, b) for p, h, b in zip(ps, held, before))
     opt.step()
+
+
+# ----------------------------------------------------------------------------------------------
+# The Gram route against reference.py where A₀ cannot resolve the spectrum (the rank cut)
+
+# (case id, dtype, spectrum builder): a tall (400×128, Shard(0)) and a wide (128×400, Shard(1))
+# matrix per case, both on the Gram route (long side sharded), every method.
+def _rank_cut_grads(case):
+    g = torch.Generator().manual_seed(21)
+    kind, dtype = case.split(":")
+    dtype = getattr(torch, dtype)
+    out = []
+    for m, n in ((400, 128), (128, 400)):
+        if kind == "rank-deficient":
+            s = spectrum("geometric", 128, 1e2)
+            s[64:] = 0  # rank 64, formed in float64 and rounded to the dtype
+        else:
+            s = spectrum("geometric", 128, float(kind.removeprefix("kappa")))
+        out.append(with_spectrum(1, m, n, s, g)[0].to(dtype))
+    return out
+
+
+RANK_CUT_CASES = ["kappa1e6:float32", "kappa2e6:float32", "rank-deficient:float32", "kappa1e8:float64",
+                  "rank-deficient:float64"]
+RANK_CUT_METHODS = ("svd", "eigh", "auto", "gram")
+
+
+def _check_rank_cut_case(mesh, case):
+    """One step on the Gram route: the Iso-C update (the first momentum buffer) == reference.py,
+    as single-process IsoLoCo's is, for every method."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from isoloco_kernels.reference import iso_flatten_ref
+
+    grads = _rank_cut_grads(case)
+    dtype = grads[0].dtype
+    # U_r V_rᵀ moves by ~eps64·κ between two float64 SVDs of one matrix (different LAPACK paths)
+    cond = 1e2 if case.startswith("rank-deficient") else float(case.split(":")[0].removeprefix("kappa"))
+    tol = TOL[("exact", dtype)] + 64 * torch.finfo(torch.float64).eps * cond
+    for method in RANK_CUT_METHODS:
+        params, ref = [], []
+        for dim, gr in enumerate(grads):
+            p = nn.Parameter(distribute_tensor(torch.zeros_like(gr), mesh, [Shard(dim)], src_data_rank=None))
+            p.grad = distribute_tensor(gr, mesh, [Shard(dim)], src_data_rank=None)
+            params.append(p)
+            r = nn.Parameter(torch.zeros_like(gr))
+            r.grad = gr.clone()
+            ref.append(r)
+        opt = IsoLoCo(params, lr=1.0, momentum=0.5, method=method)
+        opt.dtensor_route = "gram"
+        ref_opt = IsoLoCo(ref, lr=1.0, momentum=0.5, method=method)
+        opt.step()
+        ref_opt.step()
+        st = opt.dtensor_stats
+        assert st.gram_elements == 2 * 128**2, (case, method, st)
+        for i, (p, r, gr) in enumerate(zip(params, ref, grads)):
+            want = iso_flatten_ref(gr)
+            single = rel_err(ref_opt.state[r]["momentum_buffer"], want)
+            got = rel_err(opt.state[p]["momentum_buffer"].full_tensor(), want)
+            what = f"{case}, method {method}, {tuple(gr.shape)} Shard({i})"
+            assert single <= tol, f"{what}: single-process IsoLoCo differs from reference.py by {single:.3g}"
+            assert got <= tol, (f"{what}: the DTensor Gram route differs from reference.py by {got:.3g} "
+                                f"(single-process: {single:.3g}; {st.gram_exact} exact, {st.gram_iterated} iterated)")
+        if case.startswith("rank-deficient") or dtype == torch.float64 or method != "gram":
+            # what A₀ cannot resolve went to the exact path (eigh at κ ≥ 1e5, rank deficiency, float64 ≥ 1e3)
+            assert st.gram_exact == 2 and st.gram_iterated == 0, (case, method, st)
+
+
+def _check_exact_path_failures(mesh, rank):
+    """A failure on one rank around the Gram route's exact path: that rank flags nothing (its A₀
+    results are gone) or packs nothing, yet joins the agreed all-gather; every rank raises
+    DistributedStepError within seconds, nothing changed."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    grads = _rank_cut_grads("rank-deficient:float32")
+    params = [nn.Parameter(distribute_tensor(torch.ones_like(gr), mesh, [Shard(d)], src_data_rank=None))
+              for d, gr in enumerate(grads)]
+    opt = IsoLoCo(params, lr=1.0, momentum=0.5)
+    opt.dtensor_route = "gram"
+    for k, name in enumerate(("_gram_results", "_gather_pack", "_gather_unpack", "_flatten_whole")):
+        who = k % 2
+        for d, (p, gr) in enumerate(zip(params, grads)):
+            p.grad = distribute_tensor(gr, mesh, [Shard(d)], src_data_rank=None)
+        before = [p.to_local().clone() for p in params]
+        real = getattr(DT, name)
+
+        def broken(*args, _name=name, **kwargs):
+            raise RuntimeError(f"injected failure in {_name}")
+
+        if rank == who:
+            setattr(DT, name, broken)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(DistributedStepError, match=rf"rank {who}: RuntimeError: injected failure in {name}"):
+                opt.step()
+        finally:
+            setattr(DT, name, real)
+        assert time.monotonic() - t0 < PG_TIMEOUT_S / 3, f"{name}: took {time.monotonic() - t0:.1f} s"
+        assert all(torch.equal(p.to_local(), b) for p, b in zip(params, before)) and not opt.state, name
+    opt.step()  # and it still works, through the exact path
+    assert opt.dtensor_stats.gram_exact == 2, opt.dtensor_stats
+
+
+def _body_rank_cut(rank, world, tmpdir):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.test_distributed import _record
+
+    mesh = init_device_mesh("cpu", (world,))
+    for case in RANK_CUT_CASES:
+        _record(tmpdir, rank, case.replace(":", "-"), _check_rank_cut_case, mesh, case)
+    _record(tmpdir, rank, "exact-path-failures", _check_exact_path_failures, mesh, rank)
+
+
+@pytest.fixture(scope="module")
+def rank_cut_group(tmp_path_factory):
+    """One spawned group of 2 ranks runs every rank-cut case; (folder, error of the spawn)."""
+    tmp = tmp_path_factory.mktemp("rankcut")
+    try:
+        _spawn(_body_rank_cut, 2, tmp)
+    except BaseException as e:  # noqa: BLE001 — each case then says what it lacks
+        return tmp, f"{type(e).__name__}: {e}"
+    return tmp, None
+
+
+def _rank_cut_reported(rank_cut_group, name):
+    tmp, spawn_error = rank_cut_group
+    for rank in range(2):
+        f = tmp / f"check-{name}-rank{rank}"
+        assert f.exists(), f"rank {rank} did not report {name!r}: {spawn_error}"
+        assert f.read_text() == "ok", f"rank {rank}:\n{f.read_text()}"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.replace(":", "-")) for c in RANK_CUT_CASES])
+def test_gram_route_rank_cut_matches_reference(rank_cut_group, case):
+    """Gram-route matrices (2 gloo ranks, both orientations) that A₀ cannot resolve — κ 1e6 and
+    2e6 in float32, rank-deficient, float64 at κ 1e8 — give reference.py's result for svd, eigh,
+    auto and gram, as single-process IsoLoCo does (the exact path), not an older rank cut's."""
+    _rank_cut_reported(rank_cut_group, case.replace(":", "-"))
+
+
+def test_gram_route_exact_path_failure_on_one_rank(rank_cut_group):
+    """A failure on one rank before or inside the Gram route's exact path fails every rank quickly,
+    nothing changed (the failed rank still joins the agreed all-gather)."""
+    _rank_cut_reported(rank_cut_group, "exact-path-failures")

@@ -4,6 +4,9 @@ Every helper moves data in chunks of about `bucket_bytes` with at most two async
 collectives in flight (`InFlight`), so extra memory is a few chunks, never a copy of the model.
 Every buffer handed to a collective lives on the group's `comm_device` (NCCL's rule: CUDA only);
 tensors handed over in place (params broadcast into) were checked to live there by the caller.
+Means are summed in the compute dtype (`reduce_dtype`: float32 for float16 and bfloat16) and
+rounded to the tensors' dtype once, after the division: a float16 sum that overflows where the
+mean fits gives the mean, and a bfloat16 mean over many ranks is rounded once, not per addition.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .._validate import check_all_finite, check_writable
+from .._validate import check_all_finite, check_writable, compute_dtype
 from .agree import agree, comm_device, describe, error_text, fingerprint, group_info
 from .plan import ShardPlan, owned_views
 
@@ -25,6 +28,11 @@ BUCKET_BYTES = 25 * 1024 * 1024
 # (Builds without torch.distributed have neither: importing stays fine, calling raises in group_info.)
 all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+
+
+def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums over ranks are taken in: float32 for float16 and bfloat16, else `dtype`."""
+    return compute_dtype(dtype) if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _pieces(entries: Sequence[tuple[int, int]], numel_of, a: int, b: int):
@@ -76,7 +84,8 @@ def average_(
     Tensors are packed per (device, dtype) end to end into flat buckets (a tensor larger than a
     bucket is split), and up to two buckets' all-reduces are in flight at once, so extra memory is
     two buckets. Call it on every rank with the same shapes and dtypes in the same order (the
-    DiLoCo pseudo-gradient average), with the same bucket_bytes. Tensors off the group's
+    DiLoCo pseudo-gradient average), with the same bucket_bytes. float16 and bfloat16 tensors
+    are summed in float32 buffers and get the float32 mean rounded once to their dtype. Tensors off the group's
     communication device (`agree.comm_device`) travel through buffers on it. Returns the tensors
     as a list.
     """
@@ -112,8 +121,9 @@ def average_(
         for i in idx:
             entries.append((i, total))
             total += tensors[i].numel()
-        per = max(1, bucket_bytes // tensors[idx[0]].element_size())
-        bufs = [torch.empty(min(per, total), dtype=dtype, device=device) for _ in range(3)]
+        rdt = reduce_dtype(dtype)  # summed in float32 for 2-byte dtypes, rounded back once
+        per = max(1, bucket_bytes // rdt.itemsize)
+        bufs = [torch.empty(min(per, total), dtype=rdt, device=device) for _ in range(3)]
         flight = InFlight(2)
         for k, (a, b) in enumerate(_chunks(total, per)):
             buf = bufs[k % 3][: b - a]
@@ -138,8 +148,9 @@ def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, bucket_bytes) 
     """This rank's segment of the mean over ranks of the sharded tensors of one dtype.
 
     src(i) is tensor i's flat local pseudo-gradient, or None (sent as zeros). Chunk k covers
-    elements [a, b) of every rank's segment: send holds world pieces of b − a elements. The
-    segment and the buffers live on the group's communication device.
+    elements [a, b) of every rank's segment: send holds world pieces of b − a elements. The sums
+    are taken in `reduce_dtype(dtype)` and the mean rounded to `dtype` once. The segment and the
+    buffers live on the group's communication device.
     """
     per_rank, seg = plan.layout(dtype)
     world = plan.world_size
@@ -147,8 +158,11 @@ def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, bucket_bytes) 
     own = torch.empty(seg, dtype=dtype, device=device)
     if seg == 0:
         return own
-    per = max(1, bucket_bytes // (world * own.element_size()))
-    sends = [torch.empty(world * min(per, seg), dtype=dtype, device=device) for _ in range(3)]
+    rdt = reduce_dtype(dtype)
+    wide = rdt != dtype  # reduce into float32 chunks, then round each chunk's mean into `own`
+    per = max(1, bucket_bytes // (world * rdt.itemsize))
+    sends = [torch.empty(world * min(per, seg), dtype=rdt, device=device) for _ in range(3)]
+    outs = [torch.empty(min(per, seg), dtype=rdt, device=device) for _ in range(3)] if wide else None
     flight = InFlight(2)
     for k, (a, b) in enumerate(_chunks(seg, per)):
         w = b - a
@@ -159,9 +173,15 @@ def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, bucket_bytes) 
                 g = src(i)
                 if g is not None:
                     send[r * w + bs : r * w + bs + n].copy_(g[ts : ts + n])
-        flight.add(reduce_scatter_single(own[a:b], send, group=group, async_op=True), lambda: None)
+        out = outs[k % 3][:w] if wide else own[a:b]
+
+        def done(out=out, a=a, b=b):
+            if wide:
+                own[a:b].copy_(out.div_(world))
+
+        flight.add(reduce_scatter_single(out, send, group=group, async_op=True), done)
     flight.drain()
-    return own.div_(world)
+    return own if wide else own.div_(world)
 
 
 def all_gather_segments(plan: ShardPlan, dtype, own, dst, rank, group, bucket_bytes) -> None:
@@ -191,24 +211,35 @@ def reduce_to_owner(src, numel, dtype, owner, rank, group, bucket_bytes) -> Opti
 
     src: this rank's flat values, or None (sent as zeros). Sent in chunks through a scratch buffer
     (a reduce may use a non-root's input as scratch, so grads are never handed to it directly),
-    on the group's communication device.
+    on the group's communication device; summed in `reduce_dtype(dtype)`, the mean rounded to
+    `dtype` once.
     """
     world = dist.get_world_size(group)
     device = comm_device(group)
     dst = dist.get_global_rank(group, owner) if group is not None else owner
-    per = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+    rdt = reduce_dtype(dtype)
+    wide = rdt != dtype
+    per = max(1, bucket_bytes // rdt.itemsize)
     out = torch.empty(numel, dtype=dtype, device=device) if rank == owner else None
-    bufs = None if rank == owner else [torch.empty(min(per, numel), dtype=dtype, device=device) for _ in range(3)]
+    scratch = rank != owner or wide  # the owner reduces straight into `out` when no rounding follows
+    bufs = [torch.empty(min(per, numel), dtype=rdt, device=device) for _ in range(3)] if scratch else None
     flight = InFlight(2)
     for k, (a, b) in enumerate(_chunks(numel, per)):
-        buf = out[a:b] if rank == owner else bufs[k % 3][: b - a]
+        buf = bufs[k % 3][: b - a] if scratch else out[a:b]
         if src is None:
             buf.zero_()
         else:
             buf.copy_(src[a:b])
-        flight.add(dist.reduce(buf, dst=dst, group=group, async_op=True), lambda: None)
+
+        def done(buf=buf, a=a, b=b):
+            if out is not None and wide:
+                out[a:b].copy_(buf.div_(world))
+
+        flight.add(dist.reduce(buf, dst=dst, group=group, async_op=True), done)
     flight.drain()
-    return out.div_(world) if out is not None else None
+    if out is None:
+        return None
+    return out if wide else out.div_(world)
 
 
 def broadcast_from_owner(flat: torch.Tensor, owner: int, group, bucket_bytes) -> None:

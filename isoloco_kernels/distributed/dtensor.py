@@ -6,15 +6,20 @@ of a 2-D param sharded on a 1-D mesh takes one of three routes, chosen per matri
 
 - "gram": shards along the long side: the short-side Gram A₀ = Σᵢ YᵢᵀYᵢ (float64, all matrices of
   the step in one all-reduce), then on every rank gram.py's iteration on A₀ (method "gram") or
-  float64 eigh, and each rank writes its own shard s̄·Yᵢ·P;
+  float64 eigh, and each rank writes its own shard s̄·Yᵢ·P. A matrix its A₀ cannot resolve (the
+  iteration's checks or eigh's resolution fail: rank-deficient, or too ill-conditioned for
+  reference.py's rank cut to be read off A₀) takes the exact path, as in single-process IsoLoCo:
+  the ranks agree on which (one small all-reduce), all-gather them and flatten them by float64 svd;
 - "owner": one owner per matrix (`plan_owners`), one all-to-all there and one back per dtype;
 - "gather": one padded all-gather, every rank flattens every matrix.
 Replicated matrices are flattened locally; meshes with several dimensions use `full_tensor()`.
 Every route's result is in the grad's compute dtype (float32 for float16/bfloat16, as in
 single-process IsoLoCo); the param is rounded to its dtype once, by the overflow-checked Nesterov.
 All-or-nothing across the mesh (`agree.agree_on_mesh` before the collectives and before the writes);
-the collectives are planned before the first agreement (`_StepPlan`) and a rank whose local work
-fails between them still joins each one (`_Guard`), so the failure reaches every rank, never a hang.
+the collectives are planned before the first agreement (`_StepPlan`; the Gram route's exact path
+from its agreed flags) and a rank whose local work fails between them still joins each one
+(`_Guard`), so the failure reaches every rank, never a hang. Every buffer handed to a collective
+is made on the mesh group's `agree.comm_device`; results move to the local shards' device.
 Contract and measurements: README "IsoLoCo with FSDP2 / torchtitan + torchft".
 """
 from __future__ import annotations
@@ -30,7 +35,7 @@ from .._validate import ResultOverflowError, _overlap, _span, check_all_finite, 
 from ..buckets import BucketPlan
 from ..ops import iso_merge_unchecked_
 from ..outer import Entry, collect, is_dtensor, local, prepare_nesterov
-from .agree import agree_on_mesh, error_text, largest_mesh, optimizer_settings
+from .agree import agree_on_mesh, comm_device, error_text, largest_mesh, optimizer_settings
 
 # torch 2.14 renamed the single-tensor all-gather; older releases only have the old name
 _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
@@ -307,7 +312,8 @@ class _Stats:
         self.full_tensor_elements = 0  # elements materialized by the general (multi-dim mesh) path
         self.owner_elements = 0  # elements this rank sent to other ranks in the owner route's all-to-alls
         self.gram_iterated = 0  # Gram-route matrices written by gram.py's iteration on A₀
-        self.gram_fallbacks = 0  # Gram-route matrices that missed its check and took the eigh
+        self.gram_fallbacks = 0  # Gram-route matrices that missed its checks (then exact)
+        self.gram_exact = 0  # Gram-route matrices no A₀ served: all-gathered and flattened by svd
 
     def __repr__(self):
         return (f"_Stats(gram={self.gram_elements}, gather={self.gather_elements}, "
@@ -423,38 +429,37 @@ def _iso_updates(opt, entries: list[Entry], plan: _StepPlan, stats: _Stats) -> d
     out: dict[int, torch.Tensor] = {}
     full: dict[int, torch.Tensor] = {}  # whole matrices flattened on every rank (local, gather, general)
 
-    # Gram route: one float64 all-reduce per mesh
+    # Gram route: one float64 all-reduce per mesh; what its A₀ cannot serve takes the exact path
     for mesh, ks, ds in plan.gram:
-        buf = torch.zeros(sum(d * d for d in ds), dtype=torch.float64, device=local(entries[ks[0]].g).device)
+        group = mesh.get_group(0)
+        buf = torch.zeros(sum(d * d for d in ds), dtype=torch.float64, device=comm_device(group))
         ys, off = {}, 0
         for k, d in zip(ks, ds):
             ys[k] = guard.run(_gram_into, entries[k], buf[off : off + d * d].view(d, d))
             off += d * d
-        dist.all_reduce(buf, group=mesh.get_group(0))
+        dist.all_reduce(buf, group=group)
         stats.gram_elements += buf.numel()
         res = guard.run(_gram_results, entries, ks, ds, ys, buf, opt.method, stats)
         if res:
             out.update(res)
+        exact = _agree_exact(mesh, ks, res)
+        stats.gram_exact += len(exact)
+        got = _gather_whole(mesh, entries, exact, guard, stats)
+        results = guard.run(_flatten_whole, entries, got, "svd") or {}
+        for k in results:
+            out[k] = guard.run(_my_shard, entries[k], results[k])
 
     # gather route: one padded all-gather per (mesh, dtype)
     for (mesh, dtype), ks, layout in plan.gather:
-        ents = [entries[k] for k in ks]
-        send = torch.zeros(layout.longest, dtype=dtype, device=local(ents[0].g).device)
-        guard.run(_gather_pack, mesh, ents, layout, send)
-        recv = torch.empty(mesh.size() * layout.longest, dtype=dtype, device=send.device)
-        _all_gather_single(recv, send, group=mesh.get_group(0))
-        stats.gather_elements += recv.numel()
-        got = guard.run(_gather_unpack, ents, layout, recv)
-        if got is not None:
-            full.update(zip(ks, got))
+        full.update(_gather_whole(mesh, entries, ks, guard, stats, layout))
 
     # owner route, out: each rank's shards to the matrix's owner, one all-to-all per (mesh, dtype)
     owned: dict[int, torch.Tensor] = {}  # whole matrices this rank flattens for the others
     for (mesh, dtype), ks, layout in plan.owner:
         ents = [entries[k] for k in ks]
-        send = torch.zeros(sum(layout.out_send), dtype=dtype, device=local(ents[0].g).device)
+        send = torch.zeros(sum(layout.out_send), dtype=dtype, device=comm_device(mesh.get_group(0)))
         guard.run(_owner_pack, ents, layout, send)
-        recv = torch.empty(sum(layout.out_recv), dtype=dtype, device=send.device)
+        recv = torch.empty(sum(layout.out_recv), dtype=dtype, device=comm_device(mesh.get_group(0)))
         dist.all_to_all_single(recv, send, layout.out_recv, layout.out_send, group=mesh.get_group(0))
         stats.owner_elements += send.numel() - layout.out_send[mesh.get_local_rank()]
         got = guard.run(_owner_unpack, ents, layout, recv)
@@ -479,9 +484,9 @@ def _iso_updates(opt, entries: list[Entry], plan: _StepPlan, stats: _Stats) -> d
     for (mesh, dtype), ks, layout in plan.owner:
         ents = [entries[k] for k in ks]
         rdtype = compute_dtype(dtype)
-        send = torch.zeros(sum(layout.back_send), dtype=rdtype, device=local(ents[0].g).device)
+        send = torch.zeros(sum(layout.back_send), dtype=rdtype, device=comm_device(mesh.get_group(0)))
         guard.run(_owner_return, mesh, ents, layout, {j: results.get(k) for j, k in enumerate(ks)}, send)
-        recv = torch.empty(sum(layout.back_recv), dtype=rdtype, device=send.device)
+        recv = torch.empty(sum(layout.back_recv), dtype=rdtype, device=comm_device(mesh.get_group(0)))
         dist.all_to_all_single(recv, send, layout.back_recv, layout.back_send, group=mesh.get_group(0))
         stats.owner_elements += send.numel() - layout.back_send[mesh.get_local_rank()]
         mine = guard.run(_owner_receive, ents, layout, recv)
@@ -511,6 +516,43 @@ def _flatten_whole(entries: list[Entry], whole: dict[int, torch.Tensor], method:
     return dict(zip(ks, plan.views()))
 
 
+def _agree_exact(mesh, ks: list[int], served: Optional[dict]) -> list[int]:
+    """The Gram-route matrices of `ks` that no A₀ served (`served`: this rank's results, None once
+    its local work failed), as every rank of the mesh sees them: every rank holds the same A₀ and
+    decides alike, and one small all-reduce (max) of the flags makes that exact even where LAPACK
+    differs between ranks in its last bits; a failed rank flags nothing, so it joins the others."""
+    group = mesh.get_group(0)
+    flags = torch.zeros(len(ks), dtype=torch.int64, device=comm_device(group))
+    if served is not None:
+        flags.copy_(torch.tensor([int(k not in served) for k in ks], dtype=torch.int64))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [k for k, f in zip(ks, flags.tolist()) if f]
+
+
+def _gather_whole(mesh, entries: list[Entry], ks: list[int], guard, stats,
+                  layout: Optional["_GatherLayout"] = None) -> dict[int, torch.Tensor]:
+    """Whole matrices of the entries `ks` (all 1-D-mesh Shard) on every rank, on their shards'
+    device: one padded all-gather per grad dtype (the gather route's, and the Gram route's exact
+    path). `layout`: the planned one, for `ks` of one dtype. Empty once local work failed."""
+    out: dict[int, torch.Tensor] = {}
+    by: dict[torch.dtype, list[int]] = {}
+    for k in ks:
+        by.setdefault(entries[k].g.dtype, []).append(k)
+    group = mesh.get_group(0)
+    for dtype, dks in by.items():
+        ents = [entries[k] for k in dks]
+        lay = layout if layout is not None else _GatherLayout(mesh, ents)
+        send = torch.zeros(lay.longest, dtype=dtype, device=comm_device(group))
+        guard.run(_gather_pack, mesh, ents, lay, send)
+        recv = torch.empty(mesh.size() * lay.longest, dtype=dtype, device=comm_device(group))
+        _all_gather_single(recv, send, group=group)
+        stats.gather_elements += recv.numel()
+        got = guard.run(_gather_unpack, ents, lay, recv)
+        if got is not None:
+            out.update(zip(dks, got))
+    return out
+
+
 def _gram_into(entry, slot: torch.Tensor) -> torch.Tensor:
     """slot ← YᵀY for this rank's shard Y (long side down, float64); returns Y."""
     p, g = entry.p, entry.g
@@ -521,11 +563,12 @@ def _gram_into(entry, slot: torch.Tensor) -> torch.Tensor:
 
 
 def _gram_results(entries, ks, ds, ys, buf: torch.Tensor, method: str, stats) -> dict[int, torch.Tensor]:
-    """This rank's shard of s̄·Q for the Gram-route matrices `ks` of one mesh, from the all-reduced
-    flat buffer of their A₀ (`_gram_polar`)."""
+    """This rank's shard of s̄·Q for the Gram-route matrices `ks` of one mesh that their all-reduced
+    A₀ (the flat buffer) serves (`_gram_polar`); the others are left out (the exact path's)."""
     items, off = [], 0
     for k, d in zip(ks, ds):
-        items.append((k, entries[k], ys[k], buf[off : off + d * d].view(d, d)))
+        a0 = buf[off : off + d * d].view(d, d).to(ys[k].device)
+        items.append((k, entries[k], ys[k], a0))
         off += d * d
     return _gram_polar(items, method, stats)
 
@@ -544,66 +587,53 @@ def _gram_method(method: str, d: int, n: int, device, dtype) -> str:
 
 
 def _gram_polar(items, method: str = "eigh", stats=None) -> dict[int, torch.Tensor]:
-    """This rank's shard of s̄·Q for each (entry index, entry, Y, A₀), batched per d: gram.py's
-    iteration on A₀ (`gram.gram_from_a0`) where the method asks for it, float64 eigh otherwise and
-    for the matrices that miss the iteration's residual check (every rank holds the same A₀, so
-    every rank takes the same decision)."""
+    """This rank's shard of s̄·Q for each (entry index, entry, Y, A₀) that A₀ serves, batched per
+    (d, long side, dtype) as the single-process methods decide: gram.py's iteration on A₀
+    (`gram.gram_from_a0`, with its residual and rank-cut checks) where the method asks for it,
+    else float64 eigh where it resolves the spectrum (`exact.eigh_polar`, reference.py's rank cut).
+    A matrix either misses is left out: it needs the exact path (svd of the whole matrix), as in
+    `flatten_gram_` and `flatten_eigh_`. Every rank holds the same A₀, so every rank decides alike."""
     out = {}
-    by_d: dict[tuple, list] = {}
+    by: dict[tuple, list] = {}
     for it in items:
         p, g = it[1].p, it[1].g
         how = _gram_method(method, min(p.shape), max(p.shape), local(g).device, g.dtype)
-        by_d.setdefault((it[3].shape[0], how), []).append(it)
-    for (d, how), its in by_d.items():
+        by.setdefault((it[3].shape[0], max(p.shape), g.dtype, how), []).append(it)
+    for (d, n, dtype, how), its in by.items():
         a = torch.stack([it[3] for it in its])
         check_all_finite([a], ["Gram matrix"])
         if how == "gram":
             from ..gram import gram_from_a0
 
-            yg, sbar, _, ok = gram_from_a0(a)
-            w = yg * sbar[:, None, None]
-            rest = []
-            for it, ww, good in zip(its, w, ok.tolist()):
-                if not good:
-                    rest.append(it)
-                    continue
-                k, entry, y, _ = it
-                p, g = entry.p, entry.g
-                q = y @ ww.mT  # y: this rank's rows of Xᵀ (long side down); s̄·Qᵀ = Xᵀ·Wᵀ
-                res = q if p.placements[0].dim == 0 else q.mT
-                out[k] = res.to(_result_dtype(g))
+            yg, sbar, _, ok = gram_from_a0(a, long_side=n, dtype=dtype)
+            w = yg * sbar[:, None, None]  # s̄·Qᵀ = Xᵀ·Wᵀ; y: this rank's rows of Xᵀ (long side down)
+            served = {it[0]: it[2] @ ww.mT for it, ww, good in zip(its, w, ok.tolist()) if good}
             if stats is not None:
-                stats.gram_iterated += len(its) - len(rest)
-                stats.gram_fallbacks += len(rest)
-            if rest:
-                out.update(_gram_eigh(rest, d))
+                stats.gram_iterated += len(served)
+                stats.gram_fallbacks += len(its) - len(served)
         else:
-            out.update(_gram_eigh(its, d))
+            served = _gram_eigh(its, a, n, dtype)
+        for it in its:
+            if it[0] in served:
+                q, p, g = served[it[0]], it[1].p, it[1].g
+                out[it[0]] = (q if p.placements[0].dim == 0 else q.mT).to(_result_dtype(g))
     return out
 
 
-def _gram_eigh(its, d: int) -> dict[int, torch.Tensor]:
-    """s̄·Q by float64 eigh of A₀ = V diag(σ²) Vᵀ (exact.py's rank cut), this rank's shard."""
+def _gram_eigh(its, a: torch.Tensor, n: int, dtype) -> dict[int, torch.Tensor]:
+    """{entry index: s̄·Qᵀ's rows on this rank} by float64 eigh of the stacked A₀ `a` for the
+    matrices it resolves (`exact.eigh_polar`: the rank bound is A₀'s nonzero diagonal, the cut
+    reference.py's); the others are left out."""
+    from ..exact import eigh_polar
+
+    d = a.shape[-1]
+    nzd = a.diagonal(dim1=-2, dim2=-1) != 0  # X's nonzero short-side lines
+    pm, nuc, ok = eigh_polar(a, nzd.sum(-1), d, n, dtype)
     out = {}
-    a = torch.stack([it[3] for it in its])
-    lam, v = torch.linalg.eigh(a)
-    sig = lam.clamp_min(0).sqrt()  # ascending
-    for (k, entry, y, _), s, vv, aa in zip(its, sig, v, a):
-        p, g = entry.p, entry.g
-        m, n = p.shape
-        if g.dtype == torch.float64:
-            tol = max(max(m, n) ** 0.5 * torch.finfo(torch.float64).eps, 1e-7)
-        else:
-            tol = max(m, n) ** 0.5 * torch.finfo(torch.float32).eps
-        keep = s > tol * s[-1]
-        inv = torch.where(keep, 1.0 / torch.where(keep, s, 1.0), 0.0)
-        w = (vv * inv) @ vv.mT
-        sbar = (s * keep).sum() / d
-        q = (y @ w) * sbar
-        # exact zeros stay zero: rows of Y are zero by construction; zero columns from diag(A₀)
-        q = q * (aa.diagonal() != 0).to(q.dtype)
-        res = q if p.placements[0].dim == 0 else q.mT
-        out[k] = res.to(_result_dtype(g))
+    for (k, _, y, _), pp, s, good, cols in zip(its, pm, nuc, ok.tolist(), nzd):
+        if good:
+            # Qᵀ = Xᵀ·P on this rank's rows; zero columns of Q stay exactly zero
+            out[k] = ((y @ pp) * (s / d)) * cols.to(y.dtype)
     return out
 
 
@@ -646,7 +676,7 @@ def _gather_unpack(ents, layout: _GatherLayout, recv: torch.Tensor) -> list[torc
             n = sizes[r][1]
             flat = recv[r, o[r] : o[r] + n * other]
             pieces.append(flat.view(n, other) if dim == 0 else flat.view(other, n))
-        out.append(torch.cat(pieces, dim=dim))
+        out.append(torch.cat(pieces, dim=dim).to(local(e.g).device))
     return out
 
 
@@ -703,7 +733,8 @@ def _owner_unpack(ents, layout: _OwnerLayout, recv: torch.Tensor) -> dict[int, t
             n, shape = _shard_numel(ents[j].p, r, layout.world)
             pieces[j].append(recv[pos : pos + n].view(shape))
             pos += n
-    return {j: torch.cat(pieces[j], dim=ents[j].p.placements[0].dim) for j in layout.mine}
+    return {j: torch.cat(pieces[j], dim=ents[j].p.placements[0].dim).to(local(ents[j].g).device)
+            for j in layout.mine}
 
 
 def _owner_return(mesh, ents, layout: _OwnerLayout, results: dict, send: torch.Tensor) -> None:
@@ -729,7 +760,7 @@ def _owner_receive(ents, layout: _OwnerLayout, recv: torch.Tensor) -> dict[int, 
         for j, o in enumerate(layout.owners):
             if o == r:
                 n, shape = _shard_numel(ents[j].p, layout.me, layout.world)
-                out[j] = recv[pos : pos + n].view(shape)
+                out[j] = recv[pos : pos + n].view(shape).to(local(ents[j].g).device)
                 pos += n
     return out
 

@@ -41,7 +41,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     Momentum is kept only by the owner, so state_dict()
     is per rank; it carries the plan's fingerprint and rank, and load_state_dict refuses a state
     saved under a different plan or by a different rank. param_groups are IsoLoCo's (SGD's keys plus
-    iso); half-precision params keep float32 momentum, as in IsoLoCo.
+    iso); half-precision params keep float32 momentum, as in IsoLoCo. The mean of float16 and
+    bfloat16 pseudo-gradients is summed in float32 and rounded to their dtype once (a float16 sum
+    may overflow where the mean fits).
 
     If any rank finds bad input (missing grad, wrong shape or dtype, NaN/Inf, a failed flatten),
     every rank raises DistributedStepError and no param or buffer changes on any rank. The ranks
