@@ -32,6 +32,7 @@ from ._validate import (
     check_writable,
     compute_dtype,
     is_fake,
+    read_write_overlaps,
 )
 from .flatten import check_method, iso_flatten_impl
 from .nesterov import update_compute_dtype
@@ -206,6 +207,20 @@ def check_nesterov_written(params, bufs) -> None:
     )
 
 
+def check_nesterov_reads(params, bufs, updates, scales) -> None:
+    """No update (and not `scales`) shares memory with a param or buffer the op writes: the
+    backends read the updates while they write, so an aliased update would be read half-updated."""
+    n = len(params)
+    reads = [*updates, *([] if scales is None else [scales])]
+    for r, w in read_write_overlaps(reads, [*params, *bufs]):
+        what = f"update {r}" if r < n else "scales"
+        whom = f"param {w}" if w < n else f"buf {w - n}"
+        raise RuntimeError(
+            f"nesterov_outer_: {what} shares memory with {whom}, which the op writes while reading "
+            f"it; pass a copy (e.g. .clone()); nothing was written"
+        )
+
+
 def _nesterov_fits(p, b, ap: float, ab: float, au: float, lr: float, mu: float) -> bool:
     """Whether the compute-dtype update of one tensor provably stays finite (rule 2), from the
     largest entries: |buf'| ≤ μ·|buf| + |s·u|, |Δp| ≤ lr·(|s·u| + μ·|buf'|), |p'| ≤ |p| + |Δp|;
@@ -234,14 +249,16 @@ def _nesterov_aside(p, b, u, lr: float, mu: float, s: float, name: str, i: int):
 
 
 def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales, names=None) -> Callable[[], None]:
-    """Every check of nesterov_outer_ (arguments, written tensors, the finiteness rule) and the
-    float64 update of the tensors whose compute-dtype update could overflow, before any write;
+    """Every check of nesterov_outer_ (arguments, written tensors, updates aliasing them, the
+    finiteness rule) and the float64 update of the tensors whose compute-dtype update could
+    overflow, before any write;
     returns the function that writes. names[i] names tensor i in errors (default
     "nesterov_outer_: tensor i"). One fused pass and one host sync per (device, dtype)."""
     params, bufs, updates = list(params), list(bufs), list(updates)
     lr, momentum = float(lr), float(momentum)
     check_nesterov_args(params, bufs, updates, lr, momentum, scales)
     check_nesterov_written(params, bufs)
+    check_nesterov_reads(params, bufs, updates, scales)
     n = len(params)
     names = names or [f"nesterov_outer_: tensor {i}" for i in range(n)]
     tensors = [*params, *bufs, *updates]
