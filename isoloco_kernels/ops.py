@@ -111,6 +111,9 @@ def _check_scale_args(x: torch.Tensor, q: torch.Tensor) -> None:
 def _iso_scale_impl(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     _check_scale_args(x, q)
     check_writable([x], ["iso_scale_: x"])
+    if read_write_overlaps([q], [x]):  # the CUDA kernels read q while other blocks write x
+        raise RuntimeError("iso_scale_: q shares memory with x, which the op writes while reading q; pass a "
+                           "copy (e.g. q.clone()); nothing was written")
     ax, aq = amaxes([x, q])
     check_amax_finite([x, q], [ax, aq], ["iso_scale_: x", "iso_scale_: q"])
     # |s̄| ≤ Σ|x·q| / min(m, n) ≤ max(m, n)·ax·aq and |s̄·q| ≤ |s̄|·aq (rule 2)

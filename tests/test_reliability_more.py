@@ -72,6 +72,25 @@ def test_nesterov_refuses_scales_that_alias_a_buffer_with_nothing_written():
     assert torch.equal(P[0], before[0]) and torch.equal(B[0], before[1])
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        # q = x shifted by a row; the CPU's torch backend reads q aside, the CUDA kernels read q
+        # in one block while another writes x: refused on every backend alike
+        pytest.param(lambda base: (base[:4], base[1:5]), id="q-is-x-shifted"),
+        pytest.param(lambda base: (base[:5, :5], base[:5, :5].mT), id="q-is-x-transposed"),
+        pytest.param(lambda base: (base[:4], base[:4]), id="q-is-x"),
+    ],
+)
+def test_iso_scale_refuses_a_q_sharing_memory_with_x_with_nothing_written(make):
+    base = torch.randn(6, 6, generator=_gen(7))
+    x, q = make(base)
+    before = base.clone()
+    with pytest.raises(RuntimeError, match=r"iso_scale_: q shares memory with x.*nothing was written"):
+        ops.iso_scale_(x, q)
+    assert torch.equal(base, before)
+
+
 # ----------------------------------------------------------------------------------------------
 # IsoLoCo: a grad sharing memory with a param or momentum buffer the step writes gets the
 # reference step (the step reads a copy of it)
