@@ -299,6 +299,15 @@ def _nesterov_outer_impl(params, bufs, updates, lr, momentum, scales) -> None:
     prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales)()
 
 
+@torch.library.impl(_lib, "nesterov_outer_", "CompositeExplicitAutograd")
+def _nesterov_outer_no_tensors(params, bufs, updates, lr, momentum, scales) -> None:
+    """Reached only when no CPU/CUDA kernel applies: a call without any tensor (empty lists, no
+    scales) checks its numbers and does nothing; tensors on another device are refused by name."""
+    check_nesterov_args(params, bufs, updates, lr, momentum, scales)
+    if params:
+        raise NotImplementedError(f"nesterov_outer_: no kernel for tensors on {params[0].device}")
+
+
 @torch.library.register_fake("isoloco::nesterov_outer_", lib=_lib)
 def _nesterov_outer_fake(params, bufs, updates, lr, momentum, scales) -> None:
     check_nesterov_args(params, bufs, updates, lr, momentum, scales)

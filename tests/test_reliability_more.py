@@ -91,6 +91,13 @@ def test_iso_scale_refuses_a_q_sharing_memory_with_x_with_nothing_written(make):
     assert torch.equal(base, before)
 
 
+def test_nesterov_with_no_tensors_is_a_checked_no_op():
+    # was NotImplementedError "There were no tensor arguments to this function"
+    ops.nesterov_outer_([], [], [], 0.5, 0.9, None)
+    with pytest.raises(ValueError, match=r"lr and momentum must be finite"):
+        ops.nesterov_outer_([], [], [], float("nan"), 0.9, None)
+
+
 # ----------------------------------------------------------------------------------------------
 # IsoLoCo: a grad sharing memory with a param or momentum buffer the step writes gets the
 # reference step (the step reads a copy of it)
