@@ -113,7 +113,7 @@ def _ref(p, buf, m, lr, mu):
         pytest.param((6,), (1.8, 1.8), True, id="1d-one-call"),  # was off by ~1.2
         pytest.param((6,), (1.8, 0.5), True, id="1d-two-lr-groups"),
         pytest.param((4, 6), (1.8, 1.8), False, id="2d-iso-off"),
-        pytest.param((4, 6), (1.8, 1.8), True, id="2d-iso"),
+        pytest.param((4, 6), (1.8, 1.8), True, id="2d-iso"),  # guard: the bucket copy made it right already
     ],
 )
 def test_isoloco_grad_that_is_another_param_gets_the_reference_step(shape, group_lrs, iso):
@@ -131,6 +131,7 @@ def test_isoloco_grad_that_is_another_param_gets_the_reference_step(shape, group
     assert rel_err(q, want_q) <= TOL[("update", torch.float32)] * 10
 
 
+# mu0 was wrong (the buffer was zeroed before it was read); mu0.8 guards the fused CPU kernel's route
 @pytest.mark.parametrize("momentum", [pytest.param(0.0, id="mu0"), pytest.param(0.8, id="mu0.8")])
 def test_isoloco_grad_that_is_its_momentum_buffer_gets_the_reference_step(momentum):
     # a loaded buffer may be the very tensor later handed in as the grad
