@@ -161,6 +161,26 @@ def check_writable(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> Non
         active.append((end, i))
 
 
+def read_write_overlaps(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """(i, j) for every tensor reads[i] that shares an element with writes[j] (an operand an op
+    reads while it writes the other). No device sync unless two byte ranges intersect."""
+    spans = sorted(
+        ((t.device.type, t.device.index or 0, *_span(t), kind, i)
+         for kind, ts in ((0, reads), (1, writes)) for i, t in enumerate(ts) if t.numel()),
+    )
+    found: list[tuple[int, int]] = []
+    active: list[tuple[tuple, int, int, int]] = []  # (device, end, kind, index)
+    for dt, di, start, end, kind, i in spans:
+        active = [a for a in active if a[0] == (dt, di) and a[1] > start]
+        for _, _, k2, j in active:
+            if k2 != kind:
+                r, w = (i, j) if kind == 0 else (j, i)
+                if _overlap(reads[r], writes[w]):
+                    found.append((r, w))
+        active.append(((dt, di), end, kind, i))
+    return sorted(set(found))
+
+
 # ----------------------------------------------------------------------------------------------
 # Overflow: Iso-C is positively homogeneous, iso(c·Δ) = c·iso(Δ)
 

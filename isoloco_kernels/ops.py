@@ -32,6 +32,7 @@ from ._validate import (
     check_writable,
     compute_dtype,
     is_fake,
+    read_write_overlaps,
 )
 from .flatten import check_method, iso_flatten_impl
 from .nesterov import update_compute_dtype
@@ -110,6 +111,9 @@ def _check_scale_args(x: torch.Tensor, q: torch.Tensor) -> None:
 def _iso_scale_impl(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     _check_scale_args(x, q)
     check_writable([x], ["iso_scale_: x"])
+    if read_write_overlaps([q], [x]):  # the CUDA kernels read q while other blocks write x
+        raise RuntimeError("iso_scale_: q shares memory with x, which the op writes while reading q; pass a "
+                           "copy (e.g. q.clone()); nothing was written")
     ax, aq = amaxes([x, q])
     check_amax_finite([x, q], [ax, aq], ["iso_scale_: x", "iso_scale_: q"])
     # |s̄| ≤ Σ|x·q| / min(m, n) ≤ max(m, n)·ax·aq and |s̄·q| ≤ |s̄|·aq (rule 2)
@@ -206,6 +210,20 @@ def check_nesterov_written(params, bufs) -> None:
     )
 
 
+def check_nesterov_reads(params, bufs, updates, scales) -> None:
+    """No update (and not `scales`) shares memory with a param or buffer the op writes: the
+    backends read the updates while they write, so an aliased update would be read half-updated."""
+    n = len(params)
+    reads = [*updates, *([] if scales is None else [scales])]
+    for r, w in read_write_overlaps(reads, [*params, *bufs]):
+        what = f"update {r}" if r < n else "scales"
+        whom = f"param {w}" if w < n else f"buf {w - n}"
+        raise RuntimeError(
+            f"nesterov_outer_: {what} shares memory with {whom}, which the op writes while reading "
+            f"it; pass a copy (e.g. .clone()); nothing was written"
+        )
+
+
 def _nesterov_fits(p, b, ap: float, ab: float, au: float, lr: float, mu: float) -> bool:
     """Whether the compute-dtype update of one tensor provably stays finite (rule 2), from the
     largest entries: |buf'| ≤ μ·|buf| + |s·u|, |Δp| ≤ lr·(|s·u| + μ·|buf'|), |p'| ≤ |p| + |Δp|;
@@ -234,14 +252,16 @@ def _nesterov_aside(p, b, u, lr: float, mu: float, s: float, name: str, i: int):
 
 
 def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales, names=None) -> Callable[[], None]:
-    """Every check of nesterov_outer_ (arguments, written tensors, the finiteness rule) and the
-    float64 update of the tensors whose compute-dtype update could overflow, before any write;
+    """Every check of nesterov_outer_ (arguments, written tensors, updates aliasing them, the
+    finiteness rule) and the float64 update of the tensors whose compute-dtype update could
+    overflow, before any write;
     returns the function that writes. names[i] names tensor i in errors (default
     "nesterov_outer_: tensor i"). One fused pass and one host sync per (device, dtype)."""
     params, bufs, updates = list(params), list(bufs), list(updates)
     lr, momentum = float(lr), float(momentum)
     check_nesterov_args(params, bufs, updates, lr, momentum, scales)
     check_nesterov_written(params, bufs)
+    check_nesterov_reads(params, bufs, updates, scales)
     n = len(params)
     names = names or [f"nesterov_outer_: tensor {i}" for i in range(n)]
     tensors = [*params, *bufs, *updates]
@@ -277,6 +297,15 @@ def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales, names=N
 @torch.library.impl(_lib, "nesterov_outer_", "CUDA")
 def _nesterov_outer_impl(params, bufs, updates, lr, momentum, scales) -> None:
     prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales)()
+
+
+@torch.library.impl(_lib, "nesterov_outer_", "CompositeExplicitAutograd")
+def _nesterov_outer_no_tensors(params, bufs, updates, lr, momentum, scales) -> None:
+    """Reached only when no CPU/CUDA kernel applies: a call without any tensor (empty lists, no
+    scales) checks its numbers and does nothing; tensors on another device are refused by name."""
+    check_nesterov_args(params, bufs, updates, lr, momentum, scales)
+    if params:
+        raise NotImplementedError(f"nesterov_outer_: no kernel for tensors on {params[0].device}")
 
 
 @torch.library.register_fake("isoloco::nesterov_outer_", lib=_lib)

@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ._validate import SUPPORTED_DTYPES, check_all_finite, check_writable, compute_dtype
+from ._validate import (SUPPORTED_DTYPES, check_all_finite, check_writable, compute_dtype, overflow_limit,
+                        read_write_overlaps)
 from .ops import prepare_nesterov_outer_
 
 __all__ = ["SGD_KEYS", "Entry", "check_group", "check_hyper", "check_state_dict", "collect",
@@ -131,7 +132,8 @@ def collect(
     Checked: each group (`check_group`); each grad dense, of a supported dtype, and what `check`
     adds for the optimizer (shape, device, placements); the grads and the held momentum buffers
     finite (`check_all_finite`), the buffers shaped like their params (`buffer_problem`); every
-    param and held buffer writable. `name(gi, pi, p)` names a param in errors; `require_grads`:
+    param and held buffer writable; a grad sharing memory with any of those is copied first.
+    `name(gi, pi, p)` names a param in errors; `require_grads`:
     a param without a grad is an error (the sharded step needs every rank's grads)."""
     entries: list[Entry] = []
     for gi, group in enumerate(opt.param_groups):
@@ -162,8 +164,12 @@ def collect(
             raise ValueError(f"{where}: {e.name} momentum_buffer {why}")
     bnames = [f"{where}: {e.name} momentum_buffer" for e, _ in held]
     check_all_finite([local(b) for _, b in held], bnames)
-    check_writable([local(e.p) for e in entries] + [local(b) for _, b in held],
-                   [f"{where}: {e.name}" for e in entries] + bnames)
+    written = [local(e.p) for e in entries] + [local(b) for _, b in held]
+    check_writable(written, [f"{where}: {e.name}" for e in entries] + bnames)
+    # a grad sharing memory with a param or buffer the step writes (another param, a loaded
+    # buffer) would be read half-updated: the step reads a copy of it instead
+    for k in sorted({r for r, _ in read_write_overlaps([local(e.g) for e in entries], written)}):
+        entries[k].g = entries[k].g.detach().clone()
     return entries
 
 
@@ -234,9 +240,9 @@ def check_state_dict(opt: torch.optim.Optimizer, state_dict: Any, where: str) ->
         ids += list(g["params"])
     held: list[tuple[torch.Tensor, torch.Tensor, str]] = []
     for pid, p in zip(ids, params):
-        entry = state_dict["state"].get(pid)
-        if entry is None:
+        if pid not in state_dict["state"]:
             continue
+        entry = state_dict["state"][pid]
         if not isinstance(entry, dict):
             raise TypeError(f"{where}: state of param {pid} must be a dict, got {type(entry).__name__}")
         if "momentum_buffer" not in entry or entry["momentum_buffer"] is None:
@@ -252,6 +258,13 @@ def check_state_dict(opt: torch.optim.Optimizer, state_dict: Any, where: str) ->
                              f"one of {SUPPORTED_DTYPES}")
         held.append((local(b), local(p), name))
     check_all_finite([b for b, _, _ in held], [n for _, _, n in held])
+    for b, p, name in held:  # loaded in p's compute dtype: a value beyond it would load as Inf
+        want = compute_dtype(p.dtype)
+        if b.numel() and torch.finfo(b.dtype).max > torch.finfo(want).max:
+            top = float(b.detach().abs().max())
+            if top >= overflow_limit(want):
+                raise ValueError(f"{name} holds {top:.4g}, beyond the {want} it is kept in for this param "
+                                 "(it would load as Inf); nothing was loaded")
     # buffers loaded as they are (same dtype and device) are written in place by later steps
     kept = [(b, n) for b, p, n in held if b.dtype == p.dtype == compute_dtype(p.dtype) and b.device == p.device]
     with torch.no_grad():
