@@ -10,7 +10,8 @@
 Either mode times every implementation beside its torch baseline in the same run, so the ratios
 hold in both. --bench-sets and --bench-seconds, when given, win over the mode's defaults. Cases
 marked `bench_full` run only with --bench-full: whole outer steps and the distributed step on
-llama-tiny, and the 4-rank distributed group. Without
+llama-tiny, and the 4-rank distributed group; the quick run also skips the flatten methods "gram"
+and "svd" (float64) on llama-tiny, which ref-tiny times. Without
 --benchmark-json (or --benchmark-save / --benchmark-autosave) the JSON goes to
 .benchmarks/isoloco/<UTC time>-<mode>.json; the summary names the file and how to render it.
 """
@@ -125,6 +126,12 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(order)}
     keep.sort(key=lambda it: rank.get(getattr(getattr(it, "callspec", None), "params", {}).get("set_name"), -1))
     items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def bench_full(request) -> bool:
+    """True with --bench-full (cases may skip parts of a quick run with this)."""
+    return _full(request.config)
 
 
 @pytest.fixture(scope="session")
