@@ -92,6 +92,8 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     mode = "full" if _full(config) else "quick (--bench-full for every set and case)"
     rel = os.path.relpath(path)
+    if rel.startswith(os.pardir):  # outside the working directory: the absolute path reads better
+        rel = os.path.abspath(path)
     terminalreporter.write_sep("-", "isoloco bench")
     terminalreporter.write_line(f"mode: {mode}; sets {','.join(_sets(config))}; {_seconds(config):g} s per case")
     if not os.path.exists(path):
