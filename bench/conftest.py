@@ -1,13 +1,26 @@
 """Options, the per-device ceilings fixture, and what the JSON report carries besides timings.
 
-    pytest bench/ --benchmark-only                       every case on every available device
+    pytest bench/ --benchmark-only                       quick: the two small sets, every method and
+                                                         baseline, 0.3 s per case (minutes on 2 cores)
+    pytest bench/ --benchmark-only --bench-full          every set and world size, 1 s per case
     pytest bench/ --benchmark-only --bench-devices cuda  the GPU cases only
-    pytest bench/ --benchmark-only --bench-sets ref-tiny,llama-tiny --bench-seconds 0.5
+    pytest bench/ --benchmark-only --bench-sets ref-tiny,llama-178m --bench-seconds 0.5
     ... --benchmark-json bench/results/<date>-<device>.json, then `python bench/report.py`
+
+Either mode times every implementation beside its torch baseline in the same run, so the ratios
+hold in both. --bench-sets and --bench-seconds, when given, win over the mode's defaults. Cases
+marked `bench_full` run only with --bench-full: whole outer steps and the distributed step on
+llama-tiny, and the 4-rank distributed group; the quick run also skips the flatten methods "gram"
+and "svd" (float64) on llama-tiny, which ref-tiny times. Without
+--benchmark-json (or --benchmark-save / --benchmark-autosave) the JSON goes to
+.benchmarks/isoloco/<UTC time>-<mode>.json; the summary names the file and how to render it.
 """
 from __future__ import annotations
 
+import os
 import platform
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,28 +30,85 @@ from bench.shapes import SETS, bucket_shapes, cpu_variant, decoder_weight_shapes
 
 _CEILINGS: dict[str, dict] = {}
 
+QUICK_SETS = ("ref-tiny", "llama-tiny")  # llama-tiny carries the CPU flatten target (bench/report.py)
+QUICK_SECONDS, FULL_SECONDS = 0.3, 1.0
+FULL = pytest.mark.bench_full  # a case (or parameter) that runs with --bench-full only
+
 
 def pytest_addoption(parser):
     g = parser.getgroup("isoloco bench")
-    g.addoption("--bench-seconds", type=float, default=1.0,
-                help="timed seconds per case (rounds = this / one run's time, 1..200); default 1")
+    g.addoption("--bench-full", action="store_true",
+                help=f"every set and case (default: quick, sets {','.join(QUICK_SETS)}, "
+                     f"{QUICK_SECONDS:g} s per case, no bench_full cases)")
+    g.addoption("--bench-seconds", type=float, default=None,
+                help="timed seconds per case (rounds = this / one run's time, 1..200); "
+                     f"default {QUICK_SECONDS:g}, {FULL_SECONDS:g} with --bench-full")
     g.addoption("--bench-devices", default="cpu,cuda",
                 help="comma-separated devices to run (cpu, cuda); others are deselected")
-    g.addoption("--bench-sets", default=",".join(SETS),
-                help=f"comma-separated bucket sets to run, in this order, from {', '.join(SETS)}")
+    g.addoption("--bench-sets", default=None,
+                help=f"comma-separated bucket sets to run, in this order, from {', '.join(SETS)}; "
+                     f"default {','.join(QUICK_SETS)}, all with --bench-full")
     g.addoption("--bench-threads", type=int, default=None,
                 help="torch.set_num_threads for the run (default: torch's choice)")
 
 
+def _full(config) -> bool:
+    return bool(config.getoption("--bench-full", False))
+
+
+def _sets(config) -> list[str]:
+    given = config.getoption("--bench-sets", None)
+    if given:
+        return given.split(",")
+    return list(SETS) if _full(config) else list(QUICK_SETS)
+
+
+def _seconds(config) -> float:
+    given = config.getoption("--bench-seconds", None)
+    if given is not None:
+        return given
+    return FULL_SECONDS if _full(config) else QUICK_SECONDS
+
+
 def pytest_configure(config):
+    config.addinivalue_line("markers", "bench_full: runs only with --bench-full")
     threads = config.getoption("--bench-threads", None)
     if threads:
         torch.set_num_threads(threads)
+    # Runs before pytest-benchmark's own configure (trylast), which reads the JSON path.
+    opt = config.option
+    if (getattr(opt, "benchmark_only", False) and not getattr(opt, "benchmark_json", True)
+            and not getattr(opt, "benchmark_save", None) and not getattr(opt, "benchmark_autosave", False)):
+        stamp = time.strftime("%Y-%m-%dT%H%M%SZ", time.gmtime())
+        path = Path(config.rootpath, ".benchmarks", "isoloco", f"{stamp}-{'full' if _full(config) else 'quick'}.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        opt.benchmark_json = path
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-benchmark's tables: the last thing printed
+def pytest_terminal_summary(terminalreporter, config):
+    path = getattr(config.option, "benchmark_json", None)
+    if not path or not getattr(config.option, "benchmark_only", False):
+        return
+    mode = "full" if _full(config) else "quick (--bench-full for every set and case)"
+    rel = os.path.relpath(path)
+    if rel.startswith(os.pardir):  # outside the working directory: the absolute path reads better
+        rel = os.path.abspath(path)
+    terminalreporter.write_sep("-", "isoloco bench")
+    terminalreporter.write_line(f"mode: {mode}; sets {','.join(_sets(config))}; {_seconds(config):g} s per case")
+    if not os.path.exists(path):
+        terminalreporter.write_line(f"no JSON written (no benchmark ran); it would have gone to {rel}")
+        return
+    terminalreporter.write_line(f"results: {rel}")
+    terminalreporter.write_line(f"tables:  python bench/report.py {rel} --table --no-write")
+    terminalreporter.write_line(f"page:    python bench/report.py {rel} --out {os.path.splitext(rel)[0]}.md"
+                                "  (markdown, and a plot beside the JSON)")
 
 
 def pytest_collection_modifyitems(config, items):
     devices = set(config.getoption("--bench-devices").split(","))
-    order = config.getoption("--bench-sets").split(",")
+    full = _full(config)
+    order = _sets(config)
     sets = set(order)
     unknown = sets - set(SETS)
     if unknown:
@@ -46,7 +116,8 @@ def pytest_collection_modifyitems(config, items):
     keep, drop = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if params.get("device", "cpu") not in devices or params.get("set_name", next(iter(sets))) not in sets:
+        if (params.get("device", "cpu") not in devices or params.get("set_name", next(iter(sets))) not in sets
+                or (not full and item.get_closest_marker("bench_full"))):
             drop.append(item)
         else:
             keep.append(item)
@@ -60,8 +131,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def bench_full(request) -> bool:
+    """True with --bench-full (cases may skip parts of a quick run with this)."""
+    return _full(request.config)
+
+
+@pytest.fixture(scope="session")
 def bench_seconds(request) -> float:
-    return request.config.getoption("--bench-seconds")
+    return _seconds(request.config)
 
 
 @pytest.fixture
@@ -120,6 +197,8 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
         "ceilings": dict(_CEILINGS),
         "sets": sets,
         "backends": ik.backends(),
-        "bench_seconds": config.getoption("--bench-seconds"),
+        "bench_seconds": _seconds(config),
+        "mode": "full" if _full(config) else "quick",
+        "bench_sets": _sets(config),
         "models": harness.__doc__,
     }

@@ -3,25 +3,38 @@
 Counts, from the shapes alone, what one rank sends for the Iso-C part of one outer step when every
 2-D weight is FSDP-sharded along dim 0 (Shard(0), torch.chunk sizes) over W ranks of a 1-D mesh.
 Nesterov and the 1-D params send nothing. Ring collectives: an all-gather sends (W−1)·(largest
-shard) per rank, an all-reduce of P bytes 2·(W−1)/W·P. The formulas are `isoloco_kernels.distributed.dtensor`'s
-(`gram_bytes`, `gather_bytes`, `owner_bytes`); tests/test_dtensor.py checks that the collectives the
-step issues carry exactly the element counts these formulas assume.
+shard) per rank, an all-reduce of P bytes 2·(W−1)/W·P. The owner route sends the shards out in the
+grad's element size b and the results back in the compute dtype's, r = max(b, 4) (float32 for
+float16/bfloat16 grads): (W−1)/W²·(b + r)·m·n per rank on average. The formulas and the route rule
+are `isoloco_kernels.distributed.dtensor`'s (`gram_bytes`, `gather_bytes`, `owner_bytes`,
+`route_for`); tests/test_dtensor.py checks that the collectives the step issues carry exactly the
+element counts these formulas assume.
 
-    python -m bench.dtensor_bytes > bench/results/2026-12-02-dtensor-bytes.md
+    python -m bench.dtensor_bytes > bench/results/<date>-dtensor-bytes.md
 """
 from __future__ import annotations
-
-from dataclasses import replace
 
 from bench.shapes import SETS, ModelSpec, decoder_weight_shapes
 from isoloco_kernels.distributed.dtensor import gather_bytes, gram_bytes, owner_bytes, route_for
 
 WORLDS = (2, 4, 8)
+DTYPES = ((4, "float32"), (2, "bfloat16"))
 # Not in bench/shapes.py: a llama-3-8B-sized shape (full-size k, v as the other sets; no GQA).
 LLAMA_8B = ModelSpec("llama-8b", vocab=128256, hidden=4096, layers=32, ffn=14336, note="full-size k/v")
 # NVLink 4 on an 8×H200 HGX board: 900 GB/s per GPU, both directions together (data sheet), so
 # 450 GB/s each way. Ring collectives at the full link rate, no latency: a lower bound on time.
 NVLINK_BYTES_PER_S = 450e9
+
+
+def result_size(elem: int) -> int:
+    """Element size of the owner route's results: the compute dtype's (float32 for 2-byte grads)."""
+    return max(elem, 4)
+
+
+def gram_threshold(world: int, elem: int) -> float:
+    """The aspect (long/short) above which the Gram all-reduce sends fewer bytes than the owner
+    route: 2·(W−1)/W·8d² < (W−1)/W²·(b + r)·k·d  ⇔  k/d > 16·W/(b + r)."""
+    return 16 * world / (elem + result_size(elem))
 
 
 def per_rank(spec: ModelSpec, world: int, elem: int) -> dict[str, float]:
@@ -58,38 +71,67 @@ def table(specs, elem: int) -> list[str]:
     return rows
 
 
+def _aspect(spec: ModelSpec) -> float:
+    return spec.vocab / spec.hidden
+
+
+def _reading(specs) -> list[str]:
+    """The reading of the tables, with every number that depends on them computed here."""
+    owner_more = [
+        f"{name} at W = {w}" for elem, name in DTYPES for w in WORLDS if w * elem < elem + result_size(elem)
+    ]
+    no_gram = [
+        f"{name} {spec.name} at W = {w}"
+        for elem, name in DTYPES for spec in specs for w in WORLDS if per_rank(spec, w, elem)["n_gram"] == 0
+    ]
+    aspects = ", ".join(f"{_aspect(s):.0f} for {s.name}" for s in specs)
+    lines = [
+        "Reading: sending every sharded matrix through the Gram is *worse* than all-gathering it for",
+        "square and near-square matrices (8·d² float64 bytes, all-reduced, against b·d² of the matrix);",
+        f"it pays for the vocab × hidden embedding and LM head (long/short {aspects}), where one d×d",
+        "all-reduce replaces moving the matrix. The owner route sends W·b/(b + r) times fewer bytes than",
+        "the all-gather (W/2 for float32, W/3 for bfloat16, whose results come back in float32) and",
+        "flattens each matrix once (the all-gather repeats every flatten on every rank); it costs two",
+        "all-to-alls and an owner plan balanced by flatten cost.",
+    ]
+    if owner_more:
+        lines.append(f"Where W·b < b + r ({', '.join(owner_more)}) the owner route sends *more* than the all-gather; "
+                     "auto still takes it (the rule weighs Gram against owner only).")
+    lines.append("The auto rule takes the Gram for the embedding and LM head "
+                 + (f"except where the owner route is already cheaper ({', '.join(no_gram)})"
+                    if no_gram else "in every case above")
+                 + " and the owner route for all others.")
+    return lines
+
+
 def main() -> None:
     specs = [SETS["llama-178m"], SETS["llama-1b"]]
+    thresholds = "; ".join(
+        f"{name}: " + ", ".join(f"{gram_threshold(w, elem):.3g} at W = {w}" for w in WORLDS) for elem, name in DTYPES
+    )
     lines = [
-        "# Bytes per IsoLoCo outer step under FSDP2 (DTensor params), 2026-12-02",
+        "# Bytes per IsoLoCo outer step under FSDP2 (DTensor params)",
         "",
         "Counted from the shapes (bench/dtensor_bytes.py, formulas of isoloco_kernels/distributed/dtensor.py), not timed.",
         "Every 2-D weight Shard(0) over W ranks of a 1-D mesh (FSDP2's layout, torch.chunk sizes), untied",
         "embedding and LM head, full-size k/v (bench/shapes.py). MB (1e6 bytes) **sent per rank** for the",
-        "Iso-C part of one outer step; Nesterov and 1-D params send nothing.",
+        "Iso-C part of one outer step; Nesterov and 1-D params send nothing. b is the grad's element size,",
+        "r = max(b, 4) the result's: every route computes in float32 for float16/bfloat16 grads.",
         "",
         "- all-gather: every matrix all-gathered (ring: (W−1) × largest shard per rank), flattened on every rank.",
-        "- owner: each matrix's shards sent to one owner by all-to-all, flattened there, the result's shards",
-        "  sent back; 2·(W−1)/W² of the matrix per rank on average (owners balanced by flatten cost; the",
-        "  busiest rank sends more).",
+        "- owner: each matrix's shards sent to one owner by all-to-all (in the grad's dtype), flattened there,",
+        "  the result's shards sent back (in float32 for bfloat16 grads); (W−1)/W²·(b + r)·m·n bytes per rank",
+        "  on average (owners balanced by flatten cost; the busiest rank sends more).",
         "- Gram where long side: A₀ = Σ XᵢᵀXᵢ (d×d float64) all-reduced (ring: 2·(W−1)/W · 8d² per rank) for",
         "  every matrix sharded along its long side (embedding, LM head, gate, up, and the square q/k/v/o),",
         "  all-gather for the others (down: hidden × ffn is sharded along its short side).",
-        "- auto: what `IsoLoCo` does by default, per matrix the cheaper of Gram and owner: the Gram when",
-        "  long/short > 8·W/element size (float32: 4 at W = 2, 16 at W = 8), else the owner route.",
+        "- auto: what `IsoLoCo` does by default, per matrix the cheaper of Gram and owner: the Gram when the",
+        f"  shard is the long side and long/short > 16·W/(b + r) ({thresholds}), else the owner route.",
         "",
     ]
-    for elem, name in ((4, "float32 pseudo-gradients"), (2, "bfloat16 pseudo-gradients")):
-        lines += [f"## {name}", ""] + table(specs, elem) + [""]
-    lines += [
-        "Reading: sending every sharded matrix through the Gram is *worse* than all-gathering it for",
-        "square and near-square matrices (8·d² float64 bytes, all-reduced, against b·d² of the matrix);",
-        "it pays for the vocab × hidden embedding and LM head (long/short 31 for llama-178m, 63 for",
-        "llama-1b), where one d×d all-reduce replaces moving the matrix. The owner route sends W/2 times",
-        "fewer bytes than the all-gather and flattens each matrix once (the all-gather repeats every",
-        "flatten on every rank); it costs two all-to-alls and an owner plan balanced by flatten cost. The",
-        "auto rule takes the Gram for those two matrices except where the owner route is already cheaper",
-        "(bfloat16 llama-178m at W = 8: 31 < 8·8/2) and the owner route for all others.",
+    for elem, name in DTYPES:
+        lines += [f"## {name} pseudo-gradients", ""] + table(specs, elem) + [""]
+    lines += _reading(specs) + [
         "",
         "## Paper estimate: 8 × H200 over NVLink (W = 8, one replica)",
         "",
@@ -102,7 +144,7 @@ def main() -> None:
         "|---|---|---:|---:|---:|---:|",
     ]
     for spec in (SETS["llama-1b"], LLAMA_8B):
-        for elem, dt in ((4, "float32"), (2, "bfloat16")):
+        for elem, dt in DTYPES:
             r = per_rank(spec, 8, elem)
             ms = {k: r[k] / NVLINK_BYTES_PER_S * 1e3 for k in ("allgather", "auto", "gram_long", "owner")}
             lines.append(

@@ -129,6 +129,16 @@ def _title(run) -> str:
     return os.path.splitext(os.path.basename(run["path"]))[0]
 
 
+def _mode(iso: dict) -> str:
+    """", quick run (sets …)" / ", full run"; empty for files written before the modes existed."""
+    mode = iso.get("mode")
+    if mode is None:
+        return ""
+    if mode == "full":
+        return ", full run"
+    return f", quick run (sets {', '.join(iso.get('bench_sets', []))}; `--bench-full` for all)"
+
+
 def markdown(run) -> list[str]:
     cases, iso = run["cases"], run.get("isoloco", {})
     mi, ci = run.get("machine_info", {}), run.get("commit_info", {})
@@ -137,7 +147,8 @@ def markdown(run) -> list[str]:
                  f"{' (uncommitted changes)' if ci.get('dirty') else ''}; torch {mi.get('torch', '?')}, "
                  f"triton {mi.get('triton', '–')}, {mi.get('torch_threads', '?')} CPU threads"
                  f"{', GPU ' + mi['cuda_device'] if 'cuda_device' in mi else ''}; "
-                 f"{iso.get('bench_seconds', '?')} s timed per case.")
+                 f"{iso.get('bench_seconds', '?')} s timed per case"
+                 f"{_mode(iso)}.")
     lines.append("")
     for dev, c in iso.get("ceilings", {}).items():
         mm = ", ".join(f"{k} {v:.3g} TFLOP/s (n={c['matmul_n'][k]})" for k, v in c["matmul_TFLOPs"].items())
@@ -363,7 +374,7 @@ def main(argv=None) -> int:
         return 0
     lines = ["# Benchmark results", "",
              "Rendered by `python bench/report.py` from the pytest-benchmark JSON files in this folder "
-             "(`pytest bench/ --benchmark-only --benchmark-json bench/results/<name>.json`). "
+             "(`pytest bench/ --benchmark-only --bench-full --benchmark-json bench/results/<name>.json`). "
              "How cases are timed, what the ceilings are and how flops/bytes are counted: the docstring "
              "of `bench/harness.py`; the bucket sets: `bench/shapes.py`. Ratios divide medians of the "
              "same run.", ""]

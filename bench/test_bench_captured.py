@@ -7,7 +7,9 @@ sent to a fallback, and the condition numbers of the set (median, max).
 """
 from __future__ import annotations
 
+import math
 import statistics
+import time
 
 import pytest
 import torch
@@ -50,7 +52,11 @@ def test_captured(benchmark, method, capture, bench_seconds):
         ik.iso_merge_(buckets, method=method)
 
     benchmark.group = f"captured {set_name}"
-    benchmark.pedantic(run, setup=setup, rounds=max(3, min(50, int(bench_seconds * 20))), warmup_rounds=1)
+    setup()
+    t0 = time.perf_counter()
+    run(work)  # untimed: warm-up and the time that sets the rounds, as harness.run_timed does
+    rounds = max(1, min(50, math.ceil(bench_seconds / max(time.perf_counter() - t0, 1e-6))))
+    benchmark.pedantic(run, setup=setup, rounds=rounds, warmup_rounds=0)
     ps, gs = polar.last_stats(), gram.last_stats()
     refs = _refs(set_name)
     num = sum(float((w.double() - r).norm() ** 2) for w, r in zip(work, refs)) ** 0.5

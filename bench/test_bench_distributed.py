@@ -1,8 +1,10 @@
 """The IsoLoCo outer step over a process group: replicated vs sharded, vs world size.
 
-    pytest bench/test_bench_distributed.py --benchmark-only [--bench-sets ref-tiny,llama-tiny]
+    pytest bench/test_bench_distributed.py --benchmark-only [--bench-full]
 
-Each world size (1, 2, 4) is one group of gloo processes on 127.0.0.1, spawned once per module and
+The quick run (no --bench-full) times ref-tiny at 1 and 2 ranks; --bench-full adds llama-tiny and 4 ranks.
+
+Each world size (1, 2; 4 with --bench-full) is one group of gloo processes on 127.0.0.1, spawned once per module and
 driven over pipes. Per case the workers build the model-shaped params of a set from bench/shapes.py
 (every weight and norm of the decoder) with fixed random pseudo-gradients that differ per rank, and
 a timed round is one outer step on every rank:
@@ -35,8 +37,8 @@ import torch
 
 from bench.shapes import SETS, decoder_param_shapes
 
-WORLDS = (1, 2, 4)
-CPU_SETS = ("ref-tiny", "llama-tiny")
+WORLDS = (1, 2, pytest.param(4, marks=pytest.mark.bench_full))
+CPU_SETS = ("ref-tiny", pytest.param("llama-tiny", marks=pytest.mark.bench_full))
 MODES = ("replicated", "sharded")
 REPLY_TIMEOUT_S = 600
 

@@ -38,6 +38,9 @@ ISOLOCO_LR, ISOLOCO_MU = 1.8, 0.8
 METHODS = tuple(m for m in flatten.METHODS if m != "auto") + ("auto",)
 STEP_IMPLS = tuple(f"isoloco-{m}" for m in METHODS) + ("svd-loop+sgd", "sgd-foreach")
 EXACT = {"svd", "eigh", "svd-loop"}
+# The quick run (no --bench-full) times whole outer steps on ref-tiny only: on llama-tiny they take
+# a minute on a 2-core CPU, and test_flatten / test_nesterov time both halves of the step there.
+STEP_FULL_ONLY = {"llama-tiny"}
 
 # The Nesterov cases hold 3 fp32 copies of the model: llama-1b (19 GB) does not fit the CPU
 # machines this runs on next to other jobs.
@@ -260,7 +263,8 @@ def _outer_error(impl: str, st: dict) -> tuple[float, str]:
 
 
 @pytest.mark.parametrize("impl", STEP_IMPLS)
-@pytest.mark.parametrize("set_name", list(SETS))
+@pytest.mark.parametrize("set_name", [pytest.param(s, marks=pytest.mark.bench_full) if s in STEP_FULL_ONLY else s
+                                      for s in SETS])
 @pytest.mark.parametrize("device", ["cpu", "cuda"], indirect=True)
 def test_outer_step(benchmark, impl, set_name, device, bench_seconds, ceilings):
     spec = SETS[set_name]
