@@ -3,7 +3,7 @@
 One spawned group of 2 ranks runs the checks of the step, torchft's DiLoCo end to end included
 (spawning costs tens of seconds on a busy 2-core machine), a second one the one-rank failures
 injected between the step's collectives and the load_state_dict refusals; 4 ranks (HSDP 2×2,
-FSDP × TP 2×2) are opt-in. The reference is single-process IsoLoCo on the same whole grads, on an
+FSDP × TP 2×2) run by default (ISOLOCO_SKIP_4_RANKS=1 skips them). The reference is single-process IsoLoCo on the same whole grads, on an
 unsharded copy of the same model. Half precision: tests/test_dtensor_half.py.
 """
 from __future__ import annotations
