@@ -114,9 +114,11 @@ def _nvrtc_compile(names: list[str], arch: str) -> tuple[bytes, dict[str, str]]:
         opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
+        # Writable buffers: `b" " * 1` is CPython's shared one-byte object, and NVRTC writing its
+        # NUL into it would change b" " for the whole process.
+        log = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, log)
-        assert err == ok, log.decode(errors="replace")
+        assert err == ok, bytes(log).decode(errors="replace")
         lowered = {}
         for n in names:
             err, low = nvrtc.nvrtcGetLoweredName(prog, n.encode())
@@ -127,10 +129,10 @@ def _nvrtc_compile(names: list[str], arch: str) -> tuple[bytes, dict[str, str]]:
             else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
         )
         _, size = get_size(prog)
-        out = b" " * size
+        out = bytearray(size)
         (err,) = get(prog, out)
         assert err == ok and size > 0
-        return out, lowered
+        return bytes(out), lowered
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
