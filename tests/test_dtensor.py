@@ -206,6 +206,25 @@ def _check_tp(mesh):
         assert (opt.dtensor_stats.owner_elements > 0) == (route == "owner")
 
 
+def _fails_everywhere_fast(rank, who, name, step, what, head=""):
+    """Replace dtensor.`name` by one that raises on rank `who` only, run `step` on every rank:
+    each must raise DistributedStepError naming that rank within a third of the pg timeout."""
+    real = getattr(DT, name)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"injected failure in {name}")
+
+    if rank == who:
+        setattr(DT, name, broken)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(DistributedStepError, match=rf"{head}rank {who}: RuntimeError: injected failure in {name}"):
+            step()
+    finally:
+        setattr(DT, name, real)
+    assert time.monotonic() - t0 < PG_TIMEOUT_S / 3, f"{what}: took {time.monotonic() - t0:.1f} s"
+
+
 def _snapshot(model, opt):
     ps = [p.to_local().clone() for p in model.parameters()]
     bs = [opt.state[p]["momentum_buffer"].to_local().clone() for p in model.parameters()]
@@ -632,20 +651,7 @@ def _check_injected_failures(mesh, rank):
         who = k % 2  # the rank that fails, alternating
         opt.dtensor_route = route
         _set_grads(model, ref, 1)
-        real = getattr(DT, name)
-
-        def broken(*args, _name=name, **kwargs):
-            raise RuntimeError(f"injected failure in {_name}")
-
-        if rank == who:
-            setattr(DT, name, broken)
-        t0 = time.monotonic()
-        try:
-            with pytest.raises(DistributedStepError, match=rf"1 of 2 ranks.*rank {who}: RuntimeError: injected failure in {name}"):
-                opt.step()
-        finally:
-            setattr(DT, name, real)
-        assert time.monotonic() - t0 < PG_TIMEOUT_S / 3, f"{case.id}: took {time.monotonic() - t0:.1f} s"
+        _fails_everywhere_fast(rank, who, name, opt.step, case.id, head="1 of 2 ranks.*")
         _assert_unchanged(model, opt, snap, case.id)
     # a closure that raises on one rank only
     _set_grads(model, ref, 1)
@@ -833,20 +839,7 @@ def _check_exact_path_failures(mesh, rank):
         for d, (p, gr) in enumerate(zip(params, grads)):
             p.grad = distribute_tensor(gr, mesh, [Shard(d)], src_data_rank=None)
         before = [p.to_local().clone() for p in params]
-        real = getattr(DT, name)
-
-        def broken(*args, _name=name, **kwargs):
-            raise RuntimeError(f"injected failure in {_name}")
-
-        if rank == who:
-            setattr(DT, name, broken)
-        t0 = time.monotonic()
-        try:
-            with pytest.raises(DistributedStepError, match=rf"rank {who}: RuntimeError: injected failure in {name}"):
-                opt.step()
-        finally:
-            setattr(DT, name, real)
-        assert time.monotonic() - t0 < PG_TIMEOUT_S / 3, f"{name}: took {time.monotonic() - t0:.1f} s"
+        _fails_everywhere_fast(rank, who, name, opt.step, name)
         assert all(torch.equal(p.to_local(), b) for p, b in zip(params, before)) and not opt.state, name
     opt.step()  # and it still works, through the exact path
     assert opt.dtensor_stats.gram_exact == 2, opt.dtensor_stats

@@ -457,11 +457,8 @@ def _iso_updates(opt, entries: list[Entry], plan: _StepPlan, stats: _Stats) -> d
     owned: dict[int, torch.Tensor] = {}  # whole matrices this rank flattens for the others
     for (mesh, dtype), ks, layout in plan.owner:
         ents = [entries[k] for k in ks]
-        send = torch.zeros(sum(layout.out_send), dtype=dtype, device=comm_device(mesh.get_group(0)))
-        guard.run(_owner_pack, ents, layout, send)
-        recv = torch.empty(sum(layout.out_recv), dtype=dtype, device=comm_device(mesh.get_group(0)))
-        dist.all_to_all_single(recv, send, layout.out_recv, layout.out_send, group=mesh.get_group(0))
-        stats.owner_elements += send.numel() - layout.out_send[mesh.get_local_rank()]
+        recv = _owner_all_to_all(mesh, dtype, layout.out_send, layout.out_recv, guard, stats,
+                                 _owner_pack, ents, layout)
         got = guard.run(_owner_unpack, ents, layout, recv)
         if got is not None:
             owned.update({ks[j]: t for j, t in got.items()})
@@ -483,18 +480,26 @@ def _iso_updates(opt, entries: list[Entry], plan: _StepPlan, stats: _Stats) -> d
     # owner route, back: each owner sends every rank its shard of the results, in their compute dtype
     for (mesh, dtype), ks, layout in plan.owner:
         ents = [entries[k] for k in ks]
-        rdtype = compute_dtype(dtype)
-        send = torch.zeros(sum(layout.back_send), dtype=rdtype, device=comm_device(mesh.get_group(0)))
-        guard.run(_owner_return, mesh, ents, layout, {j: results.get(k) for j, k in enumerate(ks)}, send)
-        recv = torch.empty(sum(layout.back_recv), dtype=rdtype, device=comm_device(mesh.get_group(0)))
-        dist.all_to_all_single(recv, send, layout.back_recv, layout.back_send, group=mesh.get_group(0))
-        stats.owner_elements += send.numel() - layout.back_send[mesh.get_local_rank()]
+        recv = _owner_all_to_all(mesh, compute_dtype(dtype), layout.back_send, layout.back_recv, guard, stats,
+                                 _owner_return, mesh, ents, layout, {j: results.get(k) for j, k in enumerate(ks)})
         mine = guard.run(_owner_receive, ents, layout, recv)
         if mine is not None:
             out.update({ks[j]: t for j, t in mine.items()})
     if guard.error is not None:
         raise guard.error
     return out
+
+
+def _owner_all_to_all(mesh, dtype, send_split, recv_split, guard, stats, pack, *args) -> torch.Tensor:
+    """One all-to-all of the owner route on the mesh's communication device: `pack(*args, send)`
+    fills the send buffer (guarded: a rank that failed sends zeros but still joins)."""
+    group = mesh.get_group(0)
+    send = torch.zeros(sum(send_split), dtype=dtype, device=comm_device(group))
+    guard.run(pack, *args, send)
+    recv = torch.empty(sum(recv_split), dtype=dtype, device=comm_device(group))
+    dist.all_to_all_single(recv, send, recv_split, send_split, group=group)
+    stats.owner_elements += send.numel() - send_split[mesh.get_local_rank()]
+    return recv
 
 
 def _flatten_whole(entries: list[Entry], whole: dict[int, torch.Tensor], method: str) -> dict[int, torch.Tensor]:
