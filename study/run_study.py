@@ -20,10 +20,19 @@ SGD lr 1 μ 0), DiLoCo 0.7, Iso-C without momentum (isoloco-sgd 3.0), IsoLoCo 1.
 per-round divergence measurements, and summarize.py keeps them out of the v1 tables:
 
     python study/run_study.py --part v2 --init gpt2,torch --cells 4:30 --seeds 0,1 --out study/results/v2_init.jsonl
+
+Study v3 (`--part v3`): the regime knobs v1/v2 held fixed — `--batch`, `--seq-len`, `--inner-lr`,
+`--inner muon`, `--model` — and the outer momentum per job (`--lrs diloco=0.7@0.5` is lr 0.7, μ 0.5).
+Every v3 run is scored on `--eval-windows` (default 1,024) windows of each held-out split, only at
+the end (`--eval-every` rounds between scores), and records its settings under "v3"; the plan is
+study/v3_plan.sh:
+
+    python study/run_study.py --part v3 --cells 4:30 --batch 16 --seeds 0 --lrs diloco=0.7,isoloco=1.8 --out study/results/v3_batch.jsonl
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -42,7 +51,7 @@ DEFAULTS = [("diloco", 0.7), ("isoloco", 1.8)]
 NEIGHBOURS = [("diloco", 1.0), ("isoloco", 2.4), ("diloco", 0.5), ("isoloco", 1.2)]
 
 
-PARTS = ("all", "defaults", "grid", "extra", "v2")
+PARTS = ("all", "defaults", "grid", "extra", "v2", "v3")
 # study methods that are a loop mode with other settings: name -> (mode, TrainConfig fields)
 VARIANTS = {  # the embedding and head unflattened, at IsoLoCo's outer lr or with DiLoCo's tuned step (lr 0.35, μ 0.9)
     "isoloco-noemb": ("isoloco", {"iso_skip": ("tok.", "head.")}),
@@ -73,7 +82,27 @@ def key(rec: dict) -> tuple:
     # over the whole held-out text, and a rerun today is another run
     return (rec["seed"], rec["workers"], rec["inner_steps"], rec["mode"], rec["outer_lr"],
             rec.get("study", "v1"), rec.get("init", "gpt2"), rec.get("vocab", 256), rec["rounds"],
-            rec.get("eval_split", "whole"), rec.get("eval_windows", 64))
+            rec.get("eval_split", "whole"), rec.get("eval_windows", 64), v3_key(rec.get("v3")))
+
+
+# study v3's regime settings: flag -> (TrainConfig field, type); a record keeps them under "v3",
+# together with the job's outer momentum ("mu", None: the mode's default)
+V3_SETTINGS = {"batch": ("batch", int), "seq_len": ("seq_len", int), "inner_lr": ("inner_lr", float),
+               "inner": ("inner", str), "model": ("model", str), "eval_every": ("eval_every", int)}
+
+
+def v3_key(settings: dict | None) -> tuple | None:
+    return None if settings is None else tuple(sorted(settings.items()))
+
+
+def parse_lrs(text: str) -> list[tuple[str, float | None, float | None]]:
+    """"diloco=0.7,isoloco=1.8@0.9,ddp=-" -> [(mode, outer lr, outer momentum or None)]."""
+    out = []
+    for item in (x for x in text.split(",") if x):
+        mode, _, v = item.partition("=")
+        lr, _, mu = v.partition("@")
+        out.append((mode, None if lr == "-" else float(lr), float(mu) if mu else None))
+    return out
 
 
 def finished(folder: Path) -> set:
@@ -85,7 +114,10 @@ def claim(folder: Path, k: tuple) -> bool:
     d = folder / ".claims"
     d.mkdir(exist_ok=True)
     try:
-        os.close(os.open(d / "_".join(map(str, k)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        name = "_".join(map(str, k))
+        if len(name) > 150:  # v3 keys carry their settings: a digest keeps the file name short
+            name = "_".join(map(str, k[:-1])) + "_" + hashlib.sha1(repr(k[-1]).encode()).hexdigest()[:16]
+        os.close(os.open(d / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         return True
     except FileExistsError:
         return False
@@ -105,11 +137,26 @@ def main() -> None:
                    help="held-out windows in each split (selection: pick lrs; test: report) (default %(default)s)")
     p.add_argument("--steps", type=int, default=STEPS_PER_WORKER,
                    help="inner steps per worker (the token budget); rounds = steps // H")
+    p.add_argument("--batch", type=int, default=4, help="v3: sequences per worker per inner step")
+    p.add_argument("--seq-len", type=int, default=64, help="v3: sequence length")
+    p.add_argument("--inner-lr", type=float, default=3e-3, help="v3: the inner optimizer's peak lr")
+    p.add_argument("--inner", default="adamw", choices=("adamw", "muon"), help="v3: inner optimizer")
+    p.add_argument("--model", default="tiny", help="v3: a model preset (tiny, tiny-wide, ...)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="v3: rounds between held-out scores (default: only the last round)")
     a = p.parse_args()
-    study = "v2" if a.part == "v2" else "v1"
+    study = a.part if a.part in ("v2", "v3") else "v1"
     inits = [x for x in a.init.split(",") if x]
     if study == "v1" and (inits != ["gpt2"] or a.vocab != 256 or a.steps != STEPS_PER_WORKER):
-        p.error("--init, --vocab and --steps are study v2 settings: add --part v2")
+        p.error("--init, --vocab and --steps are study v2/v3 settings: add --part v2 or v3")
+    v3 = None
+    if study == "v3":
+        if not a.lrs:
+            p.error("--part v3 runs the jobs that --lrs names")
+        v3 = {"batch": a.batch, "seq_len": a.seq_len, "inner_lr": a.inner_lr, "inner": a.inner,
+              "model": a.model, "eval_every": a.eval_every or a.steps}  # rounds ≤ steps: the last only
+    elif (a.batch, a.seq_len, a.inner_lr, a.inner, a.model, a.eval_every) != (4, 64, 3e-3, "adamw", "tiny", None):
+        p.error("--batch, --seq-len, --inner-lr, --inner, --model and --eval-every are study v3 settings: add --part v3")
     torch.set_num_threads(1)  # one core per study process
     torch.use_deterministic_algorithms(True)
     out = Path(a.out)
@@ -118,37 +165,43 @@ def main() -> None:
     cells = CELLS if a.cells is None else [tuple(int(x) for x in c.split(":")) for c in a.cells.split(",")]
     corpus = load_corpus()
     cache = out.parent / ".tokenizers"  # BPE tokenizers, trained once on the training split
-    todo = jobs(cells, a.part)
+    todo = [(K, H, m, lr, None) for K, H, m, lr in jobs(cells, a.part if study != "v3" else "defaults")]
     if a.lrs:  # extend the grid where its best point sits on an edge
-        pairs = [(m, None if v == "-" else float(v)) for m, v in (x.split("=") for x in a.lrs.split(","))]
-        todo = [(K, H, m, lr) for K, H in cells for m, lr in pairs]
-    todo = [(K, H, mode, lr, init, seed) for init in inits for K, H, mode, lr in todo for seed in seeds]
+        todo = [(K, H, m, lr, mu) for K, H in cells for m, lr, mu in parse_lrs(a.lrs)]
+    todo = [(K, H, mode, lr, mu, init, seed) for init in inits for K, H, mode, lr, mu in todo for seed in seeds]
     if study == "v2":  # the paired DiLoCo / IsoLoCo runs of every init first, seed by seed; then the rest
-        todo.sort(key=lambda j: (j[2] not in ("diloco", "isoloco"), j[5]))
-    for K, H, mode, lr, init, seed in todo:
+        todo.sort(key=lambda j: (j[2] not in ("diloco", "isoloco"), j[6]))
+    for K, H, mode, lr, mu, init, seed in todo:
         rounds = a.steps // H
         if rounds < 1:
             p.error(f"--steps {a.steps} is less than one round at H = {H}")
-        k = (seed, K, H, mode, lr, study, init, a.vocab, rounds, "halves", a.eval_windows)
+        settings = None if v3 is None else {**v3, "mu": mu}
+        k = (seed, K, H, mode, lr, study, init, a.vocab, rounds, "halves", a.eval_windows, v3_key(settings))
         if k in finished(out.parent) or not claim(out.parent, k):
             continue
         run, fields = VARIANTS.get(mode, (mode, {}))
+        if v3 is not None:
+            fields = {**fields, **{V3_SETTINGS[n][0]: v for n, v in v3.items()}}
         cfg = TrainConfig(workers=K, inner_steps=H, rounds=rounds, seed=seed,
                           init=V2_INITS.get(init, init) if study == "v2" else init, vocab=a.vocab,
                           divergence=study == "v2", eval_windows=a.eval_windows, **fields)
         if lr is not None:
             cfg = replace(cfg, outer_lr={run: lr})
+        if mu is not None:
+            cfg = replace(cfg, outer_momentum={run: mu})
         t0, c0 = time.perf_counter(), time.process_time()
         r = run_mode(run, Setup(cfg, corpus, cache_dir=cache))
         r.update(mode=mode, seed=seed, workers=K, inner_steps=H, rounds=cfg.rounds, outer_lr=lr,
                  eval_split="halves", eval_windows=a.eval_windows,
                  cpu_s=time.process_time() - c0, wall_s=time.perf_counter() - t0)
-        if study == "v2":
-            r.update(study="v2", init=init, vocab=a.vocab)
+        if study in ("v2", "v3"):
+            r.update(study=study, init=init, vocab=a.vocab)
+        if settings is not None:
+            r["v3"] = settings
         with out.open("a") as f:
             f.write(json.dumps(r) + "\n")
         fl = "diverged" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
-        print(f"seed {seed} K={K} H={H} {mode} lr={lr} {init} vocab {a.vocab}: final {fl}  "
+        print(f"seed {seed} K={K} H={H} {mode} lr={lr} μ={mu} {init} vocab {a.vocab} {v3 or ''}: final {fl}  "
               f"({r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s cpu)", flush=True)
 
 

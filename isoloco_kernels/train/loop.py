@@ -69,6 +69,7 @@ class TrainConfig:
     # selection split (first half of the held-out stream: heldout_loss, final_loss, to pick lrs on)
     # and the test split (second half: test_loss, final_test_loss, to report)
     eval_windows: int = 64
+    eval_every: int = 1  # rounds (DDP: H inner steps) between held-out evaluations; the last is always scored
     seed: int = 0
     device: str = "cpu"
     vocab: int = 256  # 256: bytes; more: a BPE vocabulary trained on the training split
@@ -92,7 +93,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting; call before any training."""
-        for name in ("workers", "inner_steps", "rounds", "batch", "eval_windows"):
+        for name in ("workers", "inner_steps", "rounds", "batch", "eval_windows", "eval_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer ≥ 1, got {v!r}")
@@ -454,6 +455,11 @@ def _inner_step(model, opt, x, y, scale, lr, cfg, comm=None) -> torch.Tensor:
     return loss.detach()
 
 
+def _scored(round_: int, cfg: TrainConfig) -> bool:
+    """Whether the held-out splits are scored after this (1-based) round: every eval_every-th, and the last."""
+    return round_ % cfg.eval_every == 0 or round_ == cfg.rounds
+
+
 def run_mode(
     mode: str,
     setup: Setup,
@@ -498,7 +504,7 @@ def run_mode(
                 loss = _inner_step(model, opt, torch.cat(xs), torch.cat(ys), len(local), lr, cfg, comm)
                 _check_finite(loss, f"ddp step {step}")
                 done += len(local)
-                if (step + 1) % H == 0:
+                if (step + 1) % H == 0 and _scored((step + 1) // H, cfg):
                     losses.append(setup.evaluate(model))
                     test_losses.append(setup.evaluate_test(model))
                     tokens.append((step + 1) // H * setup.tokens_per_round())
@@ -546,6 +552,8 @@ def run_mode(
                     p.grad = d
                 outer.step()
                 outer.zero_grad(set_to_none=True)
+                if not _scored(r + 1, cfg):
+                    continue
                 losses.append(setup.evaluate(model))
                 test_losses.append(setup.evaluate_test(model))
                 tokens.append((r + 1) * setup.tokens_per_round())

@@ -63,6 +63,7 @@ class ModelConfig:
 # ~0.4M (CPU, the default), ~6M (a fast CPU or a small GPU), ~100M (GPU) parameters.
 PRESETS = {
     "tiny": ModelConfig(d_model=128, n_layers=2, n_heads=4, seq_len=64),
+    "tiny-wide": ModelConfig(d_model=256, n_layers=2, n_heads=4, seq_len=64),  # tiny with d ×2: ~4× the block weights
     "small": ModelConfig(d_model=256, n_layers=6, n_heads=8, seq_len=256),
     "base": ModelConfig(d_model=768, n_layers=14, n_heads=12, seq_len=512),
 }

@@ -1,0 +1,92 @@
+"""study/run_study.py's v3 settings (regime knobs, outer momentum per job, scoring at the end) and the
+loop's eval_every that serves them."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from isoloco_kernels.train import Setup, TrainConfig, run_mode
+from isoloco_kernels.train.data import Corpus
+
+STUDY = Path(__file__).resolve().parents[1] / "study"
+
+
+@pytest.fixture(scope="module")
+def run_study():
+    sys.path.insert(0, str(STUDY))
+    try:
+        import run_study as mod
+    finally:
+        sys.path.remove(str(STUDY))
+    return mod
+
+
+def _corpus() -> Corpus:
+    g = torch.Generator().manual_seed(0)
+    text = torch.randint(97, 123, (40_000,), generator=g).to(torch.uint8)
+    return Corpus(train=text[:32_000], heldout=text[32_000:], source="random letters", n_docs=1, n_heldout_docs=1)
+
+
+def test_parse_lrs_reads_lr_and_momentum(run_study):
+    assert run_study.parse_lrs("diloco=0.7@0.5,isoloco=1.8,ddp=-") == [
+        ("diloco", 0.7, 0.5), ("isoloco", 1.8, None), ("ddp", None, None)]
+    assert run_study.parse_lrs("diloco=1.4@0") == [("diloco", 1.4, 0.0)]
+
+
+def test_v3_records_are_told_apart_by_their_settings(run_study):
+    base = dict(seed=0, workers=4, inner_steps=30, mode="diloco", outer_lr=0.7, rounds=10,
+                study="v3", eval_split="halves", eval_windows=1024)
+    a = run_study.key({**base, "v3": {"batch": 16, "mu": None}})
+    b = run_study.key({**base, "v3": {"batch": 16, "mu": 0.5}})
+    c = run_study.key({**base, "v3": {"batch": 4, "mu": None}})
+    old = run_study.key({**base, "study": "v2"})
+    assert len({a, b, c, old}) == 4
+    assert a == run_study.key({**base, "v3": {"mu": None, "batch": 16}})  # order-free
+
+
+@pytest.mark.parametrize("mode", ["ddp", "isoloco"])
+def test_eval_every_scores_every_nth_round_and_the_last(mode):
+    cfg = TrainConfig(workers=2, inner_steps=2, rounds=5, batch=2, seq_len=16, eval_windows=4,
+                      divergence=False, eval_every=2)
+    setup = Setup(cfg, _corpus())
+    out = run_mode(mode, setup)
+    per_round = setup.tokens_per_round()
+    assert out["tokens"] == [0, 2 * per_round, 4 * per_round, 5 * per_round]
+    assert len(out["heldout_loss"]) == len(out["test_loss"]) == 4
+    every = run_mode(mode, Setup(TrainConfig(**{**cfg.__dict__, "eval_every": 1}), _corpus()))
+    assert len(every["heldout_loss"]) == 6
+    # scoring less often changes nothing but which rounds are scored (the loop is deterministic)
+    assert out["final_loss"] == every["final_loss"]
+    assert out["heldout_loss"][1:] == [every["heldout_loss"][i] for i in (2, 4, 5)]
+
+
+def test_eval_every_must_be_positive():
+    with pytest.raises(ValueError, match="eval_every"):
+        TrainConfig(eval_every=0).validate()
+
+
+def test_v3_run_records_its_settings_and_resumes(tmp_path):
+    out = tmp_path / "r.jsonl"
+    cmd = [sys.executable, str(STUDY / "run_study.py"), "--part", "v3", "--cells", "2:2", "--steps", "4",
+           "--eval-windows", "4", "--batch", "2", "--seq-len", "16", "--seeds", "0",
+           "--lrs", "diloco=0.7@0.5,isoloco=1.8", "--out", str(out)]
+    for _ in range(2):  # the second run finds both jobs finished
+        subprocess.run(cmd, check=True, capture_output=True, cwd=STUDY.parent, timeout=300)
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["mode"], r["outer_lr"], r["outer_momentum"]) for r in recs] == [("diloco", 0.7, 0.5),
+                                                                             ("isoloco", 1.8, 0.8)]
+    for r in recs:
+        assert r["study"] == "v3" and r["rounds"] == 2 and len(r["heldout_loss"]) == 2
+        assert {k: r["v3"][k] for k in ("batch", "seq_len", "inner", "eval_every")} == {
+            "batch": 2, "seq_len": 16, "inner": "adamw", "eval_every": 4}
+
+
+def test_v3_settings_need_part_v3(tmp_path):
+    r = subprocess.run([sys.executable, str(STUDY / "run_study.py"), "--seeds", "0", "--batch", "16",
+                        "--out", str(tmp_path / "r.jsonl")], capture_output=True, text=True, cwd=STUDY.parent)
+    assert r.returncode == 2 and "--part v3" in r.stderr
