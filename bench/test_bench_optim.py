@@ -86,16 +86,25 @@ def _make_nesterov(impl: str, ps, bs, us, scales: torch.Tensor):
 _CACHE: dict = {}
 
 
-def _model_state(spec, device: torch.device) -> dict:
-    """Params, momentum buffers, updates (pseudo-gradients) and scales of one model; one resident."""
-    key = ("nesterov", spec.name, spec.layers, spec.embeddings, device.type)
+def _cached(kind: str, spec, device: torch.device, seed: int, make) -> dict:
+    """make(shapes, params, generator) for one model's shapes, kept until another model is asked for
+    (one model resident at a time)."""
+    key = (kind, spec.name, spec.layers, spec.embeddings, device.type)
     if key not in _CACHE:
         _CACHE.clear()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        gen = torch.Generator(device=device).manual_seed(7)
+        gen = torch.Generator(device=device).manual_seed(seed)
         shapes = [s for _, s in decoder_param_shapes(spec)]
         ps = [torch.randn(s, generator=gen, device=device) * 0.02 for s in shapes]
+        _CACHE[key] = {"shapes": shapes, "ps": ps, **make(shapes, gen)}
+    return _CACHE[key]
+
+
+def _model_state(spec, device: torch.device) -> dict:
+    """Params, momentum buffers, updates (pseudo-gradients) and scales of one model."""
+
+    def make(shapes, gen):
         bs = [torch.randn(s, generator=gen, device=device) * 1e-3 for s in shapes]
         us = [torch.randn(s, generator=gen, device=device) * 1e-3 for s in shapes]
         scales = torch.where(
@@ -103,8 +112,9 @@ def _model_state(spec, device: torch.device) -> dict:
             0.5 + 1.5 * torch.rand(len(shapes), generator=gen, device=device),
             1.0,
         )
-        _CACHE[key] = {"shapes": shapes, "ps": ps, "bs": bs, "us": us, "scales": scales}
-    return _CACHE[key]
+        return {"bs": bs, "us": us, "scales": scales}
+
+    return _cached("nesterov", spec, device, 7, make)
 
 
 def _nesterov_error(impl: str, st: dict) -> float:
@@ -181,21 +191,17 @@ def test_nesterov(benchmark, impl, set_name, device, bench_seconds, ceilings):
 
 
 def _outer_state(spec, device: torch.device) -> dict:
-    key = ("outer", spec.name, spec.layers, spec.embeddings, device.type)
-    if key not in _CACHE:
-        _CACHE.clear()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        gen = torch.Generator(device=device).manual_seed(11)
-        shapes = [s for _, s in decoder_param_shapes(spec)]
-        ps = [torch.randn(s, generator=gen, device=device) * 0.02 for s in shapes]
+    """Params and pseudo-gradients of one model (the matrices' with a real spectrum)."""
+
+    def make(shapes, gen):
         grads = [
             pseudo_gradient(1, *s, dtype=torch.float32, device=device, seed=2000 + i)[0] if len(s) == 2
             else torch.randn(s, generator=gen, device=device) * 1e-3
             for i, s in enumerate(shapes)
         ]
-        _CACHE[key] = {"shapes": shapes, "ps": ps, "grads": grads}
-    return _CACHE[key]
+        return {"grads": grads}
+
+    return _cached("outer", spec, device, 11, make)
 
 
 def _make_outer(impl: str, ps, grads):

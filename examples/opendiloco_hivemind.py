@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torchft_diloco_fsdp import OUTER, make_model, report_sgd_match, teacher_batch  # noqa: E402
+from torchft_diloco_fsdp import OUTER, make_model, report_sgd_match, run_processes, teacher_batch  # noqa: E402
 
 
 def peer(index: int, initial_peers: list[str], args, out) -> None:
@@ -104,20 +104,9 @@ def main(argv=None) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=peer, args=(i, maddrs, args, out)) for i in range(2)]
-    for pr in procs:
-        pr.start()
-    results = {}
     try:
-        for _ in procs:
-            index, res = out.get(timeout=args.timeout)
-            if isinstance(res, str):
-                raise RuntimeError(f"peer {index} failed: {res}")
-            results[index] = res
+        results = run_processes(procs, out, args.timeout, lambda i: f"peer {i}")
     finally:
-        for pr in procs:
-            pr.join(timeout=30)
-            if pr.is_alive():
-                pr.kill()
         bootstrap.shutdown()
     return check(results)
 

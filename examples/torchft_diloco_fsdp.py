@@ -162,22 +162,32 @@ def main(argv=None, build=build_torchft, doc: str = __doc__) -> dict:
         for rank in range(args.shards):
             procs.append(ctx.Process(target=worker, args=(build, replica, rank, args.shards, port,
                                                           lighthouse.address(), args, out)))
+    try:
+        results = run_processes(procs, out, args.timeout, lambda k: f"replica group {k[0]} rank {k[1]}")
+    finally:
+        lighthouse.shutdown()
+    return check(results, args)
+
+
+def run_processes(procs, out, timeout: float, who) -> dict:
+    """Start `procs` and take one (*key, result) from `out` per process; a str result is that process's
+    failure, raised naming who(key). Every process is joined (or killed) before this returns."""
     for pr in procs:
         pr.start()
     results = {}
     try:
         for _ in procs:
-            replica, rank, res = out.get(timeout=args.timeout)
+            *key, res = out.get(timeout=timeout)
+            key = key[0] if len(key) == 1 else tuple(key)
             if isinstance(res, str):
-                raise RuntimeError(f"replica group {replica} rank {rank} failed: {res}")
-            results[(replica, rank)] = res
+                raise RuntimeError(f"{who(key)} failed: {res}")
+            results[key] = res
     finally:
         for pr in procs:
             pr.join(timeout=30)
             if pr.is_alive():
                 pr.kill()
-        lighthouse.shutdown()
-    return check(results, args)
+    return results
 
 
 def report_sgd_match(off: list, sgd: list) -> None:
