@@ -149,7 +149,7 @@ def iso_scale_(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def nesterov_outer_(params, bufs, updates, lr: float, momentum: float, scales=None) -> None:
-    """Per tensor i: g = s_i·u ; buf ← μ·buf + g ; p ← p − lr·(g + μ·buf), one launch per dtype combination.
+    """Per tensor i, reference.nesterov_ref's step with g = s_i·u; one launch per dtype combination.
     Unchecked: reached only through the isoloco::nesterov_outer_ op, whose checks ran (ops.py)."""
     params, bufs, updates = list(params), list(bufs), list(updates)
     if not params:

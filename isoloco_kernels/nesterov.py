@@ -1,13 +1,8 @@
 """Multi-tensor Nesterov outer update (the last half of the IsoLoCo outer step).
 
-For every tensor i, with s_i = scales[i] (1 when scales is None):
-
-    g   = s_i · u_i
-    buf ← μ·buf + g
-    p   ← p − lr·(g + μ·buf)
-
-This is torch.optim.SGD(momentum=μ, nesterov=True, dampening=0) with g in place of the gradient:
-with buf starting at zero the first step gives buf = g, as SGD does. The math runs in the compute
+For every tensor i, with s_i = scales[i] (1 when scales is None), the Nesterov step of
+`reference.nesterov_ref` with g = s_i·u_i in place of the gradient (torch.optim.SGD with
+nesterov=True, dampening=0; with buf starting at zero the first step gives buf = g, as SGD does). The math runs in the compute
 dtype of each (param, buf) pair: float64 when either is float64, else float32 — so bfloat16 /
 float16 params with float32 momentum buffers are updated in float32 and rounded once on store.
 

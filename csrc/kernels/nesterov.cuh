@@ -1,8 +1,6 @@
-// Multi-tensor Nesterov outer update, one launch over a list of tensors of equal dtypes:
-//
-//     g = s_i · u ;  buf ← μ·buf + g ;  p ← p − lr·(g + μ·buf)
-//
-// (SGD with momentum μ, nesterov=True, dampening 0; s_i = scales[i], or 1 without scales.)
+// Multi-tensor Nesterov outer update, one launch over a list of tensors of equal dtypes: the step
+// of isoloco_kernels/reference.py's nesterov_ref with g = s_i · u (s_i = scales[i], or 1 without
+// scales) in place of the gradient: SGD with momentum μ, nesterov=True, dampening 0.
 //
 // The tensor list lives in device memory as a table of kNesterovFields int64 per tensor, non-empty
 // tensors only, in order: p, buf, update (addresses), numel, scale index, first chunk. Tensor t owns

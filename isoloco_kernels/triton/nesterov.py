@@ -1,10 +1,7 @@
 """Triton multi-tensor Nesterov outer update: one launch over a whole list of tensors.
 
-For tensor t, with s_t = scales[t] (1 without scales), in the compute dtype C:
-
-    g = s_t·u ;  buf ← μ·buf + g ;  p ← p − lr·(g + μ·buf)
-
-(Nesterov momentum as in torch.optim.SGD(nesterov=True, dampening=0); see nesterov.py.)
+For tensor t, with s_t = scales[t] (1 without scales), in the compute dtype C: the Nesterov step of
+reference.nesterov_ref with g = s_t·u in place of the gradient (see nesterov.py).
 
 Layout: the host writes one int64 row per tensor — addresses of p, buf and update, numel, the
 tensor's index into `scales`, and its first block — after lr and μ (as float64 bit patterns), and
