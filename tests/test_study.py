@@ -2,6 +2,7 @@
 loop's eval_every that serves them."""
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -16,14 +17,18 @@ from isoloco_kernels.train.data import Corpus
 STUDY = Path(__file__).resolve().parents[1] / "study"
 
 
-@pytest.fixture(scope="module")
-def run_study():
+def _study_module(name: str):
+    """A module of study/ (its scripts import each other by plain name)."""
     sys.path.insert(0, str(STUDY))
     try:
-        import run_study as mod
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(STUDY))
-    return mod
+
+
+@pytest.fixture(scope="module")
+def run_study():
+    return _study_module("run_study")
 
 
 def _corpus() -> Corpus:
@@ -90,3 +95,34 @@ def test_v3_settings_need_part_v3(tmp_path):
     r = subprocess.run([sys.executable, str(STUDY / "run_study.py"), "--seeds", "0", "--batch", "16",
                         "--out", str(tmp_path / "r.jsonl")], capture_output=True, text=True, cwd=STUDY.parent)
     assert r.returncode == 2 and "--part v3" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def v3():
+    return _study_module("v3")
+
+
+def _rec(mode, lr, mu, seed, sel, test, **v3):
+    return {"study": "v3", "mode": mode, "outer_lr": lr, "outer_momentum": mu, "seed": seed, "workers": 4,
+            "inner_steps": 30, "rounds": 10, "vocab": 256, "init": "gpt2", "final_loss": sel,
+            "final_test_loss": test, "v3": {"batch": 16, "seq_len": 64, "inner": "adamw", "inner_lr": 3e-3,
+                                           "model": "tiny", **v3}}
+
+
+def test_v3_tunes_on_selection_reports_test_and_marks_edges(v3):
+    paired_bootstrap_ci = _study_module("summarize").paired_bootstrap_ci
+    recs = [_rec("diloco", 0.35, 0.9, s, 2.50 + s / 100, 2.60) for s in (0, 1, 2)]
+    recs += [_rec("diloco", 0.7, 0.9, s, 2.40 + s / 100, 2.70 + s / 100) for s in (0, 1, 2)]
+    recs += [_rec("diloco", 1.0, 0.9, 0, None, None)]  # diverged: ranked last
+    recs += [_rec("diloco", 0.7, 0.5, 0, 2.45, 2.0)]  # only seed 0: ranked on seed 0 with the rest
+    recs += [_rec("isoloco", lr, 0.8, s, 2.3 - lr / 10, 2.5 - lr / 10 + s / 1000) for lr in (1.2, 1.8) for s in (0, 1)]
+    recs += [_rec("isoloco", 1.8, 0.8, 0, 9.0, 9.0, batch=4)]  # another cell
+    s = v3.summarize_v3(recs, paired_bootstrap_ci)
+    assert len(s) == 2
+    row = next(r for r in s.values() if r["cell"]["batch"] == 16)
+    dl, iso = row["diloco"], row["isoloco"]
+    assert (dl["lr"], dl["momentum"], dl["edge"], dl["ranked_on_seeds"]) == (0.7, 0.9, False, [0])
+    assert (iso["lr"], iso["edge"]) == (1.8, True)  # best on the grid's upper edge
+    assert row["gap"]["seeds"] == [0, 1]
+    assert row["gap"]["per_seed"] == pytest.approx([2.32 - 2.70, 2.321 - 2.71])
+    assert "0.7 @ 0.9" in v3.markdown_v3(s) and "(edge)" in v3.markdown_v3(s)

@@ -1,0 +1,157 @@
+"""Study v3's tables and plot: every method tuned on the selection split, reported on the test split.
+
+A cell is one regime (K, H, rounds, vocabulary, init and the v3 settings: batch, sequence length,
+inner optimizer and lr, model). In a cell each method has a grid of outer (lr, μ) configs. A method's
+best config is the one with the lowest mean *selection* loss over the seeds every config of that
+method has (seed 0 at least, by the plan's order); its *test* losses are what the tables report, and
+IsoLoCo − DiLoCo is paired per seed (same init and data) with a percentile-bootstrap interval. A best
+lr on the edge of its grid (at its μ) is marked "edge": the optimum may lie beyond it.
+
+    python study/summarize.py        # writes summary_v3.json and study_v3.png beside the other outputs
+"""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+CELL_KEYS = ("workers", "inner_steps", "rounds", "vocab", "init")
+SETTING_KEYS = ("batch", "seq_len", "inner", "inner_lr", "model")
+
+
+def _cell(r: dict) -> tuple:
+    return tuple(r.get(k) for k in CELL_KEYS) + tuple(r["v3"].get(k) for k in SETTING_KEYS)
+
+
+def cell_label(cell: tuple) -> str:
+    K, H, R, vocab, init, batch, seq, inner, inner_lr, model = cell
+    parts = [f"K {K}", f"H {H}", f"R {R}", f"batch {batch}×{seq}", f"{inner} {inner_lr:g}"]
+    if vocab != 256:
+        parts.append(f"BPE {vocab}")
+    if model != "tiny":
+        parts.append(model)
+    if init != "gpt2":
+        parts.append(f"init {init}")
+    return ", ".join(parts)
+
+
+def grids(recs: list[dict]) -> dict:
+    """cell -> method -> (outer lr, μ) -> seed -> record (v3 records only; a repeated run keeps the first)."""
+    out: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
+    for r in recs:
+        if r.get("study") != "v3":
+            continue
+        cfg = (r.get("outer_lr"), r.get("outer_momentum"))
+        out[_cell(r)][r["mode"]][cfg].setdefault(r["seed"], r)
+    return out
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def best_config(grid: dict) -> dict | None:
+    """The config with the lowest mean selection loss over the seeds every config has (a diverged run
+    counts as +inf). None for an empty grid."""
+    if not grid:
+        return None
+    common = set.intersection(*(set(s) for s in grid.values()))
+    if not common:
+        return None
+    inf = float("inf")
+    score = {c: statistics.fmean(inf if runs[s]["final_loss"] is None else runs[s]["final_loss"] for s in common)
+             for c, runs in grid.items()}
+    cfg = min(score, key=score.get)
+    lrs = sorted(lr for lr, mu in grid if mu == cfg[1] and lr is not None)
+    edge = len(lrs) > 1 and cfg[0] in (lrs[0], lrs[-1])
+    runs = grid[cfg]
+    return {"lr": cfg[0], "momentum": cfg[1], "edge": edge, "ranked_on_seeds": sorted(common),
+            "selection": {s: runs[s]["final_loss"] for s in sorted(runs)},
+            "test": {s: runs[s]["final_test_loss"] for s in sorted(runs)},
+            "grid": {f"{lr}@{mu}": {"seeds": sorted(g), "selection": _mean(g[s]["final_loss"] for s in g),
+                                    "test": _mean(g[s]["final_test_loss"] for s in g)}
+                     for (lr, mu), g in sorted(grid.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0] or 0))}}
+
+
+def summarize_v3(recs: list[dict], paired_ci) -> dict:
+    """{cell label: {method: best config, "gap": IsoLoCo − DiLoCo on the test split}} for every v3 cell."""
+    out = {}
+    for cell, methods in sorted(grids(recs).items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+        row: dict = {"cell": dict(zip(CELL_KEYS + SETTING_KEYS, cell))}
+        for mode, grid in sorted(methods.items()):
+            row[mode] = best_config(grid)
+        iso, dl = row.get("isoloco"), row.get("diloco")
+        if iso and dl:
+            seeds = sorted(s for s in set(iso["test"]) & set(dl["test"])
+                           if iso["test"][s] is not None and dl["test"][s] is not None)
+            if seeds:
+                a, b = [iso["test"][s] for s in seeds], [dl["test"][s] for s in seeds]
+                mean, lo, hi = paired_ci(a, b)
+                row["gap"] = {"seeds": seeds, "per_seed": [x - y for x, y in zip(a, b)],
+                              "mean": mean, "lo": lo, "hi": hi}
+        out[cell_label(cell)] = row
+    return out
+
+
+def _fmt(x, spec="+.3f"):
+    return "—" if x is None or x != x else format(x, spec)
+
+
+def markdown_v3(s: dict) -> str:
+    lines = ["| cell | DDP (test) | DiLoCo best (lr @ μ) | DiLoCo (test) | IsoLoCo best (lr @ μ) | IsoLoCo (test) "
+             "| IsoLoCo − DiLoCo, test [95 % CI] (per seed) |",
+             "|---|---|---|---|---|---|---|"]
+    for label, row in s.items():
+        def best(mode):
+            b = row.get(mode)
+            if not b:
+                return "—", "—"
+            test = [v for v in b["test"].values() if v is not None]
+            sd = f" ± {statistics.stdev(test):.3f}" if len(test) > 1 else ""
+            where = f"{b['lr']:g} @ {b['momentum']:g}" + (" (edge)" if b["edge"] else "")
+            return where, (f"{statistics.fmean(test):.3f}{sd} ({len(test)})" if test else "diverged")
+        ddp = row.get("ddp")
+        ddp_test = [v for v in ddp["test"].values() if v is not None] if ddp else []
+        (dw, dt), (iw, it) = best("diloco"), best("isoloco")
+        g = row.get("gap")
+        gap = "—" if not g else (f"{_fmt(g['mean'])} [{_fmt(g['lo'])}, {_fmt(g['hi'])}] ("
+                                 + ", ".join(_fmt(x) for x in g["per_seed"]) + ")")
+        lines.append(f"| {label} | {_fmt(_mean(ddp_test), '.3f')} | {dw} | {dt} | {iw} | {it} | {gap} |")
+    return "\n".join(lines)
+
+
+def markdown_grids(s: dict) -> str:
+    """Every config's mean selection / test loss, per cell and method (the tuning behind the table)."""
+    lines = []
+    for label, row in s.items():
+        for mode in ("diloco", "isoloco"):
+            b = row.get(mode)
+            if not b:
+                continue
+            cells = ", ".join(f"{k.replace('@', ' @ ')}: {_fmt(v['selection'], '.3f')} / {_fmt(v['test'], '.3f')}"
+                              f" ({len(v['seeds'])})" for k, v in b["grid"].items())
+            lines.append(f"- {label}, {mode} (lr @ μ: selection / test (seeds)): {cells}")
+    return "\n".join(lines)
+
+
+def plot_v3(s: dict, path) -> None:
+    """IsoLoCo − DiLoCo (test split, each tuned) per cell with its interval and the per-seed points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(label, row["gap"]) for label, row in s.items() if row.get("gap")]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * max(len(rows), 2) + 1.2))
+    for i, (label, g) in enumerate(rows):
+        lo, hi = (g["lo"], g["hi"]) if g["lo"] == g["lo"] else (g["mean"], g["mean"])
+        ax.plot([lo, hi], [i, i], color="tab:blue", lw=3, alpha=0.5)
+        ax.plot(g["per_seed"], [i] * len(g["per_seed"]), "k.", ms=5)
+        ax.plot([g["mean"]], [i], "o", color="tab:blue")
+    ax.axvline(0, color="grey", lw=1)
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=7)
+    ax.set_xlabel("IsoLoCo − DiLoCo, held-out test loss (nats/byte); each tuned on the selection split")
+    ax.set_title("Study v3: the gap per regime (bar: 95 % bootstrap CI; dots: seeds)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
