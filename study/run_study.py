@@ -3,7 +3,7 @@
 One JSON line per run is appended to --out as soon as the run ends. Runs found in any
 results/*.jsonl are skipped and a job is claimed (results/.claims/) before it starts, so several
 processes can share the job list and an interrupted study resumes where it stopped.
-`summarize.py` turns the lines into the table and plots.
+`summarize.py` turns the lines into the tables and plots (v1's are frozen in README.md).
 
     python study/run_study.py --seeds 0 --out study/results/seed0.jsonl
     python study/run_study.py --seeds 0,1 --part grid --cells 4:30 --out study/results/grid.jsonl
@@ -17,7 +17,7 @@ data order, so all methods of one seed see identical bytes.
 Study v2 (`--part v2`): every method at its default outer lr — DDP, plain averaging (avg, outer
 SGD lr 1 μ 0), DiLoCo 0.7, Iso-C without momentum (isoloco-sgd 3.0), IsoLoCo 1.8 — for each
 `--init` (gpt2, torch) and `--vocab`; its records carry "study": "v2", "init", "vocab" and the
-per-round divergence measurements, and summarize.py keeps them out of the v1 tables:
+per-round divergence measurements, and summarize.py tables them apart:
 
     python study/run_study.py --part v2 --init gpt2,torch --cells 4:30 --seeds 0,1 --out study/results/v2_init.jsonl
 
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from isoloco_kernels.train import Setup, TrainConfig, load_corpus, run_mode
-from summarize import read_jsonl  # study/ is on sys.path: this file runs as a script
+from summarize import read_jsonl, run_key  # study/ is on sys.path: this file runs as a script
 
 STEPS_PER_WORKER = 300
 EVAL_WINDOWS = 1024  # per split: the paired-difference noise of 64 windows hid gaps ≤ 0.05
@@ -77,22 +77,10 @@ def jobs(cells, part: str = "all") -> list[tuple[int, int, str, float | None]]:
     return list(dict.fromkeys(chosen))
 
 
-def key(rec: dict) -> tuple:
-    # records from before the selection / test split lack eval_split: they were scored on 64 windows
-    # over the whole held-out text, and a rerun today is another run
-    return (rec["seed"], rec["workers"], rec["inner_steps"], rec["mode"], rec["outer_lr"],
-            rec.get("study", "v1"), rec.get("init", "gpt2"), rec.get("vocab", 256), rec["rounds"],
-            rec.get("eval_split", "whole"), rec.get("eval_windows", 64), v3_key(rec.get("v3")))
-
-
 # study v3's regime settings: flag -> (TrainConfig field, type); a record keeps them under "v3",
 # together with the job's outer momentum ("mu", None: the mode's default)
 V3_SETTINGS = {"batch": ("batch", int), "seq_len": ("seq_len", int), "inner_lr": ("inner_lr", float),
                "inner": ("inner", str), "model": ("model", str), "eval_every": ("eval_every", int)}
-
-
-def v3_key(settings: dict | None) -> tuple | None:
-    return None if settings is None else tuple(sorted(settings.items()))
 
 
 def parse_lrs(text: str) -> list[tuple[str, float | None, float | None]]:
@@ -106,7 +94,7 @@ def parse_lrs(text: str) -> list[tuple[str, float | None, float | None]]:
 
 
 def finished(folder: Path) -> set:
-    return {key(r) for f in folder.glob("*.jsonl") for r in read_jsonl(f)}
+    return {run_key(r) for f in folder.glob("*.jsonl") for r in read_jsonl(f)}
 
 
 def claim(folder: Path, k: tuple) -> bool:
@@ -176,7 +164,9 @@ def main() -> None:
         if rounds < 1:
             p.error(f"--steps {a.steps} is less than one round at H = {H}")
         settings = None if v3 is None else {**v3, "mu": mu}
-        k = (seed, K, H, mode, lr, study, init, a.vocab, rounds, "halves", a.eval_windows, v3_key(settings))
+        k = run_key({"seed": seed, "workers": K, "inner_steps": H, "mode": mode, "outer_lr": lr, "study": study,
+                     "init": init, "vocab": a.vocab, "rounds": rounds, "eval_split": "halves",
+                     "eval_windows": a.eval_windows, "v3": settings})
         if k in finished(out.parent) or not claim(out.parent, k):
             continue
         run, fields = VARIANTS.get(mode, (mode, {}))

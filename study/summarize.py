@@ -1,18 +1,17 @@
-"""Summarize study/results/*.jsonl: per-cell table (markdown), study/summary.json and PNGs.
+"""Summarize study/results/*.jsonl for study v2: tables (markdown), study/summary_v2.json and PNGs.
 
-    python study/summarize.py            # prints the markdown tables used in README.md
+    python study/summarize.py            # prints the markdown tables used in README.md's v2 section
 
-For each cell (K, H) and method, each outer lr is scored by its mean final held-out loss over the
-seeds; the best lr per method is reported with its mean, its seed-to-seed spread (sample std and
-min..max) and the paired difference IsoLoCo − DiLoCo (same seed = same init and data), whose
-mean and spread say whether the gap is larger than the noise.
+Study v2 records ("study": "v2" in the JSONL) are summarized per (init, vocab, K, H, rounds) cell:
+every method's final loss per seed, the paired gaps to DiLoCo at released and tuned outer lrs, and the
+divergence measurements averaged over rounds (markdown_v2; study_v2.png, study_v2_gap.png,
+study_v2_grid.png). v1 runs join the v2 cells as GPT-2-init byte-level runs without divergence
+measurements (the loop is deterministic: a v2 run that repeats a v1 configuration gives the same loss,
+checked below).
 
-Study v2 records ("study": "v2" in the JSONL) are kept out of the v1 tables and summarized apart,
-per (init, vocab, K, H, rounds) cell: every method's final loss per seed, the paired gaps to DiLoCo
-at released and tuned outer lrs, and the divergence measurements averaged over rounds
-(markdown_v2; study_v2.png, study_v2_gap.png, study_v2_grid.png). v1 runs join the v2 cells as
-GPT-2-init byte-level runs without divergence measurements (the loop is deterministic: a v2 run
-that repeats a v1 configuration gives the same loss, checked below).
+Study v1 is frozen into its results: its tables are in study/README.md, its numbers in
+study/summary.json and its figure in study/study.png, all written by the v1 pipeline of this file,
+which git history keeps.
 """
 from __future__ import annotations
 
@@ -42,178 +41,40 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def load(folder: Path) -> tuple[list[dict], dict]:
-    """Unique runs, and how many repeats of a run were found and whether each matched exactly
-    (a run repeated by two processes must give bit-identical losses: the loop is deterministic)."""
-    recs, seen, dup = [], {}, {"repeats": 0, "identical": 0}
+def run_key(r: dict) -> tuple:
+    """What makes a run the run it is: its config (records from before the selection / test split
+    lack eval_split: they were scored on 64 windows over the whole held-out text), and study v3's
+    regime settings and outer momentum ("v3")."""
+    v3 = r.get("v3")
+    return (r["seed"], r["workers"], r["inner_steps"], r["mode"], r["outer_lr"],
+            r.get("study", "v1"), r.get("init", "gpt2"), r.get("vocab", 256), r["rounds"],
+            r.get("eval_split", "whole"), r.get("eval_windows", 64),
+            None if v3 is None else tuple(sorted(v3.items())))
+
+
+def load(folder: Path) -> list[dict]:
+    """The runs of every results file in folder, each once (a run two processes both executed is
+    kept as first read)."""
+    recs, seen = [], set()
     for f in sorted(folder.glob("*.jsonl")):
         for r in read_jsonl(f):
-            k = (r["seed"], r["workers"], r["inner_steps"], r["mode"], r["outer_lr"],
-                 r.get("study", "v1"), r.get("init", "gpt2"), r.get("vocab", 256), r["rounds"],
-                 r.get("eval_split", "whole"), r.get("eval_windows", 64))
-            if k in seen:
-                dup["repeats"] += 1
-                dup["identical"] += seen[k]["heldout_loss"] == r["heldout_loss"]
-                continue
-            seen[k] = r
-            recs.append(r)
-    return recs, dup
+            k = run_key(r)
+            if k not in seen:
+                seen.add(k)
+                recs.append(r)
+    return recs
 
 
 def _std(xs):
     return statistics.stdev(xs) if len(xs) > 1 else float("nan")
 
 
-def summarize(recs: list[dict]) -> dict:
-    by = defaultdict(dict)  # (K, H, mode, lr) -> {seed: final}
-    for r in recs:
-        if r.get("study", "v1") != "v1":
-            continue
-        by[(r["workers"], r["inner_steps"], r["mode"], r["outer_lr"])][r["seed"]] = r["final_loss"]
-    cells = sorted({(k[0], k[1]) for k in by}, key=lambda c: (c[1], c[0]))
-    out = []
-    for K, H in cells:
-        methods = {}
-        for mode in ("ddp", "diloco", "isoloco", "isoloco-sgd"):
-            grid = {k[3]: v for k, v in by.items() if k[:3] == (K, H, mode)}
-            if not grid:
-                continue
-            scored = {}
-            for lr, seeds in grid.items():
-                vals = [v for v in seeds.values()]
-                ok = [v for v in vals if v is not None]
-                scored[lr] = {
-                    "seeds": sorted(seeds),
-                    "finals": [seeds[s] for s in sorted(seeds)],
-                    "mean": statistics.fmean(ok) if len(ok) == len(vals) and ok else None,
-                    "std": _std(ok) if len(ok) == len(vals) else None,
-                    "diverged": len(vals) - len(ok),
-                }
-            # lrs are ranked on the seeds every grid point has (≥ 2), so an extra seed run at one
-            # point, or a lone lucky seed, cannot decide; diverged points never win
-            multi = [set(x["seeds"]) for x in scored.values() if len(x["seeds"]) >= 2]
-            common = set.intersection(*multi) if multi else set()
-            finite = {lr: s for lr, s in scored.items()
-                      if s["mean"] is not None and common and common <= set(s["seeds"])}
-            rank = lambda lr: statistics.fmean(finite[lr]["finals"][finite[lr]["seeds"].index(x)] for x in common)
-            best = min(finite, key=rank) if finite else None
-            methods[mode] = {"grid": {str(lr): s for lr, s in scored.items()}, "best_lr": best,
-                             "best": finite.get(best), "ranked": [str(x) for x in sorted(finite, key=lambda v: -1 if v is None else v)],
-                             "ranked_on_seeds": sorted(common)}
-        cell = {"workers": K, "inner_steps": H, "methods": methods}
-        released = (methods.get("diloco", {}).get("grid", {}).get("0.7"),
-                    methods.get("isoloco", {}).get("grid", {}).get("1.8"))
-        best = (methods.get("diloco", {}).get("best"), methods.get("isoloco", {}).get("best"))
-        for name, (d, i) in (("paired_released", released), ("paired_best", best)):
-            if d and i:
-                common = sorted(set(d["seeds"]) & set(i["seeds"]))
-                diffs = [i["finals"][i["seeds"].index(s)] - d["finals"][d["seeds"].index(s)] for s in common]
-                if any(x is None for x in diffs):
-                    continue
-                cell[name] = {"seeds": common, "diffs": diffs,
-                              "mean": statistics.fmean(diffs) if diffs else None, "std": _std(diffs)}
-        out.append(cell)
-    return {"cells": out}
-
-
 def _f(x, nd=4):
     return "—" if x is None or x != x else f"{x:.{nd}f}"
 
 
-def _paired(p) -> str:
-    if not p or p["mean"] is None:
-        return "—"
-    return f"{p['mean']:+.3f} ({', '.join(f'{x:+.3f}' for x in p['diffs'])})"
-
-
 def _ms(e) -> str:
     return "—" if not e or e["mean"] is None else f"{e['mean']:.3f} ± {_f(e['std'], 3)}"
-
-
-def markdown(summary: dict) -> str:
-    lines = [
-        "Released outer configs (DiLoCo lr 0.7 μ 0.9, IsoLoCo lr 1.8 μ 0.8); mean ± std over seeds:",
-        "",
-        "| K | H | seeds | DDP | DiLoCo | IsoLoCo | IsoLoCo − DiLoCo, paired (per seed) | Iso-C μ=0 lr 1.0 / 3.0 |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for c in summary["cells"]:
-        m = c["methods"]
-        g = lambda mode, lr: m.get(mode, {}).get("grid", {}).get(lr)
-        d, i = g("diloco", "0.7"), g("isoloco", "1.8")
-        seeds = len(c["paired_released"]["seeds"]) if "paired_released" in c else "—"
-        lines.append(f"| {c['workers']} | {c['inner_steps']} | {seeds} | {_ms(g('ddp', 'None'))} | {_ms(d)} | "
-                     f"{_ms(i)} | {_paired(c.get('paired_released'))} | "
-                     f"{_ms(g('isoloco-sgd', '1.0'))} / {_ms(g('isoloco-sgd', '3.0'))} |")
-    lines += [
-        "",
-        "Each method at its best outer lr of its grid (ranked on the seeds all its grid points share):",
-        "",
-        "| K | H | DiLoCo best lr | DiLoCo | IsoLoCo best lr | IsoLoCo | IsoLoCo − DiLoCo, paired (per seed) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for c in summary["cells"]:
-        d, i = c["methods"].get("diloco", {}), c["methods"].get("isoloco", {})
-        grids = lambda e: "/".join(e.get("ranked", [])) if e else ""
-        lines.append(f"| {c['workers']} | {c['inner_steps']} | {d.get('best_lr')} of {grids(d)} | "
-                     f"{_ms(d.get('best'))} | {i.get('best_lr')} of {grids(i)} | {_ms(i.get('best'))} | "
-                     f"{_paired(c.get('paired_best'))} |")
-    lines += ["", "Every run (final held-out loss, nats/byte; `div` = diverged):", "",
-              "| K | H | method | outer lr | mean | std | per seed (seed order) |", "|---|---|---|---|---|---|---|"]
-    for c in summary["cells"]:
-        for mode, e in c["methods"].items():
-            for lr, s in sorted(e["grid"].items(), key=lambda t: -1 if t[0] == "None" else float(t[0])):
-                per = ", ".join("div" if v is None else f"{v:.4f}" for v in s["finals"])
-                lines.append(f"| {c['workers']} | {c['inner_steps']} | {mode} | {'-' if lr == 'None' else lr} | "
-                             f"{_f(s['mean'])} | {_f(s['std'], 3)} | {per} |")
-    return "\n".join(lines)
-
-
-def plots(summary: dict, recs: list[dict], folder: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
-    colors = {"ddp": "k", "diloco": "tab:blue", "isoloco": "tab:red", "isoloco-sgd": "tab:green"}
-    for ax, H, xs_key, title in ((axes[0], 30, "workers", "final loss vs K (H = 30)"),
-                                 (axes[1], None, "inner_steps", "final loss vs H (K = 4)")):
-        cells = [c for c in summary["cells"] if (c["inner_steps"] == H if H else c["workers"] == 4)]
-        for mode, col in colors.items():
-            pts = [(c[xs_key], c["methods"][mode]["best"]) for c in cells
-                   if mode in c["methods"] and c["methods"][mode]["best"]]
-            if pts:
-                x = [p[0] for p in pts]
-                ax.errorbar(x, [p[1]["mean"] for p in pts],
-                            yerr=[0 if p[1]["std"] != p[1]["std"] else p[1]["std"] for p in pts],
-                            marker="o", capsize=3, color=col, label=mode)
-        ax.set_xlabel(xs_key.replace("_", " "))
-        ax.set_ylabel("final held-out loss (nats/byte), best outer lr")
-        ax.set_title(title)
-        xs = sorted({c[xs_key] for c in cells})
-        ax.set_xticks(xs, [str(v) for v in xs])
-        ax.grid(alpha=0.3)
-        ax.legend()
-    ax = axes[2]
-    cell = next((c for c in summary["cells"] if (c["workers"], c["inner_steps"]) == (4, 30)), None)
-    if cell:
-        for mode, col in colors.items():
-            e = cell["methods"].get(mode)
-            if not e or e["best"] is None:
-                continue
-            for r in recs:
-                if (r["workers"], r["inner_steps"], r["mode"], r["outer_lr"]) == (4, 30, mode, e["best_lr"]):
-                    ax.plot(r["tokens"][1:], r["heldout_loss"][1:], color=col, alpha=0.7,
-                            label=mode if r["seed"] == min(e["best"]["seeds"]) else None)
-        ax.set_xlabel("training tokens (all workers)")
-        ax.set_ylabel("held-out loss (nats/byte)")
-        ax.set_title("K = 4, H = 30, every seed, best outer lr")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(folder / "study.png", dpi=110)
-    plt.close(fig)
 
 
 V2_ORDER = ("ddp", "avg", "diloco", "isoloco-sgd", "isoloco", "isoloco-noemb", "isoloco-noemb-dl")
@@ -579,25 +440,14 @@ def plot_grid(v2: dict, folder: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    recs, dup = load(HERE / "results")
+def summary_v2(recs: list[dict]) -> tuple[dict, list[dict]]:
+    """The v2 summary (what summary_v2.json holds) of the runs `load` read, and the v2 runs."""
     # v1 and v2 were scored on the 64 windows over the whole held-out text of their loop; runs scored
     # on the selection / test splits (records with "eval_split") are not mixed into their tables
     recs = [r for r in recs if "eval_split" not in r]
     v2 = summarize_v2(v2_view(recs))
     v1_recs = [r for r in recs if r.get("study", "v1") == "v1"]
     v2_recs = [r for r in recs if r.get("study") == "v2"]
-    recs = v1_recs
-    s = summarize(recs)
-    s["runs"] = len(recs)
-    s["repeated_runs"] = dup
-    s["cpu_s_total"] = sum(r.get("cpu_s", 0.0) for r in recs)
-    s["wall_s_total"] = sum(r["wall_s"] for r in recs)
-    (HERE / "summary.json").write_text(json.dumps(s, indent=1))
-    plots(s, recs, HERE)
-    print(markdown(s))
-    print(f"\n{len(recs)} runs, {s['cpu_s_total'] / 60:.1f} CPU-min, {s['wall_s_total'] / 60:.1f} run-wall-min; "
-          f"{dup['repeats']} runs repeated by a second process, {dup['identical']} of them bit-identical")
     v2["runs"] = len(v2_recs)
     v2["cpu_s_total"] = sum(r.get("cpu_s", 0.0) for r in v2_recs)
     # v2 gpt2/bytes runs repeat v1 configurations: the loop is deterministic, so they must agree
@@ -611,18 +461,33 @@ def main() -> None:
     # the same at one budget (300 inner steps per worker: the init, K and vocabulary cells)
     v2["gap_correlations_300_steps"] = correlations(
         [p for p in pts if p[0]["inner_steps"] * p[0]["rounds"] == 300])
+    return v2, v2_recs
+
+
+def main() -> None:
+    recs = load(HERE / "results")
+    v2, v2_recs = summary_v2(recs)
     (HERE / "summary_v2.json").write_text(json.dumps(v2, indent=1))
     plots_v2(v2, v2_recs, HERE)
     plot_grid(v2, HERE)
-    print("\n<!-- v2 -->\n" + markdown_v2(v2))
+    print("<!-- v2 -->\n" + markdown_v2(v2))
     for what, key in (("all cells", "gap_correlations"), ("cells of 300 inner steps per worker", "gap_correlations_300_steps")):
         cor = v2[key]
         print(f"\nPearson r over {cor['points']} (cell, seed) points ({what}) between DiLoCo's divergence and "
               f"IsoLoCo − DiLoCo (released configs): shrinkage {cor.get('shrinkage', float('nan')):+.2f}, cosine "
               f"{cor.get('cosine', float('nan')):+.2f}, σ₁/σ̄ of mean Δ (second half of the rounds) "
               f"{cor.get('top_over_mean_late', float('nan')):+.2f}")
-    print(f"\n{len(v2_recs)} v2 runs, {v2['cpu_s_total'] / 60:.1f} CPU-min; {same and len(same)} v2 runs repeat a v1 "
-          f"configuration, {v2['v1_repeats']['identical']} of them with a bit-identical final loss")
+    print(f"\n{len(v2_recs)} v2 runs, {v2['cpu_s_total'] / 60:.1f} CPU-min; {v2['v1_repeats']['runs']} v2 runs repeat a "
+          f"v1 configuration, {v2['v1_repeats']['identical']} of them with a bit-identical final loss")
+    v3_recs = [r for r in recs if r.get("study") == "v3"]
+    if v3_recs:
+        from v3 import markdown_grids, markdown_v3, plot_v3, summarize_v3  # study/ is on sys.path: a script
+
+        v3 = summarize_v3(v3_recs, paired_bootstrap_ci)
+        (HERE / "summary_v3.json").write_text(json.dumps(v3, indent=1))
+        plot_v3(v3, HERE / "study_v3.png")
+        print("\n<!-- v3 -->\n" + markdown_v3(v3) + "\n\n" + markdown_grids(v3))
+        print(f"\n{len(v3_recs)} v3 runs, {sum(r.get('cpu_s', 0.0) for r in v3_recs) / 60:.1f} CPU-min")
 
 
 if __name__ == "__main__":

@@ -43,15 +43,16 @@ def test_parse_lrs_reads_lr_and_momentum(run_study):
     assert run_study.parse_lrs("diloco=1.4@0") == [("diloco", 1.4, 0.0)]
 
 
-def test_v3_records_are_told_apart_by_their_settings(run_study):
+def test_v3_records_are_told_apart_by_their_settings():
+    key = _study_module("summarize").run_key
     base = dict(seed=0, workers=4, inner_steps=30, mode="diloco", outer_lr=0.7, rounds=10,
                 study="v3", eval_split="halves", eval_windows=1024)
-    a = run_study.key({**base, "v3": {"batch": 16, "mu": None}})
-    b = run_study.key({**base, "v3": {"batch": 16, "mu": 0.5}})
-    c = run_study.key({**base, "v3": {"batch": 4, "mu": None}})
-    old = run_study.key({**base, "study": "v2"})
+    a = key({**base, "v3": {"batch": 16, "mu": None}})
+    b = key({**base, "v3": {"batch": 16, "mu": 0.5}})
+    c = key({**base, "v3": {"batch": 4, "mu": None}})
+    old = key({**base, "study": "v2"})
     assert len({a, b, c, old}) == 4
-    assert a == run_study.key({**base, "v3": {"mu": None, "batch": 16}})  # order-free
+    assert a == key({**base, "v3": {"mu": None, "batch": 16}})  # order-free
 
 
 @pytest.mark.parametrize("mode", ["ddp", "isoloco"])

@@ -655,3 +655,14 @@ def test_paired_bootstrap_ci_covers_the_true_gap():
     assert m == 0.5 and math.isnan(lo) and math.isnan(hi)
     with pytest.raises(ValueError, match="same length"):
         ci([1.0, 2.0], [1.0])
+
+
+def test_study_v2_summary_is_what_the_committed_results_give():
+    # study/summary_v2.json is summarize.py's v2 summary of study/results/*.jsonl, byte for byte
+    # (v1 runs included: they join the v2 cells), so the v2 pipeline stands alone from the frozen v1
+    import json
+
+    s = _summarize()
+    v2, v2_recs = s.summary_v2(s.load(s.HERE / "results"))
+    assert len(v2_recs) == v2["runs"] > 0 and v2["v1_repeats"]["runs"] > 0
+    assert json.dumps(v2, indent=1) == (s.HERE / "summary_v2.json").read_text()

@@ -30,9 +30,10 @@ from typing import Sequence
 import torch
 
 from .capture import SAVE_DTYPES, PseudoGradientWriter, parse_rounds
+from .config import DEFAULT_MODES, INNERS, MODES, OUTER_DEFAULTS, TrainConfig, check_device
 from .data import check_fits, load_corpus
 from .dist import OUTER_PLACEMENTS, check_outer, torchrun_launch
-from .loop import DEFAULT_MODES, INNERS, MODES, OUTER_DEFAULTS, Comm, Setup, TrainConfig, check_device, check_memory, run_mode
+from .loop import Comm, Setup, check_memory, run_mode
 from .model import INITS, PRESETS
 from .tokenizer import MAX_VOCAB, tokenize
 from .report import mode_table, plot, sweep_table

@@ -34,7 +34,9 @@ from typing import Sequence
 
 import torch
 
-from .loop import SGD_MODES, Comm, TrainConfig, outer_optimizer
+from .config import SGD_MODES, TrainConfig
+from .loop import Comm
+from .optimizers import outer_optimizer
 
 OUTER_PLACEMENTS = ("replicated", "sharded")
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

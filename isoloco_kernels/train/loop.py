@@ -6,7 +6,8 @@
                  on the averaged pseudo-gradient Δ = mean_k(θ − θ_k).
     isoloco      the same rounds, outer step IsoLoCo (Iso-C flatten, then Nesterov; lr 1.8, μ 0.8).
     isoloco-sgd  Iso-C flatten with no momentum (μ 0): θ ← θ − lr·iso(Δ). Default lr 3.0, close
-                 to IsoLoCo's first outer step lr·(1 + μ) = 1.8·1.8 = 3.24, so both start with the
+                 to IsoLoCo's first outer step lr·(1 + μ) = 1.8·1.8 = 3.24 (the Nesterov step of
+                 isoloco_kernels.reference.nesterov_ref from a zero buffer), so both start with the
                  same step size. lr 1 (the bare Iso-C merge) is too small: the flatten keeps only
                  the mean singular value, so ‖iso(Δ)‖_F < ‖Δ‖_F. Measured (study/README.md, K 4,
                  H 30, 2 seeds): held-out 2.50 at lr 3.0 vs 3.18 at lr 1.0.
@@ -24,160 +25,25 @@ global weights at the start of each worker's turn. The only cross-worker communi
 """
 from __future__ import annotations
 
-import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
+# the settings (config.py) and the optimizers (optimizers.py) are importable from here as before
+from .config import DEFAULT_MODES, INNERS, MODES, OUTER_DEFAULTS, SGD_MODES, TrainConfig, check_device
 from .data import Batches, Corpus, check_fits, heldout_splits, worker_seed, worker_shards
 from .divergence import DivergenceMeter
-from .model import INITS, PRESETS, ByteLM, ModelConfig, count_params
-from .tokenizer import check_vocab, tokenize
+from .model import ByteLM, count_params
+from .optimizers import InnerOptimizers, inner_optimizer, lr_factor, muon_params, outer_optimizer, outer_params
+from .tokenizer import tokenize
 
-MODES = ("ddp", "diloco", "isoloco", "isoloco-sgd", "avg")
-DEFAULT_MODES = ("ddp", "diloco", "isoloco", "isoloco-sgd")  # the CLI's default comparison
-# (outer lr, outer momentum) per mode; ddp has no outer step.
-OUTER_DEFAULTS = {"diloco": (0.7, 0.9), "isoloco": (1.8, 0.8), "isoloco-sgd": (3.0, 0.0), "avg": (1.0, 0.0)}
-SGD_MODES = ("diloco", "avg")  # outer torch.optim.SGD (no Iso-C)
-INNERS = ("adamw", "muon")  # the inner optimizer (inner_optimizer)
-
-
-@dataclass
-class TrainConfig:
-    model: str = "tiny"  # a key of model.PRESETS
-    workers: int = 8  # K
-    inner_steps: int = 30  # H
-    rounds: int = 12  # outer steps
-    batch: int = 4  # sequences per worker per inner step
-    seq_len: int | None = None  # None: the preset's
-    tie_embeddings: bool = False  # share the input embedding with the output head
-    inner_lr: float = 3e-3  # AdamW peak lr
-    warmup: int = 20  # inner steps of linear warmup, then cosine to min_lr_ratio·inner_lr
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1  # on matrices only
-    beta1: float = 0.9
-    beta2: float = 0.95
-    clip: float = 1.0
-    outer_lr: dict = field(default_factory=dict)  # mode -> lr, overrides OUTER_DEFAULTS
-    outer_momentum: dict = field(default_factory=dict)  # mode -> μ, overrides OUTER_DEFAULTS
-    inner: str = "adamw"  # "adamw", or "muon": Muon on the hidden matrices, AdamW on the rest (MuLoCo)
-    iso_method: str = "auto"  # IsoLoCo's flatten method
-    # held-out windows of seq_len tokens in each of two splits, the same for every mode: the
-    # selection split (first half of the held-out stream: heldout_loss, final_loss, to pick lrs on)
-    # and the test split (second half: test_loss, final_test_loss, to report)
-    eval_windows: int = 64
-    eval_every: int = 1  # rounds (DDP: H inner steps) between held-out evaluations; the last is always scored
-    seed: int = 0
-    device: str = "cpu"
-    vocab: int = 256  # 256: bytes; more: a BPE vocabulary trained on the training split
-    init: str = "gpt2"  # a key of model.INITS: "gpt2" N(0, 0.02), "torch" (PyTorch defaults), "torch-pos1"
-    divergence: bool = True  # measure the workers' drift every round (divergence.py)
-    # parameter-name prefixes kept out of Iso-C in the Iso-C modes (e.g. ("tok.", "head.")): their
-    # averaged Δ takes the same outer step unflattened (an IsoLoCo param group with iso=False)
-    iso_skip: tuple = ()
-    iso_skip_outer: tuple | None = None  # (lr, momentum) of the iso_skip group; None: the mode's
-
-    def model_config(self) -> ModelConfig:
-        if self.model not in PRESETS:
-            raise ValueError(f"model must be one of {sorted(PRESETS)}, got {self.model!r}")
-        cfg = PRESETS[self.model].as_dict()
-        if self.seq_len is not None:
-            cfg["seq_len"] = self.seq_len
-        cfg["tie_embeddings"] = self.tie_embeddings
-        cfg["vocab"] = self.vocab
-        cfg["init"] = self.init
-        return ModelConfig(**cfg)
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad setting; call before any training."""
-        for name in ("workers", "inner_steps", "rounds", "batch", "eval_windows", "eval_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer ≥ 1, got {v!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63:
-            raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
-        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
-            raise ValueError(f"seq_len must be an integer ≥ 1, got {self.seq_len!r}")
-        if not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup must be an integer ≥ 0, got {self.warmup!r}")
-        for name in ("inner_lr", "clip"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-        for name in ("weight_decay", "min_lr_ratio"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be a finite number ≥ 0, got {v!r}")
-        for name in ("beta1", "beta2"):
-            v = getattr(self, name)
-            if not 0 <= v < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {v!r}")
-        for mode, lr in self.outer_lr.items():
-            if mode not in OUTER_DEFAULTS:
-                raise ValueError(
-                    f"outer lr given for {mode!r}, which has no outer step; modes with one: "
-                    f"{sorted(OUTER_DEFAULTS)}"
-                )
-            if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-                raise ValueError(f"outer lr for {mode} must be a finite number > 0, got {lr!r}")
-        for mode, mu in self.outer_momentum.items():
-            if mode not in OUTER_DEFAULTS:
-                raise ValueError(
-                    f"outer momentum given for {mode!r}, which has no outer step; modes with one: "
-                    f"{sorted(OUTER_DEFAULTS)}"
-                )
-            if isinstance(mu, bool) or not (isinstance(mu, (int, float)) and 0 <= mu < 1):
-                raise ValueError(f"outer momentum for {mode} must be in [0, 1), got {mu!r}")
-        if self.inner not in INNERS:
-            raise ValueError(f"inner must be one of {INNERS}, got {self.inner!r}")
-        from ..flatten import METHODS
-
-        if self.iso_method not in METHODS:
-            raise ValueError(f"iso_method must be one of {METHODS}, got {self.iso_method!r}")
-        if self.init not in INITS:
-            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
-        check_vocab(self.vocab)
-        check_device(self.device)
-        mcfg = self.model_config()
-        if isinstance(self.iso_skip, str):
-            raise ValueError(f"iso_skip must be a tuple of parameter-name prefixes, got the string {self.iso_skip!r}")
-        if self.iso_skip:
-            with torch.device("meta"):  # names only: no memory, no init
-                matrices = [n for n, p in ByteLM(mcfg).named_parameters() if p.ndim == 2]
-            for prefix in self.iso_skip:
-                if not isinstance(prefix, str) or not prefix:
-                    raise ValueError(f"iso_skip entries must be non-empty parameter-name prefixes, got {prefix!r}")
-                if not any(n.startswith(prefix) for n in matrices):
-                    raise ValueError(
-                        f"iso_skip {prefix!r} matches no matrix of the model; its matrices: {', '.join(matrices)}"
-                    )
-        if self.iso_skip_outer is not None:
-            if not self.iso_skip:
-                raise ValueError("iso_skip_outer is set but iso_skip names no parameters")
-            v = self.iso_skip_outer
-            numbers = isinstance(v, (tuple, list)) and len(v) == 2 and all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
-            if not (numbers and math.isfinite(v[0]) and v[0] > 0 and 0 <= v[1] < 1):
-                raise ValueError(f"iso_skip_outer must be (lr > 0, 0 ≤ momentum < 1), got {self.iso_skip_outer!r}")
-
-    def n_params(self) -> int:
-        """The model's parameter count, from its shapes alone (nothing allocated)."""
-        with torch.device("meta"):
-            return count_params(ByteLM(self.model_config()))
-
-    def outer(self, mode: str) -> tuple[float, float]:
-        if mode not in OUTER_DEFAULTS:
-            raise ValueError(f"mode {mode!r} has no outer step; modes with one: {sorted(OUTER_DEFAULTS)}")
-        lr, mom = OUTER_DEFAULTS[mode]
-        return float(self.outer_lr.get(mode, lr)), float(self.outer_momentum.get(mode, mom))
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["model_config"] = self.model_config().as_dict()
-        return d
+__all__ = [
+    "DEFAULT_MODES", "INNERS", "MODES", "OUTER_DEFAULTS", "SGD_MODES", "Comm", "Diverged", "InnerOptimizers",
+    "Setup", "TrainConfig", "available_memory", "check_device", "check_memory", "evaluate", "inner_optimizer",
+    "lr_factor", "memory_estimate", "muon_params", "outer_optimizer", "outer_params", "run_mode",
+]
 
 
 def memory_estimate(cfg: TrainConfig, modes: Sequence[str], local_workers: int) -> int:
@@ -227,21 +93,6 @@ def check_memory(cfgs: Sequence[TrainConfig], modes: Sequence[str], local_worker
             )
 
 
-def check_device(device) -> None:
-    """cpu, cuda or cuda:N (N a visible GPU); anything else is a ValueError naming it."""
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}") from None
-    if d.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r} (the loop runs on CPUs and CUDA GPUs)")
-    if d.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device} requested but CUDA is not available")
-        if d.index is not None and d.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
-
-
 class Comm:
     """Averaging across the K workers; the one place a multi-process run differs.
 
@@ -273,89 +124,6 @@ class Comm:
     def mean_pseudo_gradients(self, delta: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """The mean Δ over all K workers, after pseudo_gradients_ (read only: measured, saved)."""
         return delta
-
-
-def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
-    """Linear warmup over `warmup` steps, then cosine from 1 to min_ratio at step `total`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    t = (step - warmup) / max(1, total - warmup)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
-
-
-class InnerOptimizers:
-    """Several optimizers stepped as one (Muon on some parameters, AdamW on the others): what the
-    loop needs of an inner optimizer — param_groups (the lr schedule writes each group's lr),
-    step() and zero_grad()."""
-
-    def __init__(self, *optimizers: torch.optim.Optimizer):
-        self.optimizers = optimizers
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    def step(self) -> None:
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
-
-
-def muon_params(model: torch.nn.Module) -> list[str]:
-    """The names of the matrices Muon steps under inner="muon": the 2-D weights inside the blocks
-    (attention qkv and output, MLP up and down); the embeddings, head and norms stay on AdamW."""
-    return [n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
-
-
-def inner_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer | InnerOptimizers:
-    """AdamW (weight decay on matrices only), or with cfg.inner "muon" the MuLoCo recipe:
-    torch.optim.Muon (momentum 0.95, Nesterov, 5 Newton–Schulz steps) on the hidden matrices with
-    the same lr and weight decay as AdamW, its step rescaled by 0.2·sqrt(max(m, n)) so its update
-    RMS matches AdamW's (adjust_lr_fn="match_rms_adamw", Moonlight's rule), and AdamW on the
-    embeddings, head and norm gains."""
-    hidden = set(muon_params(model)) if cfg.inner == "muon" else set()
-    named = [(n, p) for n, p in model.named_parameters() if n not in hidden]
-    decay = [p for _, p in named if p.ndim >= 2]
-    no_decay = [p for _, p in named if p.ndim < 2]
-    adamw = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.inner_lr,
-        betas=(cfg.beta1, cfg.beta2),
-        fused=True,  # one kernel for all params, on CPU and CUDA: the inner step is overhead-bound
-    )
-    if not hidden:
-        return adamw
-    muon = torch.optim.Muon([p for n, p in model.named_parameters() if n in hidden], lr=cfg.inner_lr,
-                            weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True,
-                            adjust_lr_fn="match_rms_adamw")
-    return InnerOptimizers(adamw, muon)
-
-
-def outer_params(mode: str, names: Sequence[str], params: Sequence[torch.Tensor], cfg: TrainConfig) -> list:
-    """The outer optimizer's params: all of them, or in an Iso-C mode with cfg.iso_skip two
-    groups, the second (the parameters whose names start with a prefix of iso_skip) with iso=False
-    and, with cfg.iso_skip_outer, its own (lr, momentum)."""
-    if mode in SGD_MODES or not cfg.iso_skip:
-        return list(params)
-    keep, skip = [], []
-    for n, p in zip(names, params):
-        (skip if n.startswith(tuple(cfg.iso_skip)) else keep).append(p)
-    group = {"params": skip, "iso": False}
-    if cfg.iso_skip_outer is not None:
-        group["lr"], group["momentum"] = (float(x) for x in cfg.iso_skip_outer)
-    return [{"params": keep}, group]
-
-
-def outer_optimizer(mode: str, params, cfg: TrainConfig) -> torch.optim.Optimizer:
-    lr, mom = cfg.outer(mode)
-    if mode in SGD_MODES:
-        return torch.optim.SGD(params, lr=lr, momentum=mom, nesterov=mom > 0)
-    from ..optim import IsoLoCo
-
-    return IsoLoCo(params, lr=lr, momentum=mom, iso=True, method=cfg.iso_method)
 
 
 class Diverged(RuntimeError):

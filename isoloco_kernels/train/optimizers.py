@@ -1,0 +1,97 @@
+"""The inner and outer optimizers of each mode, and the inner lr schedule.
+
+Inner: AdamW, or Muon on the hidden matrices with AdamW on the rest (TrainConfig.inner). Outer:
+torch.optim.SGD with Nesterov momentum for diloco and avg, IsoLoCo for the Iso-C modes; both take the
+same Nesterov step, stated once in `isoloco_kernels.reference.nesterov_ref`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from .config import SGD_MODES, TrainConfig
+
+
+def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine from 1 to min_ratio at step `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+class InnerOptimizers:
+    """Several optimizers stepped as one (Muon on some parameters, AdamW on the others): what the
+    loop needs of an inner optimizer — param_groups (the lr schedule writes each group's lr),
+    step() and zero_grad()."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def muon_params(model: torch.nn.Module) -> list[str]:
+    """The names of the matrices Muon steps under inner="muon": the 2-D weights inside the blocks
+    (attention qkv and output, MLP up and down); the embeddings, head and norms stay on AdamW."""
+    return [n for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+
+
+def inner_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer | InnerOptimizers:
+    """AdamW (weight decay on matrices only), or with cfg.inner "muon" the MuLoCo recipe:
+    torch.optim.Muon (momentum 0.95, Nesterov, 5 Newton–Schulz steps) on the hidden matrices with
+    the same lr and weight decay as AdamW, its step rescaled by 0.2·sqrt(max(m, n)) so its update
+    RMS matches AdamW's (adjust_lr_fn="match_rms_adamw", Moonlight's rule), and AdamW on the
+    embeddings, head and norm gains."""
+    hidden = set(muon_params(model)) if cfg.inner == "muon" else set()
+    named = [(n, p) for n, p in model.named_parameters() if n not in hidden]
+    decay = [p for _, p in named if p.ndim >= 2]
+    no_decay = [p for _, p in named if p.ndim < 2]
+    adamw = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.inner_lr,
+        betas=(cfg.beta1, cfg.beta2),
+        fused=True,  # one kernel for all params, on CPU and CUDA: the inner step is overhead-bound
+    )
+    if not hidden:
+        return adamw
+    muon = torch.optim.Muon([p for n, p in model.named_parameters() if n in hidden], lr=cfg.inner_lr,
+                            weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True,
+                            adjust_lr_fn="match_rms_adamw")
+    return InnerOptimizers(adamw, muon)
+
+
+def outer_params(mode: str, names: Sequence[str], params: Sequence[torch.Tensor], cfg: TrainConfig) -> list:
+    """The outer optimizer's params: all of them, or in an Iso-C mode with cfg.iso_skip two
+    groups, the second (the parameters whose names start with a prefix of iso_skip) with iso=False
+    and, with cfg.iso_skip_outer, its own (lr, momentum)."""
+    if mode in SGD_MODES or not cfg.iso_skip:
+        return list(params)
+    keep, skip = [], []
+    for n, p in zip(names, params):
+        (skip if n.startswith(tuple(cfg.iso_skip)) else keep).append(p)
+    group = {"params": skip, "iso": False}
+    if cfg.iso_skip_outer is not None:
+        group["lr"], group["momentum"] = (float(x) for x in cfg.iso_skip_outer)
+    return [{"params": keep}, group]
+
+
+def outer_optimizer(mode: str, params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    lr, mom = cfg.outer(mode)
+    if mode in SGD_MODES:
+        return torch.optim.SGD(params, lr=lr, momentum=mom, nesterov=mom > 0)
+    from ..optim import IsoLoCo
+
+    return IsoLoCo(params, lr=lr, momentum=mom, iso=True, method=cfg.iso_method)
