@@ -8,6 +8,7 @@ unsharded copy of the same model. Half precision: tests/test_dtensor_half.py.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import os
@@ -91,6 +92,19 @@ def _set_grads(sharded, ref, step):
         p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
 
+def _step_both(model, ref, steps: int, method: str, route: str = "auto"):
+    """IsoLoCo(lr=1.8, momentum=0.8, method) on the DTensor model (its dtensor_route set) and on the
+    single-process reference, `steps` steps on the same grads; (opt, ref_opt)."""
+    opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8, method=method)
+    opt.dtensor_route = route
+    ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method=method)
+    for s in range(steps):
+        _set_grads(model, ref, s)
+        opt.step()
+        ref_opt.step()
+    return opt, ref_opt
+
+
 def _compare(sharded, ref, opt, ref_opt, what, tol=TOL_FP32):
     for (name, p), r in zip(sharded.named_parameters(), ref.parameters()):
         e = rel_err(p.full_tensor(), r)
@@ -134,13 +148,7 @@ def _check_fsdp_matches_single_process(mesh, rank):
     for method in ("svd", "auto", "gram"):
         for route in ("auto", "gram", "owner", "gather"):
             model, ref = _fsdp_llama(mesh)
-            opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8, method=method)
-            opt.dtensor_route = route
-            ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method=method)
-            for s in range(3):
-                _set_grads(model, ref, s)
-                opt.step()
-                ref_opt.step()
+            opt, ref_opt = _step_both(model, ref, 3, method, route)
             _compare(model, ref, opt, ref_opt, f"FSDP2 {world} ranks, method {method}, route {route}")
             # what went over the wire, against the routes' rule
             shapes = [tuple(p.shape) for p in ref.parameters() if p.ndim == 2]
@@ -195,17 +203,30 @@ def _check_tp(mesh):
         places = {n: p.placements for n, p in mlp.named_parameters()}
         assert places["w1.weight"][0].dim == 0 and places["w2.weight"][0].dim == 1
         assert places["w2.bias"][0].is_replicate()
-        opt = IsoLoCo(mlp.parameters(), lr=1.8, momentum=0.8, method="svd")
-        opt.dtensor_route = route
-        ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method="svd")
-        for s in range(3):
-            _set_grads(mlp, ref, s)
-            opt.step()
-            ref_opt.step()
+        opt, ref_opt = _step_both(mlp, ref, 3, "svd", route)
         _compare(mlp, ref, opt, ref_opt, f"TP, route {route}")
         want = {"auto": (2 * 12 * 12, 0), "owner": (0, 0), "gather": (0, 2 * 35 * 12 * 2)}[route]
         assert (opt.dtensor_stats.gram_elements, opt.dtensor_stats.gather_elements) == want, opt.dtensor_stats
         assert (opt.dtensor_stats.owner_elements > 0) == (route == "owner")
+
+
+@contextlib.contextmanager
+def _replaced(module, attr: str, text: str, active: bool, call_real: bool = False):
+    """module.attr raises RuntimeError(text) while the block runs, where `active` (after running
+    the real one, with call_real); restored afterwards."""
+    real = getattr(module, attr)
+
+    def broken(*args, **kwargs):
+        if call_real:
+            real(*args, **kwargs)
+        raise RuntimeError(text)
+
+    if active:
+        setattr(module, attr, broken)
+    try:
+        yield
+    finally:
+        setattr(module, attr, real)
 
 
 def _fails_everywhere_fast(rank, who, name, step, what, head=""):
@@ -214,19 +235,10 @@ def _fails_everywhere_fast(rank, who, name, step, what, head=""):
     DistributedStepError naming that rank within a third of the pg timeout."""
     module, attr = name.rsplit(".", 1)
     mod = importlib.import_module(f"isoloco_kernels.distributed.{module}")
-    real = getattr(mod, attr)
-
-    def broken(*args, **kwargs):
-        raise RuntimeError(f"injected failure in {attr}")
-
-    if rank == who:
-        setattr(mod, attr, broken)
     t0 = time.monotonic()
-    try:
+    with _replaced(mod, attr, f"injected failure in {attr}", rank == who):
         with pytest.raises(DistributedStepError, match=rf"{head}rank {who}: RuntimeError: injected failure in {attr}"):
             step()
-    finally:
-        setattr(mod, attr, real)
     assert time.monotonic() - t0 < PG_TIMEOUT_S / 3, f"{what}: took {time.monotonic() - t0:.1f} s"
 
 
@@ -243,12 +255,18 @@ def _assert_unchanged(model, opt, snap, what):
         assert torch.equal(opt.state[p]["momentum_buffer"].to_local(), b), f"{what}: {name} momentum changed"
 
 
-def _check_all_or_nothing(mesh, rank):
+def _stepped_once(mesh):
+    """The FSDP2 model and its reference, an IsoLoCo that stepped once (so momentum exists), and a
+    snapshot of the params and momentum to compare with after a failed step."""
     model, ref = _fsdp_llama(mesh)
     opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8)
     _set_grads(model, ref, 0)
     opt.step()
-    snap = _snapshot(model, opt)
+    return model, ref, opt, _snapshot(model, opt)
+
+
+def _check_all_or_nothing(mesh, rank):
+    model, ref, opt, snap = _stepped_once(mesh)
     _set_grads(model, ref, 1)
     if rank == 1:  # a NaN in rank 1's shard of the embedding only
         model.embed.weight.grad.to_local()[3, 2] = float("nan")
@@ -266,25 +284,14 @@ def _check_all_or_nothing(mesh, rank):
     _assert_unchanged(model, opt, snap, "missing grad")
     # a flatten that fails on one rank after the collectives
     _set_grads(model, ref, 1)
-    real = gram_route._gram_results
-    if rank == 0:
-        def broken(*args):
-            real(*args)
-            raise RuntimeError("injected Gram failure")
-        gram_route._gram_results = broken
-    with pytest.raises(DistributedStepError, match="rank 0: RuntimeError: injected Gram failure"):
-        opt.step()
-    gram_route._gram_results = real
+    with _replaced(gram_route, "_gram_results", "injected Gram failure", rank == 0, call_real=True):
+        with pytest.raises(DistributedStepError, match="rank 0: RuntimeError: injected Gram failure"):
+            opt.step()
     _assert_unchanged(model, opt, snap, "failed flatten")
     # an owner whose flatten fails (after the first all-to-all, before the second)
-    real_flatten = R.iso_merge_unchecked_
-    if rank == 1:
-        def broken_flatten(buckets, method):
-            raise RuntimeError("injected owner failure")
-        R.iso_merge_unchecked_ = broken_flatten
-    with pytest.raises(DistributedStepError, match="rank 1: RuntimeError: injected owner failure"):
-        opt.step()
-    R.iso_merge_unchecked_ = real_flatten
+    with _replaced(R, "iso_merge_unchecked_", "injected owner failure", rank == 1):
+        with pytest.raises(DistributedStepError, match="rank 1: RuntimeError: injected owner failure"):
+            opt.step()
     _assert_unchanged(model, opt, snap, "failed owner flatten")
     # an update that would overflow one rank's param shard: refused everywhere before any write
     _set_grads(model, ref, 1)
@@ -382,12 +389,7 @@ def _check_refusals(mesh):
 def _check_general_mesh(mesh, what):
     """Meshes with two dimensions take the general full_tensor() path: same result as single-process."""
     model, ref = _fsdp_llama(mesh)
-    opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8, method="svd")
-    ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method="svd")
-    for s in range(2):
-        _set_grads(model, ref, s)
-        opt.step()
-        ref_opt.step()
+    opt, ref_opt = _step_both(model, ref, 2, "svd")
     assert all(p.device_mesh.ndim == 2 for p in model.parameters())
     _compare(model, ref, opt, ref_opt, what)
     n2d = sum(p.numel() for p in ref.parameters() if p.ndim == 2)
@@ -410,12 +412,7 @@ def _check_fsdp_tp(mesh):
     fully_shard(mlp, mesh=mesh["dp"])
     assert type(mlp.w1.weight.placements[0]).__name__ == "_StridedShard", mlp.w1.weight.placements
     assert mlp.w3.weight.device_mesh.ndim == 1
-    opt = IsoLoCo(mlp.parameters(), lr=1.8, momentum=0.8, method="svd")
-    ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method="svd")
-    for s in range(2):
-        _set_grads(mlp, ref, s)
-        opt.step()
-        ref_opt.step()
+    opt, ref_opt = _step_both(mlp, ref, 2, "svd")
     _compare(mlp, ref, opt, ref_opt, "FSDP x TP 2x2")
 
 
@@ -655,11 +652,7 @@ INJECTIONS = [
 
 
 def _check_injected_failures(mesh, rank):
-    model, ref = _fsdp_llama(mesh)
-    opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8)
-    _set_grads(model, ref, 0)
-    opt.step()
-    snap = _snapshot(model, opt)
+    model, ref, opt, snap = _stepped_once(mesh)
     for k, case in enumerate(INJECTIONS):
         name, route = case.values
         who = k % 2  # the rank that fails, alternating
@@ -691,10 +684,7 @@ def _check_load_refusals(mesh, rank):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate
 
-    model, ref = _fsdp_llama(mesh)
-    opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8)
-    _set_grads(model, ref, 0)
-    opt.step()
+    model, ref, opt, _ = _stepped_once(mesh)
     params = list(model.parameters())
     q = next(i for i, (n, _) in enumerate(model.named_parameters()) if n.endswith("0.q.weight"))  # 16 × 16
     k = q + 1  # 0.k.weight, 16 × 16 too
