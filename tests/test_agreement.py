@@ -431,7 +431,7 @@ class NcclRule:
     collective called from inside the package must then get only recorded tensors: a tensor made
     on a device taken from anywhere else (a default CPU tensor, the data's device, "the CPU when
     this rank holds nothing") is a violation, although gloo would carry it. Object collectives
-    (which pick their own device) are violations too. dtensor.py's data collectives (the Gram
+    (which pick their own device) are violations too. The DTensor step's data collectives (the Gram
     all-reduce and its exact path, the owner all-to-alls, the gathers) are held to the same rule.
     `calls` counts the collectives by name, `by_caller` by (calling module.function, name).
     """
