@@ -5,17 +5,19 @@ Counts, from the shapes alone, what one rank sends for the Iso-C part of one out
 Nesterov and the 1-D params send nothing. Ring collectives: an all-gather sends (W−1)·(largest
 shard) per rank, an all-reduce of P bytes 2·(W−1)/W·P. The owner route sends the shards out in the
 grad's element size b and the results back in the compute dtype's, r = max(b, 4) (float32 for
-float16/bfloat16 grads): (W−1)/W²·(b + r)·m·n per rank on average. The formulas and the route rule
-are `isoloco_kernels.distributed.dtensor`'s (`gram_bytes`, `gather_bytes`, `owner_bytes`,
-`route_for`); tests/test_dtensor.py checks that the collectives the step issues carry exactly the
-element counts these formulas assume.
+float16/bfloat16 grads): (W−1)/W²·(b + r)·m·n per rank on average. The route rule and the two
+byte counts it weighs are the package's (`isoloco_kernels.distributed.routes`: `route_for`,
+`gram_bytes`, `owner_bytes`); the all-gather's count and the per-model totals are here
+(`gather_bytes`, `wire_bytes`). tests/test_dtensor.py checks that the collectives the step issues
+carry exactly the element counts these formulas assume.
 
     python -m bench.dtensor_bytes > bench/results/<date>-dtensor-bytes.md
 """
 from __future__ import annotations
 
 from bench.shapes import SETS, ModelSpec, decoder_weight_shapes
-from isoloco_kernels.distributed.dtensor import gather_bytes, gram_bytes, owner_bytes, route_for
+from isoloco_kernels.distributed.plan import shard_sizes
+from isoloco_kernels.distributed.routes import gram_bytes, owner_bytes, route_for
 
 WORLDS = (2, 4, 8)
 DTYPES = ((4, "float32"), (2, "bfloat16"))
@@ -24,6 +26,35 @@ LLAMA_8B = ModelSpec("llama-8b", vocab=128256, hidden=4096, layers=32, ffn=14336
 # NVLink 4 on an 8×H200 HGX board: 900 GB/s per GPU, both directions together (data sheet), so
 # 450 GB/s each way. Ring collectives at the full link rate, no latency: a lower bound on time.
 NVLINK_BYTES_PER_S = 450e9
+
+
+def gather_bytes(shape, dim: int, world: int, elem_size: int) -> float:
+    """Bytes one rank sends in a ring all-gather of the matrix (segments padded to the largest shard)."""
+    longest = max(s for _, s in shard_sizes(shape[dim], world))
+    return (world - 1) * longest * shape[1 - dim] * elem_size
+
+
+def wire_bytes(shapes, world: int, elem_size: int = 4, mode: str = "auto", dim: int = 0) -> dict[str, float]:
+    """Bytes sent per rank (owner: the mean over ranks) in one outer step for the 2-D `shapes` under
+    FSDP's Shard(dim) on a 1-D mesh of `world` ranks: each route alone ("gram_or_gather": the Gram
+    where the shard is the long side, else the all-gather), and the routes `mode` picks. 1-D params
+    cost nothing (Nesterov is local). Keys: "allgather", "owner", "gram_or_gather", "chosen"."""
+    out = {"gram_or_gather": 0.0, "owner": 0.0, "allgather": 0.0, "chosen": 0.0}
+    for sh in shapes:
+        if len(sh) != 2:
+            continue
+        cost = {
+            "gram": gram_bytes(sh, world),
+            "gather": gather_bytes(sh, dim, world, elem_size),
+            "owner": owner_bytes(sh, dim, world, elem_size),
+            "local": 0.0,
+        }
+        out["allgather"] += cost["gather"]
+        out["owner"] += cost["owner"]
+        long_side = route_for(sh, dim, world, elem_size, "gram") == "gram"
+        out["gram_or_gather"] += cost["gram"] if long_side else cost["gather"]
+        out["chosen"] += cost[route_for(sh, dim, world, elem_size, mode)]
+    return out
 
 
 def result_size(elem: int) -> int:
@@ -112,7 +143,7 @@ def main() -> None:
     lines = [
         "# Bytes per IsoLoCo outer step under FSDP2 (DTensor params)",
         "",
-        "Counted from the shapes (bench/dtensor_bytes.py, formulas of isoloco_kernels/distributed/dtensor.py), not timed.",
+        "Counted from the shapes (bench/dtensor_bytes.py; the route rule of isoloco_kernels/distributed/routes.py), not timed.",
         "Every 2-D weight Shard(0) over W ranks of a 1-D mesh (FSDP2's layout, torch.chunk sizes), untied",
         "embedding and LM head, full-size k/v (bench/shapes.py). MB (1e6 bytes) **sent per rank** for the",
         "Iso-C part of one outer step; Nesterov and 1-D params send nothing. b is the grad's element size,",

@@ -8,7 +8,8 @@ A drop-in for `torch.optim.SGD(lr, momentum, nesterov=True)`: write the averaged
 The 2-D grads are packed into one [B, m, n] buffer per shape (buckets.py), flattened, and one fused
 `nesterov_outer_` call per (device, lr, momentum) applies the update. State is SGD's; checks,
 buffers and state handling are the shared core (outer.py); DTensor params step in
-distributed/dtensor.py. README "The outer optimizer" has the contract.
+distributed/dtensor.py, over a process group in distributed/process_group.py. README "The outer
+optimizer" has the contract.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import torch
 from ._validate import ResultOverflowError
 from .buckets import BucketPlan
 from . import distributed
-from .distributed import dtensor
-from .distributed.agree import agree, agree_on_mesh, agreed_init, describe, error_text, optimizer_settings
+from .distributed import dtensor, process_group
+from .distributed.agree import agreed_init, describe, optimizer_settings
 from .flatten import check_method
 from .ops import iso_merge_unchecked_
 from .outer import SGD_KEYS, Entry, check_group, check_hyper, check_param_dtypes, collect, load_sgd_state
@@ -260,31 +261,11 @@ class IsoLoCo(torch.optim.Optimizer):
         if dtensor.uses_dtensor(self):  # -- DTensor params: the sharded step lives in dtensor.py --
             return dtensor.step_(self, failed)
         group = self._group()
-        if group is None:
-            entries = self._gather()
-            if entries:
-                self._prepare_update(entries, self._iso_updates(entries))()
-            return
-        # Over a process group every rank must fail together: agree after the checks (and on the
-        # shapes), sharded_iso_merge_ agrees around the flatten, and once more before writing.
-        error, entries = None, []
-        try:
-            if failed is not None:
-                raise failed
-            entries = self._gather()
-        except Exception as e:  # noqa: BLE001 — any failure must reach the other ranks
-            error = error_text(e)
-        agree(error, group, "IsoLoCo.step", settings=None if error else self._settings([e.g for e in entries]))
-        if not entries:
-            return
-        iso = self._iso_updates(entries)
-        apply = None
-        try:
-            apply = self._prepare_update(entries, iso)
-        except Exception as e:  # noqa: BLE001
-            error = error_text(e)
-        agree(error, group, "IsoLoCo.step")
-        apply()
+        if group is not None:  # -- over a process group: distributed/process_group.py --
+            return process_group.step_(self, group, failed)
+        entries = self._gather()
+        if entries:
+            self._prepare_update(entries, self._iso_updates(entries))()
 
     def _prepare_update(self, entries: list[Entry], iso: dict[int, torch.Tensor]) -> Callable[[], None]:
         """The Nesterov update, checked and ready to write (`outer.prepare_nesterov`)."""

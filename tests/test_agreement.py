@@ -191,13 +191,13 @@ def _merge(odd_kw, match):
 
 
 CASES["merge_method"] = _merge({"method": "svd"}, lambda w: _differs("method", "'auto'", "'svd'", w))
-CASES["merge_bucket_bytes"] = _merge({"bucket_bytes": 64}, lambda w: _differs(
-    "bucket_bytes", str(D.collectives.BUCKET_BYTES), "64", w))
+CASES["merge_chunk_bytes"] = _merge({"chunk_bytes": 64}, lambda w: _differs(
+    "chunk_bytes", str(D.collectives.BUCKET_BYTES), "64", w))
 CASES["merge_solo_above"] = _merge({"solo_above": None}, lambda w: _differs("solo_above", "1.0", "None", w))
 CASES["merge_method_bogus"] = _merge({"method": "bogus"}, lambda w: _failed_on_last(
     w, "ValueError: method must be one of"))
-CASES["merge_bucket_bytes_zero"] = _merge({"bucket_bytes": 0}, lambda w: _failed_on_last(
-    w, "ValueError: .*bucket_bytes"))
+CASES["merge_chunk_bytes_zero"] = _merge({"chunk_bytes": 0}, lambda w: _failed_on_last(
+    w, "ValueError: .*chunk_bytes"))
 
 
 # -- IsoLoCo(process_group=...) ---------------------------------------------------------------------
@@ -431,9 +431,9 @@ class NcclRule:
     collective called from inside the package must then get only recorded tensors: a tensor made
     on a device taken from anywhere else (a default CPU tensor, the data's device, "the CPU when
     this rank holds nothing") is a violation, although gloo would carry it. Object collectives
-    (which pick their own device) are violations too. dtensor.py's data collectives (the Gram
+    (which pick their own device) are violations too. The DTensor step's data collectives (the Gram
     all-reduce and its exact path, the owner all-to-alls, the gathers) are held to the same rule.
-    `calls` counts the collectives by name, `by_caller` by (calling module, name).
+    `calls` counts the collectives by name, `by_caller` by (calling module.function, name).
     """
 
     TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_to_all_single", "all_gather_into_tensor",
@@ -498,7 +498,8 @@ class NcclRule:
 
     def _wrap(self, name, real):
         def collective(*args, **kwargs):
-            caller = sys._getframe(1).f_globals.get("__name__", "")
+            frame = sys._getframe(1)
+            caller = f'{frame.f_globals.get("__name__", "")}.{frame.f_code.co_name}'
             if caller.startswith("isoloco_kernels"):
                 self.calls[name] = self.calls.get(name, 0) + 1
                 self.by_caller[caller, name] = self.by_caller.get((caller, name), 0) + 1
@@ -555,7 +556,7 @@ def _every_collective(rank, world, rule):
     # sharded_iso_merge_: segments, solo, non-contiguous, then a NaN
     for solo in (None, 0.2):
         bk = _buckets() + [torch.randn(9, 30).mT]
-        D.sharded_iso_merge_(bk, solo_above=solo, bucket_bytes=128)
+        D.sharded_iso_merge_(bk, solo_above=solo, chunk_bytes=128)
     nan_on_last(bk[0])
     with pytest.raises(D.DistributedStepError):
         D.sharded_iso_merge_(bk)
@@ -608,9 +609,14 @@ def _body_nccl_rule(rank, world, tmpdir):
     assert not rule.violations, "\n".join(rule.violations[:20])
     for name in ("all_reduce", "reduce_scatter", "all_gather", "reduce", "broadcast", "all_to_all_single"):
         assert any(k.startswith(name) for k in rule.calls), f"no {name} ran under the stand-in: {rule.calls}"
-    # dtensor.py's data collectives ran under the rule: the Gram all-reduce and the exact path's
-    # flags, the gathers, the owner all-to-alls
-    dt = {name: n for (caller, name), n in rule.by_caller.items() if caller.endswith(".dtensor")}
+    # the DTensor step's data collectives ran under the rule: the Gram all-reduce and the exact
+    # path's flags (gram_route.py), the gathers and the owner all-to-alls of shards (collectives.py)
+    dtensor_callers = ("distributed.gram_route.gram_route", "distributed.gram_route.agree_exact",
+                       "distributed.collectives.all_gather_shards", "distributed.collectives._owner_all_to_all")
+    dt: dict[str, int] = {}
+    for (caller, name), n in rule.by_caller.items():
+        if caller.endswith(dtensor_callers):
+            dt[name] = dt.get(name, 0) + n
     assert dt.get("all_reduce", 0) >= 2 and dt.get("all_to_all_single", 0) >= 2, dt
     assert any(name.startswith("all_gather") for name in dt), dt
     # the stand-in refuses what NCCL would: a control tensor made on a device decided elsewhere

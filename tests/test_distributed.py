@@ -163,7 +163,7 @@ def _check_sharded_matches_isoloco(group, tmpdir):
              (torch.bfloat16, 1 << 20, 1.0))
     for dtype, bucket, rep in cases:
         params = _model(SHAPES_2, dtype)
-        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, group=group, bucket_bytes=bucket, solo_above=rep)
+        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, process_group=group, bucket_bytes=bucket, solo_above=rep)
         if rep == 0.2:
             assert opt.plan.solo, "solo_above=0.2 must send the largest tensors solo"
         _run_sharded(params, SHAPES_2, dtype, rank, 3, opt)
@@ -181,7 +181,7 @@ def _check_iso_off(group, tmpdir):
     rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
     # iso off: plain Nesterov SGD on the averaged pseudo-gradients
     params = _model(SHAPES_2, torch.float64)
-    opt = D.ShardedIsoLoCo(params, lr=0.7, momentum=0.9, iso=False, group=group)
+    opt = D.ShardedIsoLoCo(params, lr=0.7, momentum=0.9, iso=False, process_group=group)
     _run_sharded(params, SHAPES_2, torch.float64, rank, 2, opt)
     ref_p, _ = _single_process_steps(SHAPES_2, torch.float64, world, 2, 0.7, 0.9, iso_on=False)
     _assert_close_to_ref(params, ref_p, torch.float64, "iso off")
@@ -218,14 +218,14 @@ def _check_state_dict_resume(group, tmpdir):
     # state_dict save, fresh optimizer, load, resume: same trajectory as running straight through
     dtype = torch.float64
     params = _model(SHAPES_2, dtype)
-    opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, group=group)
+    opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, process_group=group)
     _run_sharded(params, SHAPES_2, dtype, rank, 2, opt)
     sd = opt.state_dict()
     path = os.path.join(tmpdir, f"opt{dist.get_rank()}.pt")
     torch.save(sd, path)
     saved_p = [p.clone() for p in params]
     params2 = [p.clone() for p in saved_p]
-    opt2 = D.ShardedIsoLoCo(params2, lr=lr, momentum=mu, group=group)
+    opt2 = D.ShardedIsoLoCo(params2, lr=lr, momentum=mu, process_group=group)
     opt2.load_state_dict(torch.load(path))
     _run_sharded(params2, SHAPES_2, dtype, rank, 2, opt2, start=2)
     _run_sharded(params, SHAPES_2, dtype, rank, 2, opt, start=2)
@@ -238,7 +238,7 @@ def _check_state_dict_resume(group, tmpdir):
     other = torch.load(os.path.join(tmpdir, f"opt{dist.get_global_rank(group, 1 - rank)}.pt"))
     with pytest.raises(ValueError, match=f"saved by rank {1 - rank}"):
         opt2.load_state_dict(other)
-    wrong = D.ShardedIsoLoCo(_model(SHAPES_2[:-1], dtype), lr=lr, momentum=mu, group=group)
+    wrong = D.ShardedIsoLoCo(_model(SHAPES_2[:-1], dtype), lr=lr, momentum=mu, process_group=group)
     with pytest.raises(ValueError, match="different shard plan"):
         wrong.load_state_dict(sd)
     dist.barrier(group=group)
@@ -249,7 +249,7 @@ def _check_failure_on_one_rank_changes_nothing(group, tmpdir):
     rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
     # NaN in one rank's pseudo-gradients: every rank raises, nothing changes anywhere
     params = _model(SHAPES_2, torch.float32)
-    opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, group=group)
+    opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, process_group=group)
     _run_sharded(params, SHAPES_2, torch.float32, rank, 1, opt)
     before_p = [p.clone() for p in params]
     before_b = {i: opt.state[p]["momentum_buffer"].clone() for i, p in enumerate(params) if opt.state[p]}
@@ -298,7 +298,7 @@ def _check_sharded_iso_merge_equals_iso_merge(group, tmpdir):
           torch.randn(5, 5, generator=g).to(torch.bfloat16)]
     for rep, bucket in ((1.0, 1 << 20), (None, 48)):
         got = [b.clone() if b.is_contiguous() else b.clone().mT.contiguous().mT for b in bk]
-        D.sharded_iso_merge_(got, group, method="svd", solo_above=rep, bucket_bytes=bucket)
+        D.sharded_iso_merge_(got, group, method="svd", solo_above=rep, chunk_bytes=bucket)
         want = isoloco_kernels.iso_merge_([b.clone() for b in bk], method="svd")
         for i, (a, b) in enumerate(zip(got, want)):
             e = rel_err(a, b)
@@ -314,6 +314,39 @@ def _check_sharded_iso_merge_equals_iso_merge(group, tmpdir):
         D.sharded_iso_merge_(got, group)
     for i, (a, b) in enumerate(zip(got, snap)):
         assert torch.equal(a, b), f"bucket {i} changed although the merge failed"
+
+
+@_pair_check
+def _check_old_keyword_names_warn(group, tmpdir):
+    """ShardedIsoLoCo(group=) and sharded_iso_merge_(bucket_bytes=) still work, with a
+    DeprecationWarning naming the new keyword; both names at once are refused."""
+    import warnings
+
+    rank = dist.get_rank(group)
+    params = _model(SHAPES_2, torch.float32)
+    with pytest.warns(DeprecationWarning, match=r"group= is deprecated, pass process_group="):
+        old = D.ShardedIsoLoCo(params, group=group)
+    assert old.process_group is group and old.group is group and old.world_size == 2
+    new_params = _model(SHAPES_2, torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        new = D.ShardedIsoLoCo(new_params, process_group=group)
+    _run_sharded(params, SHAPES_2, torch.float32, rank, 1, old)
+    _run_sharded(new_params, SHAPES_2, torch.float32, rank, 1, new)
+    assert all(torch.equal(a, b) for a, b in zip(params, new_params))
+    with pytest.raises(TypeError, match="pass process_group= only"):
+        D.ShardedIsoLoCo(params, group=group, process_group=group)
+    bk = [torch.randn(2, 6, 5, generator=torch.Generator().manual_seed(1)), torch.randn(9, 4)]
+    got = [b.clone() for b in bk]
+    with pytest.warns(DeprecationWarning, match=r"bucket_bytes= is deprecated, pass chunk_bytes="):
+        D.sharded_iso_merge_(got, group, bucket_bytes=64)
+    want = [b.clone() for b in bk]
+    D.sharded_iso_merge_(want, group, chunk_bytes=64)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(TypeError, match="pass chunk_bytes= only"):
+        D.sharded_iso_merge_(bk, group, bucket_bytes=64, chunk_bytes=32)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_size'"):
+        D.sharded_iso_merge_(bk, group, bucket_size=64)
 
 
 @_pair_check
@@ -408,7 +441,7 @@ def _four_dead_rank(rank, world, tmpdir):
 def _single_checks(group):
     """A group of one: the sharded step is IsoLoCo's on this rank's own pseudo-gradients."""
     params = _model(SHAPES_2, torch.float32)
-    opt = D.ShardedIsoLoCo(params, group=group)
+    opt = D.ShardedIsoLoCo(params, process_group=group)
     _run_sharded(params, SHAPES_2, torch.float32, 0, 2, opt)
     _assert_matches_isoloco(params, _isoloco_steps(SHAPES_2, torch.float32, 1, 2, 1.8, 0.8), torch.float32, "1 rank")
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)

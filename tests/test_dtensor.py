@@ -8,7 +8,9 @@ unsharded copy of the same model. Half precision: tests/test_dtensor_half.py.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib
 import os
 import time
 from datetime import timedelta
@@ -22,7 +24,8 @@ import torch.nn.functional as F
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import IsoLoCo
 from isoloco_kernels.distributed import dtensor as DT
-from isoloco_kernels.distributed import DistributedStepError
+from isoloco_kernels.distributed import DistributedStepError, gram_route, routes as R
+from isoloco_kernels.distributed.plan import ShardLayout, plan_shards, shard_sizes
 from tests.helpers import TOL, rel_err, spectrum, with_spectrum
 from tests.test_distributed import PG_TIMEOUT_S, _spawn
 
@@ -89,6 +92,19 @@ def _set_grads(sharded, ref, step):
         p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
 
+def _step_both(model, ref, steps: int, method: str, route: str = "auto"):
+    """IsoLoCo(lr=1.8, momentum=0.8, method) on the DTensor model (its dtensor_route set) and on the
+    single-process reference, `steps` steps on the same grads; (opt, ref_opt)."""
+    opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8, method=method)
+    opt.dtensor_route = route
+    ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method=method)
+    for s in range(steps):
+        _set_grads(model, ref, s)
+        opt.step()
+        ref_opt.step()
+    return opt, ref_opt
+
+
 def _compare(sharded, ref, opt, ref_opt, what, tol=TOL_FP32):
     for (name, p), r in zip(sharded.named_parameters(), ref.parameters()):
         e = rel_err(p.full_tensor(), r)
@@ -132,13 +148,7 @@ def _check_fsdp_matches_single_process(mesh, rank):
     for method in ("svd", "auto", "gram"):
         for route in ("auto", "gram", "owner", "gather"):
             model, ref = _fsdp_llama(mesh)
-            opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8, method=method)
-            opt.dtensor_route = route
-            ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method=method)
-            for s in range(3):
-                _set_grads(model, ref, s)
-                opt.step()
-                ref_opt.step()
+            opt, ref_opt = _step_both(model, ref, 3, method, route)
             _compare(model, ref, opt, ref_opt, f"FSDP2 {world} ranks, method {method}, route {route}")
             # what went over the wire, against the routes' rule
             shapes = [tuple(p.shape) for p in ref.parameters() if p.ndim == 2]
@@ -152,8 +162,8 @@ def _check_fsdp_matches_single_process(mesh, rank):
             assert (st.gram_iterated, st.gram_fallbacks) == ((n_gram, 0) if method == "gram" else (0, 0)), (route, st)
             # owner route: each matrix once to its owner and back, all but the owner's own shard
             owned = [sh for sh, r in zip(shapes, routes) if r == "owner"]
-            owners = DT.plan_owners(owned, world)
-            want = 2 * sum(sh[0] * sh[1] - DT.shard_sizes(sh[0], world)[o][1] * sh[1] for sh, o in zip(owned, owners))
+            owners = plan_shards(owned, world, solo_above=None).owners
+            want = 2 * sum(sh[0] * sh[1] - shard_sizes(sh[0], world)[o][1] * sh[1] for sh, o in zip(owned, owners))
             sent = torch.tensor([st.owner_elements])
             dist.all_reduce(sent)
             assert int(sent) == want, (route, int(sent), want)
@@ -193,35 +203,42 @@ def _check_tp(mesh):
         places = {n: p.placements for n, p in mlp.named_parameters()}
         assert places["w1.weight"][0].dim == 0 and places["w2.weight"][0].dim == 1
         assert places["w2.bias"][0].is_replicate()
-        opt = IsoLoCo(mlp.parameters(), lr=1.8, momentum=0.8, method="svd")
-        opt.dtensor_route = route
-        ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method="svd")
-        for s in range(3):
-            _set_grads(mlp, ref, s)
-            opt.step()
-            ref_opt.step()
+        opt, ref_opt = _step_both(mlp, ref, 3, "svd", route)
         _compare(mlp, ref, opt, ref_opt, f"TP, route {route}")
         want = {"auto": (2 * 12 * 12, 0), "owner": (0, 0), "gather": (0, 2 * 35 * 12 * 2)}[route]
         assert (opt.dtensor_stats.gram_elements, opt.dtensor_stats.gather_elements) == want, opt.dtensor_stats
         assert (opt.dtensor_stats.owner_elements > 0) == (route == "owner")
 
 
-def _fails_everywhere_fast(rank, who, name, step, what, head=""):
-    """Replace dtensor.`name` by one that raises on rank `who` only, run `step` on every rank:
-    each must raise DistributedStepError naming that rank within a third of the pg timeout."""
-    real = getattr(DT, name)
+@contextlib.contextmanager
+def _replaced(module, attr: str, text: str, active: bool, call_real: bool = False):
+    """module.attr raises RuntimeError(text) while the block runs, where `active` (after running
+    the real one, with call_real); restored afterwards."""
+    real = getattr(module, attr)
 
     def broken(*args, **kwargs):
-        raise RuntimeError(f"injected failure in {name}")
+        if call_real:
+            real(*args, **kwargs)
+        raise RuntimeError(text)
 
-    if rank == who:
-        setattr(DT, name, broken)
-    t0 = time.monotonic()
+    if active:
+        setattr(module, attr, broken)
     try:
-        with pytest.raises(DistributedStepError, match=rf"{head}rank {who}: RuntimeError: injected failure in {name}"):
-            step()
+        yield
     finally:
-        setattr(DT, name, real)
+        setattr(module, attr, real)
+
+
+def _fails_everywhere_fast(rank, who, name, step, what, head=""):
+    """Replace `name` ("module.function" in isoloco_kernels.distributed, where the step looks it up)
+    by one that raises on rank `who` only, run `step` on every rank: each must raise
+    DistributedStepError naming that rank within a third of the pg timeout."""
+    module, attr = name.rsplit(".", 1)
+    mod = importlib.import_module(f"isoloco_kernels.distributed.{module}")
+    t0 = time.monotonic()
+    with _replaced(mod, attr, f"injected failure in {attr}", rank == who):
+        with pytest.raises(DistributedStepError, match=rf"{head}rank {who}: RuntimeError: injected failure in {attr}"):
+            step()
     assert time.monotonic() - t0 < PG_TIMEOUT_S / 3, f"{what}: took {time.monotonic() - t0:.1f} s"
 
 
@@ -238,12 +255,18 @@ def _assert_unchanged(model, opt, snap, what):
         assert torch.equal(opt.state[p]["momentum_buffer"].to_local(), b), f"{what}: {name} momentum changed"
 
 
-def _check_all_or_nothing(mesh, rank):
+def _stepped_once(mesh):
+    """The FSDP2 model and its reference, an IsoLoCo that stepped once (so momentum exists), and a
+    snapshot of the params and momentum to compare with after a failed step."""
     model, ref = _fsdp_llama(mesh)
     opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8)
     _set_grads(model, ref, 0)
     opt.step()
-    snap = _snapshot(model, opt)
+    return model, ref, opt, _snapshot(model, opt)
+
+
+def _check_all_or_nothing(mesh, rank):
+    model, ref, opt, snap = _stepped_once(mesh)
     _set_grads(model, ref, 1)
     if rank == 1:  # a NaN in rank 1's shard of the embedding only
         model.embed.weight.grad.to_local()[3, 2] = float("nan")
@@ -261,25 +284,14 @@ def _check_all_or_nothing(mesh, rank):
     _assert_unchanged(model, opt, snap, "missing grad")
     # a flatten that fails on one rank after the collectives
     _set_grads(model, ref, 1)
-    real = DT._gram_polar
-    if rank == 0:
-        def broken(items, *args):
-            real(items, *args)
-            raise RuntimeError("injected Gram failure")
-        DT._gram_polar = broken
-    with pytest.raises(DistributedStepError, match="rank 0: RuntimeError: injected Gram failure"):
-        opt.step()
-    DT._gram_polar = real
+    with _replaced(gram_route, "_gram_results", "injected Gram failure", rank == 0, call_real=True):
+        with pytest.raises(DistributedStepError, match="rank 0: RuntimeError: injected Gram failure"):
+            opt.step()
     _assert_unchanged(model, opt, snap, "failed flatten")
     # an owner whose flatten fails (after the first all-to-all, before the second)
-    real_flatten = DT.iso_merge_unchecked_
-    if rank == 1:
-        def broken_flatten(buckets, method):
-            raise RuntimeError("injected owner failure")
-        DT.iso_merge_unchecked_ = broken_flatten
-    with pytest.raises(DistributedStepError, match="rank 1: RuntimeError: injected owner failure"):
-        opt.step()
-    DT.iso_merge_unchecked_ = real_flatten
+    with _replaced(R, "iso_merge_unchecked_", "injected owner failure", rank == 1):
+        with pytest.raises(DistributedStepError, match="rank 1: RuntimeError: injected owner failure"):
+            opt.step()
     _assert_unchanged(model, opt, snap, "failed owner flatten")
     # an update that would overflow one rank's param shard: refused everywhere before any write
     _set_grads(model, ref, 1)
@@ -377,12 +389,7 @@ def _check_refusals(mesh):
 def _check_general_mesh(mesh, what):
     """Meshes with two dimensions take the general full_tensor() path: same result as single-process."""
     model, ref = _fsdp_llama(mesh)
-    opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8, method="svd")
-    ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method="svd")
-    for s in range(2):
-        _set_grads(model, ref, s)
-        opt.step()
-        ref_opt.step()
+    opt, ref_opt = _step_both(model, ref, 2, "svd")
     assert all(p.device_mesh.ndim == 2 for p in model.parameters())
     _compare(model, ref, opt, ref_opt, what)
     n2d = sum(p.numel() for p in ref.parameters() if p.ndim == 2)
@@ -405,12 +412,7 @@ def _check_fsdp_tp(mesh):
     fully_shard(mlp, mesh=mesh["dp"])
     assert type(mlp.w1.weight.placements[0]).__name__ == "_StridedShard", mlp.w1.weight.placements
     assert mlp.w3.weight.device_mesh.ndim == 1
-    opt = IsoLoCo(mlp.parameters(), lr=1.8, momentum=0.8, method="svd")
-    ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method="svd")
-    for s in range(2):
-        _set_grads(mlp, ref, s)
-        opt.step()
-        ref_opt.step()
+    opt, ref_opt = _step_both(mlp, ref, 2, "svd")
     _compare(mlp, ref, opt, ref_opt, "FSDP x TP 2x2")
 
 
@@ -546,8 +548,16 @@ def test_dtensor_four_ranks(tmp_path, monkeypatch):
 
 def test_routes_and_bytes():
     """The route rule (bytes per rank) and the wire-byte counts, no process group needed."""
-    assert DT.shard_sizes(101, 2) == [(0, 51), (51, 50)]
-    assert DT.shard_sizes(5, 4) == [(0, 2), (2, 2), (4, 1), (5, 0)]
+    from bench.dtensor_bytes import wire_bytes
+
+    assert shard_sizes(101, 2) == [(0, 51), (51, 50)]
+    assert shard_sizes(5, 4) == [(0, 2), (2, 2), (4, 1), (5, 0)]
+    # one matrix's layout: every rank's piece, and a rank's piece of the whole matrix
+    lay = ShardLayout((7, 5), 1, 3, 2)
+    assert lay.sizes == [(0, 2), (2, 2), (4, 1)] and [lay.numel(r) for r in range(3)] == [14, 14, 7]
+    assert lay.piece_shape(0) == (7, 2) and lay.piece_shape(2) == (7, 1)
+    whole = torch.arange(35.0).view(7, 5)
+    assert torch.equal(lay.piece(whole), whole[:, 4:]) and torch.equal(lay.piece(whole, 1), whole[:, 2:4])
     assert DT.route_for((32000, 1024), 0, 8, 4) == "gram"  # vocab × hidden: the Gram
     assert DT.route_for((1024, 1024), 0, 8, 4) == "owner"  # square: d² float64 > the matrix
     assert DT.route_for((1024, 1024), 0, 8, 4, "gram") == "gram"
@@ -557,13 +567,14 @@ def test_routes_and_bytes():
     assert DT.route_for((16 * 1024 + 64, 1024), 0, 8, 4) == "gram" and DT.route_for((16 * 1024 - 64, 1024), 0, 8, 4) == "owner"
     assert DT.route_for((5 * 1024, 1024), 0, 2, 4) == "gram" and DT.route_for((3 * 1024, 1024), 0, 2, 4) == "owner"
     assert DT.route_for((6 * 1024, 1024), 0, 2, 2) == "gram" and DT.route_for((5 * 1024, 1024), 0, 2, 2) == "owner"
-    assert DT.owner_bytes((1024, 1024), 0, 2, 2) == 1 / 4 * 1024 * 1024 * (2 + 4)
+    assert R.owner_bytes((1024, 1024), 0, 2, 2) == 1 / 4 * 1024 * 1024 * (2 + 4)
     assert DT.route_for((7, 5), None, 8, 4) == "local" and DT.route_for((7, 5), 0, 1, 4) == "local"
-    b = DT.wire_bytes([(32000, 1024), (1024,)], 4)
+    b = wire_bytes([(32000, 1024), (1024,)], 4)
     assert b["gram_or_gather"] == b["chosen"] == 2 * 3 / 4 * 8 * 1024**2
-    assert DT.wire_bytes([(1024, 1024)], 4, mode="owner")["chosen"] == 2 * 3 / 16 * 1024 * 1024 * 4
+    assert wire_bytes([(1024, 1024)], 4, mode="owner")["chosen"] == 2 * 3 / 16 * 1024 * 1024 * 4
     assert b["allgather"] == 3 * 8000 * 1024 * 4 and b["owner"] == 2 * 3 / 16 * 32000 * 1024 * 4
-    assert DT.plan_owners([(4, 4), (8, 8), (2, 2), (8, 8)], 2) == [0, 0, 1, 1]
+    # the owner route's owners: plan_shards, largest flatten cost first to the least loaded rank
+    assert plan_shards([(4, 4), (8, 8), (2, 2), (8, 8)], 2, solo_above=None).owners == (0, 0, 1, 1)
 
 
 def test_gram_from_a0_matches_flatten_gram_and_falls_back_deterministically():
@@ -625,27 +636,23 @@ def test_gram_from_a0_certifies_the_rank_cut_like_flatten_gram(kind, cond, certi
 # collectives (or before the first agreement); the rank must still join every collective, so every
 # rank raises DistributedStepError within seconds and nothing changes.
 INJECTIONS = [
-    pytest.param("_StepPlan", "auto", id="plan-before-agreement"),
-    pytest.param("_gram_into", "gram", id="gram-before-allreduce"),
-    pytest.param("_gram_results", "gram", id="gram-after-allreduce"),
-    pytest.param("_gather_pack", "gather", id="gather-pack"),
-    pytest.param("_gather_unpack", "gather", id="gather-unpack"),
-    pytest.param("_owner_pack", "owner", id="owner-pack"),
-    pytest.param("_owner_unpack", "owner", id="owner-unpack"),
-    pytest.param("_flatten_whole", "owner", id="owner-flatten"),
-    pytest.param("_owner_return", "owner", id="owner-return-between-all-to-alls"),
-    pytest.param("_owner_receive", "owner", id="owner-receive"),
-    pytest.param("_my_shard", "gather", id="gather-my-shard"),
-    pytest.param("_prepare_nesterov", "auto", id="nesterov"),
+    pytest.param("dtensor._Routes", "auto", id="plan-before-agreement"),
+    pytest.param("gram_route._gram_into", "gram", id="gram-before-allreduce"),
+    pytest.param("gram_route._gram_results", "gram", id="gram-after-allreduce"),
+    pytest.param("collectives._gather_pack", "gather", id="gather-pack"),
+    pytest.param("collectives._gather_unpack", "gather", id="gather-unpack"),
+    pytest.param("collectives._owner_pack", "owner", id="owner-pack"),
+    pytest.param("collectives._owner_unpack", "owner", id="owner-unpack"),
+    pytest.param("routes._flatten_whole", "owner", id="owner-flatten"),
+    pytest.param("collectives._owner_pack_results", "owner", id="owner-return-between-all-to-alls"),
+    pytest.param("collectives._owner_receive", "owner", id="owner-receive"),
+    pytest.param("routes._my_shard", "gather", id="gather-my-shard"),
+    pytest.param("dtensor._prepare_nesterov", "auto", id="nesterov"),
 ]
 
 
 def _check_injected_failures(mesh, rank):
-    model, ref = _fsdp_llama(mesh)
-    opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8)
-    _set_grads(model, ref, 0)
-    opt.step()
-    snap = _snapshot(model, opt)
+    model, ref, opt, snap = _stepped_once(mesh)
     for k, case in enumerate(INJECTIONS):
         name, route = case.values
         who = k % 2  # the rank that fails, alternating
@@ -677,10 +684,7 @@ def _check_load_refusals(mesh, rank):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate
 
-    model, ref = _fsdp_llama(mesh)
-    opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8)
-    _set_grads(model, ref, 0)
-    opt.step()
+    model, ref, opt, _ = _stepped_once(mesh)
     params = list(model.parameters())
     q = next(i for i, (n, _) in enumerate(model.named_parameters()) if n.endswith("0.q.weight"))  # 16 × 16
     k = q + 1  # 0.k.weight, 16 × 16 too
@@ -834,7 +838,8 @@ def _check_exact_path_failures(mesh, rank):
               for d, gr in enumerate(grads)]
     opt = IsoLoCo(params, lr=1.0, momentum=0.5)
     opt.dtensor_route = "gram"
-    for k, name in enumerate(("_gram_results", "_gather_pack", "_gather_unpack", "_flatten_whole")):
+    for k, name in enumerate(("gram_route._gram_results", "collectives._gather_pack", "collectives._gather_unpack",
+                              "routes._flatten_whole")):
         who = k % 2
         for d, (p, gr) in enumerate(zip(params, grads)):
             p.grad = distribute_tensor(gr, mesh, [Shard(d)], src_data_rank=None)

@@ -1,11 +1,16 @@
 """IsoLoCo over torch.distributed.
 
-- `agree.py`: agree before writing, the one failure protocol of every collective entry point;
-- `plan.py`: who owns which tensor (`plan_shards`, `ShardPlan`);
-- `collectives.py`: chunked, pipelined collectives and `average_` (DiLoCo's all-reduce-mean);
+- `agree.py`: agree before writing, the one failure protocol of every collective entry point
+  (`Agreement`: attempt / settle);
+- `plan.py`: who owns which tensor (`plan_shards`, `ShardPlan`); how a DTensor matrix is split
+  over a 1-D mesh (`ShardLayout`);
+- `collectives.py`: chunked, pipelined collectives, `average_` (DiLoCo's all-reduce-mean), and the
+  DTensor routes' all-gather and owner all-to-alls of shards;
 - `sharded.py`: `ShardedIsoLoCo`, the outer step with each tensor stepped by one rank;
 - `merge.py`: `sharded_iso_merge_`, Iso-C of already-averaged buckets with the work split;
-- `dtensor.py`: `IsoLoCo.step` on DTensor params (FSDP2, tensor parallel).
+- `process_group.py`: `IsoLoCo.step` over a process group (`IsoLoCo(process_group=...)`);
+- `dtensor.py`: `IsoLoCo.step` on DTensor params (FSDP2, tensor parallel): checks and the router;
+  `routes.py` and `gram_route.py`: its routes.
 """
 from .agree import DistributedStepError
 from .collectives import average_

@@ -10,8 +10,10 @@ nothing was written on any rank. A rank that fails must still reach the agreemen
 catch its exception first); a rank that dies is caught by the process group's timeout.
 
 `agree` runs over a process group (one all-gather); `agree_on_mesh` over a DeviceMesh of any
-number of dimensions (one all-reduce per dimension), for the DTensor step. Every tensor the
-package hands to a collective of a group lives on `comm_device(group)`.
+number of dimensions (one all-reduce per dimension), for the DTensor step. `Agreement` is the
+step protocol every entry point runs on them (check → agree → compute → agree → write): local work
+under `attempt`, one `settle` per agreement. Every tensor the package hands to a collective of a
+group lives on `comm_device(group)`.
 """
 from __future__ import annotations
 
@@ -20,16 +22,20 @@ import hashlib
 import math
 import numbers
 import pickle
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-# torch 2.14 renamed the single-tensor collectives; older releases only have the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+# torch 2.14 renamed the single-tensor all-gather; older releases only have the old name (the
+# package's one copy of this shim; builds without torch.distributed have neither: importing stays
+# fine, calling raises in group_info).
+all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 
-__all__ = ["DistributedStepError", "agree", "agree_on_mesh", "agreed_init", "check_on_comm_device", "comm_device",
-           "describe", "error_text", "fingerprint", "gather_objects", "group_info", "largest_mesh", "optimizer_settings"]
+__all__ = ["Agreement", "DistributedStepError", "agree", "agree_on_mesh", "agreed_init", "all_gather_single",
+           "check_on_comm_device", "comm_device", "describe", "error_text", "fingerprint", "gather_objects",
+           "group_info", "largest_mesh", "optimizer_settings", "renamed_keyword"]
 
 
 class DistributedStepError(RuntimeError):
@@ -107,6 +113,21 @@ def optimizer_settings(opt, **extra) -> dict[str, str]:
     return out
 
 
+def renamed_keyword(extra: dict, old: str, new: str, value, default, where: str):
+    """The value of keyword `new`, or of its deprecated old name `old` when `extra` (the caller's
+    other keywords) holds it (then a DeprecationWarning). Another keyword in `extra`, or both names
+    given, raise TypeError."""
+    unknown = sorted(set(extra) - {old})
+    if unknown:
+        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+    if old not in extra:
+        return value
+    if value is not default:
+        raise TypeError(f"{where}: {old}= is the old name of {new}=; pass {new}= only")
+    warnings.warn(f"{where}: {old}= is deprecated, pass {new}= instead", DeprecationWarning, stacklevel=3)
+    return extra[old]
+
+
 def gather_objects(obj, group) -> list:
     """Every rank's picklable `obj`, in rank order: two all-gathers on `comm_device(group)` (the
     sizes, then the padded bytes), so the object exchange follows the same device rule as the rest."""
@@ -115,12 +136,12 @@ def gather_objects(obj, group) -> list:
     data = pickle.dumps(obj)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = torch.empty(world, dtype=torch.int64, device=device)
-    _all_gather_single(sizes, size, group=group)
+    all_gather_single(sizes, size, group=group)
     sizes = sizes.tolist()
     mine = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     every = torch.empty(world * max(sizes), dtype=torch.uint8, device=device)
-    _all_gather_single(every, mine, group=group)
+    all_gather_single(every, mine, group=group)
     rows = every.view(world, -1).cpu()
     return [pickle.loads(bytes(rows[r, : sizes[r]].tolist())) for r in range(world)]
 
@@ -184,7 +205,7 @@ def agree(error: Optional[str], group, what: str, *, fp: Optional[int] = None,
     mine = torch.tensor([int(error is not None), _settings_fp(fp, settings) if check else 0],
                         dtype=torch.int64, device=device)
     every = torch.empty(2 * world, dtype=torch.int64, device=device)
-    _all_gather_single(every, mine, group=group)
+    all_gather_single(every, mine, group=group)
     flags, prints = every.view(world, 2).cpu().unbind(1)
     failed = flags.nonzero().view(-1).tolist()
     if not failed and (not check or prints.unique().numel() == 1):
@@ -219,6 +240,54 @@ def agree_on_mesh(error: Optional[str], mesh, what: str, fp: int = 0,
     texts = [known.get(i, (None, None))[0] for i in range(size)]
     sets = [known.get(i, (None, None))[1] for i in range(size)]
     _raise(what, size, failed, texts, sets, prints.tolist(), mismatch, names=ranks)
+
+
+class Agreement:
+    """The step protocol of a collective entry point: check → agree → compute → agree → write.
+
+    Local work runs under `attempt`; its first exception is kept, and from then on this rank skips
+    its local work (attempt returns None) but still joins every collective the caller issues, so no
+    rank waits on it. `settle` is one agreement over the process group `group` (or the DeviceMesh
+    `mesh`): if any rank's attempts failed, or the fingerprints or settings differ, every rank
+    raises DistributedStepError and nothing has been written anywhere (writes come after the last
+    settle). `alone`: a group of one rank, where attempt raises at once and settle has nothing to do.
+    """
+
+    def __init__(self, what: str, group=None, mesh=None, *, alone: bool = False,
+                 mismatch: Optional[str] = None):
+        self.what, self.group, self.mesh, self.alone, self.mismatch = what, group, mesh, alone, mismatch
+        self.error: Optional[BaseException] = None
+
+    def attempt(self, fn: Callable, *args):
+        """fn(*args), or None once any attempt of this rank failed (the failure is kept for `settle`)."""
+        if self.error is not None:
+            return None
+        if self.alone:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 — every rank must learn of it at the next settle
+            self.error = e
+            return None
+
+    def settle(self, fp: Optional[int] = None, settings: Optional[dict] = None, *, own_error: bool = False) -> None:
+        """One agreement on (failed?, fingerprint `fp` and `settings`); raises DistributedStepError on
+        every rank if any rank failed or they differ. own_error: a rank that failed raises its own
+        exception instead (the others still DistributedStepError naming it)."""
+        if self.alone:
+            return
+        text = None if self.error is None else error_text(self.error)
+        settings = None if self.error is not None else settings
+        extra = {} if self.mismatch is None else {"mismatch": self.mismatch}
+        try:
+            if self.mesh is not None:
+                agree_on_mesh(text, self.mesh, self.what, fp or 0, settings=settings, **extra)
+            else:
+                agree(text, self.group, self.what, fp=fp, settings=settings, **extra)
+        except DistributedStepError:
+            if own_error and self.error is not None:
+                raise self.error from None
+            raise
 
 
 def _listed(params):
@@ -294,22 +363,9 @@ def agreed_init(where: str, settings: Callable[[Any], dict]):
                     mesh = _dtensor_mesh(kwargs["params"])
             if (group is None and mesh is None) or (mesh.size() if mesh is not None else group_info(group)[1]) == 1:
                 return init(self, *args, **kwargs)
-            failure, mine = None, None
-            try:
-                init(self, *args, **kwargs)
-                mine = settings(self)
-            except Exception as e:  # noqa: BLE001 — every rank must learn of it
-                failure = e
-            text = None if failure is None else error_text(failure)
-            try:
-                if mesh is not None:
-                    agree_on_mesh(text, mesh, where, settings=mine)
-                else:
-                    agree(text, group, where, settings=mine)
-            except DistributedStepError:
-                if failure is not None:
-                    raise failure from None
-                raise
+            ag = Agreement(where, group, mesh)
+            ag.attempt(lambda: init(self, *args, **kwargs))
+            ag.settle(settings=ag.attempt(settings, self), own_error=True)
 
         return wrapper
 

@@ -1,4 +1,5 @@
-"""Chunked, pipelined collectives for the sharded outer step and `average_`.
+"""Chunked, pipelined collectives for the sharded outer step and `average_`; the DTensor step's
+padded all-gather and owner all-to-alls of matrix shards.
 
 Every helper moves data in chunks of about `bucket_bytes` with at most two asynchronous
 collectives in flight (`InFlight`), so extra memory is a few chunks, never a copy of the model.
@@ -10,24 +11,29 @@ mean fits gives the mean, and a bfloat16 mean over many ranks is rounded once, n
 """
 from __future__ import annotations
 
+import numbers
 from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .._validate import check_all_finite, check_writable, compute_dtype
-from .agree import agree, comm_device, describe, error_text, fingerprint, group_info
-from .plan import ShardPlan, owned_views
+from .agree import Agreement, all_gather_single, comm_device, describe, fingerprint, group_info
+from .plan import ShardPlan, owned_views, plan_shards
 
 __all__ = ["BUCKET_BYTES", "average_"]
 
 #: Default size of one communication chunk (all ranks' pieces together), as DDP's 25 MB buckets.
 BUCKET_BYTES = 25 * 1024 * 1024
 
-# torch 2.14 renamed the single-tensor collectives; older releases only have the old names.
-# (Builds without torch.distributed have neither: importing stays fine, calling raises in group_info.)
-all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+# torch 2.14 renamed the single-tensor reduce-scatter; older releases only have the old name.
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+
+
+def check_chunk_bytes(value, where: str) -> None:
+    """A communication chunk size must be a positive int (`where`: e.g. "average_: bucket_bytes")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{where} must be a positive int, got {value!r}")
 
 
 def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -91,25 +97,13 @@ def average_(
     """
     tensors = list(tensors)
     _, world = group_info(group)
-    error = None
-    try:
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"average_: tensor {i} is a {type(t).__name__}, not a torch.Tensor")
-            if not t.is_floating_point():
-                raise TypeError(f"average_: tensor {i} has dtype {t.dtype}; a mean needs a floating dtype")
-        names = [f"average_: tensor {i}" for i in range(len(tensors))]
-        check_writable(tensors, names)
-        check_all_finite(tensors, names)  # NaN/Inf would spread to every rank
-    except Exception as e:  # noqa: BLE001
-        if world == 1:
-            raise
-        error = error_text(e)
+    ag = Agreement("average_", group, alone=world == 1)
+    ag.attempt(_check_average, tensors)
     if world == 1:
         return tensors
     # Agree before the first all-reduce: a rank with bad input, or ranks passing different shapes,
     # dtypes or chunk sizes (gloo would abort the process on a size mismatch), fail on every rank.
-    agree(error, group, "average_", fp=fingerprint(describe(tensors)), settings={"bucket_bytes": repr(bucket_bytes)})
+    ag.settle(fingerprint(describe(tensors)), {"bucket_bytes": repr(bucket_bytes)})
     device = comm_device(group)
     by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -142,6 +136,17 @@ def average_(
             if not tensors[i].is_contiguous():
                 tensors[i].copy_(flats[i].view(tensors[i].shape))
     return tensors
+
+
+def _check_average(tensors) -> None:
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"average_: tensor {i} is a {type(t).__name__}, not a torch.Tensor")
+        if not t.is_floating_point():
+            raise TypeError(f"average_: tensor {i} has dtype {t.dtype}; a mean needs a floating dtype")
+    names = [f"average_: tensor {i}" for i in range(len(tensors))]
+    check_writable(tensors, names)
+    check_all_finite(tensors, names)  # NaN/Inf would spread to every rank
 
 
 def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, bucket_bytes) -> torch.Tensor:
@@ -281,3 +286,140 @@ def scatter_into(plan, dtype, own, tensors, rank, group, bucket_bytes) -> None:
     for i, f in flats.items():
         if not tensors[i].is_contiguous():
             tensors[i].copy_(f.view(tensors[i].shape))
+
+
+# -- DTensor matrices sharded on a 1-D mesh (`plan.ShardLayout`): the gather and owner routes'
+#    collectives. Packing and unpacking run under the caller's `attempt` (agree.Agreement): a rank
+#    whose local work failed sends zeros of the planned size and still joins, so none waits on it.
+#    `shards`: this rank's local pieces; `devices`: where each whole matrix or result goes.
+
+
+class GatherSegments:
+    """Where each matrix's shards sit in one padded all-gather: per matrix, the offset of its
+    piece in every rank's segment; the longest segment."""
+
+    def __init__(self, layouts):
+        self.layouts = list(layouts)
+        self.world = self.layouts[0].world if self.layouts else 1
+        seg = [0] * self.world
+        self.offs = []
+        for lay in self.layouts:
+            self.offs.append(list(seg))
+            for r in range(self.world):
+                seg[r] += lay.numel(r)
+        self.longest = max(seg)
+
+
+def all_gather_shards(group, dtype, segs: GatherSegments, shards, devices, attempt):
+    """The whole matrices of `segs` on every rank (one padded all-gather on the group's
+    communication device): (the list, or None once local work failed; elements received)."""
+    send = torch.zeros(segs.longest, dtype=dtype, device=comm_device(group))
+    attempt(_gather_pack, segs, shards, send)
+    recv = torch.empty(segs.world * segs.longest, dtype=dtype, device=comm_device(group))
+    all_gather_single(recv, send, group=group)
+    return attempt(_gather_unpack, segs, recv, devices), recv.numel()
+
+
+def _gather_pack(segs: GatherSegments, shards, send: torch.Tensor) -> None:
+    """This rank's shards into its segment of the all-gather."""
+    for lay, o, loc in zip(segs.layouts, segs.offs, shards):
+        send[o[lay.rank] : o[lay.rank] + loc.numel()].copy_(loc.reshape(-1))
+
+
+def _gather_unpack(segs: GatherSegments, recv: torch.Tensor, devices) -> list[torch.Tensor]:
+    """Whole matrices from every rank's segment of the all-gather."""
+    rows = recv.view(segs.world, segs.longest)
+    out = []
+    for lay, o, dev in zip(segs.layouts, segs.offs, devices):
+        pieces = [rows[r, o[r] : o[r] + lay.numel(r)].view(lay.piece_shape(r)) for r in range(segs.world)]
+        out.append(torch.cat(pieces, dim=lay.dim).to(dev))
+    return out
+
+
+class OwnerSplits:
+    """The owner route's two all-to-alls for matrices of one dtype on one mesh: each matrix's owner
+    (`plan_shards`: largest flatten cost first, to the least loaded rank) and the per-rank split
+    sizes, out (shards to the owners) and back (results to every rank). `names`: the matrices'
+    names in errors."""
+
+    def __init__(self, layouts, names):
+        self.layouts, self.names = list(layouts), list(names)
+        world = self.layouts[0].world if self.layouts else 1
+        me = self.layouts[0].rank if self.layouts else 0
+        self.world, self.me = world, me
+        self.owners = plan_shards([lay.shape for lay in self.layouts], world, solo_above=None).owners
+        self.mine = [j for j, o in enumerate(self.owners) if o == me]
+        self.out_send = [sum(lay.numel(me) for lay, o in zip(self.layouts, self.owners) if o == r)
+                         for r in range(world)]
+        self.out_recv = [sum(self.layouts[j].numel(r) for j in self.mine) for r in range(world)]
+
+
+def owner_collect(group, dtype, splits: OwnerSplits, shards, devices, attempt):
+    """Out: every rank's shard of each matrix to its owner. ({j: whole matrix} for the matrices this
+    rank owns, or None once local work failed; elements sent to other ranks)."""
+    recv, sent = _owner_all_to_all(group, dtype, splits.out_send, splits.out_recv, attempt, _owner_pack, splits, shards)
+    return attempt(_owner_unpack, splits, recv, devices), sent
+
+
+def owner_return(group, dtype, splits: OwnerSplits, results: dict, devices, attempt):
+    """Back: each owner's results `results` ({j: whole matrix}, in `dtype`) to every rank, in pieces.
+    ({j: this rank's piece} for every matrix, or None once local work failed; elements sent)."""
+    recv, sent = _owner_all_to_all(group, dtype, splits.out_recv, splits.out_send, attempt, _owner_pack_results,
+                                   splits, results)
+    return attempt(_owner_receive, splits, recv, devices), sent
+
+
+def _owner_all_to_all(group, dtype, send_split, recv_split, attempt, pack, *args) -> tuple[torch.Tensor, int]:
+    """One all-to-all on the group's communication device: `pack(*args, send)` fills the send
+    buffer under `attempt`. Returns (what arrived, elements sent to other ranks)."""
+    send = torch.zeros(sum(send_split), dtype=dtype, device=comm_device(group))
+    attempt(pack, *args, send)
+    recv = torch.empty(sum(recv_split), dtype=dtype, device=comm_device(group))
+    dist.all_to_all_single(recv, send, recv_split, send_split, group=group)
+    return recv, send.numel() - send_split[dist.get_rank(group)]
+
+
+def _owner_pack(splits: OwnerSplits, shards, send: torch.Tensor) -> None:
+    """This rank's shard of each matrix into its owner's part of the outgoing all-to-all."""
+    off = [sum(splits.out_send[:r]) for r in range(splits.world)]
+    for loc, o in zip(shards, splits.owners):
+        send[off[o] : off[o] + loc.numel()].copy_(loc.reshape(-1))
+        off[o] += loc.numel()
+
+
+def _owner_unpack(splits: OwnerSplits, recv: torch.Tensor, devices) -> dict[int, torch.Tensor]:
+    """{j: whole matrix} for the matrices this rank owns, from every rank's shard."""
+    pieces: dict[int, list] = {j: [] for j in splits.mine}
+    pos = 0
+    for r in range(splits.world):
+        for j in splits.mine:
+            lay = splits.layouts[j]
+            pieces[j].append(recv[pos : pos + lay.numel(r)].view(lay.piece_shape(r)))
+            pos += lay.numel(r)
+    return {j: torch.cat(pieces[j], dim=splits.layouts[j].dim).to(devices[j]) for j in splits.mine}
+
+
+def _owner_pack_results(splits: OwnerSplits, results: dict, send: torch.Tensor) -> None:
+    """The owner's results into the returning all-to-all: each rank's piece of each matrix this
+    rank owns. Every result must be there."""
+    pos = 0
+    for r in range(splits.world):
+        for j in splits.mine:
+            lay, res = splits.layouts[j], results.get(j)
+            if res is None:
+                raise RuntimeError(f"IsoLoCo: {splits.names[j]}: the owner has no Iso-C result to return")
+            send[pos : pos + lay.numel(r)].copy_(lay.piece(res, r).reshape(-1))
+            pos += lay.numel(r)
+
+
+def _owner_receive(splits: OwnerSplits, recv: torch.Tensor, devices) -> dict[int, torch.Tensor]:
+    """{j: this rank's piece of the result} for every matrix, from the owners' parts."""
+    out, pos = {}, 0
+    for r in range(splits.world):
+        for j, o in enumerate(splits.owners):
+            if o == r:
+                lay = splits.layouts[j]
+                n = lay.numel(lay.rank)
+                out[j] = recv[pos : pos + n].view(lay.piece_shape(lay.rank)).to(devices[j])
+                pos += n
+    return out

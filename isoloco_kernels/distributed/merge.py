@@ -5,7 +5,6 @@ Iso-C-flattens the matrices `plan_shards` gives it and the results are all-gathe
 """
 from __future__ import annotations
 
-import numbers
 from typing import Iterable, Optional
 
 import torch
@@ -13,8 +12,8 @@ import torch
 from .._validate import check_all_finite, check_matrix_tensor, check_writable
 from ..flatten import check_method
 from ..ops import iso_merge_unchecked_
-from .agree import agree, check_on_comm_device, comm_device, error_text, group_info
-from .collectives import BUCKET_BYTES, broadcast_into, scatter_into
+from .agree import Agreement, check_on_comm_device, comm_device, group_info, renamed_keyword
+from .collectives import BUCKET_BYTES, broadcast_into, check_chunk_bytes, scatter_into
 from .plan import plan_shards
 
 __all__ = ["sharded_iso_merge_"]
@@ -27,47 +26,32 @@ def sharded_iso_merge_(
     group=None,
     *,
     method: str = "auto",
-    bucket_bytes: int = BUCKET_BYTES,
+    chunk_bytes: int = BUCKET_BYTES,
     solo_above: Optional[float] = 1.0,
+    **old,
 ) -> list[torch.Tensor]:
     """`iso_merge_` for buckets that are already equal on every rank, with the work split.
 
     The unit of work is one matrix (a [B, m, n] bucket is B units), so a few large buckets still
     spread over many ranks. Each rank flattens the matrices `plan_shards` gives it, batched per
     bucket; the results are all-gathered into every rank's buckets (solo matrices: broadcast from
-    their owner). The result equals `iso_merge_(buckets, method=method)` on every rank.
+    their owner), in communication chunks of about `chunk_bytes`. The result equals
+    `iso_merge_(buckets, method=method)` on every rank.
     All-or-nothing across the group: bad input on any rank (method, type, dtype, shape, NaN/Inf,
     buckets off the group's communication device) or ranks passing different shapes, method,
-    bucket_bytes or solo_above raise DistributedStepError on every rank (naming the ranks and what
-    differs) and no bucket changes.
+    chunk_bytes or solo_above raise DistributedStepError on every rank (naming the ranks and what
+    differs) and no bucket changes. `bucket_bytes=` is the old name of chunk_bytes (deprecated).
     """
+    chunk_bytes = renamed_keyword(old, "bucket_bytes", "chunk_bytes", chunk_bytes, BUCKET_BYTES, "sharded_iso_merge_")
     buckets = list(buckets)
     rank, world = group_info(group)
-    error, plan, units = None, None, []
-    try:  # every check inside: a rank that refuses its arguments must still reach the agreement
-        check_method(method)
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 1:
-            raise ValueError(f"sharded_iso_merge_: bucket_bytes must be a positive int, got {bucket_bytes!r}")
-        names = [f"bucket {i}" for i in range(len(buckets))]
-        for b, name in zip(buckets, names):
-            check_matrix_tensor(b, name)
-        if world > 1:
-            check_on_comm_device(buckets, [f"sharded_iso_merge_: {n}" for n in names], group)
-        units = [(k, j) for k, b in enumerate(buckets) for j in (range(b.shape[0]) if b.ndim == 3 else (None,))]
-        plan = plan_shards(
-            [buckets[k].shape[-2:] for k, _ in units], world, dtypes=[buckets[k].dtype for k, _ in units],
-            solo_above=solo_above,
-        )
-        check_writable(buckets, names)
-        mine = sorted({units[u][0] for u in plan.owned(rank)})
-        check_all_finite([buckets[k] for k in mine], [names[k] for k in mine])
-    except Exception as e:  # noqa: BLE001 — any failure must reach the other ranks
-        error = error_text(e)
+    ag = Agreement("sharded_iso_merge_", group, mismatch=PLAN_MISMATCH)
+    # every check inside: a rank that refuses its arguments must still reach the agreement
+    units, plan = ag.attempt(_plan, buckets, rank, world, group, method, chunk_bytes, solo_above) or ([], None)
     # the settings that change which collectives run (plan, chunk size) or what is written (method)
-    settings = None if error else {"method": repr(method), "bucket_bytes": repr(bucket_bytes),
-                                   "solo_above": repr(solo_above),
-                                   "shard plan (bucket shapes and dtypes)": f"{plan.fingerprint:#x}"}
-    agree(error, group, "sharded_iso_merge_", mismatch=PLAN_MISMATCH, settings=settings)
+    ag.settle(settings=None if plan is None else {
+        "method": repr(method), "chunk_bytes": repr(chunk_bytes), "solo_above": repr(solo_above),
+        "shard plan (bucket shapes and dtypes)": f"{plan.fingerprint:#x}"})
     device = comm_device(group)
 
     def unit(u: int) -> torch.Tensor:
@@ -95,11 +79,8 @@ def sharded_iso_merge_(
             solo_mine.setdefault(units[u][0], []).append(u)
     for us in solo_mine.values():
         batches.append((torch.stack([unit(u) for u in us]), us))
-    try:
-        iso_merge_unchecked_([blk for blk, _ in batches], method)  # checked above
-    except Exception as e:  # any failure must reach the other ranks before they write
-        error = error_text(e)
-    agree(error, group, "sharded_iso_merge_")
+    ag.attempt(iso_merge_unchecked_, [blk for blk, _ in batches], method)  # checked above
+    ag.settle()  # any failure reaches the other ranks before they write
 
     for blk, us in batches:
         if us is not None:
@@ -107,7 +88,27 @@ def sharded_iso_merge_(
                 unit(u).copy_(r)
     flat_units = [unit(u) for u in range(len(units))]
     for dt, own in owns.items():
-        scatter_into(plan, dt, own, flat_units, rank, group, bucket_bytes)
+        scatter_into(plan, dt, own, flat_units, rank, group, chunk_bytes)
     for u in sorted(plan.solo):
-        broadcast_into(flat_units[u], plan.owners[u], group, bucket_bytes)
+        broadcast_into(flat_units[u], plan.owners[u], group, chunk_bytes)
     return buckets
+
+
+def _plan(buckets, rank, world, group, method, chunk_bytes, solo_above):
+    """Every check of sharded_iso_merge_'s arguments; (the units: (bucket, matrix or None), the plan)."""
+    check_method(method)
+    check_chunk_bytes(chunk_bytes, "sharded_iso_merge_: chunk_bytes")
+    names = [f"bucket {i}" for i in range(len(buckets))]
+    for b, name in zip(buckets, names):
+        check_matrix_tensor(b, name)
+    if world > 1:
+        check_on_comm_device(buckets, [f"sharded_iso_merge_: {n}" for n in names], group)
+    units = [(k, j) for k, b in enumerate(buckets) for j in (range(b.shape[0]) if b.ndim == 3 else (None,))]
+    plan = plan_shards(
+        [buckets[k].shape[-2:] for k, _ in units], world, dtypes=[buckets[k].dtype for k, _ in units],
+        solo_above=solo_above,
+    )
+    check_writable(buckets, names)
+    mine = sorted({units[u][0] for u in plan.owned(rank)})
+    check_all_finite([buckets[k] for k in mine], [names[k] for k in mine])
+    return units, plan

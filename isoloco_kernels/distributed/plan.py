@@ -1,10 +1,14 @@
 """Who owns which tensor in the sharded outer step, and how the tensors travel.
 
-Whole tensors, greedy largest-first by Iso-C cost m·n·min(m, n) (numel for 1-D tensors and for
+`plan_shards` (a `ShardPlan`) for ShardedIsoLoCo, sharded_iso_merge_ and the DTensor owner route:
+whole tensors, greedy largest-first by Iso-C cost m·n·min(m, n) (numel for 1-D tensors and for
 matrices with iso off), ties to the lowest rank, so every rank derives the same plan from the
 shapes alone. Tensors ride the reduce-scatter / all-gather in per-rank flat segments padded to
 the longest; a tensor larger than `solo_above` · (total elements) / world travels "solo" (reduce to
 its owner, broadcast back) so it pads nobody's segment.
+
+`ShardLayout`: how one DTensor matrix is split over a 1-D mesh (its shard dim, every rank's piece
+in torch.chunk sizes, this rank's piece of a whole), built once per matrix and step.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["ShardPlan", "iso_cost", "owned_views", "plan_shards"]
+__all__ = ["ShardLayout", "ShardPlan", "iso_cost", "owned_views", "plan_shards", "shard_sizes"]
 
 
 @dataclass(frozen=True)
@@ -137,3 +141,43 @@ def plan_shards(
 def owned_views(plan: ShardPlan, dtype, own: torch.Tensor, rank: int) -> dict[int, torch.Tensor]:
     per_rank, _ = plan.layout(dtype)
     return {i: own[off : off + plan.numel(i)].view(plan.shapes[i]) for i, off in per_rank[rank]}
+
+
+def shard_sizes(length: int, world: int) -> list[tuple[int, int]]:
+    """(start, size) of each rank's piece of a dimension of `length` over `world` ranks
+    (torch.chunk sizes, empty pieces at the end: DTensor's Shard and FSDP2's layout)."""
+    chunk = -(-length // world) if length else 0
+    out = []
+    for r in range(world):
+        a = min(r * chunk, length)
+        out.append((a, min(a + chunk, length) - a))
+    return out
+
+
+class ShardLayout:
+    """An m×n matrix split along `dim` over the `world` ranks of a 1-D mesh, seen from `rank`:
+    every rank's (start, size) along `dim` (`sizes`), its piece's element count and shape, and
+    this rank's piece of the whole matrix."""
+
+    def __init__(self, shape, dim: int, world: int, rank: int):
+        self.shape, self.dim, self.world, self.rank = tuple(shape), dim, world, rank
+        self.sizes = shard_sizes(self.shape[dim], world)
+        self.other = self.shape[1 - dim]  # the length of the dimension that is not split
+
+    @classmethod
+    def of(cls, p) -> "ShardLayout":
+        """The layout of a DTensor `p` with placements (Shard(dim),) on a 1-D mesh."""
+        mesh = p.device_mesh
+        return cls(p.shape, p.placements[0].dim, mesh.size(), mesh.get_local_rank())
+
+    def numel(self, r: int) -> int:
+        return self.sizes[r][1] * self.other
+
+    def piece_shape(self, r: int) -> tuple[int, int]:
+        n = self.sizes[r][1]
+        return (n, self.other) if self.dim == 0 else (self.other, n)
+
+    def piece(self, whole: torch.Tensor, r: Optional[int] = None) -> torch.Tensor:
+        """Rank r's piece (default: this rank's) of a whole matrix, laid out like its local shard."""
+        a, n = self.sizes[self.rank if r is None else r]
+        return whole.narrow(self.dim, a, n)

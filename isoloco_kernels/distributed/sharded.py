@@ -9,7 +9,6 @@ All-or-nothing across ranks (agree.py). README "Distributed" has the contract.
 """
 from __future__ import annotations
 
-import numbers
 from typing import Optional
 
 import torch
@@ -19,9 +18,9 @@ from ..flatten import check_method
 from ..ops import iso_merge_unchecked_
 from .._validate import check_all_finite
 from ..outer import SGD_KEYS, check_group, check_hyper, check_param_dtypes, collect, load_sgd_state, prepare_nesterov
-from .agree import DistributedStepError, agree, check_on_comm_device, error_text, group_info, optimizer_settings
-from .collectives import (BUCKET_BYTES, broadcast_into, flat_view, reduce_scatter_mean, reduce_to_owner,
-                          scatter_into)
+from .agree import Agreement, check_on_comm_device, group_info, optimizer_settings, renamed_keyword
+from .collectives import (BUCKET_BYTES, broadcast_into, check_chunk_bytes, flat_view, reduce_scatter_mean,
+                          reduce_to_owner, scatter_into)
 from .merge import PLAN_MISMATCH
 from .plan import owned_views, plan_shards
 
@@ -53,7 +52,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     which value. A rank whose constructor arguments are refused raises its own error, the others
     DistributedStepError naming it. Params must live on the group's communication device
     (`agree.comm_device`: CUDA for NCCL, the CPU for gloo). Param groups are fixed at construction
-    (`add_param_group` afterwards is refused).
+    (`add_param_group` afterwards is refused). `process_group`: the group (None: the default
+    group), as for IsoLoCo; `group=` is its old name (deprecated).
     """
 
     def __init__(
@@ -64,39 +64,34 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         *,
         iso: bool = True,
         method: str = "auto",
-        group=None,
+        process_group=None,
         bucket_bytes: int = BUCKET_BYTES,
         solo_above: Optional[float] = 1.0,
+        **old,
     ):
-        self.group = group
-        self.rank, self.world_size = group_info(group)
+        process_group = renamed_keyword(old, "group", "process_group", process_group, None, "ShardedIsoLoCo")
+        self.process_group = process_group
+        self.rank, self.world_size = group_info(process_group)
         self._built = False
         # Every rank constructs or none does (never a hang at step one): a rank whose arguments are
         # refused raises its error after the agreement, the others DistributedStepError naming it;
         # settings that differ between ranks raise DistributedStepError everywhere, naming them.
-        error = None
-        try:
-            self._build(params, lr, momentum, iso, method, bucket_bytes, solo_above)
-        except Exception as e:  # noqa: BLE001 — every rank must learn of it
-            if self.world_size == 1:
-                raise
-            error = e
-        try:
-            agree(None if error is None else error_text(error), group, "ShardedIsoLoCo()", mismatch=PLAN_MISMATCH,
-                  settings=self._settings() if error is None else None)
-        except DistributedStepError:
-            if error is not None:  # this rank's own error; the others raise DistributedStepError
-                raise error from None
-            raise
+        ag = Agreement("ShardedIsoLoCo()", process_group, alone=self.world_size == 1, mismatch=PLAN_MISMATCH)
+        ag.attempt(self._build, params, lr, momentum, iso, method, bucket_bytes, solo_above)
+        ag.settle(settings=ag.attempt(self._settings), own_error=True)
         self._built = True
+
+    @property
+    def group(self):
+        """The process group (the old name of `process_group`)."""
+        return self.process_group
 
     def _build(self, params, lr, momentum, iso, method, bucket_bytes, solo_above) -> None:
         check_hyper(lr, momentum, "ShardedIsoLoCo")
         check_method(method)
         if not isinstance(iso, bool):
             raise ValueError(f"ShardedIsoLoCo: iso must be a bool, got {iso!r}")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 1:
-            raise ValueError(f"ShardedIsoLoCo: bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        check_chunk_bytes(bucket_bytes, "ShardedIsoLoCo: bucket_bytes")
         super().__init__(params, dict(lr=lr, momentum=momentum, iso=iso, **SGD_KEYS))
         for k, g in enumerate(self.param_groups):
             check_group(g, f"ShardedIsoLoCo: param group {k}")
@@ -108,7 +103,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         check_param_dtypes(self._params, "ShardedIsoLoCo")
         if self.world_size > 1:  # the collectives carry the params' own memory (broadcasts)
             check_on_comm_device(self._params, [f"ShardedIsoLoCo: param {i}" for i in range(len(self._params))],
-                                 self.group)
+                                 self.process_group)
         for i, p in enumerate(self._params):
             if p.device != self._params[0].device:
                 raise ValueError(
@@ -153,26 +148,20 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss, error, grads = None, None, None
-        try:  # a closure that raises on one rank must still reach the agreement below
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            grads = self._check()
-        except Exception as e:  # noqa: BLE001
-            error = error_text(e)
+        ag = Agreement("ShardedIsoLoCo.step", self.process_group)
+        loss = None
+        if closure is not None:  # a closure that raises on one rank must still reach the agreement
+            with torch.enable_grad():
+                loss = ag.attempt(closure)
+        grads = ag.attempt(self._check)
         # Agree before the first collective: bad input, or settings that differ between ranks (lr,
         # method, bucket_bytes, … changed on one rank since construction), stop every rank here.
-        agree(error, self.group, "ShardedIsoLoCo.step", settings=self._settings() if error is None else None)
+        ag.settle(settings=ag.attempt(self._settings))
         segments, means = self._reduce(grads)
-        write = None
-        try:
-            write = self._compute(means)
-        except Exception as e:  # noqa: BLE001
-            error = error_text(e)
-        agree(error, self.group, "ShardedIsoLoCo.step")
+        write = ag.attempt(self._compute, means)
+        ag.settle()
         write()
-        self._gather(segments)
+        self._all_gather_params(segments)
         return loss
 
     def _check(self) -> list[torch.Tensor]:
@@ -194,14 +183,15 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         segments, means = {}, {}
         for dt in plan.sharded_dtypes:
             if self.world_size > 1:
-                own = reduce_scatter_mean(plan, dt, lambda i: flat[i], rank, self.group, self.bucket_bytes)
+                own = reduce_scatter_mean(plan, dt, lambda i: flat[i], rank, self.process_group, self.bucket_bytes)
             else:
                 own = self._own_single(dt, flat)
             segments[dt] = own
             means.update(owned_views(plan, dt, own, rank))
         for i in sorted(plan.solo):
             p = self._params[i]
-            mean = reduce_to_owner(flat[i], p.numel(), p.dtype, plan.owners[i], rank, self.group, self.bucket_bytes)
+            mean = reduce_to_owner(flat[i], p.numel(), p.dtype, plan.owners[i], rank, self.process_group,
+                                   self.bucket_bytes)
             if mean is not None:
                 means[i] = mean.view(p.shape)
         return segments, means
@@ -219,16 +209,16 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
              f"param {i} (shape {tuple(self._params[i].shape)}) on rank {self.rank}") for i in idx
         ])
 
-    def _gather(self, segments: dict) -> None:
+    def _all_gather_params(self, segments: dict) -> None:
         """Every rank gets every updated param: segments all-gathered, solo tensors broadcast."""
         plan, rank = self.plan, self.rank
         for dt, own in segments.items():
             for i, v in owned_views(plan, dt, own, rank).items():
                 v.copy_(self._params[i])
             if self.world_size > 1:
-                scatter_into(plan, dt, own, [p.data for p in self._params], rank, self.group, self.bucket_bytes)
+                scatter_into(plan, dt, own, [p.data for p in self._params], rank, self.process_group, self.bucket_bytes)
         for i in sorted(plan.solo):
-            broadcast_into(self._params[i].data, plan.owners[i], self.group, self.bucket_bytes)
+            broadcast_into(self._params[i].data, plan.owners[i], self.process_group, self.bucket_bytes)
 
     def _iso_c(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Iso-C of my 2-D mean pseudo-gradients in iso groups, batched by shape as IsoLoCo does

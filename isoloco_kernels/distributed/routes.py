@@ -1,0 +1,186 @@
+"""The DTensor step's routes: Iso-C of matrices whose grads are sharded over a device mesh.
+
+On a 1-D mesh, per matrix (`route_for`, by bytes sent per rank; `opt.dtensor_route` overrides):
+
+- "gram": shards along the long side: one float64 all-reduce of the short-side Gram matrices per
+  mesh, then every rank writes its own piece (gram_route.py); what A₀ cannot resolve takes the
+  exact path: the ranks agree on which, all-gather them and flatten them by float64 svd;
+- "owner": one owner per matrix (`plan.plan_shards`), one all-to-all there and one back per dtype;
+- "gather": one padded all-gather, every rank flattens every matrix.
+Replicated matrices are flattened locally; meshes with several dimensions use `full_tensor()`.
+Every result is in the grad's compute dtype (float32 for float16/bfloat16). The collectives are
+planned before the step's first agreement (dtensor.py's `_Routes`) and issued in that order on
+every rank; the local work between them runs under the step's `Agreement.attempt`, so a rank whose
+work failed still joins each one with buffers of the planned size.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._validate import ResultOverflowError, check_all_finite, compute_dtype
+from ..buckets import BucketPlan
+from ..ops import iso_merge_unchecked_
+from ..outer import Entry, local
+from .collectives import GatherSegments, all_gather_shards, owner_collect, owner_return
+from .gram_route import agree_exact, gram_route
+from .plan import ShardLayout
+
+__all__ = ["Stats", "gram_bytes", "iso_updates", "owner_bytes", "route_for"]
+
+
+def route_for(shape, dim: Optional[int], world: int, elem_size: int, mode: str = "auto") -> str:
+    """"local", "gram", "owner" or "gather" for an m×n matrix sharded along `dim` (None: replicated)
+    on a 1-D mesh of `world` ranks: "auto" takes the Gram where the shard is the long side and its
+    all-reduce sends fewer bytes per rank than the owner route, else the owner route."""
+    if world == 1 or dim is None:
+        return "local"
+    if mode in ("gather", "owner"):
+        return mode
+    m, n = shape
+    long_side = (dim == 0 and m >= n) or (dim == 1 and n >= m)
+    if long_side and (mode == "gram" or gram_bytes(shape, world) < owner_bytes(shape, dim, world, elem_size)):
+        return "gram"
+    return "owner"
+
+
+def gram_bytes(shape, world: int) -> float:
+    """Bytes one rank sends in a ring all-reduce of the d×d float64 Gram matrix."""
+    d = min(shape)
+    return 2 * (world - 1) / world * 8 * d * d
+
+
+def owner_bytes(shape, dim: int, world: int, elem_size: int) -> float:
+    """Bytes sent per rank, averaged over the ranks, when one owner gathers the matrix, flattens it and
+    scatters the result back (owners balanced over the ranks): (W−1)/W² of the matrix each way, out in
+    the grad's dtype, back in its compute dtype (float32 for 2-byte grads)."""
+    back = max(elem_size, 4)
+    return (world - 1) / world * shape[0] * shape[1] * (elem_size + back) / world
+
+
+class Stats:
+    """What the last step handed to collectives (elements, by route), for tests and benchmarks."""
+
+    def __init__(self):
+        self.gram_elements = 0  # float64 elements all-reduced
+        self.gather_elements = 0  # elements in all-gather outputs (all ranks' padded segments)
+        self.full_tensor_elements = 0  # elements materialized by the general (multi-dim mesh) path
+        self.owner_elements = 0  # elements this rank sent to other ranks in the owner route's all-to-alls
+        self.gram_iterated = 0  # Gram-route matrices written by gram.py's iteration on A₀
+        self.gram_fallbacks = 0  # Gram-route matrices that missed its checks (then exact)
+        self.gram_exact = 0  # Gram-route matrices no A₀ served: all-gathered and flattened by svd
+
+    def __repr__(self):
+        return (f"Stats(gram={self.gram_elements}, gather={self.gather_elements}, "
+                f"owner={self.owner_elements}, full={self.full_tensor_elements})")
+
+
+def iso_updates(method: str, entries: list[Entry], routes, ag, stats: Stats) -> dict[int, torch.Tensor]:
+    """Local shard of iso(Δ) for every routed grad, in the grad's compute dtype: entry index →
+    tensor (None-free only when no local work failed; the caller settles `ag` next).
+
+    Every rank issues the collectives of `routes` in their order whatever happens locally."""
+    out: dict[int, torch.Tensor] = {}
+    full: dict[int, torch.Tensor] = {}  # whole matrices flattened on every rank (local, gather, general)
+    lay = routes.layouts
+
+    # Gram route: one float64 all-reduce per mesh; what its A₀ cannot serve takes the exact path
+    for mesh, ks, ds in routes.gram:
+        res = gram_route(mesh, ks, ds, entries, lay, method, ag.attempt, stats)
+        out.update(res or {})
+        exact = agree_exact(mesh, ks, res)
+        stats.gram_exact += len(exact)
+        got = _gather_whole(mesh, entries, lay, exact, ag, stats)
+        results = ag.attempt(_flatten_whole, entries, got, "svd") or {}
+        for k in results:
+            out[k] = ag.attempt(_my_shard, entries[k], lay.get(k), results[k])
+
+    # gather route: one padded all-gather per (mesh, dtype)
+    for (mesh, dtype), ks, segs in routes.gather:
+        full.update(_gather_whole(mesh, entries, lay, ks, ag, stats, segs))
+
+    # owner route, out: each rank's shards to the matrix's owner, one all-to-all per (mesh, dtype)
+    owned: dict[int, torch.Tensor] = {}  # whole matrices this rank flattens for the others
+    for (mesh, dtype), ks, splits in routes.owner:
+        got, sent = owner_collect(mesh.get_group(0), dtype, splits, [local(entries[k].g) for k in ks],
+                                  _devices(entries, ks), ag.attempt)
+        stats.owner_elements += sent
+        owned.update({ks[j]: t for j, t in (got or {}).items()})
+
+    # general path (meshes with several dimensions): full_tensor() per matrix, a collective each
+    for k in routes.general:
+        f = entries[k].g.full_tensor()
+        stats.full_tensor_elements += f.numel()
+        full[k] = f
+    for k in routes.local:
+        full[k] = local(entries[k].g)
+
+    # flatten the whole matrices with the optimizer's method, batched by shape
+    results = ag.attempt(_flatten_whole, entries, {**full, **owned}, method) or {}
+    for k in full:
+        if k in results:
+            out[k] = ag.attempt(_my_shard, entries[k], lay.get(k), results[k])
+
+    # owner route, back: each owner sends every rank its piece of the results, in their compute dtype
+    for (mesh, dtype), ks, splits in routes.owner:
+        mine, sent = owner_return(mesh.get_group(0), compute_dtype(dtype), splits,
+                                  {j: results.get(k) for j, k in enumerate(ks)}, _devices(entries, ks), ag.attempt)
+        stats.owner_elements += sent
+        out.update({ks[j]: t for j, t in (mine or {}).items()})
+    return out
+
+
+def _devices(entries, ks) -> list[torch.device]:
+    return [local(entries[k].g).device for k in ks]
+
+
+def _gather_whole(mesh, entries: list[Entry], layouts, ks: list[int], ag, stats,
+                  segs: Optional[GatherSegments] = None) -> dict[int, torch.Tensor]:
+    """Whole matrices of the entries `ks` (all 1-D-mesh Shard) on every rank, on their shards'
+    device: one padded all-gather per grad dtype (the gather route's, and the Gram route's exact
+    path). `segs`: the planned segments, for `ks` of one dtype. Empty once local work failed."""
+    out: dict[int, torch.Tensor] = {}
+    by: dict[torch.dtype, list[int]] = {}
+    for k in ks:
+        by.setdefault(entries[k].g.dtype, []).append(k)
+    for dtype, dks in by.items():
+        s = segs if segs is not None else GatherSegments([layouts[k] for k in dks])
+        got, n = all_gather_shards(mesh.get_group(0), dtype, s, [local(entries[k].g) for k in dks],
+                                   _devices(entries, dks), ag.attempt)
+        stats.gather_elements += n
+        if got is not None:
+            out.update(zip(dks, got))
+    return out
+
+
+def _flatten_whole(entries: list[Entry], whole: dict[int, torch.Tensor], method: str) -> dict[int, torch.Tensor]:
+    """iso() of whole matrices, batched by shape in their compute dtype (`BucketPlan`): entry
+    index → result view. A result that does not fit its dtype is named by its param."""
+    if not whole:
+        return {}
+    ks = list(whole)
+    mats = [whole[k] for k in ks]
+    plan = BucketPlan(mats)
+    buffers = plan.pack(mats)
+    check_all_finite(mats, [f"IsoLoCo: {entries[k].name}: the whole grad" for k in ks])
+    try:
+        iso_merge_unchecked_(buffers, method)
+    except ResultOverflowError as e:
+        b = plan.buckets[e.bucket]
+        raise ResultOverflowError(f"IsoLoCo: {entries[ks[b.members[e.matrix]]].name}: the Iso-C result of its "
+                                  f"grad does not fit {b.dtype}; nothing was changed") from None
+    return dict(zip(ks, plan.views()))
+
+
+def _my_shard(entry: Entry, layout: Optional[ShardLayout], whole: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a whole (flattened) matrix, laid out like the param's local shard
+    (`layout`: the matrix's on a 1-D mesh; None where it is replicated or the mesh has more dims)."""
+    p = entry.p
+    if layout is not None:
+        return layout.piece(whole)
+    if not any(pl.is_shard() for pl in p.placements):
+        return whole
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
