@@ -141,7 +141,7 @@ def _iso_scale_aside(x: torch.Tensor, q: torch.Tensor, ax: float, aq: float) -> 
     qs = _mul_pow2(q3.to(torch.float64), -eq)
     t = (_mul_pow2(x3.to(torch.float64), -ex) * qs).sum((-2, -1)) / max(min(x.shape[-2:]), 1)
     out = _mul_pow2(t[:, None, None] * qs, ex + 2 * eq).to(x.dtype)
-    sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    sdt = compute_dtype(x.dtype)
     sbar = _mul_pow2(t, ex + eq).to(sdt)
     bad = (~(torch.isfinite(out).flatten(1).all(1) & torch.isfinite(sbar))).nonzero().flatten()
     if bad.numel():
@@ -159,8 +159,7 @@ def _iso_scale_aside(x: torch.Tensor, q: torch.Tensor, ax: float, aq: float) -> 
 @torch.library.register_fake("isoloco::iso_scale_", lib=_lib)
 def _iso_scale_fake(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     _check_scale_args(x, q)
-    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return x.new_empty(x.shape[:-2], dtype=dt)
+    return x.new_empty(x.shape[:-2], dtype=compute_dtype(x.dtype))
 
 
 def check_nesterov_args(params, bufs, updates, lr, momentum, scales) -> None:
