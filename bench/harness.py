@@ -188,6 +188,10 @@ def run_timed(
 # work models
 
 
+#: The short dtype names of the cases and of the matmul ceilings.
+NAMED_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dt: name for name, dt in NAMED_DTYPES.items()}
+
 #: The torch.linalg.svd baselines (bench/test_bench_flatten.py): the svd model, in the input dtype.
 BASELINES = ("svd-loop", "svd-batched")
 
@@ -223,7 +227,7 @@ def rates(median_s: float | None, flops: dict[str, float] | None, nbytes: float,
     return out
 
 
-def resolved_backends(impl: str, shapes, device) -> list[str]:
+def resolved_methods(impl: str, shapes, device) -> list[str]:
     """The method each [B, m, n] bucket runs: isoloco methods ask flatten.resolve_method (which
     looks at shape and device only; a zero-stride stand-in avoids allocating), others are
     themselves (the baselines)."""
@@ -233,6 +237,9 @@ def resolved_backends(impl: str, shapes, device) -> list[str]:
         return [impl] * len(shapes)
     one = torch.empty(1, device=device)
     return [flatten.resolve_method(impl, one.expand(b, m, n)) for b, m, n in shapes]
+
+
+resolved_backends = resolved_methods  # the old name (bench/test_bench_optim.py)
 
 
 def fallback_recorders(resolved: Sequence[str]) -> dict:
@@ -264,8 +271,9 @@ def flatten_work(resolved: Sequence[str], shapes, dtype: str) -> dict[str, float
     """Modelled flops per GEMM dtype of flattening `shapes` with these methods (the registry's
     models; None where one is not modelled)."""
     from isoloco_kernels import exact, flatten
+    from isoloco_kernels.reference import compute_dtype
 
-    cd = "fp64" if dtype == "fp64" else "fp32"
+    cd = DTYPE_NAMES[compute_dtype(NAMED_DTYPES[dtype])]
     out: dict[str, float] = {}
     for r, (b, m, n) in zip(resolved, shapes):
         k, s = max(m, n), min(m, n)

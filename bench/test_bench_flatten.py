@@ -132,7 +132,7 @@ def test_flatten(benchmark, impl, set_name, device, dtype, bench_seconds, bench_
         pytest.skip("the torch.linalg.svd baselines run in fp32 only")
 
     shapes = bucket_shapes(s for _, s in decoder_weight_shapes(spec))
-    resolved = harness.resolved_backends(impl, shapes, device)
+    resolved = harness.resolved_methods(impl, shapes, device)
     if dtype != "fp32" and any(r in EXACT for r in resolved):
         pytest.skip(f"{impl} resolves to {sorted(set(resolved) & EXACT)}: exact methods compute in "
                     "fp32/fp64 whatever the input; bf16 is benchmarked for matmul-only methods")

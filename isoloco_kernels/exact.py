@@ -1,4 +1,4 @@
-"""Exact Iso-C flatten backends: LAPACK/cuSOLVER SVD, and eigh of the small Gram matrix.
+"""Exact Iso-C flatten methods: LAPACK/cuSOLVER SVD, and eigh of the small Gram matrix.
 
 Both take a [B, m, n] tensor (any view; written back with `copy_`, so transposed or strided views
 are updated in place) and are all-or-nothing: the result is computed aside in float64 and copied

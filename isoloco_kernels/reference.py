@@ -1,4 +1,4 @@
-"""The Iso-C contract in float64: the truth every backend is tested against.
+"""The Iso-C contract in float64: the truth every flatten method and op backend is tested against.
 
 For one matrix Δ (m×n), r0 = min(m, n), SVD Δ = U diag(σ) Vᵀ:
 

@@ -397,7 +397,7 @@ def test_a_new_method_joins_everything(monkeypatch):
 
     # the benchmark: it resolves to itself and its work model is the registry's
     shapes = [(2, 64, 256), (1, 300, 40)]
-    assert harness.resolved_backends("toy", shapes, "cpu") == ["toy", "toy"]
+    assert harness.resolved_methods("toy", shapes, "cpu") == ["toy", "toy"]
     assert harness.flatten_work(["toy", "toy"], shapes, "fp32") == {"fp64": 2 * 8.0 * 256 * 64**2 + 8.0 * 300 * 40**2}
 
     # auto runs whatever the registry holds under the name it resolves to
