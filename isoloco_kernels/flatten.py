@@ -38,12 +38,13 @@ class Method:
     flops: (k, r) -> {GEMM dtype: modelled FLOPs} of one r×k matrix (r ≤ k); dtypes "fp64",
         "bf16" or COMPUTE; None where the work is not modelled ("auto": it depends on the shape).
     exact: a direct factorisation (LAPACK / cuSOLVER): reference.py's result at every condition
-        number, computed in float64 whatever the input dtype; no iteration, no fallback.
+        number, computed in float64 whatever the input dtype; no iteration, no residual check
+        (eigh hands what its Gram matrix cannot resolve to svd itself).
     checks_finite: run() itself refuses NaN/Inf input (ValueError naming the matrix, nothing
-        written); the op checks every method's input before anyway.
+        written; LAPACK raises its own error instead); the op checks every method's input first.
     stats: the running statistics of a residual-checked method (`Recorder`: last(), reset(),
         its fallback warning class `stats.warning`); None for the others.
-    fallback: the method that recomputes the matrices missing the check.
+    fallback: the method that recomputes the matrices missing the residual check.
     resolve: for "auto": x3 -> the method that serves this tensor.
     """
 
