@@ -2,9 +2,10 @@
 
     python bench/gram_estimate.py            # prints the markdown tables of bench/results/gram.md
 
-Per bucket [B, m, n] (r = short side, k = long side), the FLOP models of bench/harness.py:
+Per bucket [B, m, n] (r = short side, k = long side), the FLOP models of the method registry
+(isoloco_kernels.flatten.METHODS, which bench/harness.py reads too):
     polar   T'·(4kr² + 2r³) float32 FLOPs, T' = polar.STEPS (GEMMs at full float32 precision)
-    gram    4kr² + (8T + 2)·r³ float64 FLOPs, T = gram.STEPS (isoloco_kernels.gram.gram_flops)
+    gram    4kr² + (8T + 5)·r³ float64 FLOPs, T = gram.STEPS (isoloco_kernels.gram.gram_flops)
 and the bytes each moves through memory at least:
     polar   per step X is read twice (X·Xᵀ and B·X) and written once, plus ⟨Δ, Q⟩ and the write:
             (3T' + 3)·|bucket in float32|
@@ -35,11 +36,11 @@ def bucket_cost(b: int, m: int, n: int, method: str, itemsize: int = 4) -> tuple
     """(FLOPs, bytes, GEMM dtype) of flattening one [b, m, n] float32 bucket with `method`."""
     r, k = min(m, n), max(m, n)
     size = b * m * n * itemsize
-    if method == "polar":
-        return b * polar.STEPS * (4.0 * k * r * r + 2.0 * r**3), (3 * polar.STEPS + 3) * size, "fp32"
-    if method == "gram":
-        return b * gram.gram_flops(k, r), 4 * size + 2 * b * r * r * 8, "fp64"
-    raise ValueError(method)
+    nbytes = {"polar": (3 * polar.STEPS + 3) * size, "gram": 4 * size + 2 * b * r * r * 8}
+    if method not in nbytes:
+        raise ValueError(method)
+    (dt, flops), = flatten.flops_per_dtype(method, k, r, "fp32").items()
+    return b * flops, nbytes[method], dt
 
 
 def set_rows(name: str) -> tuple[list[tuple], dict]:

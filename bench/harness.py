@@ -16,18 +16,17 @@ On a GPU with triton.testing.do_bench (CUDA events, L2 flushed before every rep,
 CPU the fastest of several perf_counter runs after a warm-up (other jobs on a shared CPU only slow
 runs down, so the fastest is the best estimate of what the machine can do).
 
-Work models (what "TFLOP/s" and "GB/s" count; per matrix, k = long side, r = short side):
-  svd      8·k·r² + 20·r³   thin R-SVD computing Σ, U₁, V (6kr² + 20r³, Golub & Van Loan,
-                            Matrix Computations, 4th ed., §8.6) plus Q = U·Vᵀ (2kr²)
-  eigh     4·k·r² + 11·r³   Gram A·Aᵀ and Q = (V Σ⁻¹ Vᵀ)·A (2kr² each), symmetric eigensolver
-                            with vectors (~9r³), V Σ⁻¹ Vᵀ (2r³)
-  polar    s·(4·k·r² + 2·r³) per step: A = X·Xᵀ, A², (bA + cA²)·X, s steps
-  gram     4·k·r² + (8·T + 2)·r³ in fp64: A₀ = X·Xᵀ and Q = Y·X, then T steps on r×r matrices
-           (isoloco_kernels.gram.gram_flops)
+Work models (what "TFLOP/s" and "GB/s" count; per matrix, k = long side, r = short side): each
+flatten method's own, `Method.flops` in isoloco_kernels.flatten.METHODS, per GEMM dtype:
+  svd      8·k·r² + 20·r³ in fp64   (exact.svd_flops: thin R-SVD plus Q = U·Vᵀ)
+  eigh     4·k·r² + 11·r³ in fp64   (exact.eigh_flops: Gram, Q, eigensolver, V Σ⁻¹ Vᵀ)
+  polar    T'·(4·k·r² + 2·r³) in the compute dtype, T' steps (polar.polar_flops); polar_bf16 runs
+           all but the last BF16_FP32_STEPS of them in bf16
+  gram     4·k·r² + (8·T + 5)·r³ in fp64 (gram.gram_flops)
+  the torch.linalg.svd baselines: svd's model in the compute dtype (fp32).
   bytes    compulsory traffic only: a flatten reads Δ and writes the result (2 × its size); a
            Nesterov step reads p, buf, u and writes p, buf (5 × the params' size).
-The roofline time of a case is max(Σ flops / matmul ceiling of the dtype the GEMMs run in (svd in
-the compute dtype, eigh and gram in fp64, polar_bf16 in bf16 but its last steps), bytes / copy bandwidth);
+The roofline time of a case is max(Σ flops / matmul ceiling of the dtype the GEMMs run in, bytes / copy bandwidth);
 "frac_roofline" is that time over the measured median, "frac_matmul" and "frac_copy" the two
 bounds alone over the median.
 """
@@ -189,16 +188,12 @@ def run_timed(
 # work models
 
 
-def svd_flops(k: int, r: int) -> float:
-    return 8.0 * k * r * r + 20.0 * r**3
+#: The short dtype names of the cases and of the matmul ceilings.
+NAMED_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dt: name for name, dt in NAMED_DTYPES.items()}
 
-
-def eigh_flops(k: int, r: int) -> float:
-    return 4.0 * k * r * r + 11.0 * r**3
-
-
-def polar_flops(k: int, r: int, steps: int) -> float:
-    return steps * (4.0 * k * r * r + 2.0 * r**3)
+#: The torch.linalg.svd baselines (bench/test_bench_flatten.py): the svd model, in the input dtype.
+BASELINES = ("svd-loop", "svd-batched")
 
 
 def roofline(flops: dict[str, float] | None, nbytes: float, ceilings: dict) -> dict:
@@ -232,8 +227,8 @@ def rates(median_s: float | None, flops: dict[str, float] | None, nbytes: float,
     return out
 
 
-def resolved_backends(impl: str, shapes, device) -> list[str]:
-    """The backend each [B, m, n] bucket runs: isoloco methods ask flatten.resolve_method (which
+def resolved_methods(impl: str, shapes, device) -> list[str]:
+    """The method each [B, m, n] bucket runs: isoloco methods ask flatten.resolve_method (which
     looks at shape and device only; a zero-stride stand-in avoids allocating), others are
     themselves (the baselines)."""
     from isoloco_kernels import flatten
@@ -244,44 +239,49 @@ def resolved_backends(impl: str, shapes, device) -> list[str]:
     return [flatten.resolve_method(impl, one.expand(b, m, n)) for b, m, n in shapes]
 
 
-def polar_schedule(backend: str) -> dict[str, int] | None:
-    """Steps per GEMM dtype of a polar backend, from isoloco_kernels.polar (None: unknown)."""
-    try:
-        from isoloco_kernels import polar
-    except ImportError:
-        return None
-    steps = getattr(polar, "STEPS", None)
-    if not isinstance(steps, int):
-        return None
-    if backend == "polar_bf16":
-        hi = min(getattr(polar, "BF16_FP32_STEPS", steps), steps)
-        return {"bf16": steps - hi, "fp32": hi}
-    return {"fp32": steps}
+resolved_backends = resolved_methods  # the old name (bench/test_bench_optim.py)
+
+
+def fallback_recorders(resolved: Sequence[str]) -> dict:
+    """{recorder name: (Recorder, the method its flagged matrices go to)} of every residual-checked
+    method these methods reach, their fallbacks included (registry: Method.stats, Method.fallback)."""
+    from isoloco_kernels import flatten
+
+    out, todo, seen = {}, list(resolved), set()
+    while todo:
+        name = todo.pop()
+        m = flatten.METHODS.get(name)
+        if name in seen or m is None:
+            continue
+        seen.add(name)
+        if m.stats is not None:
+            out.setdefault(m.stats.name, (m.stats, m.fallback))
+            todo.append(m.fallback)
+    return out
+
+
+def recorder_names() -> list[str]:
+    """The names of every residual-checked method's statistics (the *_fallbacks fields)."""
+    from isoloco_kernels import flatten
+
+    return sorted({m.stats.name for m in flatten.METHODS.values() if m.stats is not None})
 
 
 def flatten_work(resolved: Sequence[str], shapes, dtype: str) -> dict[str, float] | None:
-    """Modelled flops per GEMM dtype of flattening `shapes` with these backends (None: unknown)."""
-    cd = "fp64" if dtype == "fp64" else "fp32"
+    """Modelled flops per GEMM dtype of flattening `shapes` with these methods (the registry's
+    models; None where one is not modelled)."""
+    from isoloco_kernels import exact, flatten
+    from isoloco_kernels.reference import compute_dtype
+
+    cd = DTYPE_NAMES[compute_dtype(NAMED_DTYPES[dtype])]
     out: dict[str, float] = {}
     for r, (b, m, n) in zip(resolved, shapes):
         k, s = max(m, n), min(m, n)
-        if r in ("svd", "svd-loop", "svd-batched"):
-            out[cd] = out.get(cd, 0.0) + b * svd_flops(k, s)
-        elif r == "eigh":
-            out["fp64"] = out.get("fp64", 0.0) + b * eigh_flops(k, s)
-        elif r == "gram":
-            from isoloco_kernels import gram
-
-            out["fp64"] = out.get("fp64", 0.0) + b * gram.gram_flops(k, s)
-        elif r in ("polar", "polar_bf16"):
-            sched = polar_schedule(r)
-            if sched is None:
-                return None
-            for dt, steps in sched.items():
-                dt = cd if dt == "fp32" else dt
-                out[dt] = out.get(dt, 0.0) + b * polar_flops(k, s, steps)
-        else:
+        work = {cd: exact.svd_flops(k, s)} if r in BASELINES else flatten.flops_per_dtype(r, k, s, cd)
+        if work is None:
             return None
+        for dt, f in work.items():
+            out[dt] = out.get(dt, 0.0) + b * f
     return out
 
 

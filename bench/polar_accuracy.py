@@ -133,7 +133,7 @@ def main() -> None:
                 e_tf32 = max(rel_err(out[i], ref[i]) for i in range(b))
                 y = x.clone()
                 with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", polar.PolarFallbackWarning)
+                    warnings.simplefilter("ignore", polar.FlattenFallbackWarning)
                     polar.flatten_polar_(y, mode="bf16")
                 bf16_fallbacks += len(polar.last_stats().last_recomputed)
                 e_bf16 = max(rel_err(y[i], ref[i]) for i in range(b))

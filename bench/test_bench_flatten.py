@@ -6,8 +6,8 @@ One case = (implementation, bucket set, device, dtype). Implementations:
   svd-batched  one batched torch.linalg.svd per bucket, same formula
   <method>     isoloco_kernels.iso_merge_(buckets, method=<method>) for every method in
                isoloco_kernels.flatten.METHODS ("auto" last), so new methods join automatically
-               ("gram": the float64 Gram-space iteration; its fallback count is recorded as
-               gram_fallbacks, polar's as polar_fallbacks)
+               (a residual-checked method's fallback count is recorded as <its recorder>_fallbacks:
+               polar_fallbacks, gram_fallbacks)
 Each case records in extra_info its error against reference.iso_flatten_ref (float64), its work
 and compulsory bytes (models in bench/harness.py), the achieved rates, the fraction of this
 machine's ceilings, and the peak extra memory of one call.
@@ -25,9 +25,10 @@ from bench import harness
 from bench.shapes import SETS, bucket_shapes, cpu_variant, decoder_weight_shapes, pseudo_gradient
 
 METHODS = tuple(m for m in flatten.METHODS if m != "auto") + ("auto",)
-BASELINES = ("svd-loop", "svd-batched")
+BASELINES = harness.BASELINES
 IMPLS = BASELINES + METHODS
-EXACT = {"svd", "eigh", *BASELINES}  # direct factorisations: no JIT, cost fixed by the shapes
+# direct factorisations: no JIT, cost fixed by the shapes
+EXACT = {*(m for m, d in flatten.METHODS.items() if d.exact), *BASELINES}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Sanity bound on the error vs reference.py: a case above it fails (garbage such as returning Δ
 # or zeros gives ~1). Accuracy contracts are tests/'s job; here errors are recorded and compared
@@ -131,7 +132,7 @@ def test_flatten(benchmark, impl, set_name, device, dtype, bench_seconds, bench_
         pytest.skip("the torch.linalg.svd baselines run in fp32 only")
 
     shapes = bucket_shapes(s for _, s in decoder_weight_shapes(spec))
-    resolved = harness.resolved_backends(impl, shapes, device)
+    resolved = harness.resolved_methods(impl, shapes, device)
     if dtype != "fp32" and any(r in EXACT for r in resolved):
         pytest.skip(f"{impl} resolves to {sorted(set(resolved) & EXACT)}: exact methods compute in "
                     "fp32/fp64 whatever the input; bf16 is benchmarked for matmul-only methods")
@@ -153,22 +154,16 @@ def test_flatten(benchmark, impl, set_name, device, dtype, bench_seconds, bench_
             w.copy_(s)
 
     # One untimed call: warm-up, first time, peak extra memory, and the output for the error.
-    # The polar methods send matrices that fail their accuracy check to gram, and gram sends its
-    # own to the SVD: count both.
-    from isoloco_kernels import gram, polar
-
-    uses_polar = any(r.startswith("polar") for r in resolved)
-    uses_iter = uses_polar or "gram" in resolved
-    polar.reset_stats()
-    gram.reset_stats()
+    # A residual-checked method sends the matrices that fail its check to its fallback method
+    # (polar to gram, gram to the SVD): count every method reached.
+    recorders = harness.fallback_recorders(resolved)
+    for rec, _ in recorders.values():
+        rec.reset()
     first_s, mem = harness.peak_extra_memory(target, device)
-    polar_fallbacks = gram_fallbacks = None
-    if uses_polar:
-        st = polar.last_stats()
-        polar_fallbacks = f"{st.recomputed} of {st.matrices} matrices recomputed (by gram)"
-    if uses_iter:
-        st = gram.last_stats()
-        gram_fallbacks = f"{st.recomputed} of {st.matrices} matrices recomputed by SVD"
+    fallbacks = {f"{name}_fallbacks": None for name in harness.recorder_names()}
+    for name, (rec, by) in recorders.items():
+        st = rec.last()
+        fallbacks[f"{name}_fallbacks"] = f"{st.recomputed} of {st.matrices} matrices recomputed (by {by})"
     ref = _reference(entry)
     outs = [work[j][:take] for j, take in ref["picks"]]
     err, err_max = harness.rel_fro(outs, ref["refs"])
@@ -200,8 +195,7 @@ def test_flatten(benchmark, impl, set_name, device, dtype, bench_seconds, bench_
         err_sample=ref["desc"],
         flops=flops,
         bytes=nbytes,
-        polar_fallbacks=polar_fallbacks,
-        gram_fallbacks=gram_fallbacks,
+        **fallbacks,
         first_call_s=first_s,
         **mem,
         **roof,

@@ -6,12 +6,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from .reference import compute_dtype  # noqa: F401 (the one definition; imported from here by the kernels)
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Half and bfloat16 inputs are computed in float32; float32 and float64 keep their dtype."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def check_matrix_tensor(x, what: str) -> None:

@@ -8,7 +8,6 @@ Arguments are checked once, in ops.py, before `select` (every candidate gets the
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -80,13 +79,6 @@ def _triton_available() -> tuple[bool, str]:
     return OK if tk.AVAILABLE else (False, "triton does not import")
 
 
-def _polar_gemm_triton_available() -> tuple[bool, str]:
-    want = os.environ.get("ISOLOCO_POLAR_GEMM", "torch")
-    if want != "triton":
-        return False, f"opt-in (ISOLOCO_POLAR_GEMM=triton; now {want!r}): never measured faster than cuBLAS"
-    return _triton_available()
-
-
 # -- what each candidate takes ------------------------------------------------------------------
 
 def _csrc_on(device, extension: bool) -> tuple[bool, str]:
@@ -119,12 +111,6 @@ def _triton_iso_scale_supports(x, q) -> tuple[bool, str]:
     from . import triton as tk
 
     return OK if tk.usable_for(x) else (False, "the Triton kernels cannot run on these tensors here")
-
-
-def _triton_gemm_supports(x) -> tuple[bool, str]:
-    from . import triton as tk
-
-    return OK if tk.usable_for(x) else (False, "the Triton kernels cannot run on this tensor here")
 
 
 # -- implementations ----------------------------------------------------------------------------
@@ -177,10 +163,6 @@ def _gemm_torch(_x) -> str:
     return "torch"  # polar.py maps the name to its GEMMs
 
 
-def _gemm_triton(_x) -> str:
-    return "triton"
-
-
 TABLES: dict[tuple[str, str], list[Candidate]] = {
     ("iso_scale_", "cuda"): [
         Candidate("csrc (compiled extension)", _ext("iso_scale_"), _on_cuda(True), _csrc_iso_scale),
@@ -196,16 +178,9 @@ TABLES: dict[tuple[str, str], list[Candidate]] = {
         Candidate("torch (foreach)", lambda: OK, _always, _torch_nesterov),
     ],
     ("nesterov_outer_", "cpu"): [Candidate("torch (fused SGD kernel / foreach)", lambda: OK, _always, _torch_nesterov)],
-    # the GEMMs of the polar iteration: run(x) names them for polar.py ("torch" or "triton")
-    ("polar_gemm", "cuda"): [
-        Candidate("experimental triton GEMMs", _polar_gemm_triton_available, _triton_gemm_supports, _gemm_triton),
-        Candidate("torch (cuBLAS)", lambda: OK, _always, _gemm_torch),
-    ],
-    ("polar_gemm", "cpu"): [
-        Candidate("experimental triton GEMMs (interpreter)", _polar_gemm_triton_available, _triton_gemm_supports,
-                  _gemm_triton),
-        Candidate("torch", lambda: OK, _always, _gemm_torch),
-    ],
+    # the GEMM provider of the polar iteration: run(x) names it for polar.py (its `gemm`)
+    ("polar_gemm", "cuda"): [Candidate("torch (cuBLAS)", lambda: OK, _always, _gemm_torch)],
+    ("polar_gemm", "cpu"): [Candidate("torch", lambda: OK, _always, _gemm_torch)],
 }
 
 

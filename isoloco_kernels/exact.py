@@ -1,4 +1,4 @@
-"""Exact Iso-C flatten backends: LAPACK/cuSOLVER SVD, and eigh of the small Gram matrix.
+"""Exact Iso-C flatten methods: LAPACK/cuSOLVER SVD, and eigh of the small Gram matrix.
 
 Both take a [B, m, n] tensor (any view; written back with `copy_`, so transposed or strided views
 are updated in place) and are all-or-nothing: the result is computed aside in float64 and copied
@@ -61,6 +61,18 @@ def svd_result(x3: torch.Tensor) -> torch.Tensor:
     keep = s > rank_tol(m, n, x3.dtype) * s[:, :1]
     q = (u * keep.unsqueeze(1).to(F64)) @ vh
     return _result(x3, s.sum(-1) / min(m, n), q, scale)
+
+
+def svd_flops(k: int, r: int) -> float:
+    """Modelled FLOPs of one r×k matrix (r ≤ k): thin R-SVD computing Σ, U₁, V (6kr² + 20r³,
+    Golub & Van Loan, Matrix Computations, 4th ed., §8.6) plus Q = U·Vᵀ (2kr²)."""
+    return 8.0 * k * r * r + 20.0 * r**3
+
+
+def eigh_flops(k: int, r: int) -> float:
+    """Modelled FLOPs of one r×k matrix (r ≤ k): the Gram matrix A·Aᵀ and Q = (V Σ⁻¹ Vᵀ)·A
+    (2kr² each), the symmetric eigensolver with vectors (~9r³), V Σ⁻¹ Vᵀ (2r³)."""
+    return 4.0 * k * r * r + 11.0 * r**3
 
 
 def flatten_svd_(x3: torch.Tensor) -> None:

@@ -1,39 +1,108 @@
-"""Iso-C flatten of one [m, n] or [B, m, n] tensor, in place: method choice and dispatch.
+"""Iso-C flatten of one [m, n] or [B, m, n] tensor, in place: the method registry and "auto".
 
-Every backend takes a [B, m, n] view and writes the result back with `copy_` only after the whole
-batch is computed, so a failure leaves the input untouched.
+`METHODS` maps each flatten method's name to its `Method`: what runs and the facts the library,
+the benchmark (bench/harness.py) and the tests (tests/test_methods.py) read. Every method takes a
+[B, m, n] view and writes the result back with `copy_` only after the whole batch is computed, so
+a failure leaves the input untouched.
 
 Methods: "svd" and "eigh" (exact.py), "polar" (polar.py: matmul-only Polar Express iteration in
 the compute dtype, residual-checked, exact fallback for the matrices that miss the check),
 "polar_bf16" (the same with bfloat16 GEMMs in all but the last steps; ~1e-2 relative error), "gram"
 (gram.py: the Polar Express iteration on the small Gram matrix in float64, exact to condition number
 ~1e5 for float32 input; residual-checked, SVD for the matrices that miss) and "auto" (see
-`resolve_method`).
+`resolve_method`). A new method: its module, one line in `METHODS`, one tolerance row in
+tests/helpers.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
+from typing import Callable, Optional
 
 import torch
 
 from . import exact, gram, polar
+from .iteration_stats import Recorder
 
-METHODS = ("auto", "svd", "eigh", "polar", "polar_bf16", "gram")
+#: The key of `Method.flops` for GEMMs in the input's compute dtype (float32; float64 for float64).
+COMPUTE = "compute"
 
-_BACKENDS = {
-    "svd": exact.flatten_svd_,
-    "eigh": exact.flatten_eigh_,
-    "polar": functools.partial(polar.flatten_polar_, mode="fp32"),
-    "polar_bf16": functools.partial(polar.flatten_polar_, mode="bf16"),
-    "gram": gram.flatten_gram_,
-}
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One flatten method.
+
+    run: the in-place flatten of a [B, m, n] view (all-or-nothing; input checked by the op).
+    flops: (k, r) -> {GEMM dtype: modelled FLOPs} of one r×k matrix (r ≤ k); dtypes "fp64",
+        "bf16" or COMPUTE; None where the work is not modelled ("auto": it depends on the shape).
+    exact: a direct factorisation (LAPACK / cuSOLVER): reference.py's result at every condition
+        number, computed in float64 whatever the input dtype; no iteration, no residual check
+        (eigh hands what its Gram matrix cannot resolve to svd itself).
+    checks_finite: run() itself refuses NaN/Inf input (ValueError naming the matrix, nothing
+        written; LAPACK raises its own error instead); the op checks every method's input first.
+    stats: the running statistics of a residual-checked method (`Recorder`: last(), reset(),
+        its fallback warning class `stats.warning`); None for the others.
+    fallback: the method that recomputes the matrices missing the residual check.
+    resolve: for "auto": x3 -> the method that serves this tensor.
+    """
+
+    run: Callable[[torch.Tensor], None]
+    flops: Optional[Callable[[int, int], dict]] = None
+    exact: bool = False
+    checks_finite: bool = False
+    stats: Optional[Recorder] = None
+    fallback: Optional[str] = None
+    resolve: Optional[Callable[[torch.Tensor], str]] = None
+
+
+class Registry(dict):
+    """name -> Method. Iterates, tests membership and prints as its names (as the tuple it was)."""
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
+def _run_auto(x3: torch.Tensor) -> None:
+    METHODS[resolve_method("auto", x3)].run(x3)
+
+
+def _one_dtype(dtype: str, flops: Callable[[int, int], float]) -> Callable[[int, int], dict]:
+    return lambda k, r: {dtype: flops(k, r)}
+
+
+METHODS = Registry(
+    auto=Method(run=_run_auto, resolve=lambda x3: _resolve_auto(x3)),
+    svd=Method(run=exact.flatten_svd_, flops=_one_dtype("fp64", exact.svd_flops), exact=True),
+    eigh=Method(run=exact.flatten_eigh_, flops=_one_dtype("fp64", exact.eigh_flops), exact=True),
+    polar=Method(run=functools.partial(polar.flatten_polar_, mode="fp32"),
+                 flops=functools.partial(polar.polar_work, mode="fp32"), checks_finite=True,
+                 stats=polar.RECORDER, fallback="gram"),
+    polar_bf16=Method(run=functools.partial(polar.flatten_polar_, mode="bf16"),
+                      flops=functools.partial(polar.polar_work, mode="bf16"), checks_finite=True,
+                      stats=polar.RECORDER, fallback="gram"),
+    gram=Method(run=gram.flatten_gram_, flops=_one_dtype("fp64", gram.gram_flops), checks_finite=True,
+                stats=gram.RECORDER, fallback="svd"),
+)
 
 
 def check_method(method) -> None:
     if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise ValueError(f"method must be one of {METHODS!r}, got {method!r}")
+
+
+def flops_per_dtype(method: str, k: int, r: int, compute: str = "fp32") -> Optional[dict]:
+    """Modelled FLOPs of flattening one r×k matrix (r ≤ k) with `method` (not "auto"), per GEMM
+    dtype, COMPUTE named as `compute`; None where the method's work is not modelled."""
+    m = METHODS.get(method)
+    if m is None or m.flops is None:
+        return None
+    out: dict = {}
+    for dt, f in m.flops(k, r).items():
+        dt = compute if dt == COMPUTE else dt
+        out[dt] = out.get(dt, 0.0) + f
+    return out
 
 
 def exact_method_for(x3: torch.Tensor) -> str:
@@ -96,20 +165,28 @@ def _device_fp64_rate(index: int) -> float:
 
 def gram_beats_polar(m: int, n: int, fp64_rate: float) -> bool:
     """Whether "gram" is modelled faster than "polar" for an m×n matrix on a device whose float64
-    GEMM rate is `fp64_rate` × its float32 rate (r = short side, k = long side): gram's float64
-    FLOPs `gram.gram_flops` = 4kr² + (8T + 5)·r³ (T = 15) over the rate against polar's float32
-    T'·(4kr² + 2r³) (T' = 10). At rate 1 (A100/H100/H200) gram wins from k ≈ 2.9r (2.2× at
-    k = 8r; 2.1× polar's time on square ones); at rate 0.5 from k ≈ 7r."""
+    GEMM rate is `fp64_rate` × its float32 rate (r = short side, k = long side), from the
+    registry's FLOP models: gram's float64 4kr² + (8T + 5)·r³ (T = 15, `gram.gram_flops`) over
+    the rate against polar's float32 T'·(4kr² + 2r³) (T' = 10, `polar.polar_flops`). At rate 1
+    (A100/H100/H200) gram wins from k ≈ 2.9r (2.2× at k = 8r; 2.1× polar's time on square ones);
+    at rate 0.5 from k ≈ 7r."""
     if fp64_rate <= 0:
         return False
     r, k = min(m, n), max(m, n)
-    t_gram = gram.gram_flops(k, r) / fp64_rate
-    t_polar = polar.STEPS * (4.0 * k * r * r + 2.0 * r**3)
+    t_gram = sum(flops_per_dtype("gram", k, r).values()) / fp64_rate
+    t_polar = sum(flops_per_dtype("polar", k, r).values())
     return t_gram <= t_polar
 
 
 def resolve_method(method: str, x3: torch.Tensor) -> str:
-    """The backend `method` means for this tensor. "auto":
+    """The method `method` means for this [B, m, n] tensor: itself, unless its registry entry
+    resolves (`Method.resolve`), as "auto" does (`_resolve_auto`)."""
+    m = METHODS.get(method)
+    return m.resolve(x3) if m is not None and m.resolve is not None else method
+
+
+def _resolve_auto(x3: torch.Tensor) -> str:
+    """What "auto" runs:
     - float64 input, on every device: "svd" (the only method exact to float64 at any condition
       number: the Gram matrix squares it, the iterations stop at their residual check).
     - CUDA: "gram" where the device has a strong float64 unit (`FP64_RATE`) and the shape makes it
@@ -120,8 +197,6 @@ def resolve_method(method: str, x3: torch.Tensor) -> str:
       rate, gram took 1.1–7× eigh's time on every bucket but the widest, 4×128×6144, where it was
       1.12× faster — inside that machine's noise; no shape class for gram on CPUs).
     """
-    if method != "auto":
-        return method
     if x3.dtype == torch.float64:
         return "svd"
     if x3.is_cuda:
@@ -136,4 +211,4 @@ def iso_flatten_impl(x: torch.Tensor, method: str) -> None:
     if x.numel() == 0:
         return
     x3 = x if x.ndim == 3 else x.unsqueeze(0)
-    _BACKENDS[resolve_method(method, x3)](x3)
+    METHODS[resolve_method(method, x3)].run(x3)

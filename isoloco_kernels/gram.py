@@ -14,14 +14,13 @@ measurements: bench/results/gram.md.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
-from . import exact
+from . import exact, iteration_stats
 from .reference import rank_tol
 from ._validate import ResultOverflowError, _describe_nonfinite, overflow_limit
-from .iteration_stats import PolarFallbackWarning, PolarStats, Recorder
+from .iteration_stats import FlattenFallbackWarning, Recorder
 
 __all__ = [
     "ELL", "STEPS", "CHECK_TOL", "COEFFS", "gram_factor", "gram_from_a0", "flatten_gram_",
@@ -54,13 +53,17 @@ COEFFS = (
 )
 
 
-class GramFallbackWarning(PolarFallbackWarning):
+class GramFallbackWarning(FlattenFallbackWarning):
     """Some matrices missed the Gram iteration's accuracy check and were recomputed by SVD."""
 
 
-_RECORD = Recorder()
-last_stats = _RECORD.last  # a copy of the running statistics of the Gram flatten (`PolarStats`)
-reset_stats = _RECORD.reset
+RECORDER = Recorder("gram", GramFallbackWarning)
+last_stats = RECORDER.last  # a copy of the running statistics of the Gram flatten (`FlattenStats`)
+reset_stats = RECORDER.reset
+
+
+def __getattr__(name: str):  # the old names PolarStats, PolarFallbackWarning
+    return iteration_stats.old_name(__name__, name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,7 +76,6 @@ def gram_flops(k: int, r: int, steps: int = STEPS) -> float:
     A² and p·Y (two), Y·Ã₀ for the scale and the check (one) and the rank-cut check's Y², Y²·Z and
     its square (three); 2r³ FLOPs per product."""
     return 4.0 * k * r * r + (8.0 * steps + 5.0) * r**3
-
 
 
 def _plan(b: int, m: int, n: int, itemsize: int, budget: int | None) -> tuple[int, int]:
@@ -296,17 +298,8 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
     if fallback is not None:
         x3[flagged] = fallback
 
-    idx = tuple(int(i) for i in flagged.tolist())
-    _RECORD.record(nb, idx, float(resid.max()))
-    if idx:
-        shown = f"{list(idx[:8])}{'…' if len(idx) > 8 else ''}"
-        warnings.warn(
-            f"isoloco gram flatten: {len(idx)} of {nb} matrices of shape {tuple(x3.shape[1:])} "
-            f"missed the accuracy check (condition number beyond ~1e7 or rank-deficient) and were "
-            f"recomputed by SVD: matrices {shown}",
-            GramFallbackWarning,
-            stacklevel=3,
-        )
+    RECORDER.finish(x3.shape, flagged.tolist(), float(resid.max()),
+                    why="condition number beyond ~1e7 or rank-deficient", by="by SVD")
 
 
 def gram_from_a0(a0: torch.Tensor, *, long_side: int, dtype: torch.dtype, coeffs=COEFFS, update: str = "pap"):

@@ -1,17 +1,24 @@
-"""What the residual-checked iterations (polar.py, gram.py) did: counts, fallbacks, the warnings."""
+"""What the residual-checked flatten methods (polar.py, gram.py) did: counts, fallbacks, the warning.
+
+Each such method keeps one `Recorder`; `Recorder.finish` records a call and, when matrices missed
+the method's accuracy check and were recomputed by another method, warns with the method's
+`FlattenFallbackWarning` class. The old names `PolarStats` and `PolarFallbackWarning` (from when
+only polar had a check) still work, with a DeprecationWarning.
+"""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
-__all__ = ["PolarFallbackWarning", "PolarStats", "Recorder"]
+__all__ = ["FlattenFallbackWarning", "FlattenStats", "Recorder"]
 
 
-class PolarFallbackWarning(RuntimeWarning):
-    """Some matrices missed the polar iteration's accuracy check and were recomputed exactly."""
+class FlattenFallbackWarning(RuntimeWarning):
+    """Some matrices missed a flatten method's accuracy check and were recomputed by another method."""
 
 
 @dataclasses.dataclass
-class PolarStats:
+class FlattenStats:
     """What a flatten did. `last_*` describe the latest call, the rest are running totals."""
 
     calls: int = 0
@@ -21,7 +28,7 @@ class PolarStats:
     last_recomputed: tuple[int, ...] = ()
     last_max_residual: float = 0.0  # max over the batch of |r − ‖X‖_F²| / √r (before fallback)
 
-    def after(self, nb: int, recomputed: tuple[int, ...], max_residual: float) -> "PolarStats":
+    def after(self, nb: int, recomputed: tuple[int, ...], max_residual: float) -> "FlattenStats":
         """These statistics updated with one call over `nb` matrices."""
         return dataclasses.replace(
             self,
@@ -35,17 +42,57 @@ class PolarStats:
 
 
 class Recorder:
-    """The running statistics of one flatten method."""
+    """The running statistics of one flatten method, and its fallback warning."""
 
-    def __init__(self) -> None:
-        self._stats = PolarStats()
+    def __init__(self, name: str = "", warning: type[Warning] = FlattenFallbackWarning) -> None:
+        self.name = name
+        self.warning = warning
+        self._stats = FlattenStats()
 
-    def last(self) -> PolarStats:
+    def last(self) -> FlattenStats:
         """A copy of the running statistics."""
         return dataclasses.replace(self._stats)
 
     def reset(self) -> None:
-        self._stats = PolarStats()
+        self._stats = FlattenStats()
 
     def record(self, nb: int, recomputed: tuple[int, ...], max_residual: float) -> None:
         self._stats = self._stats.after(nb, recomputed, max_residual)
+
+    def finish(self, shape, recomputed, max_residual: float, *, why: str, by: str, stacklevel: int = 3) -> None:
+        """Record one call over a [B, m, n] batch of `shape` and warn when matrices were recomputed:
+        `why` says what they missed, `by` what recomputed them. `stacklevel` counts from the
+        method's function (as if it called warnings.warn itself)."""
+        nb = int(shape[0])
+        idx = tuple(int(i) for i in recomputed)
+        self.record(nb, idx, max_residual)
+        if idx:
+            shown = f"{list(idx[:8])}{'…' if len(idx) > 8 else ''}"
+            warnings.warn(
+                f"isoloco {self.name} flatten: {len(idx)} of {nb} matrices of shape {tuple(shape[1:])} "
+                f"missed the accuracy check ({why}) and were recomputed {by}: matrices {shown}",
+                self.warning,
+                stacklevel=stacklevel + 1,
+            )
+
+
+_OLD_NAMES = {"PolarStats": "FlattenStats", "PolarFallbackWarning": "FlattenFallbackWarning"}
+
+
+def old_name(module: str, name: str):
+    """What an old name (`PolarStats`, `PolarFallbackWarning`) stands for, with a
+    DeprecationWarning; for the module `__getattr__` of every module that exported it."""
+    new = _OLD_NAMES.get(name)
+    if new is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    warnings.warn(
+        f"{module}.{name} is deprecated: it is {new} (isoloco_kernels.iteration_stats), which serves "
+        f"every residual-checked flatten method",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return globals()[new]
+
+
+def __getattr__(name: str):
+    return old_name(__name__, name)

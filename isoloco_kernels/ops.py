@@ -44,7 +44,7 @@ _lib = torch.library.Library("isoloco", "DEF")  # noqa: TOR901 (owned by this mo
 # graphs skip graphs holding these ops (torch >= 2.8 has the tag; older torch: none).
 _HOST_BOUND = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
-# One flatten for every device: the method choice and the backend live in flatten.py.
+# One flatten for every device: the method registry and "auto" live in flatten.py.
 _lib.define("iso_flatten_(Tensor(a!) x, str method) -> ()", tags=_HOST_BOUND)
 # Iso-C epilogue; CUDA kernel in csrc/iso_scale.cu.
 _lib.define("iso_scale_(Tensor(a!) x, Tensor q) -> Tensor")
@@ -141,7 +141,7 @@ def _iso_scale_aside(x: torch.Tensor, q: torch.Tensor, ax: float, aq: float) -> 
     qs = _mul_pow2(q3.to(torch.float64), -eq)
     t = (_mul_pow2(x3.to(torch.float64), -ex) * qs).sum((-2, -1)) / max(min(x.shape[-2:]), 1)
     out = _mul_pow2(t[:, None, None] * qs, ex + 2 * eq).to(x.dtype)
-    sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    sdt = compute_dtype(x.dtype)
     sbar = _mul_pow2(t, ex + eq).to(sdt)
     bad = (~(torch.isfinite(out).flatten(1).all(1) & torch.isfinite(sbar))).nonzero().flatten()
     if bad.numel():
@@ -159,8 +159,7 @@ def _iso_scale_aside(x: torch.Tensor, q: torch.Tensor, ax: float, aq: float) -> 
 @torch.library.register_fake("isoloco::iso_scale_", lib=_lib)
 def _iso_scale_fake(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     _check_scale_args(x, q)
-    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return x.new_empty(x.shape[:-2], dtype=dt)
+    return x.new_empty(x.shape[:-2], dtype=compute_dtype(x.dtype))
 
 
 def check_nesterov_args(params, bufs, updates, lr, momentum, scales) -> None:

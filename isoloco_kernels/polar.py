@@ -4,22 +4,25 @@
 
 (Polar Express, arXiv:2505.16932; `COEFFS` from coefficients.py.) Float32 error ≤ 1e-3 to condition
 number 1e4; a per-matrix residual check sends what it cannot resolve to gram/SVD
-(`PolarFallbackWarning`, `last_stats()`). Derivation, accuracy and the check: docs/polar.md;
+(`FlattenFallbackWarning`, `last_stats()`). The GEMMs run on torch (cuBLAS / CPU BLAS): `gemm="torch"`,
+the dispatch table's "polar_gemm" choice. Derivation, accuracy and the check: docs/polar.md;
 measurements: bench/results/polar_accuracy.md.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import torch
 
 from ._validate import check_result_fits, compute_dtype, pow2_scale
-from .iteration_stats import PolarFallbackWarning, PolarStats, Recorder
+from . import iteration_stats
+from .iteration_stats import FlattenFallbackWarning, FlattenStats, Recorder
 
 __all__ = [
-    "ELL", "STEPS", "CHECK_TOL", "COEFFS", "polar_factor", "flatten_polar_",
-    "PolarStats", "PolarFallbackWarning", "last_stats", "reset_stats",
+    "ELL", "STEPS", "CHECK_TOL", "COEFFS", "polar_factor", "flatten_polar_", "polar_flops", "polar_work",
+    "FlattenStats", "FlattenFallbackWarning", "last_stats", "reset_stats",
 ]
 
 ELL = 2.5e-5      # smallest scaled singular value the schedule covers: 1e-4 / (65536^{1/8} = 4)
@@ -54,30 +57,68 @@ COEFFS = (
 # Statistics and warnings
 
 
-_RECORD = Recorder()
-last_stats = _RECORD.last  # a copy of the running statistics of the polar flatten (`PolarStats`)
-reset_stats = _RECORD.reset
+RECORDER = Recorder("polar")
+last_stats = RECORDER.last  # a copy of the running statistics of the polar flatten (`FlattenStats`)
+reset_stats = RECORDER.reset
+
+
+def __getattr__(name: str):  # the old names PolarStats, PolarFallbackWarning
+    return iteration_stats.old_name(__name__, name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Work
+
+
+def polar_flops(k: int, r: int, steps: int = STEPS) -> float:
+    """Modelled FLOPs of `steps` steps on one r×k matrix (r ≤ k): A = X·Xᵀ (2kr²), A² (2r³) and
+    (bA + cA²)·X (2kr²) per step."""
+    return steps * (4.0 * k * r * r + 2.0 * r**3)
+
+
+def polar_work(k: int, r: int, mode: str = "fp32") -> dict[str, float]:
+    """Modelled FLOPs of one r×k matrix per GEMM dtype: "compute" (the input's compute dtype) for
+    every step of mode "fp32"; mode "bf16" runs all but the last `BF16_FP32_STEPS` in "bf16"."""
+    if mode == "fp32":
+        return {"compute": polar_flops(k, r)}
+    hi = min(BF16_FP32_STEPS, STEPS)
+    return {"bf16": polar_flops(k, r, STEPS - hi), "compute": polar_flops(k, r, hi)}
 
 
 # ----------------------------------------------------------------------------------------------
 # The iteration
 
 
-def _gemm_steps(x: torch.Tensor, backend: str | None):
-    """The GEMMs of the iteration: the dispatch table's choice ("polar_gemm": cuBLAS / CPU BLAS by
-    default), or backend "torch" / "triton" (the experimental kernels, where they can run)."""
+#: The environment switch that chose the Triton GEMMs before they were removed.
+GEMM_ENV = "ISOLOCO_POLAR_GEMM"
+_TRITON_REMOVED = ("the Triton GEMMs of the polar iteration were removed (never measured faster than "
+                   "cuBLAS; git history keeps them in isoloco_kernels/experimental/)")
+
+
+def _gemm_name(gemm: str | None, backend: str | None) -> str | None:
+    """`gemm`, or the deprecated keyword `backend` that named it before."""
+    if backend is not None:
+        warnings.warn("polar: the keyword backend= is deprecated; use gemm= (the GEMM provider)",
+                      DeprecationWarning, stacklevel=3)
+        if gemm is not None and gemm != backend:
+            raise ValueError(f"polar: gemm={gemm!r} and the deprecated backend={backend!r} disagree")
+        gemm = backend
+    return gemm
+
+
+def _gemm_steps(x: torch.Tensor, gemm: str | None):
+    """The GEMMs of the iteration: `gemm` "torch" (cuBLAS / CPU BLAS), by default the dispatch
+    table's "polar_gemm" choice."""
     from . import dispatch
 
-    if backend is None:
-        backend = dispatch.select("polar_gemm", x.device, x).run(x)
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"polar: backend must be 'torch' or 'triton', got {backend!r}")
-    from . import triton as _tk
-
-    if backend == "triton" and _tk.usable_for(x):
-        from .experimental import triton_polar_steps
-
-        return triton_polar_steps
+    if gemm is None:
+        if os.environ.get(GEMM_ENV, "torch") == "triton":
+            warnings.warn(f"{GEMM_ENV}=triton is ignored: {_TRITON_REMOVED}; cuBLAS serves", stacklevel=4)
+        gemm = dispatch.select("polar_gemm", x.device, x).run(x)
+    if gemm == "triton":
+        raise ValueError(f"polar: gemm='triton' is no longer available: {_TRITON_REMOVED}; use 'torch'")
+    if gemm != "torch":
+        raise ValueError(f"polar: gemm must be 'torch', got {gemm!r}")
     return TorchSteps
 
 
@@ -86,18 +127,20 @@ def polar_factor(
     coeffs=COEFFS,
     *,
     gemm_dtypes=None,
-    backend: str | None = None,
+    gemm: str | None = None,
     steps=None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Q, residual) for a [B, m, n] batch: Q ≈ U_r V_rᵀ in the compute dtype (float32, or float64
     for float64 input), residual[b] = |r − ‖Q_b‖_F²| / √r (see the module docstring; 0 for r = 0).
 
     gemm_dtypes: one dtype per step for the GEMM operands (default: the compute dtype throughout);
-    backend: "torch" or "triton" (default: the dispatch table's "polar_gemm" choice; Triton
-    falls back to torch where its kernels cannot run);
-    steps: an object with gram / square / step like `TorchSteps`, overriding backend (the
+    gemm: the GEMM provider, "torch" (default: the dispatch table's "polar_gemm" choice, which is
+    torch); backend: its deprecated old name;
+    steps: an object with gram / square / step like `TorchSteps`, overriding gemm (the
     accuracy benchmark passes one that rounds GEMM operands to TF32).
     """
+    gemm = _gemm_name(gemm, backend)
     if x3.ndim != 3:
         raise ValueError(f"polar_factor: expected [B, m, n], got shape {tuple(x3.shape)}")
     cd = compute_dtype(x3.dtype)
@@ -108,10 +151,7 @@ def polar_factor(
         gemm_dtypes = (cd,) * len(coeffs)
     if len(gemm_dtypes) != len(coeffs):
         raise ValueError(f"polar_factor: {len(coeffs)} steps but {len(gemm_dtypes)} gemm dtypes")
-    if steps is not None:
-        ops = steps
-    else:
-        ops = _gemm_steps(x, backend)
+    ops = steps if steps is not None else _gemm_steps(x, gemm)
 
     # Exact rank bound r = min(#nonzero rows, #nonzero columns): the residual check's target.
     nz = x != 0
@@ -230,7 +270,8 @@ def _exact_flatten(sub: torch.Tensor) -> None:
     gram.flatten_gram_(sub)
 
 
-def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", backend: str | None = None) -> None:
+def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", gemm: str | None = None,
+                   backend: str | None = None) -> None:
     """In place Iso-C of a [B, m, n] batch through the polar iteration; all-or-nothing.
 
     mode "fp32": GEMMs in the compute dtype (float32, float64 for float64 input).
@@ -239,13 +280,15 @@ def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", backend: str | None 
     with the condition number: ~1e-2 at cond 1e2, O(1) at cond 1e4 (bench/results/
     polar_accuracy.md); the residual check sees singular values, not directions, and does not
     catch that. Use it only for well-conditioned updates.
-    Matrices that fail the residual check are recomputed exactly, with a PolarFallbackWarning.
+    Matrices that fail the residual check are recomputed exactly, with a FlattenFallbackWarning.
+    gemm: the GEMM provider (`polar_factor`); backend: its deprecated old name.
     Δ is scaled by a power of two near its largest entry for the scale s̄ (exact, Iso-C is
     homogeneous), so finite input never overflows there; a result that does not fit x3's dtype
     raises ResultOverflowError naming the matrix. Either way x3 is then untouched.
     """
     if mode not in ("fp32", "bf16"):
         raise ValueError(f"flatten_polar_: mode must be 'fp32' or 'bf16', got {mode!r}")
+    gemm = _gemm_name(gemm, backend)
     nb = x3.shape[0]
     cd = compute_dtype(x3.dtype)
     gd = None
@@ -253,7 +296,7 @@ def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", backend: str | None 
         k = max(len(COEFFS) - BF16_FP32_STEPS, 0)
         gd = (torch.bfloat16,) * k + (cd,) * (len(COEFFS) - k)
     with ieee_fp32_matmul(x3.is_cuda and cd == torch.float32):
-        q, resid = polar_factor(x3, gemm_dtypes=gd, backend=backend)
+        q, resid = polar_factor(x3, gemm_dtypes=gd, gemm=gemm)
     # Iso-C is homogeneous: s̄ = ⟨Δ, Q⟩ / r0 is formed on Δ / scale (a power of two near amax, so
     # exact) and the result multiplied back: no overflow for any finite Δ whose result fits.
     scale = pow2_scale(x3, cd)[:, None, None]
@@ -285,14 +328,5 @@ def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", backend: str | None 
     check_result_fits(out, x3.dtype, "iso_flatten_ (polar)")
     x3.copy_(out)
 
-    idx = tuple(int(i) for i in flagged.tolist())
-    _RECORD.record(nb, idx, float(resid.max()) if nb else 0.0)
-    if idx:
-        shown = f"{list(idx[:8])}{'…' if len(idx) > 8 else ''}"
-        warnings.warn(
-            f"isoloco polar flatten: {len(idx)} of {nb} matrices of shape {tuple(x3.shape[1:])} "
-            f"missed the accuracy check (condition number ≫ 1e4 or rank-deficient) and were "
-            f"recomputed exactly: matrices {shown}",
-            PolarFallbackWarning,
-            stacklevel=3,
-        )
+    RECORDER.finish(x3.shape, flagged.tolist(), float(resid.max()) if nb else 0.0,
+                    why="condition number ≫ 1e4 or rank-deficient", by="exactly")

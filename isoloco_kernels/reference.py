@@ -1,4 +1,4 @@
-"""The Iso-C contract in float64: the truth every backend is tested against.
+"""The Iso-C contract in float64: the truth every flatten method and op backend is tested against.
 
 For one matrix Δ (m×n), r0 = min(m, n), SVD Δ = U diag(σ) Vᵀ:
 
@@ -24,21 +24,26 @@ U diag(mean σ) Vᵀ (Marczak et al., 2025).
 The IsoLoCo outer step (Iso-C, then Nesterov momentum without dampening) is `nesterov_ref`.
 
 Nothing here is fast: tests and the benchmark's error column use it; the kernels import only
-`rank_tol`, so the cut has one definition.
+`rank_tol` and `compute_dtype`, so the cut and the compute dtype have one definition each.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["iso_flatten_ref", "polar_ref", "nesterov_ref", "isoloco_step_ref", "rank_tol"]
+__all__ = ["iso_flatten_ref", "polar_ref", "nesterov_ref", "isoloco_step_ref", "rank_tol", "compute_dtype"]
 
 _EPS64 = torch.finfo(torch.float64).eps
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The compute dtype of an input dtype: float16, bfloat16 and float32 → float32, float64 →
+    float64 (the one definition; the kernels import it through _validate)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def rank_tol(m: int, n: int, dtype: torch.dtype) -> float:
     """τ of the rank cut (module docstring) for an m×n matrix of `dtype`: σ_i ≤ τ·σ_1 is zero."""
-    c = torch.float64 if dtype == torch.float64 else torch.float32
-    return 4 * torch.finfo(c).eps + max(m, n) * _EPS64
+    return 4 * torch.finfo(compute_dtype(dtype)).eps + max(m, n) * _EPS64
 
 
 def _svd64(x: torch.Tensor):

@@ -1,55 +1,80 @@
-"""Shared test helpers: the one tolerance table, error measure, and input generators."""
+"""Shared test helpers: the one tolerance table, the error measure, and input generators (random
+matrices, named spectra, pseudo-gradients from the reference loop and the committed captures)."""
 from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
-# Relative Frobenius error allowed vs reference.py (float64), per (method family, dtype).
-# Half/bfloat16 results are rounded to the input dtype, which alone costs ~2^-11 / 2^-8 per element.
-TOL = {
-    ("exact", torch.float64): 1e-9,
-    ("exact", torch.float32): 2e-5,
-    ("exact", torch.float16): 2e-3,
-    ("exact", torch.bfloat16): 1e-2,
-    ("polar", torch.float64): 1e-3,
-    ("polar", torch.float32): 1e-3,
-    ("polar", torch.float16): 3e-3,
-    ("polar", torch.bfloat16): 1.2e-2,
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_COLUMNS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+# Relative Frobenius error allowed vs reference.py (float64): one row per key, one column per input
+# dtype (None: not defined). A flatten method's row has its name in isoloco_kernels.flatten.METHODS
+# (tests/test_methods.py runs every method's contract against its row); "exact" serves tests of
+# exact results in general. Half/bfloat16 results are rounded to the input dtype, which alone costs
+# ~2^-11 / 2^-8 per element.
+_EXACT = (1e-9, 2e-5, 2e-3, 1e-2)
+TOL_ROWS = {
+    #              float64  float32  float16  bfloat16
+    "exact": _EXACT,
+    "svd": _EXACT,
+    "eigh": _EXACT,
+    "polar": (1e-3, 1e-3, 3e-3, 1.2e-2),
     # polar_bf16 on well-conditioned inputs (cond ≤ 1e2); it is not accurate beyond (polar.py).
-    ("polar_bf16", torch.float64): 4e-2,
-    ("polar_bf16", torch.float32): 4e-2,
-    ("polar_bf16", torch.float16): 4e-2,
-    ("polar_bf16", torch.bfloat16): 4e-2,
+    "polar_bf16": (4e-2, 4e-2, 4e-2, 4e-2),
     # gram (float64 Gram-space iteration): the result rounded to the input dtype (float32: ~2.5e-8
     # measured, ×8 margin) plus the Gram matrix's conditioning: A₀ = X Xᵀ holds the small σ² to
-    # eps64·κ² relative, so the error grows as κ² (measured at κ 1e5, flat tails: 3.5e-7…1.1e-6 for
-    # float32 input, 2.5e-7…8.4e-7 for float64 input; 8× below the allowance). Use `gram_tol(dtype, cond)`: targets for float32 ≤ 1e-6 at κ ≤ 1e4 and
-    # ≤ 1e-5 at κ 1e5 are met by the formula.
-    ("gram", torch.float64): 1e-11,
-    ("gram", torch.float32): 2e-7,
-    ("gram", torch.float16): 2e-3,
-    ("gram", torch.bfloat16): 1e-2,
-    ("gram_per_cond2", torch.float64): 4 * 2.0**-52,  # × κ², added to the row above
-    ("update", torch.float64): 1e-12,
-    ("update", torch.float32): 1e-6,
-    ("update", torch.float16): 2e-3,
-    ("update", torch.bfloat16): 1e-2,
+    # eps64·κ² relative, so the error grows as κ² (PER_COND2; measured at κ 1e5, flat tails:
+    # 3.5e-7…1.1e-6 for float32 input, 2.5e-7…8.4e-7 for float64 input; 8× below the allowance).
+    # Targets for float32 ≤ 1e-6 at κ ≤ 1e4 and ≤ 1e-5 at κ 1e5 are met by `method_tol`.
+    "gram": (1e-11, 2e-7, 2e-3, 1e-2),
+    "update": (1e-12, 1e-6, 2e-3, 1e-2),
     # iso_scale_ (⟨x, q⟩ accumulated in float32, float64 for float64 x; x rounded to its dtype).
-    ("iso_scale", torch.float64): 1e-12,
-    ("iso_scale", torch.float32): 1e-5,
-    ("iso_scale", torch.float16): 2e-3,
-    ("iso_scale", torch.bfloat16): 1e-2,
+    "iso_scale": (1e-12, 1e-5, 2e-3, 1e-2),
     # Held-out loss of a torchrun run (one worker per rank) vs the single-process simulation: the
     # same float32 math with the pseudo-gradient sums taken in another order (~1 ulp per round;
     # measured ≤ 1e-7 after 2 rounds of the tiny model). A wrong shard or average moves it ≥ 1e-3.
-    ("train_dist", torch.float32): 1e-5,
+    "train_dist": (None, 1e-5, None, None),
 }
+# Added to a method's row, × κ² (κ the input's condition number): methods whose error grows so.
+PER_COND2 = {"gram": 4 * 2.0**-52}
+# The condition number up to which a method's row holds; beyond it the method promises only a finite
+# result (polar_bf16 rounds X to bfloat16, which moves its small directions unseen by the residual
+# check: a rank-one float32 matrix comes back O(1) wrong). Absent: every condition number.
+COND_LIMIT = {"polar_bf16": 1e2}
 
-DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+class _Table(Mapping):
+    """TOL[(key, dtype)]: the entry of TOL_ROWS (read at each lookup)."""
+
+    def __getitem__(self, key):
+        row, dtype = key
+        value = TOL_ROWS[row][_COLUMNS.index(dtype)]
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __iter__(self):
+        return iter([(r, d) for r, vals in TOL_ROWS.items() for d, v in zip(_COLUMNS, vals) if v is not None])
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+
+TOL = _Table()
+
+
+def method_tol(method: str, dtype: torch.dtype, cond: float = 1.0) -> float:
+    """Allowed relative error of flatten method `method` on `dtype` input of condition number `cond`."""
+    return TOL[(method, dtype)] + PER_COND2.get(method, 0.0) * cond**2
 
 
 def gram_tol(dtype: torch.dtype, cond: float) -> float:
     """Allowed relative error of method="gram" at condition number `cond` (see the TOL rows)."""
-    return TOL[("gram", dtype)] + TOL[("gram_per_cond2", torch.float64)] * cond**2
+    return method_tol("gram", dtype, cond)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -81,3 +106,53 @@ def spectrum(kind: str, r: int, cond: float = 1e3) -> torch.Tensor:
     if kind == "flat":
         return torch.ones(r, dtype=torch.float64)
     raise ValueError(kind)
+
+
+def flat_tail(r: int, cond: float) -> torch.Tensor:
+    """A few strong directions (1 … 0.3), the rest flat at 1/cond: many directions at the bottom."""
+    return spectrum("lowrank_noise", r, cond)
+
+
+def gen(key) -> torch.Generator:
+    """A generator seeded from any repr-able key (a test's own, so cases do not share draws)."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def randn(shape, dtype: torch.dtype, key) -> torch.Tensor:
+    """Gaussian entries drawn in float64 from `gen(key)`, rounded to `dtype`."""
+    return torch.randn(shape, generator=gen(key), dtype=torch.float64).to(dtype)
+
+
+def cond(x: torch.Tensor) -> float:
+    """The largest condition number σ_1 / σ_min over the matrices of x (float64)."""
+    s = torch.linalg.svdvals(x.detach().to(torch.float64))
+    return float(s[..., 0].max() / s[..., -1].min())
+
+
+def loop_pseudo_gradients() -> list[tuple[str, torch.Tensor]]:
+    """(name, Δ) of every 2-D pseudo-gradient of a few seconds of the reference loop (tiny model,
+    2 workers, 10 inner steps, 2 rounds; float32)."""
+    from isoloco_kernels.train import Setup, TrainConfig, load_corpus, run_mode
+
+    cfg = TrainConfig(model="tiny", workers=2, inner_steps=10, rounds=2, batch=2, seq_len=32,
+                      warmup=2, eval_windows=4, divergence=False, seed=0, iso_method="svd")
+    got = []
+
+    def capture(r, names, deltas):
+        got.extend((f"round {r} {n}", d.detach().clone()) for n, d in zip(names, deltas) if d.ndim == 2)
+
+    run_mode("isoloco", Setup(cfg, load_corpus(max_bytes=60_000)), capture=capture)
+    return got
+
+
+def captured_pseudo_gradients() -> list[tuple[str, torch.Tensor]]:
+    """(file: name, Δ) of every 2-D pseudo-gradient committed under bench/data/captured (the
+    reference loop at K 4, H 30, saved in float16; bench/results/captured.md), as float32."""
+    files = sorted((Path(__file__).resolve().parents[1] / "bench" / "data" / "captured").glob("*/*/round_*.pt"))
+    assert files, "bench/data/captured holds no round_*.pt"
+    out = []
+    for f in files:
+        for name, d in torch.load(f, weights_only=False)["delta"].items():
+            if d.ndim == 2:
+                out.append((f"{f.name}: {name}", d.to(torch.float32)))
+    return out

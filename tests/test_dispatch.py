@@ -72,15 +72,17 @@ def test_nesterov_arguments_are_refused_alike_on_every_table(edit, exc, match, m
     assert log == [] and all(torch.equal(a, b) for a, b in zip(args["params"] + args["bufs"], before))
 
 
-def test_polar_gemm_triton_is_opt_in(monkeypatch):
+@pytest.mark.parametrize("env", [None, "torch", "triton"])
+def test_polar_gemm_is_torch_whatever_the_old_switch_says(monkeypatch, env):
+    """The Triton GEMMs were removed: torch serves the polar GEMMs on every device, and the
+    old switch ISOLOCO_POLAR_GEMM=triton no longer changes the table (polar.py warns about it)."""
     x = torch.randn(4, 6)
-    monkeypatch.delenv("ISOLOCO_POLAR_GEMM", raising=False)
-    assert dispatch.select("polar_gemm", "cpu", x).name == "torch"
-    from isoloco_kernels import triton as tk
-
-    monkeypatch.setenv("ISOLOCO_POLAR_GEMM", "triton")
-    want = "experimental triton GEMMs (interpreter)" if tk.usable_for(x) else "torch"
-    assert dispatch.select("polar_gemm", "cpu", x).name == want
+    if env is None:
+        monkeypatch.delenv("ISOLOCO_POLAR_GEMM", raising=False)
+    else:
+        monkeypatch.setenv("ISOLOCO_POLAR_GEMM", env)
+    assert dispatch.select("polar_gemm", "cpu", x).run(x) == "torch"
+    assert [(n, ok) for n, ok, _ in dispatch.report("polar_gemm", "cuda")] == [("torch (cuBLAS)", True)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,25 +1,25 @@
-"""method="gram" (the Gram-space float64 Polar Express iteration) against reference.py."""
+"""method="gram" (the Gram-space float64 Polar Express iteration) against reference.py: its schedule,
+accuracy over condition numbers, chunking, real pseudo-gradients, fallback, overflow and auto's
+rule. The contract every method keeps is tests/test_methods.py."""
 from __future__ import annotations
 
 import warnings
-import zlib
 
 import numpy as np
 import pytest
 import torch
 
 import isoloco_kernels as ik
-from isoloco_kernels import flatten, gram, polar
+from isoloco_kernels import flatten, gram
 from isoloco_kernels._validate import ResultOverflowError
-from isoloco_kernels.reference import iso_flatten_ref, isoloco_step_ref
-from tests.helpers import DTYPES, TOL, gram_tol, rel_err, spectrum, with_spectrum
+from isoloco_kernels.iteration_stats import FlattenFallbackWarning
+from isoloco_kernels.reference import iso_flatten_ref
+from tests.helpers import (TOL, captured_pseudo_gradients, cond, flat_tail, gen as _gen, gram_tol, loop_pseudo_gradients,
+                           rel_err, spectrum, with_spectrum)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small computations (tests/conftest.py)
-
-
-def _gen(key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+_cond = cond
 
 
 def _gram_quiet(x: torch.Tensor) -> torch.Tensor:
@@ -29,16 +29,6 @@ def _gram_quiet(x: torch.Tensor) -> torch.Tensor:
         out = ik.iso_flatten(x, method="gram")
     assert gram.last_stats().last_recomputed == ()
     return out
-
-
-def flat_tail(r: int, cond: float) -> torch.Tensor:
-    """A few strong directions (1 … 0.3), the rest flat at 1/cond: many directions at the bottom."""
-    return spectrum("lowrank_noise", r, cond)
-
-
-def _cond(x: torch.Tensor) -> float:
-    s = torch.linalg.svdvals(x.detach().to(torch.float64))
-    return float(s[..., 0].max() / s[..., -1].min())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,28 +102,6 @@ def test_pap_update_beats_recomputing_a():
 ODD_SHAPES = [(1, 9), (9, 1), (1, 1), (7, 7), (13, 5), (5, 13), (3, 6, 4), (4, 5, 17), (2, 33, 8), (1, 300)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", ODD_SHAPES, ids=str)
-def test_dtypes_and_odd_shapes(dtype, shape):
-    x = torch.randn(shape, generator=_gen((shape, str(dtype))), dtype=torch.float64).to(dtype)
-    out = _gram_quiet(x)
-    assert out.dtype == dtype and out.shape == x.shape
-    assert rel_err(out, iso_flatten_ref(x)) <= gram_tol(dtype, _cond(x))
-
-
-def test_in_place_on_non_contiguous_views():
-    base = torch.randn(3, 12, 20, generator=_gen(1))
-    view = base.transpose(-1, -2)  # [3, 20, 12], non-contiguous, tall
-    ref = iso_flatten_ref(view)
-    out = ik.iso_merge_([view], method="gram")
-    assert out[0] is view
-    assert rel_err(base.transpose(-1, -2), ref) <= gram_tol(torch.float32, _cond(ref))
-    strided = torch.randn(10, 16, generator=_gen(2), dtype=torch.float64)[::2, 1::3]
-    ref2 = iso_flatten_ref(strided)
-    ik.iso_merge_([strided], method="gram")
-    assert rel_err(strided, ref2) <= gram_tol(torch.float64, _cond(ref2))
-
-
 def test_column_chunks_and_sub_batches_give_the_same_result():
     """A tiny workspace budget forces one matrix per sub-batch and 128-column chunks (here 6 of
     them, the last partial); the result must not depend on it beyond float64 round-off."""
@@ -149,57 +117,13 @@ def test_column_chunks_and_sub_batches_give_the_same_result():
     assert rel_err(tall.mT, whole) <= 1e-7
 
 
-@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
-def test_zero_rows_columns_matrices_stay_exactly_zero(dtype):
-    x = torch.randn(4, 10, 24, generator=_gen(4), dtype=torch.float64).to(dtype)
-    x[0, 2] = 0
-    x[0, 7] = 0  # two zero rows
-    x[1, :, 5] = 0  # zero columns
-    x[1, :, 20:] = 0
-    x[2] = 0  # zero matrix
-    out = _gram_quiet(x)  # exact zeros lower the rank target: no fallback
-    assert torch.isfinite(out).all()
-    assert (out[0, 2] == 0).all() and (out[0, 7] == 0).all()
-    assert (out[1, :, 5] == 0).all() and (out[1, :, 20:] == 0).all() and (out[2] == 0).all()
-    assert rel_err(out, iso_flatten_ref(x)) <= gram_tol(dtype, 1e2)
-    t = torch.randn(24, 10, generator=_gen(6), dtype=dtype)  # tall, zero rows on the long side
-    t[3] = 0
-    t[:, 4] = 0  # and a zero column on the short side
-    out_t = _gram_quiet(t)
-    assert (out_t[3] == 0).all() and (out_t[:, 4] == 0).all()
-    assert rel_err(out_t, iso_flatten_ref(t)) <= gram_tol(dtype, 1e2)
-
-
-def test_huge_and_tiny_finite_inputs_do_not_overflow():
-    g = _gen("scale")
-    base = torch.randn(2, 6, 30, generator=g, dtype=torch.float64)
-    for factor, dtype in ((1e36, torch.float32), (1e-30, torch.float32), (1e300, torch.float64),
-                          (1e-300, torch.float64), (6e4 / 4, torch.float16)):
-        x = (base * factor).to(dtype)
-        out = _gram_quiet(x)
-        assert torch.isfinite(out).all() and out.abs().max() > 0
-        # compared at unit scale (the norms of 1e300-sized matrices overflow)
-        ref = iso_flatten_ref(x) / factor
-        assert rel_err(out.double() / factor, ref) <= gram_tol(dtype, _cond(x.double() / factor))
-
-
 # ----------------------------------------------------------------------------------------------
 # Real pseudo-gradients: a few seconds of the reference loop, every 2-D Δ of every round
 
 
 @pytest.fixture(scope="module")
 def pseudo_gradients():
-    from isoloco_kernels.train import Setup, TrainConfig, load_corpus, run_mode
-
-    cfg = TrainConfig(model="tiny", workers=2, inner_steps=10, rounds=2, batch=2, seq_len=32,
-                      warmup=2, eval_windows=4, divergence=False, seed=0, iso_method="svd")
-    got = []
-
-    def capture(r, names, deltas):
-        got.extend((f"round {r} {n}", d.detach().clone()) for n, d in zip(names, deltas) if d.ndim == 2)
-
-    run_mode("isoloco", Setup(cfg, load_corpus(max_bytes=60_000)), capture=capture)
-    return got
+    return loop_pseudo_gradients()
 
 
 def test_real_pseudo_gradients(pseudo_gradients):
@@ -220,20 +144,12 @@ def test_committed_captured_pseudo_gradients():
     """The pseudo-gradients committed under bench/data/captured (the reference loop at K 4, H 30,
     float16-saved; bench/results/captured.md), among them a DiLoCo-round attention projection at
     κ 5.7e5 — beyond polar's contract and the fp32 targets, inside gram's float64 Gram range."""
-    from pathlib import Path
-
-    files = sorted((Path(__file__).resolve().parents[1] / "bench" / "data" / "captured").glob("*/*/round_*.pt"))
-    assert files, "bench/data/captured holds no round_*.pt"
     worst = 0.0
-    for f in files:
-        for name, d in torch.load(f, weights_only=False)["delta"].items():
-            if d.ndim != 2:
-                continue
-            x = d.to(torch.float32)
-            c = _cond(x)
-            worst = max(worst, c)
-            err = rel_err(_gram_quiet(x), iso_flatten_ref(x))
-            assert err <= gram_tol(torch.float32, c), (f.name, name, c, err)
+    for name, x in captured_pseudo_gradients():
+        c = _cond(x)
+        worst = max(worst, c)
+        err = rel_err(_gram_quiet(x), iso_flatten_ref(x))
+        assert err <= gram_tol(torch.float32, c), (name, c, err)
     assert worst > 1e5
 
 
@@ -253,44 +169,19 @@ def test_beyond_the_gram_limit_falls_back_to_svd_and_is_counted():
     assert st.last_recomputed == (1, 3) and st.calls == 1 and st.recomputed == 2 and st.last_matrices == 4
     assert rel_err(out[[1, 3]], iso_flatten_ref(x[[1, 3]])) <= TOL[("exact", torch.float64)]
     assert rel_err(out[[0, 2]], iso_flatten_ref(x[[0, 2]])) <= gram_tol(torch.float64, 1e3)
-    # a GramFallbackWarning is a PolarFallbackWarning: filters set for polar catch it too
-    assert issubclass(gram.GramFallbackWarning, polar.PolarFallbackWarning)
-
-
-def test_rank_deficient_input_is_recomputed_not_wrong():
-    g = _gen(8)
-    x = torch.randn(2, 20, 3, generator=g, dtype=torch.float64) @ torch.randn(2, 3, 30, generator=g, dtype=torch.float64)
-    with pytest.warns(gram.GramFallbackWarning, match="2 of 2"):
-        out = ik.iso_flatten(x, method="gram")
-    assert rel_err(out, iso_flatten_ref(x)) <= TOL[("exact", torch.float64)]
+    # a GramFallbackWarning is a FlattenFallbackWarning: filters set for every method catch it too
+    assert issubclass(gram.GramFallbackWarning, FlattenFallbackWarning)
 
 
 def test_polar_sends_its_flagged_matrices_to_gram():
     """cond 1e6: beyond polar's contract (flagged), inside gram's (not flagged by gram)."""
     x = with_spectrum(3, 32, 64, spectrum("geometric", 32, cond=1e6), _gen("polar->gram")).to(torch.float32)
     gram.reset_stats()
-    with pytest.warns(polar.PolarFallbackWarning, match="3 of 3"):
+    with pytest.warns(FlattenFallbackWarning, match="3 of 3"):
         out = ik.iso_flatten(x, method="polar")
     st = gram.last_stats()
     assert st.calls == 1 and st.matrices == 3 and st.recomputed == 0
     assert rel_err(out, iso_flatten_ref(x)) <= gram_tol(torch.float32, 1e6)
-
-
-@pytest.mark.parametrize("bad", ["nan", "inf"])
-def test_non_finite_input_raises_and_changes_nothing(bad):
-    x = torch.randn(3, 6, 9, generator=_gen(9))
-    x[1, 2, 3] = float(bad)
-    keep = x.clone()
-    kind = "NaN" if bad == "nan" else "Inf"
-    with pytest.raises(ValueError, match=rf"bucket 0: matrix 1 contains {kind}"):
-        ik.iso_merge_([x], method="gram")
-    assert torch.equal(x.view(torch.int32), keep.view(torch.int32))
-    with pytest.raises(ValueError, match=rf"matrix 1 contains {kind}.*nothing was written"):
-        gram.flatten_gram_(x)  # the backend called directly refuses too
-    assert torch.equal(x.view(torch.int32), keep.view(torch.int32))
-    with pytest.raises(ValueError, match=rf"matrix 1 contains {kind}"):
-        torch.ops.isoloco.iso_flatten_(x, "gram")
-    assert torch.equal(x.view(torch.int32), keep.view(torch.int32))
 
 
 def test_result_that_does_not_fit_the_dtype_raises_and_changes_nothing():
@@ -312,64 +203,7 @@ def test_result_that_does_not_fit_the_dtype_raises_and_changes_nothing():
 
 
 # ----------------------------------------------------------------------------------------------
-# Everything that takes a method takes "gram"; auto
-
-
-def test_method_gram_everywhere():
-    assert "gram" in flatten.METHODS
-    g = _gen("optim")
-    p = [torch.randn(12, 30, generator=g), torch.randn(5, generator=g)]
-    grads = [torch.randn(12, 30, generator=g), torch.randn(5, generator=g)]
-    want, _ = isoloco_step_ref(p, [torch.zeros_like(t) for t in p], grads, lr=1.8, momentum=0.8)
-    params = [torch.nn.Parameter(t.clone()) for t in p]
-    opt = ik.IsoLoCo(params, lr=1.8, momentum=0.8, method="gram")
-    for q, d in zip(params, grads):
-        q.grad = d.clone()
-    opt.step()
-    for q, w in zip(params, want):
-        assert rel_err(q, w) <= TOL[("update", torch.float32)]
-    from isoloco_kernels.train.cli import build_parser
-
-    args = build_parser().parse_args(["--iso-method", "gram"])
-    assert args.iso_method == "gram"
-
-
-def test_sharded_entry_points_take_gram():
-    """ShardedIsoLoCo and sharded_iso_merge_ on a one-rank gloo group (the sharded plan and its
-    checks run; the math is iso_merge_'s)."""
-    import os
-    import socket
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    try:
-        g = _gen("sharded")
-        bk = [torch.randn(3, 16, 40, generator=g), torch.randn(24, 10, generator=g)]
-        want = [iso_flatten_ref(b) for b in bk]
-        got = ik.sharded_iso_merge_([b.clone() for b in bk], method="gram")
-        for o, w, b in zip(got, want, bk):
-            assert rel_err(o, w) <= gram_tol(torch.float32, _cond(b))
-        p = [torch.randn(12, 30, generator=g), torch.randn(5, generator=g)]
-        grads = [torch.randn(12, 30, generator=g), torch.randn(5, generator=g)]
-        ref, _ = isoloco_step_ref(p, [torch.zeros_like(t) for t in p], grads, lr=1.8, momentum=0.8)
-        params = [torch.nn.Parameter(t.clone()) for t in p]
-        opt = ik.ShardedIsoLoCo(params, lr=1.8, momentum=0.8, method="gram")
-        for q, d in zip(params, grads):
-            q.grad = d.clone()
-        opt.step()
-        for q, w in zip(params, ref):
-            assert rel_err(q, w) <= TOL[("update", torch.float32)]
-    finally:
-        dist.destroy_process_group()
+# auto
 
 
 def test_auto_rule():
@@ -383,7 +217,3 @@ def test_auto_rule():
     # on the CPU auto stays an exact LAPACK method
     assert flatten.resolve_method("auto", torch.empty(2, 64, 512)) in ("svd", "eigh")
 
-
-def test_opcheck_iso_flatten_gram():
-    x = torch.randn(2, 6, 9, generator=_gen(13))
-    torch.library.opcheck(torch.ops.isoloco.iso_flatten_.default, (x, "gram"))

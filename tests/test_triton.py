@@ -4,8 +4,8 @@ With a GPU they run on CUDA. Without one they run under Triton's interpreter, wh
 before triton is first imported (triton reads TRITON_INTERPRET when its own library functions are
 decorated, at import). So in an ordinary CPU pytest process the kernel tests skip and
 `test_kernels_under_the_interpreter` re-runs this file in a fresh Python with TRITON_INTERPRET=1;
-other tests in the parent process never see the variable. The interpreter has no bfloat16
-tl.dot, so GEMM kernels are tested in float32/float16 there; sizes stay small (it is slow).
+other tests in the parent process never see the variable. Sizes stay small (the interpreter is
+slow).
 Outputs are poisoned (NaN) before kernels run, so unwritten elements show.
 """
 from __future__ import annotations
@@ -175,34 +175,6 @@ def test_nesterov_kernel_compiles_for_every_specialization(monkeypatch, capabili
     assert compiled.asm["cubin"]
 
 
-def _gemm_cases():
-    from isoloco_kernels.experimental import triton_gram as gram, triton_polar_steps as ps
-
-    out = []
-    for dt in (torch.float32, torch.bfloat16, torch.float16):
-        for m, n in ((1, 37), (40, 300)):  # 1×n: M = 1 is a constexpr
-            x, b = torch.empty(2, m, n, dtype=dt), torch.empty(2, m, m, dtype=dt)
-            tag = f"{str(dt)[6:]}-{m}x{n}"
-            out += [(f"gram-{tag}", gram, "_gram_kernel", lambda x=x: gram.gram(x)),
-                    (f"poly-{tag}", ps, "_poly_kernel", lambda b=b: ps.poly(b, 0.5, 0.25)),
-                    (f"square-{tag}", ps, "_poly_kernel", lambda b=b: ps.poly(b, 0.0, 1.0)),
-                    (f"step-{tag}", ps, "_step_kernel", lambda x=x, b=b: ps.axpy_matmul(x, b, 2.0))]
-    big = torch.empty(1, 2**16, 2**15, device="meta")  # 64-bit offsets
-    out += [("gram-2^31", gram, "_gram_kernel", lambda: gram.gram(big)),
-            ("gram-tf32", gram, "_gram_kernel", lambda: gram.gram(torch.empty(1, 64, 64), tf32=True))]
-    return out
-
-
-@pytest.mark.skipif(INTERPRETER, reason="compiles real GPU code; the interpreter builds no kernels")
-@pytest.mark.parametrize("capability", TARGETS, ids=lambda c: f"sm_{c}")
-@pytest.mark.parametrize("case", _gemm_cases(), ids=lambda c: c[0])
-def test_experimental_gemm_kernels_compile_for_every_specialization(monkeypatch, capability, case):
-    _, module, name, call = case
-    for kernel, args, kw in _launches(monkeypatch, module, [name], call):
-        compiled, _ = _compile_launch(kernel, args, kw, capability)
-        assert compiled.asm["cubin"]
-
-
 @pytest.mark.skipif(INTERPRETER, reason="compiles real GPU code; the interpreter builds no kernels")
 def test_iso_scale_divides_by_integer_r0_in_float64_for_float64_input():
     """A Python float argument is typed fp32 by Triton, so 1/min(m, n) passed as one put ~1e-8
@@ -234,16 +206,12 @@ needs_kernels = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def tk():
-    """(gram, polar_step, iso_scale) modules and the device their kernels take."""
-    from isoloco_kernels.experimental import triton_gram as gram, triton_polar_steps as polar_step
+    """(iso_scale module, the device its kernels take)."""
     from isoloco_kernels.triton import iso_scale
 
     if INTERPRETER:
-        assert type(gram._gram_kernel).__name__ == "InterpretedFunction"
-    return gram, polar_step, iso_scale, "cuda" if CUDA else "cpu"
-
-
-GEMM_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+        assert type(iso_scale._iso_dot_kernel).__name__ == "InterpretedFunction"
+    return iso_scale, "cuda" if CUDA else "cpu"
 
 
 def _x(shape, dtype, device, seed):
@@ -252,72 +220,10 @@ def _x(shape, dtype, device, seed):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=str)
-@pytest.mark.parametrize("shape,block", [((2, 40, 21), 16), ((1, 1, 9), 16), ((1, 33, 70), 32)], ids=str)
-def test_gram_lower_tiles_mirrored(tk, dtype, shape, block):
-    gram_mod, _, _, dev = tk
-    x = _x(shape, dtype, dev, seed=shape[1])
-    a = gram_mod.gram(x, block_m=block, block_k=16)
-    want = x.double() @ x.double().mT
-    assert a.dtype == dtype and a.shape == want.shape and torch.isfinite(a).all()
-    assert rel_err(a, want) <= GEMM_TOL[dtype]
-    tile = torch.arange(shape[1], device=a.device) // block
-    off = tile[:, None] != tile[None, :]
-    assert torch.equal(a[:, off], a.mT[:, off])  # off-diagonal tiles are mirrored copies
-    assert gram_mod.num_lower_tiles(shape[1], block) == (-(-shape[1] // block)) * (-(-shape[1] // block) + 1) // 2
-
-
-@needs_kernels
-def test_gram_non_contiguous_input(tk):
-    gram_mod, _, _, dev = tk
-    base = _x((2, 30, 18), torch.float32, dev, seed=3)
-    x = base.transpose(-1, -2)  # [2, 18, 30], strided
-    assert rel_err(gram_mod.gram(x, block_m=16, block_k=16), x.double() @ x.double().mT) <= GEMM_TOL[torch.float32]
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=str)
-@pytest.mark.parametrize("coef_b,coef_c", [(0.0, 1.0), (-2.87, 0.52)])
-def test_poly_symmetric(tk, dtype, coef_b, coef_c):
-    _, ps, _, dev = tk
-    x = _x((2, 21, 30), torch.float64, dev, seed=5) / 10
-    a = (x @ x.mT).to(dtype)
-    out = ps.poly(a, coef_b, coef_c, block_m=16, block_k=16)
-    a64 = a.double()
-    want = coef_b * a64 + coef_c * a64 @ a64
-    assert out.dtype == dtype and torch.isfinite(out).all()
-    assert rel_err(out, want) <= GEMM_TOL[dtype]
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=str)
-@pytest.mark.parametrize("m,n", [(20, 45), (1, 17)])
-def test_axpy_matmul(tk, dtype, m, n):
-    _, ps, _, dev = tk
-    x = _x((2, m, n), dtype, dev, seed=m * n)
-    b = _x((2, m, m), dtype, dev, seed=m + n) / 4
-    out = ps.axpy_matmul(x, b, 1.7, block_m=16, block_n=16, block_k=16)
-    want = 1.7 * x.double() + b.double() @ x.double()
-    assert out.dtype == dtype and torch.isfinite(out).all()
-    assert rel_err(out, want) <= GEMM_TOL[dtype]
-
-
-@needs_kernels
-def test_step_pieces_match_torch_steps(tk):
-    _, ps, _, dev = tk
-    x = _x((2, 18, 40), torch.float32, dev, seed=11) / 8
-    a = x @ x.mT
-    for a2 in (None, a @ a):
-        got = ps.step(x, a, a2, *polar.COEFFS[3])
-        want = polar.TorchSteps.step(x.double(), a.double(), None if a2 is None else a2.double(), *polar.COEFFS[3])
-        assert rel_err(got, want) <= 1e-5
-
-
-@needs_kernels
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.float16, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("shape", [(3, 7, 40), (5, 9), (1, 1, 1), (1, 37), (2, 41, 1)], ids=str)
 def test_iso_scale(tk, dtype, shape):
-    _, _, iso, dev = tk
+    iso, dev = tk
     x = _x(shape, dtype, dev, seed=sum(shape))
     q, _ = polar_ref(x)
     q = q.to(dtype).to(dev)
@@ -333,7 +239,7 @@ def test_iso_scale(tk, dtype, shape):
 
 @needs_kernels
 def test_iso_scale_strided_in_place(tk):
-    _, _, iso, dev = tk
+    iso, dev = tk
     base = _x((2, 12, 20), torch.float32, dev, seed=21)
     view = base.transpose(-1, -2)
     q, _ = polar_ref(view)
@@ -348,7 +254,7 @@ def test_iso_scale_strided_in_place(tk):
 def test_iso_scale_flat_and_strided_paths_agree(tk, layout):
     """The row-major fast path (FLAT) and the (row, col) path give the same result, also when
     only one operand is row-major; many splits per matrix (block 32, up to 1024 splits)."""
-    _, _, iso, dev = tk
+    iso, dev = tk
     x0 = _x((2, 24, 50), torch.float32, dev, seed=31)
     q0 = polar_ref(x0)[0].float().to(dev)
     x = x0.clone() if layout != "x-transposed-q-flat" else x0.mT.contiguous().mT
@@ -367,35 +273,6 @@ def test_iso_scale_splits_fill_the_gpu_for_few_huge_matrices():
     assert iso.splits_for(2, 128256 * 2048, 1024) == iso.MAX_SPLITS
     assert iso.splits_for(64, 2048 * 2048, 1024) == 256  # many matrices: as before
     assert iso.splits_for(3, 5, 1024) == 1
-
-
-@needs_kernels
-def test_polar_factor_through_triton(tk):
-    """The whole iteration with the Triton pieces matches the torch one and the reference."""
-    *_, dev = tk
-    x = with_spectrum(1, 10, 24, spectrum("geometric", 10, cond=1e3), torch.Generator().manual_seed(4)).float().to(dev)
-    q_tr, r_tr = polar.polar_factor(x, backend="triton")
-    q_t, r_t = polar.polar_factor(x.cpu(), backend="torch")
-    assert rel_err(q_tr, q_t) <= 1e-5 and (r_tr <= polar.CHECK_TOL).all()
-    assert rel_err(q_tr, polar_ref(x)[0]) <= TOL[("polar", torch.float32)]
-
-
-@needs_kernels
-def test_poisoned_outputs_are_fully_written(tk, monkeypatch):
-    """Every output element is stored: kernels writing into NaN-filled buffers leave no NaN."""
-    gram_mod, ps, _, dev = tk
-    real_empty = torch.empty
-
-    def nan_empty(*args, **kw):
-        t = real_empty(*args, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    x = _x((1, 35, 19), torch.float32, dev, seed=8)
-    a = gram_mod.gram(x, block_m=16, block_k=16)
-    assert torch.isfinite(a).all()
-    assert torch.isfinite(ps.poly(a, 0.5, -0.1, block_m=16, block_k=16)).all()
-    assert torch.isfinite(ps.axpy_matmul(x, a, 2.0, block_m=16, block_n=16, block_k=16)).all()
 
 
 def test_iso_scale_dispatch_takes_triton_where_it_runs_and_torch_last():
@@ -417,31 +294,27 @@ def test_iso_scale_dispatch_takes_triton_where_it_runs_and_torch_last():
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
-def test_cuda_polar_flatten_triton_vs_cublas(dtype):
+def test_cuda_polar_flatten_and_auto(dtype):
+    """The polar flatten on CUDA (cuBLAS GEMMs, the Triton/csrc epilogue) and auto's choice."""
     import isoloco_kernels as ik
 
     x = with_spectrum(4, 128, 512, spectrum("geometric", 128, cond=1e4), torch.Generator().manual_seed(1))
     xc = x.to(dtype).cuda()
     ref = iso_flatten_ref(x.to(dtype))
-    for backend in ("triton", "torch"):
-        y = xc.clone()
-        polar.flatten_polar_(y, backend=backend)
-        assert rel_err(y, ref) <= TOL[("polar", dtype)]
+    y = xc.clone()
+    polar.flatten_polar_(y)
+    assert rel_err(y, ref) <= TOL[("polar", dtype)]
     assert rel_err(ik.iso_flatten(xc, method="auto"), ref) <= TOL[("polar", dtype)]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (launches on cuda:1 under its own device guard)")
 def test_kernels_on_the_second_gpu():
     """Triton launches on the current device: every wrapper must make the tensors' device current."""
-    from isoloco_kernels.experimental import triton_gram as gram, triton_polar_steps as polar_step
     from isoloco_kernels.triton import iso_scale, nesterov
 
     dev = torch.device("cuda:1")
     torch.cuda.set_device(0)
     x = _x((2, 24, 40), torch.float32, dev, 81)
-    assert rel_err(gram.gram(x), x @ x.mT) < GEMM_TOL[torch.float32]
-    a = x @ x.mT
-    assert rel_err(polar_step.poly(a, 0.5, 0.25), 0.5 * a + 0.25 * a @ a) < GEMM_TOL[torch.float32]
     q = polar_ref(x.double())[0].float().to(dev)
     y = x.clone()
     iso_scale.iso_scale_triton(y, q)
@@ -468,14 +341,9 @@ def test_batches_beyond_the_grid_axis_cap_run_in_chunks(tk, monkeypatch):
     is launched in chunks (the cap lowered to 2 here, so 5 matrices take 3 launches)."""
     import isoloco_kernels.triton as T
 
-    gram, polar_step, iso_scale, dev = tk
+    iso_scale, dev = tk
     monkeypatch.setattr(T, "MAX_GRID_YZ", 2)
     x = _x((5, 12, 20), torch.float32, dev, 91)
-    a = gram.gram(x)
-    assert rel_err(a, x @ x.mT) < GEMM_TOL[torch.float32]
-    assert rel_err(polar_step.poly(a, 0.5, 0.25), 0.5 * a + 0.25 * a @ a) < GEMM_TOL[torch.float32]
-    b = torch.randn(5, 12, 12, generator=torch.Generator().manual_seed(92)).to(dev)
-    assert rel_err(polar_step.axpy_matmul(x, b, 0.3), 0.3 * x + b @ x) < GEMM_TOL[torch.float32]
     q = polar_ref(x.double())[0].float().to(dev)
     y = x.clone()
     iso_scale.iso_scale_triton(y, q)

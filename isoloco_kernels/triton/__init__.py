@@ -5,8 +5,8 @@
 
 AVAILABLE says whether triton imports. With TRITON_INTERPRET=1 set when these modules are first
 imported, the kernels are built for Triton's interpreter and take CPU tensors (that is how the
-tests run them without a GPU); `interpreted()` says which kind was built. The Triton GEMMs of
-the polar iteration live in isoloco_kernels/experimental/ (opt-in).
+tests run them without a GPU); `interpreted()` says which kind was built. The polar iteration's
+GEMMs run on cuBLAS (Triton GEMM kernels for it were removed: never measured faster).
 """
 from __future__ import annotations
 
