@@ -22,9 +22,12 @@ $R --cells 4:30 --inner-lr 1.5e-3 --seeds 0 --lrs $DL,$IL --out $O/v3_innerlr.js
 # a tuned DiLoCo: its outer momentum at the lrs around its v1/v2 optimum
 $R --cells 4:30 --batch 16 --seeds 0 --lrs diloco=0.7@0.5,diloco=0.5@0.7,diloco=1.4@0,diloco=0.35@0.7 --out $O/v3_batch.jsonl
 $R --cells 4:30 --inner muon --seeds 0 --lrs diloco=0.7@0.5,diloco=0.5@0.7 --out $O/v3_muon.jsonl
+# grids whose seed-0 optimum sat on an edge: one point beyond it
+$R --cells 4:30 --batch 16 --seeds 0 --lrs isoloco=4.2 --out $O/v3_batch.jsonl
+$R --cells 4:30 --inner muon --seeds 0 --lrs diloco=1.4,isoloco=1.2 --out $O/v3_muon.jsonl
 # seeds 1 and 2 of the same grids
-$R --cells 4:30 --batch 16 --seeds 1,2 --lrs $DL,$IL,ddp=- --out $O/v3_batch.jsonl
-$R --cells 4:30 --inner muon --seeds 1,2 --lrs $DL,$IL,ddp=- --out $O/v3_muon.jsonl
+$R --cells 4:30 --batch 16 --seeds 1,2 --lrs $DL,$IL,isoloco=4.2,ddp=- --out $O/v3_batch.jsonl
+$R --cells 4:30 --inner muon --seeds 1,2 --lrs $DL,diloco=1.4,isoloco=1.2,$IL,ddp=- --out $O/v3_muon.jsonl
 $R --cells 4:30 --inner-lr 6e-3 --seeds 1,2 --lrs $DL,$IL --out $O/v3_innerlr.jsonl
 $R --cells 4:30 --inner-lr 1.5e-3 --seeds 1,2 --lrs $DL,$IL --out $O/v3_innerlr.jsonl
 # (g) a wider model (d 256: ~4× the block weights), K 4, H 30
