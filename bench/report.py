@@ -281,16 +281,10 @@ def plot(run, out_png: str) -> None:
         for r, dev in enumerate(sorted({c["device"] for c in ne})[:2]):
             ax = axes[r][col]
             cs = [c for c in ne if c["device"] == dev]
-            sets = _grouped_bars(ax, cs, "GBps", color)
             ceil = run.get("isoloco", {}).get("ceilings", {}).get(dev, {}).get("copy_GBps")
             if ceil:
                 ax.axhline(ceil, color="k", ls="--", label="copy ceiling")
-            ax.set_xticks(range(len(sets)))
-            ax.set_xticklabels(sets)
-            ax.set_ylabel("GB/s (compulsory bytes)")
-            ax.set_title(f"Nesterov update — {dev}")
-            ax.legend(fontsize=7)
-            ax.grid(axis="y", alpha=0.3)
+            _grouped_bars(ax, cs, "GBps", color, "GB/s (compulsory bytes)", f"Nesterov update — {dev}")
         if len({c["device"] for c in ne}) < 2:
             _outer_panel(axes[1][col], ou, color)
     fig.suptitle(_title(run))
@@ -299,9 +293,9 @@ def plot(run, out_png: str) -> None:
     plt.close(fig)
 
 
-def _grouped_bars(ax, cs, key: str, color) -> list:
-    """One group of bars per bucket set (ordered by size), one bar per impl, height c[key];
-    returns the sets in x order."""
+def _grouped_bars(ax, cs, key: str, color, ylabel: str, title: str) -> None:
+    """One group of bars per bucket set (ordered by size), one bar per impl, height c[key]; the
+    sets label the x axis."""
     sets = sorted({c["set"] for c in cs}, key=lambda s: _find(cs, set=s)["n_params"])
     impls = list(dict.fromkeys(c["impl"] for c in cs))
     w = 0.8 / len(impls)
@@ -310,7 +304,12 @@ def _grouped_bars(ax, cs, key: str, color) -> list:
         pts = [(j, c) for j, c in pts if c]
         ax.bar([j + (k - (len(impls) - 1) / 2) * w for j, _ in pts], [c[key] for _, c in pts], w,
                label=impl, color=color[impl])
-    return sets
+    ax.set_xticks(range(len(sets)))
+    ax.set_xticklabels(sets)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
 
 
 def _outer_panel(ax, cases, color) -> None:
@@ -320,14 +319,8 @@ def _outer_panel(ax, cases, color) -> None:
         return
     dev = sorted({c["device"] for c in cases})[0]
     cs = [c for c in cases if c["device"] == dev]
-    sets = _grouped_bars(ax, cs, "median_s", color)
+    _grouped_bars(ax, cs, "median_s", color, "median time [s]", f"whole outer step — {dev}")
     ax.set_yscale("log")
-    ax.set_xticks(range(len(sets)))
-    ax.set_xticklabels(sets)
-    ax.set_ylabel("median time [s]")
-    ax.set_title(f"whole outer step — {dev}")
-    ax.legend(fontsize=7)
-    ax.grid(axis="y", alpha=0.3)
 
 
 def short_table(run) -> str:

@@ -163,20 +163,25 @@ def _gemm_torch(_x) -> str:
     return "torch"  # polar.py maps the name to its GEMMs
 
 
+def _cuda_chain(op: str, on_cuda, runs, triton_supports, torch_name: str) -> list[Candidate]:
+    """An op's CUDA candidates in preference order: the compiled extension, the same kernels through
+    CuPy/NVRTC, Triton, torch. runs = (csrc, cupy, triton, torch)."""
+    csrc, cupy, triton, torch_run = runs
+    return [
+        Candidate("csrc (compiled extension)", _ext(op), on_cuda(True), csrc),
+        Candidate("csrc through CuPy/NVRTC", _cupy_available, on_cuda(False), cupy),
+        Candidate("triton", _triton_available, triton_supports, triton),
+        Candidate(torch_name, lambda: OK, _always, torch_run),
+    ]
+
+
 TABLES: dict[tuple[str, str], list[Candidate]] = {
-    ("iso_scale_", "cuda"): [
-        Candidate("csrc (compiled extension)", _ext("iso_scale_"), _on_cuda(True), _csrc_iso_scale),
-        Candidate("csrc through CuPy/NVRTC", _cupy_available, _on_cuda(False), _cupy_iso_scale),
-        Candidate("triton", _triton_available, _triton_iso_scale_supports, _triton_iso_scale),
-        Candidate("torch", lambda: OK, _always, _torch_iso_scale),
-    ],
+    ("iso_scale_", "cuda"): _cuda_chain("iso_scale_", _on_cuda, (_csrc_iso_scale, _cupy_iso_scale, _triton_iso_scale,
+                                        _torch_iso_scale), _triton_iso_scale_supports, "torch"),
     ("iso_scale_", "cpu"): [Candidate("torch", lambda: OK, _always, _torch_iso_scale)],
-    ("nesterov_outer_", "cuda"): [
-        Candidate("csrc (compiled extension)", _ext("nesterov_outer_"), _params_on_cuda(True), _csrc_nesterov),
-        Candidate("csrc through CuPy/NVRTC", _cupy_available, _params_on_cuda(False), _cupy_nesterov),
-        Candidate("triton", _triton_available, _triton_nesterov_supports, _triton_nesterov),
-        Candidate("torch (foreach)", lambda: OK, _always, _torch_nesterov),
-    ],
+    ("nesterov_outer_", "cuda"): _cuda_chain("nesterov_outer_", _params_on_cuda, (_csrc_nesterov, _cupy_nesterov,
+                                             _triton_nesterov, _torch_nesterov), _triton_nesterov_supports,
+                                             "torch (foreach)"),
     ("nesterov_outer_", "cpu"): [Candidate("torch (fused SGD kernel / foreach)", lambda: OK, _always, _torch_nesterov)],
     # the GEMM provider of the polar iteration: run(x) names it for polar.py (its `gemm`)
     ("polar_gemm", "cuda"): [Candidate("torch (cuBLAS)", lambda: OK, _always, _gemm_torch)],

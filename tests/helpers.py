@@ -156,3 +156,14 @@ def captured_pseudo_gradients() -> list[tuple[str, torch.Tensor]]:
             if d.ndim == 2:
                 out.append((f"{f.name}: {name}", d.to(torch.float32)))
     return out
+
+
+def reset_tf32() -> None:
+    """Every TF32 setting back to torch's defaults (both APIs: torch ≥ 2.9's fp32_precision and the legacy flags)."""
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.fp32_precision = "none"
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        torch.backends.mkldnn.matmul.fp32_precision = "none"
+    else:
+        torch.set_float32_matmul_precision("highest")

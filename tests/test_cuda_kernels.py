@@ -15,7 +15,7 @@ import torch
 from isoloco_kernels import dispatch
 from isoloco_kernels.reference import iso_flatten_ref, nesterov_ref, polar_ref
 
-from .helpers import DTYPES, TOL, rel_err
+from .helpers import DTYPES, TOL, rel_err, reset_tf32
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -334,13 +334,7 @@ def _tf32_on(how: str) -> None:
 @pytest.fixture
 def tf32_restored():
     yield
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        torch.backends.fp32_precision = "none"
-        torch.set_float32_matmul_precision("highest")
-        torch.backends.cuda.matmul.fp32_precision = "none"
-        torch.backends.mkldnn.matmul.fp32_precision = "none"
-    else:
-        torch.set_float32_matmul_precision("highest")
+    reset_tf32()
 
 
 def _spectral(shape, cond, seed, dtype):

@@ -14,7 +14,7 @@ from isoloco_kernels import coefficients, exact, gram, polar
 from isoloco_kernels.flatten import resolve_method
 from isoloco_kernels.iteration_stats import FlattenFallbackWarning
 from isoloco_kernels.reference import iso_flatten_ref
-from tests.helpers import DTYPES, TOL, gen, rel_err, spectrum, with_spectrum
+from tests.helpers import DTYPES, TOL, gen, rel_err, reset_tf32, spectrum, with_spectrum
 
 
 def _gen(key) -> torch.Generator:
@@ -294,13 +294,7 @@ def restore_tf32():
     """Puts every TF32 setting back to torch's defaults after the test (and checks it did)."""
     start = _tf32_state()
     yield
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        torch.backends.fp32_precision = "none"
-        torch.set_float32_matmul_precision("highest")
-        torch.backends.cuda.matmul.fp32_precision = "none"
-        torch.backends.mkldnn.matmul.fp32_precision = "none"
-    else:
-        torch.set_float32_matmul_precision("highest")
+    reset_tf32()
     assert _tf32_state() == start
 
 
