@@ -11,6 +11,7 @@ Plain `pip install .` uses build isolation, which hides the installed torch: it 
 Python package. Other knobs: TORCH_CUDA_ARCH_LIST (default "8.0;9.0+PTX": A100 and H100/H200 cubins plus
 sm_90 PTX that newer GPUs JIT-compile; the kernels need sm_80), MAX_JOBS, CUDA_HOME.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,9 +37,7 @@ def _find_cuda_home() -> str | None:
     if nvcc:  # may be a wrapper script outside the toolkit; then only its real location helps
         cands.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
     for home in cands:
-        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")) and os.path.isdir(
-            os.path.join(home, "include")
-        ):
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")) and os.path.isdir(os.path.join(home, "include")):
             return home
     return None
 
@@ -131,6 +130,7 @@ def cupy_wheel() -> str:
     major = (torch.version.cuda or "13").split(".")[0]
     return f"cupy-cuda{major}x"
 
+
 TOOLS, SKIP_REASON = _decide()
 FORCED = os.environ.get("ISOLOCO_CUDA", "").strip() == "1"
 
@@ -157,7 +157,13 @@ class BuildCMake(build_ext):
         tmp = os.path.abspath(os.path.join(self.build_temp, "cmake"))
         os.makedirs(os.path.dirname(out), exist_ok=True)
         configure = [
-            t["cmake"], "-S", ROOT, "-B", tmp, "-G", "Ninja",
+            t["cmake"],
+            "-S",
+            ROOT,
+            "-B",
+            tmp,
+            "-G",
+            "Ninja",
             f"-DCMAKE_MAKE_PROGRAM={t['ninja']}",
             f"-DCMAKE_PREFIX_PATH={t['torch_prefix']}",
             f"-DCMAKE_CUDA_COMPILER={t['nvcc']}",
@@ -175,8 +181,11 @@ class BuildCMake(build_ext):
         except (subprocess.CalledProcessError, OSError) as e:
             if FORCED:
                 raise
-            print(f"isoloco_kernels: CUDA extension build failed ({e}); installing without it "
-                  "(set ISOLOCO_CUDA=1 to make this an error)", file=sys.stderr)
+            print(
+                f"isoloco_kernels: CUDA extension build failed ({e}); installing without it "
+                "(set ISOLOCO_CUDA=1 to make this an error)",
+                file=sys.stderr,
+            )
             return False
         return True
 

@@ -33,6 +33,7 @@ Hook into a benchmark:
     python -m bench.captured report [DIR ...]      # condition numbers → markdown on stdout
     python -m bench.captured slim SRC DST --keep tok.weight,head.weight,blocks.1. --dtype float16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -128,15 +129,24 @@ def report(sets: dict[str, dict]) -> str:
         )
     lines += ["", "Per matrix (κ in the run, float32 → κ as stored):", ""]
     for name, e in sets.items():
-        cells = [f"{n} {tuple(b.shape[1:])} {_fmt(c)} → {_fmt(cs)}"
-                 for ns, b, cr, cst in zip(e["names"], e["src"], e["cond"], e["cond_stored"])
-                 for n, c, cs in zip(ns, cr, cst)]
+        cells = [
+            f"{n} {tuple(b.shape[1:])} {_fmt(c)} → {_fmt(cs)}"
+            for ns, b, cr, cst in zip(e["names"], e["src"], e["cond"], e["cond_stored"])
+            for n, c, cs in zip(ns, cr, cst)
+        ]
         lines.append(f"- {name}: " + "; ".join(cells))
     return "\n".join(lines)
 
 
-def slim(src: str | os.PathLike, dst: str | os.PathLike, *, rounds: list[int] | None = None,
-         keep: list[str] | None = None, dtype: str = "float16", modes: list[str] | None = None) -> list[Path]:
+def slim(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    rounds: list[int] | None = None,
+    keep: list[str] | None = None,
+    dtype: str = "float16",
+    modes: list[str] | None = None,
+) -> list[Path]:
     """Copy saved rounds from src to dst, keeping only some rounds/modes/parameters, cast to dtype.
 
     keep: parameter-name prefixes (None: every parameter). The float32 condition numbers stay.
@@ -150,12 +160,16 @@ def slim(src: str | os.PathLike, dst: str | os.PathLike, *, rounds: list[int] | 
     for blob in load_pseudo_gradients(src):
         if rounds and blob["round"] not in rounds or modes and blob["mode"] not in modes:
             continue
-        delta = {n: t.to(SAVE_DTYPES[dtype]) for n, t in blob["delta"].items()
-                 if keep is None or any(n.startswith(k) for k in keep)}
+        delta = {
+            n: t.to(SAVE_DTYPES[dtype])
+            for n, t in blob["delta"].items()
+            if keep is None or any(n.startswith(k) for k in keep)
+        }
         cond = {n: c for n, c in blob.get("cond", {}).items() if n in delta}
         path = Path(dst) / blob["run"] / Path(blob["path"]).name
-        out.append(save_capture(path, round=blob["round"], mode=blob["mode"], config=blob["config"],
-                                cond=cond, delta=delta))
+        out.append(
+            save_capture(path, round=blob["round"], mode=blob["mode"], config=blob["config"], cond=cond, delta=delta)
+        )
     return out
 
 

@@ -15,6 +15,7 @@ and "svd" (float64) on llama-tiny, which ref-tiny times. Without
 --benchmark-json (or --benchmark-save / --benchmark-autosave) the JSON goes to
 .benchmarks/isoloco/<UTC time>-<mode>.json; the summary names the file and how to render it.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,19 +38,31 @@ FULL = pytest.mark.bench_full  # a case (or parameter) that runs with --bench-fu
 
 def pytest_addoption(parser):
     g = parser.getgroup("isoloco bench")
-    g.addoption("--bench-full", action="store_true",
-                help=f"every set and case (default: quick, sets {','.join(QUICK_SETS)}, "
-                     f"{QUICK_SECONDS:g} s per case, no bench_full cases)")
-    g.addoption("--bench-seconds", type=float, default=None,
-                help="timed seconds per case (rounds = this / one run's time, 1..200); "
-                     f"default {QUICK_SECONDS:g}, {FULL_SECONDS:g} with --bench-full")
-    g.addoption("--bench-devices", default="cpu,cuda",
-                help="comma-separated devices to run (cpu, cuda); others are deselected")
-    g.addoption("--bench-sets", default=None,
-                help=f"comma-separated bucket sets to run, in this order, from {', '.join(SETS)}; "
-                     f"default {','.join(QUICK_SETS)}, all with --bench-full")
-    g.addoption("--bench-threads", type=int, default=None,
-                help="torch.set_num_threads for the run (default: torch's choice)")
+    g.addoption(
+        "--bench-full",
+        action="store_true",
+        help=f"every set and case (default: quick, sets {','.join(QUICK_SETS)}, "
+        f"{QUICK_SECONDS:g} s per case, no bench_full cases)",
+    )
+    g.addoption(
+        "--bench-seconds",
+        type=float,
+        default=None,
+        help="timed seconds per case (rounds = this / one run's time, 1..200); "
+        f"default {QUICK_SECONDS:g}, {FULL_SECONDS:g} with --bench-full",
+    )
+    g.addoption(
+        "--bench-devices", default="cpu,cuda", help="comma-separated devices to run (cpu, cuda); others are deselected"
+    )
+    g.addoption(
+        "--bench-sets",
+        default=None,
+        help=f"comma-separated bucket sets to run, in this order, from {', '.join(SETS)}; "
+        f"default {','.join(QUICK_SETS)}, all with --bench-full",
+    )
+    g.addoption(
+        "--bench-threads", type=int, default=None, help="torch.set_num_threads for the run (default: torch's choice)"
+    )
 
 
 def _full(config) -> bool:
@@ -77,8 +90,12 @@ def pytest_configure(config):
         torch.set_num_threads(threads)
     # Runs before pytest-benchmark's own configure (trylast), which reads the JSON path.
     opt = config.option
-    if (getattr(opt, "benchmark_only", False) and not getattr(opt, "benchmark_json", True)
-            and not getattr(opt, "benchmark_save", None) and not getattr(opt, "benchmark_autosave", False)):
+    if (
+        getattr(opt, "benchmark_only", False)
+        and not getattr(opt, "benchmark_json", True)
+        and not getattr(opt, "benchmark_save", None)
+        and not getattr(opt, "benchmark_autosave", False)
+    ):
         stamp = time.strftime("%Y-%m-%dT%H%M%SZ", time.gmtime())
         path = Path(config.rootpath, ".benchmarks", "isoloco", f"{stamp}-{'full' if _full(config) else 'quick'}.json")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,8 +118,10 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     terminalreporter.write_line(f"results: {rel}")
     terminalreporter.write_line(f"tables:  python bench/report.py {rel} --table --no-write")
-    terminalreporter.write_line(f"page:    python bench/report.py {rel} --out {os.path.splitext(rel)[0]}.md"
-                                "  (markdown, and a plot beside the JSON)")
+    terminalreporter.write_line(
+        f"page:    python bench/report.py {rel} --out {os.path.splitext(rel)[0]}.md"
+        "  (markdown, and a plot beside the JSON)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -116,8 +135,11 @@ def pytest_collection_modifyitems(config, items):
     keep, drop = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if (params.get("device", "cpu") not in devices or params.get("set_name", next(iter(sets))) not in sets
-                or (not full and item.get_closest_marker("bench_full"))):
+        if (
+            params.get("device", "cpu") not in devices
+            or params.get("set_name", next(iter(sets))) not in sets
+            or (not full and item.get_closest_marker("bench_full"))
+        ):
             drop.append(item)
         else:
             keep.append(item)
@@ -185,10 +207,15 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
     for name, spec in SETS.items():
         cpu = cpu_variant(spec)
         sets[name] = {
-            "vocab": spec.vocab, "hidden": spec.hidden, "layers": spec.layers, "ffn": spec.ffn,
+            "vocab": spec.vocab,
+            "hidden": spec.hidden,
+            "layers": spec.layers,
+            "ffn": spec.ffn,
             "n_params": spec.n_params,
             "buckets": bucket_shapes(s for _, s in decoder_weight_shapes(spec)),
-            "cpu": None if cpu is None else {
+            "cpu": None
+            if cpu is None
+            else {
                 "note": cpu.note or "as is",
                 "buckets": bucket_shapes(s for _, s in decoder_weight_shapes(cpu)),
             },

@@ -13,6 +13,7 @@ carry exactly the element counts these formulas assume.
 
     python -m bench.dtensor_bytes > bench/results/<date>-dtensor-bytes.md
 """
+
 from __future__ import annotations
 
 from bench.shapes import SETS, ModelSpec, decoder_weight_shapes
@@ -108,12 +109,13 @@ def _aspect(spec: ModelSpec) -> float:
 
 def _reading(specs) -> list[str]:
     """The reading of the tables, with every number that depends on them computed here."""
-    owner_more = [
-        f"{name} at W = {w}" for elem, name in DTYPES for w in WORLDS if w * elem < elem + result_size(elem)
-    ]
+    owner_more = [f"{name} at W = {w}" for elem, name in DTYPES for w in WORLDS if w * elem < elem + result_size(elem)]
     no_gram = [
         f"{name} {spec.name} at W = {w}"
-        for elem, name in DTYPES for spec in specs for w in WORLDS if per_rank(spec, w, elem)["n_gram"] == 0
+        for elem, name in DTYPES
+        for spec in specs
+        for w in WORLDS
+        if per_rank(spec, w, elem)["n_gram"] == 0
     ]
     aspects = ", ".join(f"{_aspect(s):.0f} for {s.name}" for s in specs)
     lines = [
@@ -126,12 +128,19 @@ def _reading(specs) -> list[str]:
         "all-to-alls and an owner plan balanced by flatten cost.",
     ]
     if owner_more:
-        lines.append(f"Where W·b < b + r ({', '.join(owner_more)}) the owner route sends *more* than the all-gather; "
-                     "auto still takes it (the rule weighs Gram against owner only).")
-    lines.append("The auto rule takes the Gram for the embedding and LM head "
-                 + (f"except where the owner route is already cheaper ({', '.join(no_gram)})"
-                    if no_gram else "in every case above")
-                 + " and the owner route for all others.")
+        lines.append(
+            f"Where W·b < b + r ({', '.join(owner_more)}) the owner route sends *more* than the all-gather; "
+            "auto still takes it (the rule weighs Gram against owner only)."
+        )
+    lines.append(
+        "The auto rule takes the Gram for the embedding and LM head "
+        + (
+            f"except where the owner route is already cheaper ({', '.join(no_gram)})"
+            if no_gram
+            else "in every case above"
+        )
+        + " and the owner route for all others."
+    )
     return lines
 
 

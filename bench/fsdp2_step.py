@@ -11,6 +11,7 @@ over every param after one step). On CUDA the host syncs of one step are counted
 torch.cuda.set_sync_debug_mode (one warning per synchronizing call). Prints one line; --json
 writes the numbers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -121,16 +122,26 @@ def main(argv=None) -> dict:
         set_grads()
         syncs = _host_syncs(opt.step)
         out = {
-            "kind": "fsdp2_step", "set": args.set, "device": device.type, "backend": backend, "world": 1,
-            "method": args.method, "n_params": sum(p.numel() for p in ref.parameters()),
-            "n_tensors": len(shapes), "median_s": statistics.median(times), "min_s": min(times),
-            "err_vs_plain_isoloco": err, "host_syncs_per_step": syncs,
+            "kind": "fsdp2_step",
+            "set": args.set,
+            "device": device.type,
+            "backend": backend,
+            "world": 1,
+            "method": args.method,
+            "n_params": sum(p.numel() for p in ref.parameters()),
+            "n_tensors": len(shapes),
+            "median_s": statistics.median(times),
+            "min_s": min(times),
+            "err_vs_plain_isoloco": err,
+            "host_syncs_per_step": syncs,
         }
     finally:
         dist.destroy_process_group()
-    print(f"fsdp2 step ({backend}, world 1, {args.set}, {out['n_params'] / 1e6:.0f}M params, method "
-          f"{args.method}): median {out['median_s'] * 1e3:.1f} ms, error vs plain IsoLoCo {err:.1e}, "
-          f"host syncs per step {syncs if syncs is not None else 'n/a (CPU)'}")
+    print(
+        f"fsdp2 step ({backend}, world 1, {args.set}, {out['n_params'] / 1e6:.0f}M params, method "
+        f"{args.method}): median {out['median_s'] * 1e3:.1f} ms, error vs plain IsoLoCo {err:.1e}, "
+        f"host syncs per step {syncs if syncs is not None else 'n/a (CPU)'}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

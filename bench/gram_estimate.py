@@ -13,6 +13,7 @@ and the bytes each moves through memory at least:
             (B·r²·8, written once, read once)
 Time = max(FLOPs / rate, bytes / bandwidth) per bucket, summed. Rates: see `H200`.
 """
+
 from __future__ import annotations
 
 import sys
@@ -39,7 +40,7 @@ def bucket_cost(b: int, m: int, n: int, method: str, itemsize: int = 4) -> tuple
     nbytes = {"polar": (3 * polar.STEPS + 3) * size, "gram": 4 * size + 2 * b * r * r * 8}
     if method not in nbytes:
         raise ValueError(method)
-    (dt, flops), = flatten.flops_per_dtype(method, k, r, "fp32").items()
+    ((dt, flops),) = flatten.flops_per_dtype(method, k, r, "fp32").items()
     return b * flops, nbytes[method], dt
 
 
@@ -81,8 +82,10 @@ def main() -> None:
         for r in rows:
             print(f"| {r[0]} | {r[1]:.3g} | {r[2]:.3g} | {r[3]:.3g} | {r[4]:.3g} | {r[5]:.3g} | {r[6]:.3g} | {r[7]} |")
         p, g = tot["polar"], tot["gram"]
-        print(f"| **total** | {p[0] / 1e12:.3g} | {p[1] / 1e9:.3g} | {p[2] * 1e3:.3g} | {g[0] / 1e12:.3g} | "
-              f"{g[1] / 1e9:.3g} | {g[2] * 1e3:.3g} | auto {tot['auto'] * 1e3:.3g} ms |")
+        print(
+            f"| **total** | {p[0] / 1e12:.3g} | {p[1] / 1e9:.3g} | {p[2] * 1e3:.3g} | {g[0] / 1e12:.3g} | "
+            f"{g[1] / 1e9:.3g} | {g[2] * 1e3:.3g} | auto {tot['auto'] * 1e3:.3g} ms |"
+        )
         print(f"\npolar / gram time: {p[2] / g[2]:.2f}×; polar / auto: {p[2] / tot['auto']:.2f}×\n")
 
 

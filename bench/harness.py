@@ -30,6 +30,7 @@ The roofline time of a case is max(Σ flops / matmul ceiling of the dtype the GE
 "frac_roofline" is that time over the measured median, "frac_matmul" and "frac_copy" the two
 bounds alone over the median.
 """
+
 from __future__ import annotations
 
 import math
@@ -103,7 +104,7 @@ def measure_ceilings(device: torch.device | str) -> dict:
         moved, out["copy_kind"] = 3 * src.nbytes, "dst.add_(src): read dst, src + write dst"
     out["copy_GBps"] = moved / t / 1e9
     out["copy_bytes"] = moved
-    del src, dst
+    src = dst = None  # free them before the matmuls (the lambdas above hold the names, not the tensors)
 
     plans = (
         [
@@ -129,7 +130,7 @@ def measure_ceilings(device: torch.device | str) -> dict:
             torch.backends.cuda.matmul.allow_tf32 = prev
         out["matmul_TFLOPs"][name] = 2 * n**3 / t / 1e12
         out["matmul_n"][name] = n
-        del a, b, c
+        a = b = c = None
     if gpu:
         torch.cuda.empty_cache()
     else:
@@ -355,4 +356,3 @@ def peak_extra_memory(fn: Callable[[], object], device: torch.device | str) -> t
     if not ok or rss0 is None or hwm is None:
         return t, {"peak_extra_bytes": None, "mem_method": "unavailable (/proc/self/clear_refs)"}
     return t, {"peak_extra_bytes": float(max(hwm - rss0, 0) * 1024), "mem_method": "cpu peak RSS estimate"}
-

@@ -9,6 +9,7 @@ besides pytest-benchmark's timings each holds the ceilings measured in the same 
 and, per case, the extra_info written by bench/test_bench_*.py. Every speed ratio below divides two
 medians of the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,16 +26,50 @@ RESULTS = os.path.join(HERE, "results")
 # The targets the project set itself; each is checked against what a run measured, never assumed.
 TARGETS = [
     # (device, what, description)
-    ("cpu", "flatten_speedup", dict(set="llama-tiny", impl="auto", base="svd-loop", ratio=2.0, err=1e-4,
-                                    text="CPU: auto ≥ 2× the per-matrix svd loop on llama-tiny, error ≤ 1e-4")),
-    ("cuda", "flatten_speedup", dict(set="llama-178m", impl="auto", base="svd-loop", ratio=100.0, err=1e-3,
-                                     text="GPU: auto ≥ 100× the per-matrix svd loop on llama-178m, error ≤ 1e-3")),
-    ("cpu", "nesterov_speedup", dict(impl="fused", base="sgd-foreach", ratio=1.0,
-                                     text="CPU: fused Nesterov ≥ 1.0× SGD(foreach), largest set")),
-    ("cuda", "nesterov_copy", dict(impl="fused", frac=0.9,
-                                   text="GPU: fused Nesterov ≥ 90 % of copy bandwidth, largest set")),
-    ("cuda", "nesterov_speedup", dict(impl="fused+scales", base="scale+sgd-foreach", ratio=1.3,
-                                      text="GPU: fused Nesterov with scales ≥ 1.3× scale-then-SGD(foreach), largest set")),
+    (
+        "cpu",
+        "flatten_speedup",
+        dict(
+            set="llama-tiny",
+            impl="auto",
+            base="svd-loop",
+            ratio=2.0,
+            err=1e-4,
+            text="CPU: auto ≥ 2× the per-matrix svd loop on llama-tiny, error ≤ 1e-4",
+        ),
+    ),
+    (
+        "cuda",
+        "flatten_speedup",
+        dict(
+            set="llama-178m",
+            impl="auto",
+            base="svd-loop",
+            ratio=100.0,
+            err=1e-3,
+            text="GPU: auto ≥ 100× the per-matrix svd loop on llama-178m, error ≤ 1e-3",
+        ),
+    ),
+    (
+        "cpu",
+        "nesterov_speedup",
+        dict(impl="fused", base="sgd-foreach", ratio=1.0, text="CPU: fused Nesterov ≥ 1.0× SGD(foreach), largest set"),
+    ),
+    (
+        "cuda",
+        "nesterov_copy",
+        dict(impl="fused", frac=0.9, text="GPU: fused Nesterov ≥ 90 % of copy bandwidth, largest set"),
+    ),
+    (
+        "cuda",
+        "nesterov_speedup",
+        dict(
+            impl="fused+scales",
+            base="scale+sgd-foreach",
+            ratio=1.3,
+            text="GPU: fused Nesterov with scales ≥ 1.3× scale-then-SGD(foreach), largest set",
+        ),
+    ),
 ]
 
 
@@ -95,8 +130,13 @@ def check_targets(run) -> list[tuple[str, str, str]]:
                 continue
             r = b["median_s"] / a["median_s"]
             ok = r >= t["ratio"] and a["err_rel_fro"] <= t["err"]
-            rows.append((t["text"], f"{r:.2f}× ({_fmt_t(a['median_s'])} vs {_fmt_t(b['median_s'])}), "
-                         f"error {a['err_rel_fro']:.2g}", "met" if ok else "NOT met"))
+            rows.append(
+                (
+                    t["text"],
+                    f"{r:.2f}× ({_fmt_t(a['median_s'])} vs {_fmt_t(b['median_s'])}), error {a['err_rel_fro']:.2g}",
+                    "met" if ok else "NOT met",
+                )
+            )
         elif what == "nesterov_speedup":
             s = _largest_set(cases, "nesterov", device)
             a = _find(cases, kind="nesterov", device=device, set=s, impl=t["impl"])
@@ -105,8 +145,13 @@ def check_targets(run) -> list[tuple[str, str, str]]:
                 rows.append((t["text"], "not measured in this run", "–"))
                 continue
             r = b["median_s"] / a["median_s"]
-            rows.append((t["text"], f"{r:.2f}× on {s} ({_fmt_t(a['median_s'])} vs {_fmt_t(b['median_s'])})",
-                         "met" if r >= t["ratio"] else "NOT met"))
+            rows.append(
+                (
+                    t["text"],
+                    f"{r:.2f}× on {s} ({_fmt_t(a['median_s'])} vs {_fmt_t(b['median_s'])})",
+                    "met" if r >= t["ratio"] else "NOT met",
+                )
+            )
         elif what == "nesterov_copy":
             s = _largest_set(cases, "nesterov", device)
             a = _find(cases, kind="nesterov", device=device, set=s, impl=t["impl"])
@@ -114,8 +159,9 @@ def check_targets(run) -> list[tuple[str, str, str]]:
                 rows.append((t["text"], "not measured in this run", "–"))
                 continue
             f = a["frac_copy"]
-            rows.append((t["text"], f"{100 * f:.0f} % on {s} ({a['GBps']:.0f} GB/s)",
-                         "met" if f >= t["frac"] else "NOT met"))
+            rows.append(
+                (t["text"], f"{100 * f:.0f} % on {s} ({a['GBps']:.0f} GB/s)", "met" if f >= t["frac"] else "NOT met")
+            )
     return rows
 
 
@@ -130,7 +176,7 @@ def _title(run) -> str:
 
 
 def _mode(iso: dict) -> str:
-    """", quick run (sets …)" / ", full run"; empty for files written before the modes existed."""
+    """ ", quick run (sets …)" / ", full run"; empty for files written before the modes existed."""
     mode = iso.get("mode")
     if mode is None:
         return ""
@@ -143,17 +189,21 @@ def markdown(run) -> list[str]:
     cases, iso = run["cases"], run.get("isoloco", {})
     mi, ci = run.get("machine_info", {}), run.get("commit_info", {})
     lines = [f"## {_title(run)}", ""]
-    lines.append(f"Run {run.get('datetime', '?')[:19]} UTC, commit {ci.get('id', '?')[:10]}"
-                 f"{' (uncommitted changes)' if ci.get('dirty') else ''}; torch {mi.get('torch', '?')}, "
-                 f"triton {mi.get('triton', '–')}, {mi.get('torch_threads', '?')} CPU threads"
-                 f"{', GPU ' + mi['cuda_device'] if 'cuda_device' in mi else ''}; "
-                 f"{iso.get('bench_seconds', '?')} s timed per case"
-                 f"{_mode(iso)}.")
+    lines.append(
+        f"Run {run.get('datetime', '?')[:19]} UTC, commit {ci.get('id', '?')[:10]}"
+        f"{' (uncommitted changes)' if ci.get('dirty') else ''}; torch {mi.get('torch', '?')}, "
+        f"triton {mi.get('triton', '–')}, {mi.get('torch_threads', '?')} CPU threads"
+        f"{', GPU ' + mi['cuda_device'] if 'cuda_device' in mi else ''}; "
+        f"{iso.get('bench_seconds', '?')} s timed per case"
+        f"{_mode(iso)}."
+    )
     lines.append("")
     for dev, c in iso.get("ceilings", {}).items():
         mm = ", ".join(f"{k} {v:.3g} TFLOP/s (n={c['matmul_n'][k]})" for k, v in c["matmul_TFLOPs"].items())
-        lines.append(f"Ceilings, {dev} ({c['device']}): copy {c['copy_GBps']:.3g} GB/s "
-                     f"({c.get('copy_kind', 'copy')}, {c['copy_bytes'] / 2**30:.2g} GiB moved); matmul {mm}.")
+        lines.append(
+            f"Ceilings, {dev} ({c['device']}): copy {c['copy_GBps']:.3g} GB/s "
+            f"({c.get('copy_kind', 'copy')}, {c['copy_bytes'] / 2**30:.2g} GiB moved); matmul {mm}."
+        )
     lines.append("")
     notes = sorted({f"{c['set']} on {c['device']}: {c['set_note']}" for c in cases if c.get("set_note")})
     for n in notes:
@@ -167,42 +217,99 @@ def markdown(run) -> list[str]:
 
     fl = [c for c in cases if c["kind"] == "flatten"]
     if fl:
-        lines += ["### Iso-C flatten of every 2-D weight", "",
-                  "× svd-loop: the per-matrix torch.linalg.svd loop's median over this one's (same run). "
-                  "Error: relative Frobenius vs reference.py (float64) on the sample given in the JSON. "
-                  "% roofline: max(modelled flops / matmul ceiling, compulsory bytes / copy bandwidth) "
-                  "over the median (models: bench/harness.py). Fallbacks: matrices polar sent on "
-                  "(to gram) / matrices gram sent to the SVD, out of all flattened, in the untimed call.", ""]
+        lines += [
+            "### Iso-C flatten of every 2-D weight",
+            "",
+            "× svd-loop: the per-matrix torch.linalg.svd loop's median over this one's (same run). "
+            "Error: relative Frobenius vs reference.py (float64) on the sample given in the JSON. "
+            "% roofline: max(modelled flops / matmul ceiling, compulsory bytes / copy bandwidth) "
+            "over the median (models: bench/harness.py). Fallbacks: matrices polar sent on "
+            "(to gram) / matrices gram sent to the SVD, out of all flattened, in the untimed call.",
+            "",
+        ]
         rows = []
         for c in sorted(fl, key=lambda c: (c["device"], c.get("n_elements", 0), c["dtype"], c["median_s"])):
             base = _find(fl, device=c["device"], set=c["set"], impl="svd-loop", dtype="fp32")
             ratio = base["median_s"] / c["median_s"] if base else None
             backend = ",".join(sorted(set(c.get("resolved", [])))) if c["impl"] == "auto" else ""
             mem = c.get("peak_extra_bytes")
-            rows.append((c["device"], c["set"], c["dtype"], c["impl"] + (f" → {backend}" if backend else ""),
-                         _fmt_t(c["median_s"]), _fmt(ratio, ".3g"), _fmt(c.get("err_rel_fro"), ".2g"),
-                         _fmt(c.get("TFLOPs"), ".3g"), _fmt(c.get("GBps"), ".3g"),
-                         _fmt(c.get("frac_roofline"), pct=True),
-                         "–" if mem is None else f"{mem / 2**20:.0f}", _fallbacks(c), c["rounds"]))
-        lines += _md_table(["device", "set", "dtype", "impl", "median", "× svd-loop", "error", "TFLOP/s",
-                            "GB/s", "% roofline", "peak extra MiB", "fallbacks", "rounds"], rows) + [""]
+            rows.append(
+                (
+                    c["device"],
+                    c["set"],
+                    c["dtype"],
+                    c["impl"] + (f" → {backend}" if backend else ""),
+                    _fmt_t(c["median_s"]),
+                    _fmt(ratio, ".3g"),
+                    _fmt(c.get("err_rel_fro"), ".2g"),
+                    _fmt(c.get("TFLOPs"), ".3g"),
+                    _fmt(c.get("GBps"), ".3g"),
+                    _fmt(c.get("frac_roofline"), pct=True),
+                    "–" if mem is None else f"{mem / 2**20:.0f}",
+                    _fallbacks(c),
+                    c["rounds"],
+                )
+            )
+        lines += _md_table(
+            [
+                "device",
+                "set",
+                "dtype",
+                "impl",
+                "median",
+                "× svd-loop",
+                "error",
+                "TFLOP/s",
+                "GB/s",
+                "% roofline",
+                "peak extra MiB",
+                "fallbacks",
+                "rounds",
+            ],
+            rows,
+        ) + [""]
 
     ne = [c for c in cases if c["kind"] == "nesterov"]
     if ne:
-        lines += ["### Nesterov update (fp32, whole model)", "",
-                  "GB/s counts compulsory bytes only (read p, buf, u; write p, buf); % copy is that over "
-                  "the copy ceiling.", ""]
+        lines += [
+            "### Nesterov update (fp32, whole model)",
+            "",
+            "GB/s counts compulsory bytes only (read p, buf, u; write p, buf); % copy is that over the copy ceiling.",
+            "",
+        ]
         rows = []
         for c in sorted(ne, key=lambda c: (c["device"], c["n_params"], c["median_s"])):
             sg = _find(ne, device=c["device"], set=c["set"], impl="sgd-foreach")
             ss = _find(ne, device=c["device"], set=c["set"], impl="scale+sgd-foreach")
-            rows.append((c["device"], c["set"], c["impl"], _fmt_t(c["median_s"]), _fmt(c["GBps"], ".3g"),
-                         _fmt(c["frac_copy"], pct=True),
-                         _fmt(sg["median_s"] / c["median_s"] if sg else None, ".3g"),
-                         _fmt(ss["median_s"] / c["median_s"] if ss else None, ".3g"),
-                         _fmt(c["err_rel_fro"], ".2g"), c["rounds"]))
-        lines += _md_table(["device", "set", "impl", "median", "GB/s", "% copy", "× sgd-foreach",
-                            "× scale+sgd-foreach", "error", "rounds"], rows) + [""]
+            rows.append(
+                (
+                    c["device"],
+                    c["set"],
+                    c["impl"],
+                    _fmt_t(c["median_s"]),
+                    _fmt(c["GBps"], ".3g"),
+                    _fmt(c["frac_copy"], pct=True),
+                    _fmt(sg["median_s"] / c["median_s"] if sg else None, ".3g"),
+                    _fmt(ss["median_s"] / c["median_s"] if ss else None, ".3g"),
+                    _fmt(c["err_rel_fro"], ".2g"),
+                    c["rounds"],
+                )
+            )
+        lines += _md_table(
+            [
+                "device",
+                "set",
+                "impl",
+                "median",
+                "GB/s",
+                "% copy",
+                "× sgd-foreach",
+                "× scale+sgd-foreach",
+                "error",
+                "rounds",
+            ],
+            rows,
+        ) + [""]
 
     os_ = [c for c in cases if c["kind"] == "outer_step"]
     if os_:
@@ -211,17 +318,26 @@ def markdown(run) -> list[str]:
         for c in sorted(os_, key=lambda c: (c["device"], c["n_params"], c["median_s"])):
             base = _find(os_, device=c["device"], set=c["set"], impl="svd-loop+sgd")
             sg = _find(os_, device=c["device"], set=c["set"], impl="sgd-foreach")
-            rows.append((c["device"], c["set"], c["impl"], _fmt_t(c["median_s"]),
-                         _fmt(base["median_s"] / c["median_s"] if base else None, ".3g"),
-                         _fmt(c["median_s"] / sg["median_s"] if sg else None, ".3g"),
-                         _fmt(c["err_rel_fro"], ".2g"), c["rounds"]))
-        lines += _md_table(["device", "set", "impl", "median", "× svd-loop+sgd", "time / DiLoCo step",
-                            "error", "rounds"], rows) + [""]
+            rows.append(
+                (
+                    c["device"],
+                    c["set"],
+                    c["impl"],
+                    _fmt_t(c["median_s"]),
+                    _fmt(base["median_s"] / c["median_s"] if base else None, ".3g"),
+                    _fmt(c["median_s"] / sg["median_s"] if sg else None, ".3g"),
+                    _fmt(c["err_rel_fro"], ".2g"),
+                    c["rounds"],
+                )
+            )
+        lines += _md_table(
+            ["device", "set", "impl", "median", "× svd-loop+sgd", "time / DiLoCo step", "error", "rounds"], rows
+        ) + [""]
     return lines
 
 
 def _fallbacks(c) -> str:
-    """"p / g" from the case's polar_fallbacks / gram_fallbacks strings ("–" where not recorded)."""
+    """ "p / g" from the case's polar_fallbacks / gram_fallbacks strings ("–" where not recorded)."""
     parts = []
     for key in ("polar_fallbacks", "gram_fallbacks"):
         v = c.get(key)
@@ -265,9 +381,17 @@ def plot(run, out_png: str) -> None:
         for j, s in enumerate(sets):
             roof = [c["roofline_s"] for c in cs if c["set"] == s and c.get("flops")]
             if roof:
-                axes[0][col].hlines(min(roof), j - 0.45, j + 0.45, colors="k", linestyles="--",
-                                    label="roofline (best modelled)" if j == 0 else None)
-        for r, (ylabel, title) in enumerate([("median time [s]", "flatten time"), ("rel. Frobenius error", "error vs reference.py")]):
+                axes[0][col].hlines(
+                    min(roof),
+                    j - 0.45,
+                    j + 0.45,
+                    colors="k",
+                    linestyles="--",
+                    label="roofline (best modelled)" if j == 0 else None,
+                )
+        for r, (ylabel, title) in enumerate(
+            [("median time [s]", "flatten time"), ("rel. Frobenius error", "error vs reference.py")]
+        ):
             ax = axes[r][col]
             ax.set_yscale("log")
             ax.set_xticks(range(len(sets)))
@@ -302,8 +426,13 @@ def _grouped_bars(ax, cs, key: str, color, ylabel: str, title: str) -> None:
     for k, impl in enumerate(impls):
         pts = [(j, _find(cs, set=s, impl=impl)) for j, s in enumerate(sets)]
         pts = [(j, c) for j, c in pts if c]
-        ax.bar([j + (k - (len(impls) - 1) / 2) * w for j, _ in pts], [c[key] for _, c in pts], w,
-               label=impl, color=color[impl])
+        ax.bar(
+            [j + (k - (len(impls) - 1) / 2) * w for j, _ in pts],
+            [c[key] for _, c in pts],
+            w,
+            label=impl,
+            color=color[impl],
+        )
     ax.set_xticks(range(len(sets)))
     ax.set_xticklabels(sets)
     ax.set_ylabel(ylabel)
@@ -341,9 +470,13 @@ def short_table(run) -> str:
             for c in sorted(cs, key=lambda c: c["median_s"])
         )
         out.append(f"flatten {dev} {s} {dt}: {row}")
-    for c in sorted((c for c in run["cases"] if c["kind"] == "nesterov"), key=lambda c: (c["device"], c["n_params"], c["median_s"])):
-        out.append(f"nesterov {c['device']} {c['set']} {c['impl']}: {_fmt_t(c['median_s'])}, "
-                   f"{c['GBps']:.3g} GB/s ({100 * c['frac_copy']:.0f} % copy)")
+    for c in sorted(
+        (c for c in run["cases"] if c["kind"] == "nesterov"), key=lambda c: (c["device"], c["n_params"], c["median_s"])
+    ):
+        out.append(
+            f"nesterov {c['device']} {c['set']} {c['impl']}: {_fmt_t(c['median_s'])}, "
+            f"{c['GBps']:.3g} GB/s ({100 * c['frac_copy']:.0f} % copy)"
+        )
     return "\n".join(out)
 
 
@@ -365,12 +498,16 @@ def main(argv=None) -> int:
             print(short_table(r))
     if args.no_write:
         return 0
-    lines = ["# Benchmark results", "",
-             "Rendered by `python bench/report.py` from the pytest-benchmark JSON files in this folder "
-             "(`pytest bench/ --benchmark-only --bench-full --benchmark-json bench/results/<name>.json`). "
-             "How cases are timed, what the ceilings are and how flops/bytes are counted: the docstring "
-             "of `bench/harness.py`; the bucket sets: `bench/shapes.py`. Ratios divide medians of the "
-             "same run.", ""]
+    lines = [
+        "# Benchmark results",
+        "",
+        "Rendered by `python bench/report.py` from the pytest-benchmark JSON files in this folder "
+        "(`pytest bench/ --benchmark-only --bench-full --benchmark-json bench/results/<name>.json`). "
+        "How cases are timed, what the ceilings are and how flops/bytes are counted: the docstring "
+        "of `bench/harness.py`; the bucket sets: `bench/shapes.py`. Ratios divide medians of the "
+        "same run.",
+        "",
+    ]
     for r in runs:
         png = os.path.splitext(r["path"])[0] + ".png"
         plot(r, png)

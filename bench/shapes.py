@@ -13,6 +13,7 @@ plus the token embedding and the (untied) lm_head, vocab × hidden each, and —
 benchmarks only — the 1-D RMSNorm weights (two per layer and a final one), which IsoLoCo leaves
 unflattened.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -93,8 +94,14 @@ SETS: dict[str, ModelSpec] = {
         ModelSpec("llama-1b", vocab=128256, hidden=2048, layers=16, ffn=8192),
         # Embedding-dominated: a large vocabulary over a small hidden size, so most elements sit in
         # 32000 × 256 buckets (aspect 125): the wide case the Gram-space flatten is for.
-        ModelSpec("wide-vocab", vocab=32000, hidden=256, layers=1, ffn=1024,
-                  note="synthetic: large vocabulary, small hidden size (wide buckets)"),
+        ModelSpec(
+            "wide-vocab",
+            vocab=32000,
+            hidden=256,
+            layers=1,
+            ffn=1024,
+            note="synthetic: large vocabulary, small hidden size (wide buckets)",
+        ),
     )
 }
 
@@ -120,9 +127,7 @@ def cpu_variant(spec: ModelSpec) -> ModelSpec | None:
     )
 
 
-def pseudo_gradient(
-    b: int, m: int, n: int, *, dtype: torch.dtype, device, seed: int
-) -> torch.Tensor:
+def pseudo_gradient(b: int, m: int, n: int, *, dtype: torch.dtype, device, seed: int) -> torch.Tensor:
     """A [b, m, n] stand-in for a DiLoCo pseudo-gradient: U · diag(σ) · Vᵀ, σ_j = 1e-3 / (1 + j).
 
     U, V are Haar-random (QR of Gaussians), so the spectrum is exactly the power law: condition

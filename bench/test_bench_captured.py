@@ -5,6 +5,7 @@ reference loop saved, with condition numbers up to ~5e5. Per case: time, error a
 reference.iso_flatten_ref (float64, every matrix), how many matrices the polar and gram checks
 sent to a fallback, and the condition numbers of the set (median, max).
 """
+
 from __future__ import annotations
 
 import math
@@ -15,10 +16,9 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
+from bench.captured import load_captured_sets
 from isoloco_kernels import flatten, gram, polar
 from isoloco_kernels.reference import iso_flatten_ref
-
-from bench.captured import load_captured_sets
 
 METHODS = tuple(m for m in flatten.METHODS if m not in ("auto", "polar_bf16")) + ("auto",)
 ERROR_SANITY = 0.25  # garbage (Δ itself, zeros) gives ~1; accuracy contracts are tests/'s job

@@ -24,6 +24,7 @@ Bytes (extra_info, per rank per step): "payload" counts the tensors handed to ea
 algorithm sends from each rank for them: 2(W−1)/W of an all-reduce's payload, (W−1)/W of a
 reduce-scatter's or all-gather's.
 """
+
 from __future__ import annotations
 
 import multiprocessing as std_mp
@@ -94,7 +95,10 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
     from isoloco_kernels import distributed as D
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=timedelta(seconds=REPLY_TIMEOUT_S),
     )
     counter = _Counter(world)
@@ -121,13 +125,18 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
                 _restore(state)
                 counter.reset()
                 _step(state)
-                info = {"payload_bytes": counter.payload, "ring_wire_bytes": counter.ring,
-                        "n_params": sum(p.numel() for p in params)}
+                info = {
+                    "payload_bytes": counter.payload,
+                    "ring_wire_bytes": counter.ring,
+                    "n_params": sum(p.numel() for p in params),
+                }
                 if mode == "sharded":
                     loads = opt.plan.loads()
-                    info.update(flatten_cost_max_over_mean=max(loads) * world / sum(loads),
-                                solo_tensors=len(opt.plan.solo),
-                                momentum_elements=sum(params[i].numel() for i in opt.mine))
+                    info.update(
+                        flatten_cost_max_over_mean=max(loads) * world / sum(loads),
+                        solo_tensors=len(opt.plan.solo),
+                        momentum_elements=sum(params[i].numel() for i in opt.mine),
+                    )
                 else:
                     info["momentum_elements"] = info["n_params"]
                 _restore(state)
@@ -228,8 +237,15 @@ def test_outer_step(benchmark, groups, set_name, world, mode):
     for _ in range(5):
         g.call("noop")
     ipc = (time.perf_counter() - t0) / 5
-    benchmark.extra_info.update(info, world=world, mode=mode, set=set_name, ipc_overhead_s=ipc,
-                                torch_threads_per_rank=1, cpu_count=os.cpu_count())
+    benchmark.extra_info.update(
+        info,
+        world=world,
+        mode=mode,
+        set=set_name,
+        ipc_overhead_s=ipc,
+        torch_threads_per_rank=1,
+        cpu_count=os.cpu_count(),
+    )
 
     def restore() -> None:  # untimed: pseudo-gradients back (the replicated step averaged them in place)
         g.call("restore")

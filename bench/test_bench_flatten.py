@@ -12,17 +12,17 @@ Each case records in extra_info its error against reference.iso_flatten_ref (flo
 and compulsory bytes (models in bench/harness.py), the achieved rates, the fraction of this
 machine's ceilings, and the peak extra memory of one call.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 import isoloco_kernels as ik
-from isoloco_kernels import flatten
-from isoloco_kernels.reference import iso_flatten_ref
-
 from bench import harness
 from bench.shapes import SETS, bucket_shapes, cpu_variant, decoder_weight_shapes, pseudo_gradient
+from isoloco_kernels import flatten
+from isoloco_kernels.reference import iso_flatten_ref
 
 METHODS = tuple(m for m in flatten.METHODS if m != "auto") + ("auto",)
 BASELINES = harness.BASELINES
@@ -81,8 +81,7 @@ def _inputs(spec, device: torch.device, dtype: torch.dtype) -> dict:
             torch.cuda.empty_cache()
         shapes = bucket_shapes(s for _, s in decoder_weight_shapes(spec))
         src = [
-            pseudo_gradient(b, m, n, dtype=dtype, device=device, seed=1000 + i)
-            for i, (b, m, n) in enumerate(shapes)
+            pseudo_gradient(b, m, n, dtype=dtype, device=device, seed=1000 + i) for i, (b, m, n) in enumerate(shapes)
         ]
         _CACHE[key] = {"shapes": shapes, "src": src, "ref": None}
     return _CACHE[key]
@@ -126,19 +125,25 @@ def test_flatten(benchmark, impl, set_name, device, dtype, bench_seconds, bench_
         if spec is None:
             pytest.skip(f"{set_name} is skipped on the CPU (minutes per exact flatten)")
     if device.type == "cpu" and impl.endswith("_bf16"):
-        pytest.skip(f"{impl} runs its GEMMs in bf16, which has no fast path on this CPU (ref-tiny: "
-                    "~15x slower than fp32 polar); GPU only")
+        pytest.skip(
+            f"{impl} runs its GEMMs in bf16, which has no fast path on this CPU (ref-tiny: "
+            "~15x slower than fp32 polar); GPU only"
+        )
     if impl in BASELINES and dtype != "fp32":
         pytest.skip("the torch.linalg.svd baselines run in fp32 only")
 
     shapes = bucket_shapes(s for _, s in decoder_weight_shapes(spec))
     resolved = harness.resolved_methods(impl, shapes, device)
     if dtype != "fp32" and any(r in EXACT for r in resolved):
-        pytest.skip(f"{impl} resolves to {sorted(set(resolved) & EXACT)}: exact methods compute in "
-                    "fp32/fp64 whatever the input; bf16 is benchmarked for matmul-only methods")
+        pytest.skip(
+            f"{impl} resolves to {sorted(set(resolved) & EXACT)}: exact methods compute in "
+            "fp32/fp64 whatever the input; bf16 is benchmarked for matmul-only methods"
+        )
     if device.type == "cuda" and set_name == "llama-1b" and any(r in EXACT for r in resolved):
-        pytest.skip(f"{impl} ({', '.join(sorted(set(resolved)))}) on llama-1b: minutes per call on a "
-                    "GPU, beyond the device script's budget")
+        pytest.skip(
+            f"{impl} ({', '.join(sorted(set(resolved)))}) on llama-1b: minutes per call on a "
+            "GPU, beyond the device script's budget"
+        )
     entry = _inputs(spec, device, DTYPES[dtype])
     src = entry["src"]
 
@@ -176,8 +181,13 @@ def test_flatten(benchmark, impl, set_name, device, dtype, bench_seconds, bench_
     harness.sync(device)
     benchmark.group = f"flatten {set_name} {device.type} {dtype}"
     median = harness.run_timed(
-        benchmark, target, restore, device=device, seconds=bench_seconds,
-        first_s=first_s, may_compile=device.type == "cuda" and not all(r in EXACT for r in resolved),
+        benchmark,
+        target,
+        restore,
+        device=device,
+        seconds=bench_seconds,
+        first_s=first_s,
+        may_compile=device.type == "cuda" and not all(r in EXACT for r in resolved),
     )
     benchmark.extra_info.update(
         kind="flatten",

@@ -20,16 +20,16 @@ lr 1.8, μ 0.8) for every flatten method, beside:
                      then SGD(nesterov=True, foreach=True)
   sgd-foreach        DiLoCo's outer step (no Iso-C), for scale
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from isoloco_kernels import flatten
-from isoloco_kernels.reference import iso_flatten_ref, nesterov_ref
-
 from bench import harness
 from bench.shapes import SETS, bucket_shapes, cpu_variant, decoder_param_shapes, pseudo_gradient
+from isoloco_kernels import flatten
+from isoloco_kernels.reference import iso_flatten_ref, nesterov_ref
 
 NESTEROV_IMPLS = ("fused", "fused+scales", "sgd-foreach", "sgd-fused", "sgd-forloop", "scale+sgd-foreach")
 DILOCO_LR, DILOCO_MU = 0.7, 0.9
@@ -119,8 +119,10 @@ def _model_state(spec, device: torch.device) -> dict:
 
 def _nesterov_error(impl: str, st: dict) -> float:
     """Error of one step on a sample (the first 2-D and the first 1-D tensor) vs reference.py."""
-    idx = [next(i for i, s in enumerate(st["shapes"]) if len(s) == 2),
-           next(i for i, s in enumerate(st["shapes"]) if len(s) == 1)]
+    idx = [
+        next(i for i, s in enumerate(st["shapes"]) if len(s) == 2),
+        next(i for i, s in enumerate(st["shapes"]) if len(s) == 1),
+    ]
     ps = [st["ps"][i].clone() for i in idx]
     bs = [st["bs"][i].clone() for i in idx]
     us = [st["us"][i].clone() for i in idx]
@@ -132,7 +134,7 @@ def _nesterov_error(impl: str, st: dict) -> float:
         reset()
     step()
     outs, refs = [], []
-    for k, i in enumerate(idx):
+    for k in range(len(idx)):
         s = float(sc[k]) if impl in ("fused+scales", "scale+sgd-foreach") else 1.0
         rp, rb = nesterov_ref(p0[k], b0[k], u0[k], DILOCO_LR, DILOCO_MU, s)
         p064 = p0[k].to("cpu", torch.float64)
@@ -172,15 +174,33 @@ def test_nesterov(benchmark, impl, set_name, device, bench_seconds, ceilings):
     nbytes = 5.0 * n * 4
     roof = harness.roofline(None, nbytes, ceilings(device))
     benchmark.group = f"nesterov {set_name} {device.type}"
-    median = harness.run_timed(benchmark, target, setup, device=device, seconds=bench_seconds,
-                               first_s=first_s, may_compile=device.type == "cuda")
+    median = harness.run_timed(
+        benchmark,
+        target,
+        setup,
+        device=device,
+        seconds=bench_seconds,
+        first_s=first_s,
+        may_compile=device.type == "cuda",
+    )
     for p in st["ps"]:
         p.grad = None
     benchmark.extra_info.update(
-        kind="nesterov", impl=impl, set=set_name, set_note=spec.note, device=device.type, dtype="fp32",
-        n_tensors=len(st["ps"]), n_params=n, bytes=nbytes, flops=None,
-        err_rel_fro=err, err_sample="one step on the first 2-D and 1-D tensor: Δp and the new buffer",
-        first_call_s=first_s, **roof, **harness.rates(median, None, nbytes, roof),
+        kind="nesterov",
+        impl=impl,
+        set=set_name,
+        set_note=spec.note,
+        device=device.type,
+        dtype="fp32",
+        n_tensors=len(st["ps"]),
+        n_params=n,
+        bytes=nbytes,
+        flops=None,
+        err_rel_fro=err,
+        err_sample="one step on the first 2-D and 1-D tensor: Δp and the new buffer",
+        first_call_s=first_s,
+        **roof,
+        **harness.rates(median, None, nbytes, roof),
     )
     assert err == err, f"{impl}: NaN"
     assert err <= 1e-4, f"{impl} on {set_name}: step error {err:.3g} vs reference.py (fp32 update)"
@@ -195,7 +215,8 @@ def _outer_state(spec, device: torch.device) -> dict:
 
     def make(shapes, gen):
         grads = [
-            pseudo_gradient(1, *s, dtype=torch.float32, device=device, seed=2000 + i)[0] if len(s) == 2
+            pseudo_gradient(1, *s, dtype=torch.float32, device=device, seed=2000 + i)[0]
+            if len(s) == 2
             else torch.randn(s, generator=gen, device=device) * 1e-3
             for i, s in enumerate(shapes)
         ]
@@ -269,15 +290,18 @@ def _outer_error(impl: str, st: dict) -> tuple[float, str]:
 
 
 @pytest.mark.parametrize("impl", STEP_IMPLS)
-@pytest.mark.parametrize("set_name", [pytest.param(s, marks=pytest.mark.bench_full) if s in STEP_FULL_ONLY else s
-                                      for s in SETS])
+@pytest.mark.parametrize(
+    "set_name", [pytest.param(s, marks=pytest.mark.bench_full) if s in STEP_FULL_ONLY else s for s in SETS]
+)
 @pytest.mark.parametrize("device", ["cpu", "cuda"], indirect=True)
 def test_outer_step(benchmark, impl, set_name, device, bench_seconds, ceilings):
     spec = SETS[set_name]
     if device.type == "cpu":
         if cpu_variant(spec) is not spec:
-            pytest.skip(f"{set_name}: outer steps run on the CPU for the unscaled sets only (the "
-                        "flatten of the scaled one is timed in test_flatten)")
+            pytest.skip(
+                f"{set_name}: outer steps run on the CPU for the unscaled sets only (the "
+                "flatten of the scaled one is timed in test_flatten)"
+            )
         if impl.endswith("_bf16"):
             pytest.skip(f"{impl}: bf16 GEMMs have no fast path on this CPU; GPU only")
     if impl.startswith("isoloco-"):
@@ -288,8 +312,10 @@ def test_outer_step(benchmark, impl, set_name, device, bench_seconds, ceilings):
     if device.type == "cuda" and set_name == "llama-1b" and set(resolved) & EXACT:
         pytest.skip(f"{impl} on llama-1b: minutes per call on a GPU, beyond the device script's budget")
     if device.type == "cuda" and spec.n_params > 100e6 and impl.startswith("isoloco-") and set(resolved) <= EXACT:
-        pytest.skip(f"{impl} on {set_name}: exact flatten methods are timed in test_flatten; on big "
-                    "sets the GPU run spends its budget on the matmul methods and the svd-loop baseline")
+        pytest.skip(
+            f"{impl} on {set_name}: exact flatten methods are timed in test_flatten; on big "
+            "sets the GPU run spends its budget on the matmul methods and the svd-loop baseline"
+        )
 
     st = _outer_state(spec, device)
     err, sample = _outer_error(impl, st)
@@ -309,12 +335,32 @@ def test_outer_step(benchmark, impl, set_name, device, bench_seconds, ceilings):
     flops = harness.flatten_work(resolved, shapes2d, "fp32") if iso else None
     roof = harness.roofline(flops, nbytes, ceilings(device))
     benchmark.group = f"outer step {set_name} {device.type}"
-    median = harness.run_timed(benchmark, target, reset, device=device, seconds=bench_seconds,
-                               first_s=first_s, may_compile=device.type == "cuda" and not set(resolved) <= EXACT)
+    median = harness.run_timed(
+        benchmark,
+        target,
+        reset,
+        device=device,
+        seconds=bench_seconds,
+        first_s=first_s,
+        may_compile=device.type == "cuda" and not set(resolved) <= EXACT,
+    )
     benchmark.extra_info.update(
-        kind="outer_step", impl=impl, set=set_name, set_note=spec.note, device=device.type, dtype="fp32",
-        resolved=resolved, buckets=[list(s) for s in shapes2d], n_params=n, bytes=nbytes, flops=flops,
-        err_rel_fro=err, err_sample=sample, first_call_s=first_s, **mem, **roof,
+        kind="outer_step",
+        impl=impl,
+        set=set_name,
+        set_note=spec.note,
+        device=device.type,
+        dtype="fp32",
+        resolved=resolved,
+        buckets=[list(s) for s in shapes2d],
+        n_params=n,
+        bytes=nbytes,
+        flops=flops,
+        err_rel_fro=err,
+        err_sample=sample,
+        first_call_s=first_s,
+        **mem,
+        **roof,
         **harness.rates(median, flops, nbytes, roof),
     )
     assert err == err, f"{impl}: NaN"

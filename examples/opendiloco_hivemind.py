@@ -17,6 +17,7 @@ IsoLoCo(iso=False) at SGD's settings (must land on SGD's weights) and IsoLoCo.
 
     python examples/opendiloco_hivemind.py [--rounds 4] [--inner 10]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,15 +44,21 @@ def peer(index: int, initial_peers: list[str], args, out) -> None:
         dht = hivemind.DHT(initial_peers=initial_peers, start=True)
         models = {name: make_model() for name in OUTER}
         inner = {name: torch.optim.AdamW(m.parameters(), lr=3e-3) for name, m in models.items()}
-        offloaded = {name: [p.detach().clone().requires_grad_(True) for p in m.parameters()]
-                     for name, m in models.items()}
+        offloaded = {
+            name: [p.detach().clone().requires_grad_(True) for p in m.parameters()] for name, m in models.items()
+        }
         outer = {name: OUTER[name](ps) for name, ps in offloaded.items()}  # the factory's one call
         for ps in offloaded.values():
             for p in ps:
                 p.grad = torch.zeros_like(p)
         averager = DecentralizedAverager(
-            [p.grad for name in OUTER for p in offloaded[name]], dht, start=True, prefix="isoloco_example",
-            target_group_size=2, min_matchmaking_time=3.0, request_timeout=2.0,
+            [p.grad for name in OUTER for p in offloaded[name]],
+            dht,
+            start=True,
+            prefix="isoloco_example",
+            target_group_size=2,
+            min_matchmaking_time=3.0,
+            request_timeout=2.0,
         )
         gen = torch.Generator().manual_seed(100 + index)  # each peer its own data
         train = {name: [] for name in OUTER}

@@ -16,6 +16,7 @@ with IsoLoCo. Prints the held-out loss of each and asserts the equality and fini
 
 --shards 2 shards each replica group over two ranks (4 processes in all).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,9 @@ DIM, HIDDEN, CLASSES, BATCH = 16, 32, 8, 32
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)  # every replica group starts from the same weights
-    return nn.Sequential(nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
-                         nn.Linear(HIDDEN, CLASSES))
+    return nn.Sequential(
+        nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES)
+    )
 
 
 def teacher_batch(gen: torch.Generator, n: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,8 +56,9 @@ def teacher_batch(gen: torch.Generator, n: int = BATCH) -> tuple[torch.Tensor, t
     return x, (torch.tanh(x @ t1) @ t2).argmax(-1)
 
 
-def build_torchft(name: str, model: nn.Module, inner, state_fns, replica: int, rank: int, shards: int,
-                  lighthouse: str, args):
+def build_torchft(
+    name: str, model: nn.Module, inner, state_fns, replica: int, rank: int, shards: int, lighthouse: str, args
+):
     """torchft's Manager and DiLoCo as a torchft user writes them, with the outer optimizer `name`."""
     from torchft.local_sgd import DiLoCo
     from torchft.manager import Manager
@@ -64,14 +67,25 @@ def build_torchft(name: str, model: nn.Module, inner, state_fns, replica: int, r
     outer = OUTER[name](model.parameters())  # <- the line that changes
     t = timedelta(seconds=60)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=t), min_replica_size=2, use_async_quorum=False,
-        load_state_dict=state_fns[0], state_dict=state_fns[1], replica_id=f"{name}:group{replica}",
-        lighthouse_addr=lighthouse, store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
-        rank=rank, world_size=shards, timeout=t, quorum_timeout=t, connect_timeout=t,
+        pg=ProcessGroupGloo(timeout=t),
+        min_replica_size=2,
+        use_async_quorum=False,
+        load_state_dict=state_fns[0],
+        state_dict=state_fns[1],
+        replica_id=f"{name}:group{replica}",
+        lighthouse_addr=lighthouse,
+        store_addr=os.environ["MASTER_ADDR"],
+        store_port=int(os.environ["MASTER_PORT"]),
+        rank=rank,
+        world_size=shards,
+        timeout=t,
+        quorum_timeout=t,
+        connect_timeout=t,
         init_sync=False,  # both groups start from the same seed: no transfer of the initial weights
     )
-    diloco = DiLoCo(manager, [model], inner, outer, sync_every=args.inner, backup_device=torch.device("cpu"),
-                    pin_memory=False)
+    diloco = DiLoCo(
+        manager, [model], inner, outer, sync_every=args.inner, backup_device=torch.device("cpu"), pin_memory=False
+    )
     return diloco, manager
 
 
@@ -160,8 +174,11 @@ def main(argv=None, build=build_torchft, doc: str = __doc__) -> dict:
     for replica in range(2):
         port = free_port()
         for rank in range(args.shards):
-            procs.append(ctx.Process(target=worker, args=(build, replica, rank, args.shards, port,
-                                                          lighthouse.address(), args, out)))
+            procs.append(
+                ctx.Process(
+                    target=worker, args=(build, replica, rank, args.shards, port, lighthouse.address(), args, out)
+                )
+            )
     try:
         results = run_processes(procs, out, args.timeout, lambda k: f"replica group {k[0]} rank {k[1]}")
     finally:

@@ -24,6 +24,7 @@ unchanged (must land on SGD's weights); IsoLoCo at its released config.
 
     python examples/torchtitan_diloco.py [--rounds 4] [--inner 10] [--shards 1]
 """
+
 from __future__ import annotations
 
 import os
@@ -65,8 +66,13 @@ def build_torchtitan(name, model, inner, state_fns, replica, rank, shards, light
 
     os.environ.update(TORCHFT_LIGHTHOUSE=lighthouse, RANK=str(rank), WORLD_SIZE=str(shards))
     ft_config = FaultTolerance(
-        enable=True, replica_id=replica, group_size=2, min_replica_size=2, semi_sync_method="diloco",
-        sync_steps=args.inner, process_group_timeout_ms=60_000,
+        enable=True,
+        replica_id=replica,
+        group_size=2,
+        min_replica_size=2,
+        semi_sync_method="diloco",
+        sync_steps=args.inner,
+        process_group_timeout_ms=60_000,
     )
     ft = TorchFTManager(ft_config)
     ft.manager.set_state_dict_fns(*state_fns)  # what torchtitan's checkpointer registers

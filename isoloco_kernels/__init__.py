@@ -1,4 +1,5 @@
 """isoloco_kernels: fast Iso-C merging and the IsoLoCo outer optimizer for DiLoCo-style training."""
+
 from .distributed import ShardedIsoLoCo, average_, sharded_iso_merge_
 from .ops import backends, iso_flatten, iso_merge_
 from .optim import IsoLoCo

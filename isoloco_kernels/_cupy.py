@@ -9,6 +9,7 @@ checks mirror csrc/iso_scale.cu and csrc/nesterov.cu; the constants below mirror
     iso_scale_(x, q) -> s̄      # isoloco::iso_scale_
     nesterov_outer_(params, bufs, updates, lr, momentum, scales=None)   # isoloco::nesterov_outer_
 """
+
 from __future__ import annotations
 
 import functools
@@ -77,8 +78,10 @@ def available() -> tuple[bool, str]:
         import cupy
     except ImportError as e:
         major = (torch.version.cuda or "13").split(".")[0]
-        return False, (f"cupy is not installed ({e}); pip install cupy-cuda{major}x (the wheel for "
-                       f"torch's CUDA {torch.version.cuda})")
+        return False, (
+            f"cupy is not installed ({e}); pip install cupy-cuda{major}x (the wheel for "
+            f"torch's CUDA {torch.version.cuda})"
+        )
     try:
         cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # CUDA driver/runtime mismatch and the like
@@ -136,9 +139,7 @@ def iso_scale_(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     c = "double" if cd == torch.float64 else "float"
     targs = f"{_STORAGE[x.dtype]}, {_STORAGE[q.dtype]}, {c}"
     dev = x.device.index
-    fpart, fapply = _kernels(
-        dev, "iso_scale.cuh", (f"ik::iso_scale_partial<{targs}>", f"ik::iso_scale_apply<{targs}>")
-    )
+    fpart, fapply = _kernels(dev, "iso_scale.cuh", (f"ik::iso_scale_partial<{targs}>", f"ik::iso_scale_apply<{targs}>"))
     real = np.float64 if cd == torch.float64 else np.float32
     L64, nc, cl = np.int64(L), np.int32(nchunks), np.int64(chunk_len)
     _launch(fpart, dev, B * nchunks, (_ptr(xc), _ptr(qc), _ptr(partial), L64, nc, cl))

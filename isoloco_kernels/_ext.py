@@ -4,6 +4,7 @@ The extension is a plain shared library whose static initialisers run TORCH_LIBR
 holds no Python bindings. Its absence is normal (a pure-Python install): `STATUS` says why, and
 the Python/Triton implementations in ops.py serve instead.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -110,12 +111,16 @@ def device_problem(capability: tuple[int, int], archs=None) -> str:
     """Why the csrc kernels (extension or CuPy) cannot run on a device of this capability, or ""
     (archs: the extension's built code; None skips that check, as for CuPy's JIT)."""
     if capability < MIN_CAPABILITY:
-        return (f"compute capability {capability[0]}.{capability[1]} is below 8.0, which the "
-                f"kernels' bfloat16 conversions need")
+        return (
+            f"compute capability {capability[0]}.{capability[1]} is below 8.0, which the "
+            f"kernels' bfloat16 conversions need"
+        )
     if archs is not None and not runs_on(capability, archs):
-        return (f"the extension was built for {', '.join(archs)}: no kernel image for compute "
-                f"capability {capability[0]}.{capability[1]} (rebuild with TORCH_CUDA_ARCH_LIST "
-                f"including {capability[0]}.{capability[1]} or a lower arch with +PTX)")
+        return (
+            f"the extension was built for {', '.join(archs)}: no kernel image for compute "
+            f"capability {capability[0]}.{capability[1]} (rebuild with TORCH_CUDA_ARCH_LIST "
+            f"including {capability[0]}.{capability[1]} or a lower arch with +PTX)"
+        )
     return ""
 
 

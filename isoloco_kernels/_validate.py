@@ -1,4 +1,5 @@
 """Input checks shared by the ops and the optimizer. Every check runs before anything is written."""
+
 from __future__ import annotations
 
 import math
@@ -11,20 +12,14 @@ from .reference import compute_dtype  # noqa: F401 (the one definition; imported
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-
-
 def check_matrix_tensor(x, what: str) -> None:
     """Type, dtype and rank of one [m, n] / [B, m, n] operand; cheap, no device sync."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"{what}: dtype {x.dtype} is not supported; use float16, bfloat16, float32 or float64"
-        )
+        raise TypeError(f"{what}: dtype {x.dtype} is not supported; use float16, bfloat16, float32 or float64")
     if x.ndim not in (2, 3):
-        raise ValueError(
-            f"{what}: expected a [m, n] matrix or a [B, m, n] batch, got shape {tuple(x.shape)}"
-        )
+        raise ValueError(f"{what}: expected a [m, n] matrix or a [B, m, n] batch, got shape {tuple(x.shape)}")
 
 
 def _describe_nonfinite(x: torch.Tensor, what: str) -> str:
@@ -164,8 +159,12 @@ def read_write_overlaps(reads: Sequence[torch.Tensor], writes: Sequence[torch.Te
     """(i, j) for every tensor reads[i] that shares an element with writes[j] (an operand an op
     reads while it writes the other). No device sync unless two byte ranges intersect."""
     spans = sorted(
-        ((t.device.type, t.device.index or 0, *_span(t), kind, i)
-         for kind, ts in ((0, reads), (1, writes)) for i, t in enumerate(ts) if t.numel()),
+        (
+            (t.device.type, t.device.index or 0, *_span(t), kind, i)
+            for kind, ts in ((0, reads), (1, writes))
+            for i, t in enumerate(ts)
+            if t.numel()
+        ),
     )
     found: list[tuple[int, int]] = []
     active: list[tuple[tuple, int, int, int]] = []  # (device, end, kind, index)
@@ -190,8 +189,9 @@ class ResultOverflowError(ValueError):
     matrix: index inside the [B, m, n] batch (None when not a matrix); bucket: set by callers that
     flatten several buckets; tensor: index in a nesterov_outer_ call's tensor lists."""
 
-    def __init__(self, msg: str, matrix: Optional[int] = None, bucket: Optional[int] = None,
-                 tensor: Optional[int] = None):
+    def __init__(
+        self, msg: str, matrix: Optional[int] = None, bucket: Optional[int] = None, tensor: Optional[int] = None
+    ):
         super().__init__(msg)
         self.matrix, self.bucket, self.tensor = matrix, bucket, tensor
 

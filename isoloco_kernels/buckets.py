@@ -20,6 +20,7 @@ every pack.
 1-D and ≥3-D tensors are not matrices and are not planned here; callers pass them through (Iso-C
 and IsoLoCo average them plainly).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -71,9 +72,7 @@ class BucketPlan:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"BucketPlan: tensor {i} is a {type(t).__name__}, not a torch.Tensor")
             if t.ndim != 2:
-                raise ValueError(
-                    f"BucketPlan: tensor {i} has shape {tuple(t.shape)}; only 2-D tensors are bucketed"
-                )
+                raise ValueError(f"BucketPlan: tensor {i} has shape {tuple(t.shape)}; only 2-D tensors are bucketed")
             if t.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"BucketPlan: tensor {i} has unsupported dtype {t.dtype}")
         self.signature = signature(tensors)
@@ -100,9 +99,7 @@ class BucketPlan:
         return len(self.where)
 
     def __repr__(self) -> str:
-        parts = ", ".join(
-            f"{len(b.members)}×{b.shape[0]}×{b.shape[1]} {str(b.dtype)[6:]}" for b in self.buckets
-        )
+        parts = ", ".join(f"{len(b.members)}×{b.shape[0]}×{b.shape[1]} {str(b.dtype)[6:]}" for b in self.buckets)
         return f"BucketPlan({len(self)} matrices in {len(self.buckets)} buckets: {parts})"
 
     @property

@@ -14,6 +14,7 @@ Two ways to get that quintic, chosen by how well float64 can resolve it:
 
 `python -m isoloco_kernels.coefficients [ell steps]` prints a table in the form polar.py keeps it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,13 +24,20 @@ import sys
 import numpy as np
 
 __all__ = [
-    "CUSHION", "SAFETY", "REMEZ_MAX_ERR", "Schedule",
-    "remez_odd_quintic", "near_one_quintic", "remez_condition", "schedule", "polar_express_coefficients",
+    "CUSHION",
+    "SAFETY",
+    "REMEZ_MAX_ERR",
+    "Schedule",
+    "remez_odd_quintic",
+    "near_one_quintic",
+    "remez_condition",
+    "schedule",
+    "polar_express_coefficients",
 ]
 
-CUSHION = 0.024   # never design a step for an interval narrower than [CUSHION·u, u] (the paper's
-                  # cushioning, value ≈ its 0.02407): keeps the early quintics monotone and tame
-SAFETY = 0.01     # steps but the last use p(x / 1.01): slack for round-off pushing σ above u
+CUSHION = 0.024  # never design a step for an interval narrower than [CUSHION·u, u] (the paper's
+# cushioning, value ≈ its 0.02407): keeps the early quintics monotone and tame
+SAFETY = 0.01  # steps but the last use p(x / 1.01): slack for round-off pushing σ above u
 REMEZ_MAX_ERR = 1e-10  # Remez only while cond(system)·eps64 stays below this
 
 _EPS64 = float(np.finfo(np.float64).eps)

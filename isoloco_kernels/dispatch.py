@@ -6,6 +6,7 @@ first that does. The registered CUDA (and CPU) implementations in ops.py and pol
 call `select`, and `backends()` reports from the same tables, so what it says is what runs.
 Arguments are checked once, in ops.py, before `select` (every candidate gets the same input).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ def _always(*_args) -> tuple[bool, str]:
 
 
 # -- availability -------------------------------------------------------------------------------
+
 
 def _capability(device) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(device))
@@ -60,6 +62,7 @@ def _ext(op: str) -> Callable[[], tuple[bool, str]]:
             return False, f"the loaded extension has no kernel for isoloco::csrc_{op}"
         why = _current_device_problem(extension=True)
         return (False, why) if why else OK
+
     return available
 
 
@@ -80,6 +83,7 @@ def _triton_available() -> tuple[bool, str]:
 
 
 # -- what each candidate takes ------------------------------------------------------------------
+
 
 def _csrc_on(device, extension: bool) -> tuple[bool, str]:
     if device.type != "cuda":
@@ -114,6 +118,7 @@ def _triton_iso_scale_supports(x, q) -> tuple[bool, str]:
 
 
 # -- implementations ----------------------------------------------------------------------------
+
 
 def _csrc_iso_scale(x, q):
     return torch.ops.isoloco.csrc_iso_scale_(x, q)
@@ -176,12 +181,21 @@ def _cuda_chain(op: str, on_cuda, runs, triton_supports, torch_name: str) -> lis
 
 
 TABLES: dict[tuple[str, str], list[Candidate]] = {
-    ("iso_scale_", "cuda"): _cuda_chain("iso_scale_", _on_cuda, (_csrc_iso_scale, _cupy_iso_scale, _triton_iso_scale,
-                                        _torch_iso_scale), _triton_iso_scale_supports, "torch"),
+    ("iso_scale_", "cuda"): _cuda_chain(
+        "iso_scale_",
+        _on_cuda,
+        (_csrc_iso_scale, _cupy_iso_scale, _triton_iso_scale, _torch_iso_scale),
+        _triton_iso_scale_supports,
+        "torch",
+    ),
     ("iso_scale_", "cpu"): [Candidate("torch", lambda: OK, _always, _torch_iso_scale)],
-    ("nesterov_outer_", "cuda"): _cuda_chain("nesterov_outer_", _params_on_cuda, (_csrc_nesterov, _cupy_nesterov,
-                                             _triton_nesterov, _torch_nesterov), _triton_nesterov_supports,
-                                             "torch (foreach)"),
+    ("nesterov_outer_", "cuda"): _cuda_chain(
+        "nesterov_outer_",
+        _params_on_cuda,
+        (_csrc_nesterov, _cupy_nesterov, _triton_nesterov, _torch_nesterov),
+        _triton_nesterov_supports,
+        "torch (foreach)",
+    ),
     ("nesterov_outer_", "cpu"): [Candidate("torch (fused SGD kernel / foreach)", lambda: OK, _always, _torch_nesterov)],
     # the GEMM provider of the polar iteration: run(x) names it for polar.py (its `gemm`)
     ("polar_gemm", "cuda"): [Candidate("torch (cuBLAS)", lambda: OK, _always, _gemm_torch)],

@@ -21,6 +21,7 @@ Q is applied (both exact): every finite input whose result fits the output dtype
 large or small. A result that does not fit the output dtype raises ResultOverflowError naming the
 matrix, with nothing written.
 """
+
 from __future__ import annotations
 
 import torch

@@ -13,6 +13,7 @@ the compute dtype, residual-checked, exact fallback for the matrices that miss t
 `resolve_method`). A new method: its module, one line in `METHODS`, one tolerance row in
 tests/helpers.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,14 +77,27 @@ METHODS = Registry(
     auto=Method(run=_run_auto, resolve=lambda x3: _resolve_auto(x3)),
     svd=Method(run=exact.flatten_svd_, flops=_one_dtype("fp64", exact.svd_flops), exact=True),
     eigh=Method(run=exact.flatten_eigh_, flops=_one_dtype("fp64", exact.eigh_flops), exact=True),
-    polar=Method(run=functools.partial(polar.flatten_polar_, mode="fp32"),
-                 flops=functools.partial(polar.polar_work, mode="fp32"), checks_finite=True,
-                 stats=polar.RECORDER, fallback="gram"),
-    polar_bf16=Method(run=functools.partial(polar.flatten_polar_, mode="bf16"),
-                      flops=functools.partial(polar.polar_work, mode="bf16"), checks_finite=True,
-                      stats=polar.RECORDER, fallback="gram"),
-    gram=Method(run=gram.flatten_gram_, flops=_one_dtype("fp64", gram.gram_flops), checks_finite=True,
-                stats=gram.RECORDER, fallback="svd"),
+    polar=Method(
+        run=functools.partial(polar.flatten_polar_, mode="fp32"),
+        flops=functools.partial(polar.polar_work, mode="fp32"),
+        checks_finite=True,
+        stats=polar.RECORDER,
+        fallback="gram",
+    ),
+    polar_bf16=Method(
+        run=functools.partial(polar.flatten_polar_, mode="bf16"),
+        flops=functools.partial(polar.polar_work, mode="bf16"),
+        checks_finite=True,
+        stats=polar.RECORDER,
+        fallback="gram",
+    ),
+    gram=Method(
+        run=gram.flatten_gram_,
+        flops=_one_dtype("fp64", gram.gram_flops),
+        checks_finite=True,
+        stats=gram.RECORDER,
+        fallback="svd",
+    ),
 )
 
 

@@ -11,6 +11,7 @@ what it cannot resolve to the SVD (`GramFallbackWarning`, `last_stats()`). All-o
 overflow for finite input. Derivation, scaling, schedule, zeros and memory: docs/gram.md;
 measurements: bench/results/gram.md.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,17 +19,25 @@ import math
 import torch
 
 from . import exact, iteration_stats
-from .reference import rank_tol
 from ._validate import ResultOverflowError, _describe_nonfinite, overflow_limit
 from .iteration_stats import FlattenFallbackWarning, Recorder
+from .reference import rank_tol
 
 __all__ = [
-    "ELL", "STEPS", "CHECK_TOL", "COEFFS", "gram_factor", "gram_from_a0", "flatten_gram_",
-    "GramFallbackWarning", "last_stats", "reset_stats",
+    "ELL",
+    "STEPS",
+    "CHECK_TOL",
+    "COEFFS",
+    "gram_factor",
+    "gram_from_a0",
+    "flatten_gram_",
+    "GramFallbackWarning",
+    "last_stats",
+    "reset_stats",
 ]
 
-ELL = 2.5e-8     # 1e-7 (κ 1e7, float64 Gram limit; ≥ float32 rank cut) / 4 (σ_max bound's loss)
-STEPS = 15       # fewest steps taking [ELL, 1] to float64 round-off of 1 (14 leave 1.5e-5)
+ELL = 2.5e-8  # 1e-7 (κ 1e7, float64 Gram limit; ≥ float32 rank cut) / 4 (σ_max bound's loss)
+STEPS = 15  # fewest steps taking [ELL, 1] to float64 round-off of 1 (14 leave 1.5e-5)
 CHECK_TOL = 1e-5  # flag a matrix when |r − ‖Q‖_F²| > CHECK_TOL·√r (bounds Q's relative error)
 MIN_CHUNK_COLS = 128
 
@@ -298,8 +307,13 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
     if fallback is not None:
         x3[flagged] = fallback
 
-    RECORDER.finish(x3.shape, flagged.tolist(), float(resid.max()),
-                    why="condition number beyond ~1e7 or rank-deficient", by="by SVD")
+    RECORDER.finish(
+        x3.shape,
+        flagged.tolist(),
+        float(resid.max()),
+        why="condition number beyond ~1e7 or rank-deficient",
+        by="by SVD",
+    )
 
 
 def gram_from_a0(a0: torch.Tensor, *, long_side: int, dtype: torch.dtype, coeffs=COEFFS, update: str = "pap"):

@@ -5,6 +5,7 @@ the method's accuracy check and were recomputed by another method, warns with th
 `FlattenFallbackWarning` class. The old names `PolarStats` and `PolarFallbackWarning` (from when
 only polar had a check) still work, with a DeprecationWarning.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -11,6 +11,7 @@ fused CPU SGD kernel for unscaled contiguous float32/float64 CPU groups); csrc/,
 serve CUDA first (dispatch.py). Arguments and the finiteness rule are checked in ops.py (before
 any backend runs; ops.prepare_nesterov_outer_ is the optimizers' checked call).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -40,8 +41,18 @@ def _foreach_group(P, B, U, S, lr: float, momentum: float) -> None:
     if momentum != 0 and _fused_cpu_ok(P, B, U, S):  # (with μ = 0 it would leave buf alone)
         # Same update as SGD(nesterov=True) with buf already holding the momentum (zeros at first):
         # torch's fused CPU kernel does it in one pass over p, buf and u and leaves u untouched.
-        torch._fused_sgd_(P, U, B, weight_decay=0.0, momentum=momentum, lr=lr, dampening=0.0,
-                          nesterov=True, maximize=False, is_first_step=False)
+        torch._fused_sgd_(
+            P,
+            U,
+            B,
+            weight_decay=0.0,
+            momentum=momentum,
+            lr=lr,
+            dampening=0.0,
+            nesterov=True,
+            maximize=False,
+            is_first_step=False,
+        )
         return
     cd = update_compute_dtype(P[0].dtype, B[0].dtype)
     if S is not None:

@@ -14,6 +14,7 @@ check per op, the same on every device) and then runs what `dispatch.select` pic
 (csrc/, registered as the private ops csrc_iso_scale_ / csrc_nesterov_outer_), the same kernels
 through CuPy, Triton or torch; torch on the CPU.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,14 +52,16 @@ _lib.define("iso_scale_(Tensor(a!) x, Tensor q) -> Tensor")
 # Multi-tensor Nesterov outer update; CUDA kernel in csrc/nesterov.cu.
 _lib.define(
     "nesterov_outer_(Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor[] updates, "
-    "float lr, float momentum, Tensor? scales) -> ()", tags=_HOST_BOUND
+    "float lr, float momentum, Tensor? scales) -> ()",
+    tags=_HOST_BOUND,
 )
 
 # The compiled extension's kernels, behind the checks of the public ops (called by dispatch.py only).
 _lib.define("csrc_iso_scale_(Tensor(a!) x, Tensor q) -> Tensor")
 _lib.define(
     "csrc_nesterov_outer_(Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor[] updates, "
-    "float lr, float momentum, Tensor? scales) -> ()", tags=_HOST_BOUND
+    "float lr, float momentum, Tensor? scales) -> ()",
+    tags=_HOST_BOUND,
 )
 
 _ext.load()  # registers the csrc_* CUDA kernels, if the extension was built
@@ -112,8 +115,10 @@ def _iso_scale_impl(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     _check_scale_args(x, q)
     check_writable([x], ["iso_scale_: x"])
     if read_write_overlaps([q], [x]):  # the CUDA kernels read q while other blocks write x
-        raise RuntimeError("iso_scale_: q shares memory with x, which the op writes while reading q; pass a "
-                           "copy (e.g. q.clone()); nothing was written")
+        raise RuntimeError(
+            "iso_scale_: q shares memory with x, which the op writes while reading q; pass a "
+            "copy (e.g. q.clone()); nothing was written"
+        )
     ax, aq = amaxes([x, q])
     check_amax_finite([x, q], [ax, aq], ["iso_scale_: x", "iso_scale_: q"])
     # |s̄| ≤ Σ|x·q| / min(m, n) ≤ max(m, n)·ax·aq and |s̄·q| ≤ |s̄|·aq (rule 2)
@@ -179,10 +184,14 @@ def check_nesterov_args(params, bufs, updates, lr, momentum, scales) -> None:
                 f"update {tuple(u.shape)} must have the same shape"
             )
         if not (p.device == b.device == u.device == params[0].device):
-            raise ValueError(f"nesterov_outer_: tensor {i}: param, buf and update must all be on param 0's "
-                             f"device {params[0].device}, got {p.device}, {b.device}, {u.device}")
+            raise ValueError(
+                f"nesterov_outer_: tensor {i}: param, buf and update must all be on param 0's "
+                f"device {params[0].device}, got {p.device}, {b.device}, {u.device}"
+            )
         if b.dtype not in (torch.float32, p.dtype):  # the kernels hold momentum in float32 or the param dtype
-            raise TypeError(f"nesterov_outer_: buf {i} is {b.dtype}; it must be float32 or the param's dtype ({p.dtype})")
+            raise TypeError(
+                f"nesterov_outer_: buf {i} is {b.dtype}; it must be float32 or the param's dtype ({p.dtype})"
+            )
     if scales is not None:
         if scales.ndim != 1 or scales.numel() != len(params):
             raise ValueError(
@@ -194,9 +203,7 @@ def check_nesterov_args(params, bufs, updates, lr, momentum, scales) -> None:
         if not scales.is_floating_point():
             raise TypeError(f"nesterov_outer_: scales must be floating point, got {scales.dtype}")
     if not (math.isfinite(lr) and math.isfinite(momentum)):  # NaN or ±Inf: every param would be NaN/Inf
-        raise ValueError(
-            f"nesterov_outer_: lr and momentum must be finite numbers, got lr={lr}, momentum={momentum}"
-        )
+        raise ValueError(f"nesterov_outer_: lr and momentum must be finite numbers, got lr={lr}, momentum={momentum}")
 
 
 def check_nesterov_written(params, bufs) -> None:
@@ -204,7 +211,8 @@ def check_nesterov_written(params, bufs) -> None:
     written: no meta/inference tensor, no grad-requiring leaf with grad mode on, no internal
     overlap, no two sharing memory (every CPU/CUDA backend runs this; fake tensors skip it)."""
     check_writable(
-        [*params, *bufs], [f"nesterov_outer_: param {i}" for i in range(len(params))]
+        [*params, *bufs],
+        [f"nesterov_outer_: param {i}" for i in range(len(params))]
         + [f"nesterov_outer_: buf {i}" for i in range(len(bufs))],
     )
 
@@ -230,8 +238,7 @@ def _nesterov_fits(p, b, ap: float, ab: float, au: float, lr: float, mu: float) 
     lim = _safe(update_compute_dtype(p.dtype, b.dtype))
     nb = mu * ab + au
     dp = lr * (au + mu * nb)
-    return (max(lr, lr * mu, mu, au, dp) < lim and nb < min(lim, _safe(b.dtype))
-            and ap + dp < _safe(p.dtype))
+    return max(lr, lr * mu, mu, au, dp) < lim and nb < min(lim, _safe(b.dtype)) and ap + dp < _safe(p.dtype)
 
 
 def _nesterov_aside(p, b, u, lr: float, mu: float, s: float, name: str, i: int):
@@ -388,9 +395,12 @@ def backends() -> dict[str, str]:
     device, the candidate `select` takes for a plain call, and why each one before it does not."""
     from . import triton as _tk
 
-    out = {"cuda_extension": _ext.STATUS, "cupy": dispatch._cupy_available()[1] or "available",
-           "triton": "available" if _tk.AVAILABLE else "not importable"}
-    for (op, device), cands in dispatch.TABLES.items():
+    out = {
+        "cuda_extension": _ext.STATUS,
+        "cupy": dispatch._cupy_available()[1] or "available",
+        "triton": "available" if _tk.AVAILABLE else "not importable",
+    }
+    for op, device in dispatch.TABLES:
         chosen = dispatch.select(op, device).name
         skipped = [f"{name}: {why}" for name, ok, why in dispatch.report(op, device) if not ok]
         out[f"{op}[{device}]"] = chosen + (f" (not: {'; '.join(skipped)})" if skipped else "")

@@ -8,6 +8,7 @@ number 1e4; a per-matrix residual check sends what it cannot resolve to gram/SVD
 the dispatch table's "polar_gemm" choice. Derivation, accuracy and the check: docs/polar.md;
 measurements: bench/results/polar_accuracy.md.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,17 +17,27 @@ import warnings
 
 import torch
 
-from ._validate import check_result_fits, compute_dtype, pow2_scale
 from . import iteration_stats
+from ._validate import check_result_fits, compute_dtype, pow2_scale
 from .iteration_stats import FlattenFallbackWarning, FlattenStats, Recorder
 
 __all__ = [
-    "ELL", "STEPS", "CHECK_TOL", "COEFFS", "polar_factor", "flatten_polar_", "polar_flops", "polar_work",
-    "FlattenStats", "FlattenFallbackWarning", "last_stats", "reset_stats",
+    "ELL",
+    "STEPS",
+    "CHECK_TOL",
+    "COEFFS",
+    "polar_factor",
+    "flatten_polar_",
+    "polar_flops",
+    "polar_work",
+    "FlattenStats",
+    "FlattenFallbackWarning",
+    "last_stats",
+    "reset_stats",
 ]
 
-ELL = 2.5e-5      # smallest scaled singular value the schedule covers: 1e-4 / (65536^{1/8} = 4)
-STEPS = 10        # 9 reach 2e-4, the 10th reaches round-off (needed by the residual check)
+ELL = 2.5e-5  # smallest scaled singular value the schedule covers: 1e-4 / (65536^{1/8} = 4)
+STEPS = 10  # 9 reach 2e-4, the 10th reaches round-off (needed by the residual check)
 CHECK_TOL = 5e-4  # flag a matrix when |r − ‖X‖_F²| > CHECK_TOL·√r (relative error bound of X)
 BF16_FP32_STEPS = 2  # "polar_bf16": all steps but the last two run their GEMMs in bfloat16
 
@@ -91,15 +102,18 @@ def polar_work(k: int, r: int, mode: str = "fp32") -> dict[str, float]:
 
 #: The environment switch that chose the Triton GEMMs before they were removed.
 GEMM_ENV = "ISOLOCO_POLAR_GEMM"
-_TRITON_REMOVED = ("the Triton GEMMs of the polar iteration were removed (never measured faster than "
-                   "cuBLAS; git history keeps them in isoloco_kernels/experimental/)")
+_TRITON_REMOVED = (
+    "the Triton GEMMs of the polar iteration were removed (never measured faster than "
+    "cuBLAS; git history keeps them in isoloco_kernels/experimental/)"
+)
 
 
 def _gemm_name(gemm: str | None, backend: str | None) -> str | None:
     """`gemm`, or the deprecated keyword `backend` that named it before."""
     if backend is not None:
-        warnings.warn("polar: the keyword backend= is deprecated; use gemm= (the GEMM provider)",
-                      DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            "polar: the keyword backend= is deprecated; use gemm= (the GEMM provider)", DeprecationWarning, stacklevel=3
+        )
         if gemm is not None and gemm != backend:
             raise ValueError(f"polar: gemm={gemm!r} and the deprecated backend={backend!r} disagree")
         gemm = backend
@@ -270,8 +284,9 @@ def _exact_flatten(sub: torch.Tensor) -> None:
     gram.flatten_gram_(sub)
 
 
-def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", gemm: str | None = None,
-                   backend: str | None = None) -> None:
+def flatten_polar_(
+    x3: torch.Tensor, *, mode: str = "fp32", gemm: str | None = None, backend: str | None = None
+) -> None:
     """In place Iso-C of a [B, m, n] batch through the polar iteration; all-or-nothing.
 
     mode "fp32": GEMMs in the compute dtype (float32, float64 for float64 input).
@@ -328,5 +343,10 @@ def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32", gemm: str | None = N
     check_result_fits(out, x3.dtype, "iso_flatten_ (polar)")
     x3.copy_(out)
 
-    RECORDER.finish(x3.shape, flagged.tolist(), float(resid.max()) if nb else 0.0,
-                    why="condition number ≫ 1e4 or rank-deficient", by="exactly")
+    RECORDER.finish(
+        x3.shape,
+        flagged.tolist(),
+        float(resid.max()) if nb else 0.0,
+        why="condition number ≫ 1e4 or rank-deficient",
+        by="exactly",
+    )

@@ -26,6 +26,7 @@ The IsoLoCo outer step (Iso-C, then Nesterov momentum without dampening) is `nes
 Nothing here is fast: tests and the benchmark's error column use it; the kernels import only
 `rank_tol` and `compute_dtype`, so the cut and the compute dtype have one definition each.
 """
+
 from __future__ import annotations
 
 import torch

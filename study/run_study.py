@@ -29,6 +29,7 @@ study/v3_plan.sh:
 
     python study/run_study.py --part v3 --cells 4:30 --batch 16 --seeds 0 --lrs diloco=0.7,isoloco=1.8 --out study/results/v3_batch.jsonl
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from summarize import read_jsonl, run_key  # study/ is on sys.path: this file runs as a script
 
 from isoloco_kernels.train import Setup, TrainConfig, load_corpus, run_mode
-from summarize import read_jsonl, run_key  # study/ is on sys.path: this file runs as a script
 
 STEPS_PER_WORKER = 300
 EVAL_WINDOWS = 1024  # per split: the paired-difference noise of 64 windows hid gaps ≤ 0.05
@@ -79,12 +80,18 @@ def jobs(cells, part: str = "all") -> list[tuple[int, int, str, float | None]]:
 
 # study v3's regime settings: flag -> (TrainConfig field, type); a record keeps them under "v3",
 # together with the job's outer momentum ("mu", None: the mode's default)
-V3_SETTINGS = {"batch": ("batch", int), "seq_len": ("seq_len", int), "inner_lr": ("inner_lr", float),
-               "inner": ("inner", str), "model": ("model", str), "eval_every": ("eval_every", int)}
+V3_SETTINGS = {
+    "batch": ("batch", int),
+    "seq_len": ("seq_len", int),
+    "inner_lr": ("inner_lr", float),
+    "inner": ("inner", str),
+    "model": ("model", str),
+    "eval_every": ("eval_every", int),
+}
 
 
 def parse_lrs(text: str) -> list[tuple[str, float | None, float | None]]:
-    """"diloco=0.7,isoloco=1.8@0.9,ddp=-" -> [(mode, outer lr, outer momentum or None)]."""
+    """ "diloco=0.7,isoloco=1.8@0.9,ddp=-" -> [(mode, outer lr, outer momentum or None)]."""
     out = []
     for item in (x for x in text.split(",") if x):
         mode, _, v = item.partition("=")
@@ -117,21 +124,33 @@ def main() -> None:
     p.add_argument("--out", required=True, help="JSONL file to append to (its folder holds all results)")
     p.add_argument("--cells", default=None, help="K:H,... (default: all)")
     p.add_argument("--part", choices=PARTS, default="all")
-    p.add_argument("--lrs", default=None,
-                   help="run only these outer lrs instead of a part, e.g. diloco=0.35,isoloco=3.2 (ddp=- for DDP)")
+    p.add_argument(
+        "--lrs",
+        default=None,
+        help="run only these outer lrs instead of a part, e.g. diloco=0.35,isoloco=3.2 (ddp=- for DDP)",
+    )
     p.add_argument("--init", default="gpt2", help="v2: comma list of inits (gpt2, torch)")
     p.add_argument("--vocab", type=int, default=256, help="v2: 256 (bytes) or a BPE vocabulary size")
-    p.add_argument("--eval-windows", type=int, default=EVAL_WINDOWS,
-                   help="held-out windows in each split (selection: pick lrs; test: report) (default %(default)s)")
-    p.add_argument("--steps", type=int, default=STEPS_PER_WORKER,
-                   help="inner steps per worker (the token budget); rounds = steps // H")
+    p.add_argument(
+        "--eval-windows",
+        type=int,
+        default=EVAL_WINDOWS,
+        help="held-out windows in each split (selection: pick lrs; test: report) (default %(default)s)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=STEPS_PER_WORKER,
+        help="inner steps per worker (the token budget); rounds = steps // H",
+    )
     p.add_argument("--batch", type=int, default=4, help="v3: sequences per worker per inner step")
     p.add_argument("--seq-len", type=int, default=64, help="v3: sequence length")
     p.add_argument("--inner-lr", type=float, default=3e-3, help="v3: the inner optimizer's peak lr")
     p.add_argument("--inner", default="adamw", choices=("adamw", "muon"), help="v3: inner optimizer")
     p.add_argument("--model", default="tiny", help="v3: a model preset (tiny, tiny-wide, ...)")
-    p.add_argument("--eval-every", type=int, default=None,
-                   help="v3: rounds between held-out scores (default: only the last round)")
+    p.add_argument(
+        "--eval-every", type=int, default=None, help="v3: rounds between held-out scores (default: only the last round)"
+    )
     a = p.parse_args()
     study = a.part if a.part in ("v2", "v3") else "v1"
     inits = [x for x in a.init.split(",") if x]
@@ -141,10 +160,18 @@ def main() -> None:
     if study == "v3":
         if not a.lrs:
             p.error("--part v3 runs the jobs that --lrs names")
-        v3 = {"batch": a.batch, "seq_len": a.seq_len, "inner_lr": a.inner_lr, "inner": a.inner,
-              "model": a.model, "eval_every": a.eval_every or a.steps}  # rounds ≤ steps: the last only
+        v3 = {
+            "batch": a.batch,
+            "seq_len": a.seq_len,
+            "inner_lr": a.inner_lr,
+            "inner": a.inner,
+            "model": a.model,
+            "eval_every": a.eval_every or a.steps,
+        }  # rounds ≤ steps: the last only
     elif (a.batch, a.seq_len, a.inner_lr, a.inner, a.model, a.eval_every) != (4, 64, 3e-3, "adamw", "tiny", None):
-        p.error("--batch, --seq-len, --inner-lr, --inner, --model and --eval-every are study v3 settings: add --part v3")
+        p.error(
+            "--batch, --seq-len, --inner-lr, --inner, --model and --eval-every are study v3 settings: add --part v3"
+        )
     torch.set_num_threads(1)  # one core per study process
     torch.use_deterministic_algorithms(True)
     out = Path(a.out)
@@ -164,26 +191,56 @@ def main() -> None:
         if rounds < 1:
             p.error(f"--steps {a.steps} is less than one round at H = {H}")
         settings = None if v3 is None else {**v3, "mu": mu}
-        k = run_key({"seed": seed, "workers": K, "inner_steps": H, "mode": mode, "outer_lr": lr, "study": study,
-                     "init": init, "vocab": a.vocab, "rounds": rounds, "eval_split": "halves",
-                     "eval_windows": a.eval_windows, "v3": settings})
+        k = run_key(
+            {
+                "seed": seed,
+                "workers": K,
+                "inner_steps": H,
+                "mode": mode,
+                "outer_lr": lr,
+                "study": study,
+                "init": init,
+                "vocab": a.vocab,
+                "rounds": rounds,
+                "eval_split": "halves",
+                "eval_windows": a.eval_windows,
+                "v3": settings,
+            }
+        )
         if k in finished(out.parent) or not claim(out.parent, k):
             continue
         run, fields = VARIANTS.get(mode, (mode, {}))
         if v3 is not None:
             fields = {**fields, **{V3_SETTINGS[n][0]: v for n, v in v3.items()}}
-        cfg = TrainConfig(workers=K, inner_steps=H, rounds=rounds, seed=seed,
-                          init=V2_INITS.get(init, init) if study == "v2" else init, vocab=a.vocab,
-                          divergence=study == "v2", eval_windows=a.eval_windows, **fields)
+        cfg = TrainConfig(
+            workers=K,
+            inner_steps=H,
+            rounds=rounds,
+            seed=seed,
+            init=V2_INITS.get(init, init) if study == "v2" else init,
+            vocab=a.vocab,
+            divergence=study == "v2",
+            eval_windows=a.eval_windows,
+            **fields,
+        )
         if lr is not None:
             cfg = replace(cfg, outer_lr={run: lr})
         if mu is not None:
             cfg = replace(cfg, outer_momentum={run: mu})
         t0, c0 = time.perf_counter(), time.process_time()
         r = run_mode(run, Setup(cfg, corpus, cache_dir=cache))
-        r.update(mode=mode, seed=seed, workers=K, inner_steps=H, rounds=cfg.rounds, outer_lr=lr,
-                 eval_split="halves", eval_windows=a.eval_windows,
-                 cpu_s=time.process_time() - c0, wall_s=time.perf_counter() - t0)
+        r.update(
+            mode=mode,
+            seed=seed,
+            workers=K,
+            inner_steps=H,
+            rounds=cfg.rounds,
+            outer_lr=lr,
+            eval_split="halves",
+            eval_windows=a.eval_windows,
+            cpu_s=time.process_time() - c0,
+            wall_s=time.perf_counter() - t0,
+        )
         if study in ("v2", "v3"):
             r.update(study=study, init=init, vocab=a.vocab)
         if settings is not None:
@@ -191,8 +248,11 @@ def main() -> None:
         with out.open("a") as f:
             f.write(json.dumps(r) + "\n")
         fl = "diverged" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
-        print(f"seed {seed} K={K} H={H} {mode} lr={lr} μ={mu} {init} vocab {a.vocab} {v3 or ''}: final {fl}  "
-              f"({r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s cpu)", flush=True)
+        print(
+            f"seed {seed} K={K} H={H} {mode} lr={lr} μ={mu} {init} vocab {a.vocab} {v3 or ''}: final {fl}  "
+            f"({r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s cpu)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

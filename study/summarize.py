@@ -13,6 +13,7 @@ Study v1 is frozen into its results: its tables are in study/README.md, its numb
 study/summary.json and its figure in study/study.png, all written by the v1 pipeline of this file,
 which git history keeps.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,10 @@ def read_jsonl(path: Path) -> list[dict]:
         try:
             r = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not a JSON record ({e.msg}); a run cut off while it was written? "
-                             "delete the line and run the job again") from None
+            raise ValueError(
+                f"{path}:{i}: not a JSON record ({e.msg}); a run cut off while it was written? "
+                "delete the line and run the job again"
+            ) from None
         if not isinstance(r, dict):
             raise ValueError(f"{path}:{i}: a {type(r).__name__}, not a run record (a JSON object)")
         out.append(r)
@@ -46,10 +49,20 @@ def run_key(r: dict) -> tuple:
     lack eval_split: they were scored on 64 windows over the whole held-out text), and study v3's
     regime settings and outer momentum ("v3")."""
     v3 = r.get("v3")
-    return (r["seed"], r["workers"], r["inner_steps"], r["mode"], r["outer_lr"],
-            r.get("study", "v1"), r.get("init", "gpt2"), r.get("vocab", 256), r["rounds"],
-            r.get("eval_split", "whole"), r.get("eval_windows", 64),
-            None if v3 is None else tuple(sorted(v3.items())))
+    return (
+        r["seed"],
+        r["workers"],
+        r["inner_steps"],
+        r["mode"],
+        r["outer_lr"],
+        r.get("study", "v1"),
+        r.get("init", "gpt2"),
+        r.get("vocab", 256),
+        r["rounds"],
+        r.get("eval_split", "whole"),
+        r.get("eval_windows", 64),
+        None if v3 is None else tuple(sorted(v3.items())),
+    )
 
 
 def load(folder: Path) -> list[dict]:
@@ -78,13 +91,22 @@ def _ms(e) -> str:
 
 
 V2_ORDER = ("ddp", "avg", "diloco", "isoloco-sgd", "isoloco", "isoloco-noemb", "isoloco-noemb-dl")
-V2_DEFAULT_LR = {"ddp": None, "avg": 1.0, "diloco": 0.7, "isoloco-sgd": 3.0, "isoloco": 1.8, "isoloco-noemb": 1.8,
-                 "isoloco-noemb-dl": 1.8}
+V2_DEFAULT_LR = {
+    "ddp": None,
+    "avg": 1.0,
+    "diloco": 0.7,
+    "isoloco-sgd": 3.0,
+    "isoloco": 1.8,
+    "isoloco-noemb": 1.8,
+    "isoloco-noemb-dl": 1.8,
+}
 
 
 def _v2_name(mode: str, lr) -> str:
     """The method's name in the v2 tables: the mode at its default lr, "mode@lr" at any other."""
     return mode if lr == V2_DEFAULT_LR.get(mode) else f"{mode}@{lr}"
+
+
 V2_GROUPS = ("all", "embedding", "head", "middle")
 
 
@@ -148,8 +170,11 @@ def paired_bootstrap_ci(a, b, level: float = 0.95, n_boot: int = 10_000, seed: i
 def _paired_diffs(a: dict, b: dict) -> dict | None:
     """a − b per common seed (final losses), with mean and std; None without a common seed."""
     common = sorted(set(a) & set(b))
-    diffs = [a[x]["final_loss"] - b[x]["final_loss"] for x in common
-             if a[x]["final_loss"] is not None and b[x]["final_loss"] is not None]
+    diffs = [
+        a[x]["final_loss"] - b[x]["final_loss"]
+        for x in common
+        if a[x]["final_loss"] is not None and b[x]["final_loss"] is not None
+    ]
     if not diffs:
         return None
     return {"seeds": common, "diffs": diffs, "mean": statistics.fmean(diffs), "std": _std(diffs)}
@@ -164,8 +189,7 @@ def _best_lr(methods: dict, mode: str):
     shared = set.intersection(*(set(methods[(mode, lr)]) for lr in lrs))
     if not shared or len(lrs) == 1:
         return (lrs[0] if len(lrs) == 1 else None), len(lrs) > 1, lrs
-    score = {lr: statistics.fmean(methods[(mode, lr)][x]["final_loss"] or float("inf") for x in shared)
-             for lr in lrs}
+    score = {lr: statistics.fmean(methods[(mode, lr)][x]["final_loss"] or float("inf") for x in shared) for lr in lrs}
     best = min(lrs, key=lambda lr: score[lr])
     return best, best in (lrs[0], lrs[-1]), lrs
 
@@ -177,19 +201,26 @@ def summarize_v2(recs: list[dict]) -> dict:
     for r in recs:
         cells[_cell_key(r)][(r["mode"], r["outer_lr"])][r["seed"]] = r
     out = []
-    for (init, vocab, K, H, R), methods in sorted(cells.items(), key=lambda t: (t[0][2], t[0][3], t[0][4], t[0][1], t[0][0])):
+    for (init, vocab, K, H, R), methods in sorted(
+        cells.items(), key=lambda t: (t[0][2], t[0][3], t[0][4], t[0][1], t[0][0])
+    ):
         cell = {"init": init, "vocab": vocab, "workers": K, "inner_steps": H, "rounds": R, "methods": {}}
         for (mode, lr), seeds in sorted(methods.items(), key=lambda t: (V2_ORDER.index(t[0][0]), t[0][1] or 0)):
             finals = [seeds[x]["final_loss"] for x in sorted(seeds)]
             ok = [v for v in finals if v is not None]
-            e = {"outer_lr": lr, "seeds": sorted(seeds), "finals": finals,
-                 "mean": statistics.fmean(ok) if ok and len(ok) == len(finals) else None,
-                 "std": _std(ok) if len(ok) == len(finals) else None}
+            e = {
+                "outer_lr": lr,
+                "seeds": sorted(seeds),
+                "finals": finals,
+                "mean": statistics.fmean(ok) if ok and len(ok) == len(finals) else None,
+                "std": _std(ok) if len(ok) == len(finals) else None,
+            }
             runs = [seeds[x] for x in sorted(seeds) if seeds[x].get("divergence")]
             if mode != "ddp" and runs:
                 e["divergence"] = {
                     f"{what}_{g}": statistics.fmean(v for v in (_round_mean(r, what, g) for r in runs) if v is not None)
-                    for what in ("cosine", "shrinkage") for g in V2_GROUPS
+                    for what in ("cosine", "shrinkage")
+                    for g in V2_GROUPS
                     if any(_round_mean(r, what, g) is not None for r in runs)
                 }
                 for key in ("erank_over_r0", "top_over_mean"):
@@ -219,8 +250,9 @@ def summarize_v2(recs: list[dict]) -> dict:
             if g:
                 tuned["isoloco_minus_diloco"] = g
         if "isoloco-sgd" in tuned and grids.get("diloco", 0) > 1:  # the seed paper's claim against a tuned DiLoCo
-            g = _paired_diffs(methods[("isoloco-sgd", tuned["isoloco-sgd"]["lr"])],
-                              methods[("diloco", tuned["diloco"]["lr"])])
+            g = _paired_diffs(
+                methods[("isoloco-sgd", tuned["isoloco-sgd"]["lr"])], methods[("diloco", tuned["diloco"]["lr"])]
+            )
             if g:
                 tuned["sgd_minus_diloco"] = g
         cell["tuned"] = tuned
@@ -237,53 +269,77 @@ def _gap_text(g) -> str:
 def markdown_v2(v2: dict) -> str:
     if not v2["cells"]:
         return "(no study v2 runs yet)"
-    lines = ["Per cell (R = rounds, so inner steps per worker = H·R): mean final held-out loss (nats/byte) of each "
-             "method at its released outer lr; gaps paired per seed (per-seed values in brackets); 'tuned' = each "
-             "method at the best lr of its grid in that cell (lr; * = the best lr is on the grid's edge; Iso-C SGD "
-             "has one lr, 3.0).", "",
-             "| init | vocab | K | H | R | DDP | avg | DiLoCo | Iso-C SGD | IsoLoCo | IsoLoCo − DiLoCo | "
-             "Iso-C SGD − DiLoCo | tuned: IsoLoCo − DiLoCo (lrs) | tuned: Iso-C SGD − DiLoCo |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "Per cell (R = rounds, so inner steps per worker = H·R): mean final held-out loss (nats/byte) of each "
+        "method at its released outer lr; gaps paired per seed (per-seed values in brackets); 'tuned' = each "
+        "method at the best lr of its grid in that cell (lr; * = the best lr is on the grid's edge; Iso-C SGD "
+        "has one lr, 3.0).",
+        "",
+        "| init | vocab | K | H | R | DDP | avg | DiLoCo | Iso-C SGD | IsoLoCo | IsoLoCo − DiLoCo | "
+        "Iso-C SGD − DiLoCo | tuned: IsoLoCo − DiLoCo (lrs) | tuned: Iso-C SGD − DiLoCo |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in v2["cells"]:
         m = c["methods"]
         cellv = lambda k: "—" if k not in m else f"{_ms(m[k])} [{len(m[k]['seeds'])}]"
         t = c.get("tuned", {})
         tg = t.get("isoloco_minus_diloco")
-        tuned = "—" if not tg else (
-            f"{_gap_text(tg)} ({t['diloco']['lr']}{'*' if t['diloco']['edge'] else ''} / "
-            f"{t['isoloco']['lr']}{'*' if t['isoloco']['edge'] else ''})")
+        tuned = (
+            "—"
+            if not tg
+            else (
+                f"{_gap_text(tg)} ({t['diloco']['lr']}{'*' if t['diloco']['edge'] else ''} / "
+                f"{t['isoloco']['lr']}{'*' if t['isoloco']['edge'] else ''})"
+            )
+        )
         sg = t.get("sgd_minus_diloco")
         sgd = "—" if not sg else f"{_gap_text(sg)} ({t['diloco']['lr']})"
-        lines.append(f"| {c['init']} | {c['vocab']} | {c['workers']} | {c['inner_steps']} | {c['rounds']} | "
-                     f"{cellv('ddp')} | {cellv('avg')} | {cellv('diloco')} | {cellv('isoloco-sgd')} | {cellv('isoloco')} | "
-                     f"{_gap_text(m.get('isoloco', {}).get('minus_diloco'))} | "
-                     f"{_gap_text(m.get('isoloco-sgd', {}).get('minus_diloco'))} | {tuned} | {sgd} |")
-    lines += ["", "Every run (final held-out loss, nats/byte, mean ± std over seeds; '− DiLoCo' paired per seed "
-              "against DiLoCo at lr 0.7):", "",
-              "| init | vocab | K | H | R | method | lr | seeds | final | per seed | − DiLoCo (per seed) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {c['init']} | {c['vocab']} | {c['workers']} | {c['inner_steps']} | {c['rounds']} | "
+            f"{cellv('ddp')} | {cellv('avg')} | {cellv('diloco')} | {cellv('isoloco-sgd')} | {cellv('isoloco')} | "
+            f"{_gap_text(m.get('isoloco', {}).get('minus_diloco'))} | "
+            f"{_gap_text(m.get('isoloco-sgd', {}).get('minus_diloco'))} | {tuned} | {sgd} |"
+        )
+    lines += [
+        "",
+        "Every run (final held-out loss, nats/byte, mean ± std over seeds; '− DiLoCo' paired per seed "
+        "against DiLoCo at lr 0.7):",
+        "",
+        "| init | vocab | K | H | R | method | lr | seeds | final | per seed | − DiLoCo (per seed) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in v2["cells"]:
         for mode, e in c["methods"].items():
             per = ", ".join("div" if v is None else f"{v:.4f}" for v in e["finals"])
-            lines.append(f"| {c['init']} | {c['vocab']} | {c['workers']} | {c['inner_steps']} | {c['rounds']} | {mode} | "
-                         f"{'-' if e['outer_lr'] is None else e['outer_lr']} | {len(e['seeds'])} | {_ms(e)} | {per} | "
-                         f"{_gap_text(e.get('minus_diloco'))} |")
-    lines += ["", "Divergence, averaged over the rounds and seeds of each run (cosine: mean pairwise cosine of the "
-              "workers' Δ_k; shrinkage: ‖mean Δ_k‖ / mean ‖Δ_k‖; spectrum of the averaged Δ: median over matrices "
-              "of effective rank / min(m, n) and of σ₁/σ̄):", "",
-              "| init | vocab | K | H | R | method | cosine all / emb / head / middle | shrinkage all / emb / head / middle "
-              "| shrinkage round 1 | erank / r₀ | σ₁/σ̄ |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {c['init']} | {c['vocab']} | {c['workers']} | {c['inner_steps']} | {c['rounds']} | {mode} | "
+                f"{'-' if e['outer_lr'] is None else e['outer_lr']} | {len(e['seeds'])} | {_ms(e)} | {per} | "
+                f"{_gap_text(e.get('minus_diloco'))} |"
+            )
+    lines += [
+        "",
+        "Divergence, averaged over the rounds and seeds of each run (cosine: mean pairwise cosine of the "
+        "workers' Δ_k; shrinkage: ‖mean Δ_k‖ / mean ‖Δ_k‖; spectrum of the averaged Δ: median over matrices "
+        "of effective rank / min(m, n) and of σ₁/σ̄):",
+        "",
+        "| init | vocab | K | H | R | method | cosine all / emb / head / middle | shrinkage all / emb / head / middle "
+        "| shrinkage round 1 | erank / r₀ | σ₁/σ̄ |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in v2["cells"]:
         for mode, e in c["methods"].items():
             d = e.get("divergence")
             if not d:
                 continue
             f = lambda k, nd=3: _f(d.get(k), nd)
-            lines.append(f"| {c['init']} | {c['vocab']} | {c['workers']} | {c['inner_steps']} | {c['rounds']} | {mode} | "
-                         + " / ".join(f("cosine_" + g) for g in V2_GROUPS) + " | "
-                         + " / ".join(f("shrinkage_" + g) for g in V2_GROUPS) + " | "
-                         + f"{f('shrinkage_all_round1')} | {f('erank_over_r0')} | {f('top_over_mean', 2)} |")
+            lines.append(
+                f"| {c['init']} | {c['vocab']} | {c['workers']} | {c['inner_steps']} | {c['rounds']} | {mode} | "
+                + " / ".join(f("cosine_" + g) for g in V2_GROUPS)
+                + " | "
+                + " / ".join(f("shrinkage_" + g) for g in V2_GROUPS)
+                + " | "
+                + f"{f('shrinkage_all_round1')} | {f('erank_over_r0')} | {f('top_over_mean', 2)} |"
+            )
     return "\n".join(lines)
 
 
@@ -295,14 +351,24 @@ def gap_points(v2: dict, recs: list[dict]) -> list[tuple]:
         d, i = c["methods"].get("diloco"), c["methods"].get("isoloco")
         if not d or not i:
             continue
-        runs = {(r["mode"], r["outer_lr"], r["seed"]): r for r in recs if r.get("divergence") and _cell_key(r) == _cell_key(c)}
+        runs = {
+            (r["mode"], r["outer_lr"], r["seed"]): r
+            for r in recs
+            if r.get("divergence") and _cell_key(r) == _cell_key(c)
+        }
         for seed in sorted(set(d["seeds"]) & set(i["seeds"])):
             rd = runs.get(("diloco", V2_DEFAULT_LR["diloco"], seed))
             ri = runs.get(("isoloco", V2_DEFAULT_LR["isoloco"], seed))
             if rd and ri and rd["final_loss"] is not None and ri["final_loss"] is not None:
-                pts.append((c, _round_mean(rd, "shrinkage", "all"), _round_mean(rd, "cosine", "all"),
-                            _spec_mean(rd, "top_over_mean", set(range(len(rd["heldout_loss"]) // 2 + 1, 10**6))),
-                            ri["final_loss"] - rd["final_loss"]))
+                pts.append(
+                    (
+                        c,
+                        _round_mean(rd, "shrinkage", "all"),
+                        _round_mean(rd, "cosine", "all"),
+                        _spec_mean(rd, "top_over_mean", set(range(len(rd["heldout_loss"]) // 2 + 1, 10**6))),
+                        ri["final_loss"] - rd["final_loss"],
+                    )
+                )
     return pts
 
 
@@ -327,21 +393,37 @@ def plots_v2(v2: dict, recs: list[dict], folder: Path) -> None:
 
     colors = {"ddp": "k", "avg": "tab:gray", "diloco": "tab:blue", "isoloco-sgd": "tab:green", "isoloco": "tab:red"}
     # curves for the init and vocabulary cells (K 4 and 8, H 30, R 10) that have v2 runs
-    cells = [c for c in v2["cells"] if c["inner_steps"] == 30 and c["rounds"] == 10 and c["workers"] in (4, 8)
-             and any(r.get("divergence") and _cell_key(r) == _cell_key(c) for r in recs)]
+    cells = [
+        c
+        for c in v2["cells"]
+        if c["inner_steps"] == 30
+        and c["rounds"] == 10
+        and c["workers"] in (4, 8)
+        and any(r.get("divergence") and _cell_key(r) == _cell_key(c) for r in recs)
+    ]
     fig, axes = plt.subplots(2, len(cells), figsize=(5.2 * len(cells), 7.5), squeeze=False)
     for j, c in enumerate(cells):
-        runs = [r for r in recs if r.get("divergence") and _cell_key(r) == _cell_key(c)
-                and r["outer_lr"] == V2_DEFAULT_LR[r["mode"]]]
+        runs = [
+            r
+            for r in recs
+            if r.get("divergence") and _cell_key(r) == _cell_key(c) and r["outer_lr"] == V2_DEFAULT_LR[r["mode"]]
+        ]
         title = f"init {c['init']}, vocab {c['vocab']}, K {c['workers']}, H {c['inner_steps']} (default lrs)"
         for r in runs:
             col = colors.get(r["mode"], "tab:purple")
             first = r["seed"] == min(x["seed"] for x in runs if x["mode"] == r["mode"])
-            axes[0][j].plot(r["tokens"][1:], r["heldout_loss"][1:], color=col, alpha=0.7,
-                            label=r["mode"] if first else None)
+            axes[0][j].plot(
+                r["tokens"][1:], r["heldout_loss"][1:], color=col, alpha=0.7, label=r["mode"] if first else None
+            )
             if r.get("divergence"):
-                axes[1][j].plot([d["round"] for d in r["divergence"]], [d["shrinkage"]["all"] for d in r["divergence"]],
-                                color=col, alpha=0.7, marker=".", label=r["mode"] if first else None)
+                axes[1][j].plot(
+                    [d["round"] for d in r["divergence"]],
+                    [d["shrinkage"]["all"] for d in r["divergence"]],
+                    color=col,
+                    alpha=0.7,
+                    marker=".",
+                    label=r["mode"] if first else None,
+                )
         axes[0][j].set_title(title)
         axes[0][j].set_xlabel("training tokens (all workers)")
         axes[0][j].set_ylabel("held-out loss (nats/byte)")
@@ -360,16 +442,23 @@ def plots_v2(v2: dict, recs: list[dict], folder: Path) -> None:
         palette = plt.get_cmap("tab20").colors  # one color and marker per cell, one legend beside the panels
         markers = "osD^vPX"
         labels = []
-        for ax, j, xl in ((axes[0], 0, "DiLoCo run: shrinkage, mean over rounds"),
-                          (axes[1], 1, "DiLoCo run: mean pairwise cosine, mean over rounds"),
-                          (axes[2], 2, "DiLoCo run: median σ₁/σ̄ of mean Δ, second half of the rounds")):
+        for ax, j, xl in (
+            (axes[0], 0, "DiLoCo run: shrinkage, mean over rounds"),
+            (axes[1], 1, "DiLoCo run: mean pairwise cosine, mean over rounds"),
+            (axes[2], 2, "DiLoCo run: median σ₁/σ̄ of mean Δ, second half of the rounds"),
+        ):
             for c, *vals in pts:
                 lab = f"{c['init']}, vocab {c['vocab']}, K {c['workers']}, H {c['inner_steps']}, R {c['rounds']}"
                 if lab not in labels:
                     labels.append(lab)
                 i = labels.index(lab)
-                ax.scatter(vals[j], vals[3], label=lab, color=palette[(2 * i) % 20 + (i // 10) % 2],
-                           marker=markers[i % len(markers)])
+                ax.scatter(
+                    vals[j],
+                    vals[3],
+                    label=lab,
+                    color=palette[(2 * i) % 20 + (i // 10) % 2],
+                    marker=markers[i % len(markers)],
+                )
             ax.set_xlabel(xl)
             ax.set_ylabel("IsoLoCo − DiLoCo final loss (nats/byte), per seed")
             ax.axhline(0, color="k", lw=0.5)
@@ -396,27 +485,57 @@ def plot_grid(v2: dict, folder: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     series = (
-        (axes[0], lambda c: c["init"] == "gpt2" and c["vocab"] == 256 and c["inner_steps"] == 30 and c["rounds"] == 10,
-         "workers", "K (H 30, R 10, 300 inner steps per worker)", True),
-        (axes[1], lambda c: c["init"] == "gpt2" and c["vocab"] == 256 and c["workers"] == 4
-         and c["inner_steps"] * c["rounds"] == 1200, "inner_steps", "H (K 4, 1200 inner steps per worker: R = 1200/H)", True),
+        (
+            axes[0],
+            lambda c: c["init"] == "gpt2" and c["vocab"] == 256 and c["inner_steps"] == 30 and c["rounds"] == 10,
+            "workers",
+            "K (H 30, R 10, 300 inner steps per worker)",
+            True,
+        ),
+        (
+            axes[1],
+            lambda c: (
+                c["init"] == "gpt2"
+                and c["vocab"] == 256
+                and c["workers"] == 4
+                and c["inner_steps"] * c["rounds"] == 1200
+            ),
+            "inner_steps",
+            "H (K 4, 1200 inner steps per worker: R = 1200/H)",
+            True,
+        ),
     )
     for ax, keep, key, xl, logx in series:
         cs = sorted((c for c in v2["cells"] if keep(c)), key=lambda c: c[key])
         for tuned, col, lab in ((False, "tab:red", "released lrs"), (True, "tab:purple", "tuned lrs")):
             pts = [(c[key], gap(c, tuned)) for c in cs if gap(c, tuned)]
             if pts:
-                ax.errorbar([x for x, _ in pts], [g[0] for _, g in pts], yerr=[g[1] for _, g in pts], color=col,
-                            marker="o", capsize=3, label=lab)
+                ax.errorbar(
+                    [x for x, _ in pts],
+                    [g[0] for _, g in pts],
+                    yerr=[g[1] for _, g in pts],
+                    color=col,
+                    marker="o",
+                    capsize=3,
+                    label=lab,
+                )
         if key == "inner_steps":  # larger H at R ≥ 10 needs a larger budget: those cells, their own marker
             for c in v2["cells"]:
                 steps = c["inner_steps"] * c["rounds"]
                 if (c["init"], c["vocab"], c["workers"]) == ("gpt2", 256, 4) and c["rounds"] >= 10 and steps > 1200:
                     g = gap(c, False)
                     if g:
-                        ax.errorbar([c["inner_steps"]], [g[0]], yerr=[g[1]], color="tab:red", marker="s", mfc="white",
-                                    capsize=3, ls="none",
-                                    label=f"H {c['inner_steps']}, {steps} steps (R {c['rounds']}), released lrs")
+                        ax.errorbar(
+                            [c["inner_steps"]],
+                            [g[0]],
+                            yerr=[g[1]],
+                            color="tab:red",
+                            marker="s",
+                            mfc="white",
+                            capsize=3,
+                            ls="none",
+                            label=f"H {c['inner_steps']}, {steps} steps (R {c['rounds']}), released lrs",
+                        )
         if logx:
             ax.set_xscale("log", base=2 if key == "workers" else 10)
         ax.axhline(0, color="k", lw=0.5)
@@ -451,16 +570,22 @@ def summary_v2(recs: list[dict]) -> tuple[dict, list[dict]]:
     v2["runs"] = len(v2_recs)
     v2["cpu_s_total"] = sum(r.get("cpu_s", 0.0) for r in v2_recs)
     # v2 gpt2/bytes runs repeat v1 configurations: the loop is deterministic, so they must agree
-    v1_final = {(r["seed"], r["workers"], r["inner_steps"], r["rounds"], r["mode"], r["outer_lr"]): r["final_loss"]
-                for r in v1_recs}
-    same = [(v1_final[k], r["final_loss"]) for r in v2_recs if r["init"] == "gpt2" and r["vocab"] == 256
-            for k in [(r["seed"], r["workers"], r["inner_steps"], r["rounds"], r["mode"], r["outer_lr"])] if k in v1_final]
+    v1_final = {
+        (r["seed"], r["workers"], r["inner_steps"], r["rounds"], r["mode"], r["outer_lr"]): r["final_loss"]
+        for r in v1_recs
+    }
+    same = [
+        (v1_final[k], r["final_loss"])
+        for r in v2_recs
+        if r["init"] == "gpt2" and r["vocab"] == 256
+        for k in [(r["seed"], r["workers"], r["inner_steps"], r["rounds"], r["mode"], r["outer_lr"])]
+        if k in v1_final
+    ]
     v2["v1_repeats"] = {"runs": len(same), "identical": sum(a == b for a, b in same)}
     pts = gap_points(v2, v2_recs)
     v2["gap_correlations"] = correlations(pts)
     # the same at one budget (300 inner steps per worker: the init, K and vocabulary cells)
-    v2["gap_correlations_300_steps"] = correlations(
-        [p for p in pts if p[0]["inner_steps"] * p[0]["rounds"] == 300])
+    v2["gap_correlations_300_steps"] = correlations([p for p in pts if p[0]["inner_steps"] * p[0]["rounds"] == 300])
     return v2, v2_recs
 
 
@@ -471,14 +596,21 @@ def main() -> None:
     plots_v2(v2, v2_recs, HERE)
     plot_grid(v2, HERE)
     print("<!-- v2 -->\n" + markdown_v2(v2))
-    for what, key in (("all cells", "gap_correlations"), ("cells of 300 inner steps per worker", "gap_correlations_300_steps")):
+    for what, key in (
+        ("all cells", "gap_correlations"),
+        ("cells of 300 inner steps per worker", "gap_correlations_300_steps"),
+    ):
         cor = v2[key]
-        print(f"\nPearson r over {cor['points']} (cell, seed) points ({what}) between DiLoCo's divergence and "
-              f"IsoLoCo − DiLoCo (released configs): shrinkage {cor.get('shrinkage', float('nan')):+.2f}, cosine "
-              f"{cor.get('cosine', float('nan')):+.2f}, σ₁/σ̄ of mean Δ (second half of the rounds) "
-              f"{cor.get('top_over_mean_late', float('nan')):+.2f}")
-    print(f"\n{len(v2_recs)} v2 runs, {v2['cpu_s_total'] / 60:.1f} CPU-min; {v2['v1_repeats']['runs']} v2 runs repeat a "
-          f"v1 configuration, {v2['v1_repeats']['identical']} of them with a bit-identical final loss")
+        print(
+            f"\nPearson r over {cor['points']} (cell, seed) points ({what}) between DiLoCo's divergence and "
+            f"IsoLoCo − DiLoCo (released configs): shrinkage {cor.get('shrinkage', float('nan')):+.2f}, cosine "
+            f"{cor.get('cosine', float('nan')):+.2f}, σ₁/σ̄ of mean Δ (second half of the rounds) "
+            f"{cor.get('top_over_mean_late', float('nan')):+.2f}"
+        )
+    print(
+        f"\n{len(v2_recs)} v2 runs, {v2['cpu_s_total'] / 60:.1f} CPU-min; {v2['v1_repeats']['runs']} v2 runs repeat a "
+        f"v1 configuration, {v2['v1_repeats']['identical']} of them with a bit-identical final loss"
+    )
     v3_recs = [r for r in recs if r.get("study") == "v3"]
     if v3_recs:
         from v3 import markdown_grids, markdown_v3, plot_v3, summarize_v3  # study/ is on sys.path: a script

@@ -9,6 +9,7 @@ lr on the edge of its grid (at its μ) is marked "edge": the optimum may lie bey
 
     python study/summarize.py        # writes summary_v3.json and study_v3.png beside the other outputs
 """
+
 from __future__ import annotations
 
 import statistics
@@ -59,18 +60,30 @@ def best_config(grid: dict) -> dict | None:
     if not common:
         return None
     inf = float("inf")
-    score = {c: statistics.fmean(inf if runs[s]["final_loss"] is None else runs[s]["final_loss"] for s in common)
-             for c, runs in grid.items()}
+    score = {
+        c: statistics.fmean(inf if runs[s]["final_loss"] is None else runs[s]["final_loss"] for s in common)
+        for c, runs in grid.items()
+    }
     cfg = min(score, key=score.get)
     lrs = sorted(lr for lr, mu in grid if mu == cfg[1] and lr is not None)
     edge = len(lrs) > 1 and cfg[0] in (lrs[0], lrs[-1])
     runs = grid[cfg]
-    return {"lr": cfg[0], "momentum": cfg[1], "edge": edge, "ranked_on_seeds": sorted(common),
-            "selection": {s: runs[s]["final_loss"] for s in sorted(runs)},
-            "test": {s: runs[s]["final_test_loss"] for s in sorted(runs)},
-            "grid": {f"{lr}@{mu}": {"seeds": sorted(g), "selection": _mean(g[s]["final_loss"] for s in g),
-                                    "test": _mean(g[s]["final_test_loss"] for s in g)}
-                     for (lr, mu), g in sorted(grid.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0] or 0))}}
+    return {
+        "lr": cfg[0],
+        "momentum": cfg[1],
+        "edge": edge,
+        "ranked_on_seeds": sorted(common),
+        "selection": {s: runs[s]["final_loss"] for s in sorted(runs)},
+        "test": {s: runs[s]["final_test_loss"] for s in sorted(runs)},
+        "grid": {
+            f"{lr}@{mu}": {
+                "seeds": sorted(g),
+                "selection": _mean(g[s]["final_loss"] for s in g),
+                "test": _mean(g[s]["final_test_loss"] for s in g),
+            }
+            for (lr, mu), g in sorted(grid.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0] or 0))
+        },
+    }
 
 
 def summarize_v3(recs: list[dict], paired_ci) -> dict:
@@ -82,13 +95,21 @@ def summarize_v3(recs: list[dict], paired_ci) -> dict:
             row[mode] = best_config(grid)
         iso, dl = row.get("isoloco"), row.get("diloco")
         if iso and dl:
-            seeds = sorted(s for s in set(iso["test"]) & set(dl["test"])
-                           if iso["test"][s] is not None and dl["test"][s] is not None)
+            seeds = sorted(
+                s
+                for s in set(iso["test"]) & set(dl["test"])
+                if iso["test"][s] is not None and dl["test"][s] is not None
+            )
             if seeds:
                 a, b = [iso["test"][s] for s in seeds], [dl["test"][s] for s in seeds]
                 mean, lo, hi = paired_ci(a, b)
-                row["gap"] = {"seeds": seeds, "per_seed": [x - y for x, y in zip(a, b)],
-                              "mean": mean, "lo": lo, "hi": hi}
+                row["gap"] = {
+                    "seeds": seeds,
+                    "per_seed": [x - y for x, y in zip(a, b)],
+                    "mean": mean,
+                    "lo": lo,
+                    "hi": hi,
+                }
         out[cell_label(cell)] = row
     return out
 
@@ -98,10 +119,13 @@ def _fmt(x, spec="+.3f"):
 
 
 def markdown_v3(s: dict) -> str:
-    lines = ["| cell | DDP (test) | DiLoCo best (lr @ μ) | DiLoCo (test) | IsoLoCo best (lr @ μ) | IsoLoCo (test) "
-             "| IsoLoCo − DiLoCo, test [95 % CI] (per seed) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| cell | DDP (test) | DiLoCo best (lr @ μ) | DiLoCo (test) | IsoLoCo best (lr @ μ) | IsoLoCo (test) "
+        "| IsoLoCo − DiLoCo, test [95 % CI] (per seed) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for label, row in s.items():
+
         def best(mode):
             b = row.get(mode)
             if not b:
@@ -110,12 +134,20 @@ def markdown_v3(s: dict) -> str:
             sd = f" ± {statistics.stdev(test):.3f}" if len(test) > 1 else ""
             where = f"{b['lr']:g} @ {b['momentum']:g}" + (" (edge)" if b["edge"] else "")
             return where, (f"{statistics.fmean(test):.3f}{sd} ({len(test)})" if test else "diverged")
+
         ddp = row.get("ddp")
         ddp_test = [v for v in ddp["test"].values() if v is not None] if ddp else []
         (dw, dt), (iw, it) = best("diloco"), best("isoloco")
         g = row.get("gap")
-        gap = "—" if not g else (f"{_fmt(g['mean'])} [{_fmt(g['lo'])}, {_fmt(g['hi'])}] ("
-                                 + ", ".join(_fmt(x) for x in g["per_seed"]) + ")")
+        gap = (
+            "—"
+            if not g
+            else (
+                f"{_fmt(g['mean'])} [{_fmt(g['lo'])}, {_fmt(g['hi'])}] ("
+                + ", ".join(_fmt(x) for x in g["per_seed"])
+                + ")"
+            )
+        )
         lines.append(f"| {label} | {_fmt(_mean(ddp_test), '.3f')} | {dw} | {dt} | {iw} | {it} | {gap} |")
     return "\n".join(lines)
 
@@ -128,8 +160,10 @@ def markdown_grids(s: dict) -> str:
             b = row.get(mode)
             if not b:
                 continue
-            cells = ", ".join(f"{k.replace('@', ' @ ')}: {_fmt(v['selection'], '.3f')} / {_fmt(v['test'], '.3f')}"
-                              f" ({len(v['seeds'])})" for k, v in b["grid"].items())
+            cells = ", ".join(
+                f"{k.replace('@', ' @ ')}: {_fmt(v['selection'], '.3f')} / {_fmt(v['test'], '.3f')} ({len(v['seeds'])})"
+                for k, v in b["grid"].items()
+            )
             lines.append(f"- {label}, {mode} (lr @ μ: selection / test (seeds)): {cells}")
     return "\n".join(lines)
 
@@ -143,7 +177,7 @@ def plot_v3(s: dict, path) -> None:
 
     rows = [(label, row["gap"]) for label, row in s.items() if row.get("gap")]
     fig, ax = plt.subplots(figsize=(8, 0.45 * max(len(rows), 2) + 1.2))
-    for i, (label, g) in enumerate(rows):
+    for i, (_, g) in enumerate(rows):
         lo, hi = (g["lo"], g["hi"]) if g["lo"] == g["lo"] else (g["mean"], g["mean"])
         ax.plot([lo, hi], [i, i], color="tab:blue", lw=3, alpha=0.5)
         ax.plot(g["per_seed"], [i] * len(g["per_seed"]), "k.", ms=5)

@@ -1,5 +1,6 @@
 """Shared test helpers: the one tolerance table, the error measure, and input generators (random
 matrices, named spectra, pseudo-gradients from the reference loop and the committed captures)."""
+
 from __future__ import annotations
 
 import zlib
@@ -134,8 +135,19 @@ def loop_pseudo_gradients() -> list[tuple[str, torch.Tensor]]:
     2 workers, 10 inner steps, 2 rounds; float32)."""
     from isoloco_kernels.train import Setup, TrainConfig, load_corpus, run_mode
 
-    cfg = TrainConfig(model="tiny", workers=2, inner_steps=10, rounds=2, batch=2, seq_len=32,
-                      warmup=2, eval_windows=4, divergence=False, seed=0, iso_method="svd")
+    cfg = TrainConfig(
+        model="tiny",
+        workers=2,
+        inner_steps=10,
+        rounds=2,
+        batch=2,
+        seq_len=32,
+        warmup=2,
+        eval_windows=4,
+        divergence=False,
+        seed=0,
+        iso_method="svd",
+    )
     got = []
 
     def capture(r, names, deltas):

@@ -1,4 +1,5 @@
 """BucketPlan: grouping by shape (transposed twins together), pack / views / unpack, reuse."""
+
 from __future__ import annotations
 
 import pytest
@@ -52,7 +53,7 @@ def test_pack_views_unpack_round_trip_exactly():
     plan.pack(ts)
     assert all(torch.isfinite(b).all() for b in plan.buffers)
     views = plan.views()
-    for t, v, (bi, j) in zip(ts, views, plan.where):
+    for t, v, (bi, _) in zip(ts, views, plan.where):
         assert v.shape == t.shape and v.dtype == plan.buckets[bi].dtype
         assert torch.equal(v, t.to(v.dtype))  # widening casts are exact
         assert v.untyped_storage().data_ptr() == plan.buffers[bi].untyped_storage().data_ptr()

@@ -4,6 +4,7 @@ Runs without a GPU. When the extension was built (ISOLOCO_CUDA=1), its CUDA kern
 registered for both ops; the kernel sources must compile with NVRTC alone (no CUDA headers), which
 is what the CuPy path (isoloco_kernels/_cupy.py) relies on.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ def test_status_is_reported():
     status = isoloco_kernels.backends()["cuda_extension"]
     assert status == _ext.STATUS
     if _ext.LOADED:
-        assert status.startswith("loaded ") and os.path.isfile(status[len("loaded "):])
+        assert status.startswith("loaded ") and os.path.isfile(status[len("loaded ") :])
     else:
         assert status.startswith(("not built", "disabled", "found ")), status
 
@@ -125,7 +126,8 @@ def _nvrtc_compile(names: list[str], arch: str) -> tuple[bytes, dict[str, str]]:
             assert err == ok and low.startswith(b"_Z"), n
             lowered[n] = low.decode()
         get_size, get = (
-            (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if arch.startswith("sm_")
+            (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
+            if arch.startswith("sm_")
             else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
         )
         _, size = get_size(prog)
@@ -159,13 +161,14 @@ def test_kernels_use_vector_loads_and_stores():
     for name, patterns in want.items():
         start = text.index(f".entry {lowered[name]}(")
         end = text.find(".entry ", start + 1)
-        body = text[start:end if end > 0 else None]
+        body = text[start : end if end > 0 else None]
         for pat in patterns:
             assert re.search(pat, body), f"{name}: no {pat} in its PTX"
 
 
 # ---------------------------------------------------------------------------------------------
 # The GPU code the extension carries, and the CuPy wheel for torch's CUDA.
+
 
 @pytest.mark.skipif(not _ext.LOADED, reason=f"CUDA extension not loaded: {_ext.STATUS}")
 def test_extension_records_the_gpu_code_it_carries():
@@ -182,7 +185,9 @@ def test_default_arch_list_ships_ptx():
     JIT-compile it instead of finding no kernel image)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     setup_default = re.search(r'DEFAULT_ARCHS = "([^"]+)"', open(os.path.join(root, "setup.py")).read()).group(1)
-    cmake_default = re.search(r'set\(TORCH_CUDA_ARCH_LIST "([^"]+)"\)', open(os.path.join(root, "CMakeLists.txt")).read()).group(1)
+    cmake_default = re.search(
+        r'set\(TORCH_CUDA_ARCH_LIST "([^"]+)"\)', open(os.path.join(root, "CMakeLists.txt")).read()
+    ).group(1)
     assert setup_default == cmake_default and setup_default.split(";")[-1].endswith("+PTX")
 
 

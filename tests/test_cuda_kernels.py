@@ -5,6 +5,7 @@ points (csrc_* ops, _cupy.*) check nothing: the public ops check once, before an
 
 Skipped without a GPU; each backend is skipped with its reason when it is absent.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -324,6 +325,7 @@ def test_nesterov_refuses_bad_written_tensors_before_writing(backend):
 # The flatten methods on CUDA (polar, gram, auto), with the user's TF32 switched on, on 1×n /
 # n×1 shapes and in float64: the accuracy contract and an unchanged TF32 setting.
 
+
 def _tf32_on(how: str) -> None:
     if how == "legacy":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -357,7 +359,9 @@ def test_cuda_flatten_float32_with_tf32_on(tf32_restored, tf32, method, shape):
     from .helpers import gram_tol
 
     _tf32_on(tf32)
-    before = torch.backends.cuda.matmul.fp32_precision if hasattr(torch.backends.cuda.matmul, "fp32_precision") else None
+    before = (
+        torch.backends.cuda.matmul.fp32_precision if hasattr(torch.backends.cuda.matmul, "fp32_precision") else None
+    )
     _, x = _spectral(shape, 1e3, zlib.crc32(f"{shape}{method}".encode()), torch.float32)
     want = iso_flatten_ref(x.cpu().double())  # of the float32 input as given
     ik.iso_merge_([x], method=method)
@@ -378,14 +382,16 @@ def test_cuda_flatten_float64(method, shape):
     cond = 1e4
     x64, x = _spectral(shape, cond, zlib.crc32(f"{shape}{method}64".encode()), torch.float64)
     ik.iso_merge_([x], method=method)
-    tol = {"polar": TOL[("polar", torch.float64)], "gram": gram_tol(torch.float64, cond),
-           "eigh": 1e-6}.get(method, TOL[("exact", torch.float64)])
+    tol = {"polar": TOL[("polar", torch.float64)], "gram": gram_tol(torch.float64, cond), "eigh": 1e-6}.get(
+        method, TOL[("exact", torch.float64)]
+    )
     assert rel_err(x, iso_flatten_ref(x64)) <= tol
 
 
 # ---------------------------------------------------------------------------------------------
 # CUDA graphs: torch.compile's CUDA graphs refuse the host-bound ops (tagged cudagraph_unsafe)
 # and still compute the right result.
+
 
 @pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason="no cudagraph_unsafe tag in this torch")
 def test_reduce_overhead_compile_skips_cuda_graphs_for_the_nesterov_op():

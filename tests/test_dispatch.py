@@ -1,5 +1,6 @@
 """dispatch.py: one table per (op, device) chooses the backend; backends() reports that same choice;
 every backend sees arguments checked by the one check of its op."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,18 +13,29 @@ from isoloco_kernels import dispatch
 def _fake(name: str, ok: bool, takes: bool = True, log=None):
     def run(*args):
         log.append(name)
-    return dispatch.Candidate(name, lambda: (ok, "" if ok else f"{name} is off"),
-                              lambda *a: (takes, "" if takes else f"{name} refuses"), run)
+
+    return dispatch.Candidate(
+        name, lambda: (ok, "" if ok else f"{name} is off"), lambda *a: (takes, "" if takes else f"{name} refuses"), run
+    )
 
 
 def test_select_takes_the_first_available_candidate_that_supports_the_call(monkeypatch):
     log = []
-    table = [_fake("a", False, log=log), _fake("b", True, takes=False, log=log), _fake("c", True, log=log),
-             _fake("d", True, log=log)]
+    table = [
+        _fake("a", False, log=log),
+        _fake("b", True, takes=False, log=log),
+        _fake("c", True, log=log),
+        _fake("d", True, log=log),
+    ]
     monkeypatch.setitem(dispatch.TABLES, ("iso_scale_", "cuda"), table)
     assert dispatch.select("iso_scale_", "cuda", "args").name == "c"
     assert dispatch.select("iso_scale_", "cuda").name == "b"  # no arguments: the first available
-    assert [r[:2] for r in dispatch.report("iso_scale_", "cuda")] == [("a", False), ("b", True), ("c", True), ("d", True)]
+    assert [r[:2] for r in dispatch.report("iso_scale_", "cuda")] == [
+        ("a", False),
+        ("b", True),
+        ("c", True),
+        ("d", True),
+    ]
 
 
 @pytest.mark.parametrize("key", sorted(dispatch.TABLES), ids=lambda k: f"{k[0]}-{k[1]}")
@@ -35,8 +47,9 @@ def test_backends_names_what_select_picks(key):
 def test_the_cpu_op_runs_what_the_table_selects(monkeypatch):
     """The registered implementation runs select()'s candidate (a recording stand-in here)."""
     log = []
-    monkeypatch.setitem(dispatch.TABLES, ("nesterov_outer_", "cpu"), [_fake("first", False, log=log),
-                                                                      _fake("second", True, log=log)])
+    monkeypatch.setitem(
+        dispatch.TABLES, ("nesterov_outer_", "cpu"), [_fake("first", False, log=log), _fake("second", True, log=log)]
+    )
     monkeypatch.setitem(dispatch.TABLES, ("iso_scale_", "cpu"), [_fake("only", True, log=log)])
     p = [torch.zeros(3)]
     torch.ops.isoloco.nesterov_outer_(p, [torch.zeros(3)], [torch.ones(3)], 0.5, 0.9, None)
@@ -48,11 +61,18 @@ def test_the_cpu_op_runs_what_the_table_selects(monkeypatch):
 @pytest.mark.parametrize(
     "edit,exc,match",
     [
-        pytest.param(lambda a: a["bufs"].__setitem__(0, torch.zeros(3, dtype=torch.float64)), TypeError,
-                     r"buf 0 is torch.float64; it must be float32 or the param's dtype \(torch.float16\)",
-                     id="buf-dtype"),
-        pytest.param(lambda a: a.__setitem__("scales", torch.ones(1, dtype=torch.int32)), TypeError,
-                     "scales must be floating point", id="int-scales"),
+        pytest.param(
+            lambda a: a["bufs"].__setitem__(0, torch.zeros(3, dtype=torch.float64)),
+            TypeError,
+            r"buf 0 is torch.float64; it must be float32 or the param's dtype \(torch.float16\)",
+            id="buf-dtype",
+        ),
+        pytest.param(
+            lambda a: a.__setitem__("scales", torch.ones(1, dtype=torch.int32)),
+            TypeError,
+            "scales must be floating point",
+            id="int-scales",
+        ),
         pytest.param(lambda a: a.__setitem__("lr", float("nan")), ValueError, "finite", id="nan-lr"),
         pytest.param(lambda a: a["updates"].__setitem__(0, torch.ones(4)), ValueError, "same shape", id="shape"),
     ],
@@ -63,8 +83,14 @@ def test_nesterov_arguments_are_refused_alike_on_every_table(edit, exc, match, m
     log = []
     for key in [k for k in dispatch.TABLES if k[0] == "nesterov_outer_"]:
         monkeypatch.setitem(dispatch.TABLES, key, [_fake("any", True, log=log)])
-    args = dict(params=[torch.zeros(3, dtype=torch.float16)], bufs=[torch.zeros(3)], updates=[torch.ones(3, dtype=torch.float16)],
-                lr=0.5, momentum=0.9, scales=None)
+    args = dict(
+        params=[torch.zeros(3, dtype=torch.float16)],
+        bufs=[torch.zeros(3)],
+        updates=[torch.ones(3, dtype=torch.float16)],
+        lr=0.5,
+        momentum=0.9,
+        scales=None,
+    )
     edit(args)
     before = [t.clone() for t in args["params"] + args["bufs"]]
     with pytest.raises(exc, match=match):
@@ -173,11 +199,17 @@ def test_supports_checks_the_tensors_own_device(fake_gpu, monkeypatch):
     """The device of the call decides (cuda:1 an sm_75 next to an sm_90 current device)."""
     fake_gpu((9, 0))
     caps = {0: (9, 0), 1: (7, 5)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability",
-                        lambda device=None: caps[torch.device(device).index if not isinstance(device, int) else device])
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_capability",
+        lambda device=None: caps[torch.device(device).index if not isinstance(device, int) else device],
+    )
     x0, x1 = _CudaStandIn(0), _CudaStandIn(1)
     assert dispatch.select("iso_scale_", "cuda", x0, x0).name == "csrc (compiled extension)"
-    assert dispatch.select("iso_scale_", "cuda", x1, x1).name in ("triton", "torch")  # triton: not under the interpreter
+    assert dispatch.select("iso_scale_", "cuda", x1, x1).name in (
+        "triton",
+        "torch",
+    )  # triton: not under the interpreter
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,13 +218,17 @@ def test_supports_checks_the_tensors_own_device(fake_gpu, monkeypatch):
 HOST_BOUND_OPS = ["iso_flatten_", "nesterov_outer_", "csrc_nesterov_outer_"]
 
 
-@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason=f"torch {torch.__version__} has no cudagraph_unsafe tag")
+@pytest.mark.skipif(
+    not hasattr(torch.Tag, "cudagraph_unsafe"), reason=f"torch {torch.__version__} has no cudagraph_unsafe tag"
+)
 @pytest.mark.parametrize("op", HOST_BOUND_OPS)
 def test_host_bound_ops_are_tagged_cudagraph_unsafe(op):
     assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.isoloco, op).default.tags
 
 
-@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason=f"torch {torch.__version__} has no cudagraph_unsafe tag")
+@pytest.mark.skipif(
+    not hasattr(torch.Tag, "cudagraph_unsafe"), reason=f"torch {torch.__version__} has no cudagraph_unsafe tag"
+)
 def test_iso_scale_stays_capturable():
     """The epilogue alone neither syncs nor bakes host tables: no tag, graphs may hold it."""
     assert torch.Tag.cudagraph_unsafe not in torch.ops.isoloco.iso_scale_.default.tags

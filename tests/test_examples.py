@@ -2,6 +2,7 @@
 the reason otherwise) and must exit 0, which means its own checks held (both replicas agree,
 IsoLoCo(iso=False) lands on SGD's weights, finite losses); the printed losses are checked too. The
 pieces that need no framework (the outer-optimizer factories, torchtitan's SGD-line swap) always run."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -41,8 +42,14 @@ def _load(name: str):
 def _run(script: str, *args: str) -> dict[str, float]:
     """Run an example in its own process; its final held-out losses by outer optimizer."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=540)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     losses = dict(re.findall(r"^\s*(\S+): held-out loss (\S+)", proc.stdout, re.M))
     assert set(losses) == {"SGD", "IsoLoCo(iso=False)", "IsoLoCo"}, proc.stdout
@@ -56,6 +63,7 @@ def _check_losses(losses: dict[str, float]) -> None:
 
 # -- what runs without any framework ----------------------------------------------------------
 
+
 def test_example_factories_build_the_outer_optimizers():
     """The factories the examples hand to the frameworks: SGD's, and IsoLoCo's with SGD's keywords."""
     ex = _load("torchft_diloco_fsdp")
@@ -65,7 +73,8 @@ def test_example_factories_build_the_outer_optimizers():
     assert isinstance(built["IsoLoCo"], ik.IsoLoCo) and built["IsoLoCo"].param_groups[0]["iso"] is True
     off = built["IsoLoCo(iso=False)"].param_groups[0]
     assert off["iso"] is False and {k: off[k] for k in ("lr", "momentum", "nesterov")} == dict(
-        lr=0.7, momentum=0.9, nesterov=True)
+        lr=0.7, momentum=0.9, nesterov=True
+    )
 
 
 @pytest.mark.skipif(not _has("torchft"), reason="torchft is not installed")  # imported by the module
@@ -103,6 +112,7 @@ def test_sgd_factory_swap_is_sgd_with_iso_off():
 
 
 # -- the examples themselves ----------------------------------------------------------------------
+
 
 @pytest.mark.skipif(not _has("torchft"), reason="torchft is not installed")
 def test_torchft_diloco_fsdp_example():

@@ -1,12 +1,12 @@
 """Files and sizes: every CLI size is bounded before anything allocates, every output folder is
 probed by writing, and every file the loop, the benchmarks and the study read is checked, a bad
 one named with what is wrong."""
+
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-import sys
 import warnings
 from pathlib import Path
 
@@ -14,13 +14,36 @@ import pytest
 import torch
 
 from isoloco_kernels.train import loop, tokenizer
-from isoloco_kernels.train.capture import (CaptureError, CaptureFormatWarning, load_capture,
-                                           load_pseudo_gradients, save_capture, tensor_checksum)
+from isoloco_kernels.train.capture import (
+    CaptureError,
+    CaptureFormatWarning,
+    load_capture,
+    load_pseudo_gradients,
+    save_capture,
+    tensor_checksum,
+)
 from isoloco_kernels.train.cli import check_folder, main
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI_SMALL = ["-K", "2", "-H", "2", "-R", "2", "--batch", "2", "--seq-len", "16", "--eval-windows", "8",
-             "--max-bytes", "60000", "--quiet", "--threads", "1"]
+CLI_SMALL = [
+    "-K",
+    "2",
+    "-H",
+    "2",
+    "-R",
+    "2",
+    "--batch",
+    "2",
+    "--seq-len",
+    "16",
+    "--eval-windows",
+    "8",
+    "--max-bytes",
+    "60000",
+    "--quiet",
+    "--threads",
+    "1",
+]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,17 +59,25 @@ def _refused(args, capsys) -> str:
 # sizes: bounded with an argparse error before any allocation
 
 
-@pytest.mark.parametrize("args, msg", [
-    pytest.param(["--vocab", "1000000000000"], "--vocab takes bytes, 256 or an integer in 257..262144", id="vocab-1e12"),
-    pytest.param(["--vocab", str(tokenizer.MAX_VOCAB + 1)], "an integer in 257..262144", id="vocab-max+1"),
-    pytest.param(["--threads", "1000000000000"], "--threads must be in 1..", id="threads-1e12"),
-    pytest.param(["--threads", "0"], "--threads must be in 1..", id="threads-0"),
-    pytest.param(["--seed", str(2**64)], "seed must be an integer in [-2**63, 2**63)", id="seed-2**64"),
-    pytest.param(["-K", "1000000000"], "larger than each of the 1000000000 workers' data shard", id="workers-1e9"),
-    pytest.param(["--seq-len", "1000000000"], "larger than each of the 2 workers' data shard", id="seq-len-1e9"),
-    pytest.param(["-R", "100000000", "--save-pseudo-gradients", "CAP", "--save-rounds", "all"],
-                 "GiB there but", id="save-all-of-1e8-rounds-disk"),
-])
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        pytest.param(
+            ["--vocab", "1000000000000"], "--vocab takes bytes, 256 or an integer in 257..262144", id="vocab-1e12"
+        ),
+        pytest.param(["--vocab", str(tokenizer.MAX_VOCAB + 1)], "an integer in 257..262144", id="vocab-max+1"),
+        pytest.param(["--threads", "1000000000000"], "--threads must be in 1..", id="threads-1e12"),
+        pytest.param(["--threads", "0"], "--threads must be in 1..", id="threads-0"),
+        pytest.param(["--seed", str(2**64)], "seed must be an integer in [-2**63, 2**63)", id="seed-2**64"),
+        pytest.param(["-K", "1000000000"], "larger than each of the 1000000000 workers' data shard", id="workers-1e9"),
+        pytest.param(["--seq-len", "1000000000"], "larger than each of the 2 workers' data shard", id="seq-len-1e9"),
+        pytest.param(
+            ["-R", "100000000", "--save-pseudo-gradients", "CAP", "--save-rounds", "all"],
+            "GiB there but",
+            id="save-all-of-1e8-rounds-disk",
+        ),
+    ],
+)
 def test_cli_sizes_are_bounded_before_training(tmp_path, capsys, args, msg):
     out = tmp_path / "out"
     err = _refused(["--out", str(out)] + [str(tmp_path / "cap") if a == "CAP" else a for a in args], capsys)
@@ -54,10 +85,13 @@ def test_cli_sizes_are_bounded_before_training(tmp_path, capsys, args, msg):
     assert not out.exists() and not (tmp_path / "cap").exists()
 
 
-@pytest.mark.parametrize("args", [
-    pytest.param([], id="default-workers"),
-    pytest.param(["--vocab", "300"], id="vocab-before-the-tokenizer-trainer"),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param([], id="default-workers"),
+        pytest.param(["--vocab", "300"], id="vocab-before-the-tokenizer-trainer"),
+    ],
+)
 def test_cli_refuses_a_run_larger_than_free_memory(tmp_path, capsys, monkeypatch, args):
     monkeypatch.setattr(loop, "available_memory", lambda device: 1 << 20)  # 1 MiB free
     err = _refused(["--out", str(tmp_path / "out")] + args, capsys)
@@ -92,12 +126,15 @@ def _unwritable_but_access_says_yes(path: str) -> bool:
         return True
 
 
-@pytest.mark.parametrize("flag, target", [
-    pytest.param("--out", "/proc/isoloco-out", id="out-under-proc"),
-    pytest.param("--out", "/sys", id="out-is-sys"),
-    pytest.param("--save-pseudo-gradients", "/proc/isoloco-cap", id="capture-under-proc"),
-    pytest.param("--save-pseudo-gradients", "/sys", id="capture-is-sys"),
-])
+@pytest.mark.parametrize(
+    "flag, target",
+    [
+        pytest.param("--out", "/proc/isoloco-out", id="out-under-proc"),
+        pytest.param("--out", "/sys", id="out-is-sys"),
+        pytest.param("--save-pseudo-gradients", "/proc/isoloco-cap", id="capture-under-proc"),
+        pytest.param("--save-pseudo-gradients", "/sys", id="capture-is-sys"),
+    ],
+)
 def test_output_folder_os_access_calls_writable_is_probed(tmp_path, capsys, flag, target):
     if not _unwritable_but_access_says_yes(target):
         pytest.skip(f"{target} is not an os.access-writable but unwritable path on this system")
@@ -133,19 +170,33 @@ def test_probe_leaves_nothing_behind(tmp_path):
     assert list((tmp_path / "c").iterdir()) == []
 
 
-@pytest.mark.parametrize("make, args, msg", [
-    pytest.param("out/results.json/", [], "results.json exists and is not a file", id="results-json-is-a-folder"),
-    pytest.param("cap/diloco", ["--save-pseudo-gradients", "CAP"], "cap/diloco is a file, not a folder",
-                 id="capture-run-folder-is-a-file"),
-    pytest.param("cap/diloco/round_002.pt/", ["--save-pseudo-gradients", "CAP", "--save-rounds", "last"],
-                 "round_002.pt exists and is not a file", id="capture-round-is-a-folder"),
-])
+@pytest.mark.parametrize(
+    "make, args, msg",
+    [
+        pytest.param("out/results.json/", [], "results.json exists and is not a file", id="results-json-is-a-folder"),
+        pytest.param(
+            "cap/diloco",
+            ["--save-pseudo-gradients", "CAP"],
+            "cap/diloco is a file, not a folder",
+            id="capture-run-folder-is-a-file",
+        ),
+        pytest.param(
+            "cap/diloco/round_002.pt/",
+            ["--save-pseudo-gradients", "CAP", "--save-rounds", "last"],
+            "round_002.pt exists and is not a file",
+            id="capture-round-is-a-folder",
+        ),
+    ],
+)
 def test_files_the_run_writes_are_checked_before_training(tmp_path, capsys, make, args, msg):
     p = tmp_path / make.rstrip("/")
     p.parent.mkdir(parents=True, exist_ok=True)
     p.mkdir() if make.endswith("/") else p.write_text("x")
-    err = _refused(["--out", str(tmp_path / "out"), "--mode", "diloco"]
-                   + [str(tmp_path / "cap") if a == "CAP" else a for a in args], capsys)
+    err = _refused(
+        ["--out", str(tmp_path / "out"), "--mode", "diloco"]
+        + [str(tmp_path / "cap") if a == "CAP" else a for a in args],
+        capsys,
+    )
     assert msg in err
 
 
@@ -194,13 +245,18 @@ def _corrupt(path: Path, how: str) -> None:
     path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("how, msg", [
-    pytest.param("empty", r"is empty \(0 bytes\)", id="empty"),
-    pytest.param("truncated", r"is not a readable torch file, truncated or corrupted", id="truncated"),
-    pytest.param("garbage", r"is not a readable torch file", id="garbage"),
-    pytest.param("4k-zeros", r"tensor tok.weight does not match its checksum: the file is corrupted", id="4k-zeros"),
-    pytest.param("4k-random", r"tensor tok.weight does not match its checksum", id="4k-random"),
-])
+@pytest.mark.parametrize(
+    "how, msg",
+    [
+        pytest.param("empty", r"is empty \(0 bytes\)", id="empty"),
+        pytest.param("truncated", r"is not a readable torch file, truncated or corrupted", id="truncated"),
+        pytest.param("garbage", r"is not a readable torch file", id="garbage"),
+        pytest.param(
+            "4k-zeros", r"tensor tok.weight does not match its checksum: the file is corrupted", id="4k-zeros"
+        ),
+        pytest.param("4k-random", r"tensor tok.weight does not match its checksum", id="4k-random"),
+    ],
+)
 def test_corrupted_capture_is_refused_naming_the_file(good, how, msg):
     _corrupt(good, how)
     with pytest.raises(CaptureError, match=msg) as e:
@@ -214,20 +270,33 @@ def test_corrupted_capture_is_refused_naming_the_file(good, how, msg):
         load_captured_sets(good.parents[1])
 
 
-@pytest.mark.parametrize("blob, msg", [
-    pytest.param({k: v for k, v in _blob().items() if k != "delta"} | {"format": 2, "checksums": {}},
-                 "lacks delta", id="missing-delta"),
-    pytest.param(_blob(format=2), "lacks checksums", id="format-2-without-checksums"),
-    pytest.param(_blob(format=3, checksums={}), "has format 3; this version reads formats 1 and 2", id="format-3"),
-    pytest.param(_blob(format=2, checksums={"tok.weight": "0" * 64}), r"checksums do not list exactly the saved "
-                 r"tensors \(differ in \['norm.weight'\]\)", id="checksum-missing-for-a-tensor"),
-    pytest.param(_blob(delta={}), "'delta' must be a non-empty dict", id="empty-delta"),
-    pytest.param(_blob(delta={"w": [1.0, 2.0]}), "'delta' must be a non-empty dict", id="delta-not-tensors"),
-    pytest.param(_blob(round=0), "'round' must be an integer ≥ 1, got 0", id="round-0"),
-    pytest.param(_blob(delta={"w": torch.tensor([[1.0, float("nan")]])}), "tensor w has 1 non-finite entries of 2",
-                 id="format-1-nan"),
-    pytest.param([1, 2], "holds a list, not a saved round", id="not-a-dict"),
-])
+@pytest.mark.parametrize(
+    "blob, msg",
+    [
+        pytest.param(
+            {k: v for k, v in _blob().items() if k != "delta"} | {"format": 2, "checksums": {}},
+            "lacks delta",
+            id="missing-delta",
+        ),
+        pytest.param(_blob(format=2), "lacks checksums", id="format-2-without-checksums"),
+        pytest.param(_blob(format=3, checksums={}), "has format 3; this version reads formats 1 and 2", id="format-3"),
+        pytest.param(
+            _blob(format=2, checksums={"tok.weight": "0" * 64}),
+            r"checksums do not list exactly the saved "
+            r"tensors \(differ in \['norm.weight'\]\)",
+            id="checksum-missing-for-a-tensor",
+        ),
+        pytest.param(_blob(delta={}), "'delta' must be a non-empty dict", id="empty-delta"),
+        pytest.param(_blob(delta={"w": [1.0, 2.0]}), "'delta' must be a non-empty dict", id="delta-not-tensors"),
+        pytest.param(_blob(round=0), "'round' must be an integer ≥ 1, got 0", id="round-0"),
+        pytest.param(
+            _blob(delta={"w": torch.tensor([[1.0, float("nan")]])}),
+            "tensor w has 1 non-finite entries of 2",
+            id="format-1-nan",
+        ),
+        pytest.param([1, 2], "holds a list, not a saved round", id="not-a-dict"),
+    ],
+)
 def test_incomplete_capture_is_refused_naming_the_file(tmp_path, blob, msg):
     p = tmp_path / "round_001.pt"
     torch.save(blob, p)
@@ -246,11 +315,17 @@ def test_format_1_loads_with_a_warning(tmp_path):
     assert b["format"] == 1 and torch.equal(b["delta"]["tok.weight"], _blob()["delta"]["tok.weight"])
 
 
-@pytest.mark.parametrize("delta, msg", [
-    pytest.param({"w": torch.tensor([1e5, 1.0]).half()}, "tensor w has 1 non-finite entries of 2 in float16",
-                 id="float16-overflow"),
-    pytest.param({"w": torch.tensor([float("nan")])}, "tensor w has 1 non-finite", id="nan"),
-])
+@pytest.mark.parametrize(
+    "delta, msg",
+    [
+        pytest.param(
+            {"w": torch.tensor([1e5, 1.0]).half()},
+            "tensor w has 1 non-finite entries of 2 in float16",
+            id="float16-overflow",
+        ),
+        pytest.param({"w": torch.tensor([float("nan")])}, "tensor w has 1 non-finite", id="nan"),
+    ],
+)
 def test_capture_writer_refuses_non_finite_and_writes_nothing(tmp_path, delta, msg):
     p = tmp_path / "run" / "round_001.pt"
     with pytest.raises(CaptureError, match=msg):
@@ -288,19 +363,30 @@ def _tok_json() -> str:
     return json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})
 
 
-@pytest.mark.parametrize("write, msg", [
-    pytest.param(lambda p: p.write_bytes(b""), r"is empty \(0 bytes\)", id="empty"),
-    pytest.param(lambda p: p.write_text(p.read_text()[:40]), "is not valid JSON", id="truncated"),
-    pytest.param(lambda p: p.write_bytes(b"\xff\xfe" * 50), "is not valid JSON", id="binary"),
-    pytest.param(lambda p: p.write_text(_tok_json()), "lacks format, vocab, train_sha1, sha256",
-                 id="plain-tokenizer-json"),
-    pytest.param(lambda p: p.write_text(p.read_text().replace('\\"a\\": 0', '\\"b\\": 0')),
-                 "does not match its sha256", id="edited"),
-    pytest.param(lambda p: p.write_text(p.read_text().replace('"format": 2', '"format": 3')), "has format 3",
-                 id="format-3"),
-    pytest.param(lambda p: p.write_text(p.read_text().replace('"vocab": 300', '"vocab": 512')),
-                 "was trained for vocab 512", id="other-vocab"),
-])
+@pytest.mark.parametrize(
+    "write, msg",
+    [
+        pytest.param(lambda p: p.write_bytes(b""), r"is empty \(0 bytes\)", id="empty"),
+        pytest.param(lambda p: p.write_text(p.read_text()[:40]), "is not valid JSON", id="truncated"),
+        pytest.param(lambda p: p.write_bytes(b"\xff\xfe" * 50), "is not valid JSON", id="binary"),
+        pytest.param(
+            lambda p: p.write_text(_tok_json()), "lacks format, vocab, train_sha1, sha256", id="plain-tokenizer-json"
+        ),
+        pytest.param(
+            lambda p: p.write_text(p.read_text().replace('\\"a\\": 0', '\\"b\\": 0')),
+            "does not match its sha256",
+            id="edited",
+        ),
+        pytest.param(
+            lambda p: p.write_text(p.read_text().replace('"format": 2', '"format": 3')), "has format 3", id="format-3"
+        ),
+        pytest.param(
+            lambda p: p.write_text(p.read_text().replace('"vocab": 300', '"vocab": 512')),
+            "was trained for vocab 512",
+            id="other-vocab",
+        ),
+    ],
+)
 def test_bad_tokenizer_cache_is_refused_naming_the_file(tmp_path, write, msg):
     p = tmp_path / "bpe300-0123.v2.json"
     tokenizer.write_cache(p, _tok_json(), 300, "ab" * 20)
@@ -329,10 +415,13 @@ def _summarize():
     return mod
 
 
-@pytest.mark.parametrize("text, msg", [
-    pytest.param('{"seed": 0}\n{"seed": 1, "final_lo', r"r.jsonl:2: not a JSON record", id="cut-off-line"),
-    pytest.param('{"seed": 0}\n\n[1, 2]\n', r"r.jsonl:3: a list, not a run record", id="not-an-object"),
-])
+@pytest.mark.parametrize(
+    "text, msg",
+    [
+        pytest.param('{"seed": 0}\n{"seed": 1, "final_lo', r"r.jsonl:2: not a JSON record", id="cut-off-line"),
+        pytest.param('{"seed": 0}\n\n[1, 2]\n', r"r.jsonl:3: a list, not a run record", id="not-an-object"),
+    ],
+)
 def test_study_results_with_a_bad_line_name_file_and_line(tmp_path, text, msg):
     s = _summarize()
     (tmp_path / "r.jsonl").write_text(text)

@@ -1,6 +1,7 @@
 """The exact methods (svd, eigh), iso_scale_ and the op under torch.compile, on CPU, against
 reference.py. The contract every method keeps (shapes, dtypes, views, zeros, bad input, opcheck)
 is tests/test_methods.py."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """method="gram" (the Gram-space float64 Polar Express iteration) against reference.py: its schedule,
 accuracy over condition numbers, chunking, real pseudo-gradients, fallback, overflow and auto's
 rule. The contract every method keeps is tests/test_methods.py."""
+
 from __future__ import annotations
 
 import warnings
@@ -14,9 +15,18 @@ from isoloco_kernels import flatten, gram
 from isoloco_kernels._validate import ResultOverflowError
 from isoloco_kernels.iteration_stats import FlattenFallbackWarning
 from isoloco_kernels.reference import iso_flatten_ref
-from tests.helpers import (TOL, captured_pseudo_gradients, cond, flat_tail, gen as _gen, gram_tol, loop_pseudo_gradients,
-                           rel_err, spectrum, with_spectrum)
-
+from tests.helpers import (
+    TOL,
+    captured_pseudo_gradients,
+    cond,
+    flat_tail,
+    gram_tol,
+    loop_pseudo_gradients,
+    rel_err,
+    spectrum,
+    with_spectrum,
+)
+from tests.helpers import gen as _gen
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small computations (tests/conftest.py)
 _cond = cond
@@ -186,9 +196,13 @@ def test_polar_sends_its_flagged_matrices_to_gram():
 
 def test_result_that_does_not_fit_the_dtype_raises_and_changes_nothing():
     # Iso-C can exceed the input's largest entry (here by 1.33×): fine in float32, not in float16
-    row = torch.tensor([[-0.1239, 0.1656, -0.4352, 0.1251, 0.4036, 0.1278, -1.8310, 0.6644],
-                        [1.1904, -0.5895, -1.9086, -0.2675, -1.9270, -1.3683, 0.0104, -1.4829]],
-                       dtype=torch.float64)
+    row = torch.tensor(
+        [
+            [-0.1239, 0.1656, -0.4352, 0.1251, 0.4036, 0.1278, -1.8310, 0.6644],
+            [1.1904, -0.5895, -1.9086, -0.2675, -1.9270, -1.3683, 0.0104, -1.4829],
+        ],
+        dtype=torch.float64,
+    )
     ref = iso_flatten_ref(row)
     assert ref.abs().max() / row.abs().max() > 1.2
     x = torch.stack([row, row * (6e4 / 1.927)]).to(torch.float16)  # matrix 1: entries up to 6e4
@@ -216,4 +230,3 @@ def test_auto_rule():
     assert flatten.FP64_RATE[(9, 0)] == 1.0 and (8, 9) not in flatten.FP64_RATE
     # on the CPU auto stays an exact LAPACK method
     assert flatten.resolve_method("auto", torch.empty(2, 64, 512)) in ("svd", "eigh")
-

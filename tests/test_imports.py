@@ -1,4 +1,5 @@
 """Every module imports on its own, in a fresh interpreter: no hidden dependence on import order."""
+
 from __future__ import annotations
 
 import os
@@ -75,8 +76,11 @@ def import_graph(root: str = ROOT) -> dict[str, set[str]]:
         is_pkg = os.path.isdir(path)
         path = os.path.join(path, "__init__.py") if is_pkg else path + ".py"
         package = name if is_pkg else ".".join(parts[:-1])
-        graph[name] = {m for m in _imports_of(path, package)
-                       if m in names and m != name and not (is_pkg and m.startswith(name + "."))}
+        graph[name] = {
+            m
+            for m in _imports_of(path, package)
+            if m in names and m != name and not (is_pkg and m.startswith(name + "."))
+        }
     return graph
 
 
@@ -89,7 +93,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(n)
         for m in sorted(graph.get(n, ())):
             if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if m not in state:
                 found = visit(m)
                 if found:

@@ -8,6 +8,7 @@ staying exactly zero; rank-deficient input; extreme scales; bad input refused wi
 zero-size buckets; the op's opcheck; every entry point taking the method. Method-specific tests
 stay in test_flatten_exact.py, test_polar.py and test_gram.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -125,7 +126,9 @@ def check_rank_deficient_input_is_exact(method):
     recomputes every matrix (its warning, its count) instead of returning a wrong answer
     (polar_bf16, well-conditioned input only, does not see it: COND_LIMIT)."""
     g = gen("rank3")
-    x = torch.randn(2, 20, 3, generator=g, dtype=torch.float64) @ torch.randn(2, 3, 30, generator=g, dtype=torch.float64)
+    x = torch.randn(2, 20, 3, generator=g, dtype=torch.float64) @ torch.randn(
+        2, 3, 30, generator=g, dtype=torch.float64
+    )
     stats = METHODS[_served_by(method, x)].stats
     if not _any_cond(method, x):  # beyond its documented range: a finite answer, nothing more
         with warnings.catch_warnings():
@@ -148,8 +151,14 @@ def check_full_rank_equals_published_formula(method):
     assert rel_err(_flatten(x, method), published) <= _tol(method, x)
 
 
-SCALES = [(1e37, torch.float32), (1e36, torch.float32), (1e-30, torch.float32), (1e300, torch.float64), (1e-300, torch.float64),
-          (6e4 / 4, torch.float16)]
+SCALES = [
+    (1e37, torch.float32),
+    (1e36, torch.float32),
+    (1e-30, torch.float32),
+    (1e300, torch.float64),
+    (1e-300, torch.float64),
+    (6e4 / 4, torch.float16),
+]
 
 
 def check_huge_and_tiny_finite_inputs(method):
@@ -191,12 +200,14 @@ def check_non_finite_input_raises_and_changes_nothing(method, bad):
 def _set(i, value):
     def edit(buckets):
         buckets[i] = value
+
     return edit
 
 
 def _poke(i, index, value):
     def edit(buckets):
         buckets[i][index] = value
+
     return edit
 
 
@@ -246,7 +257,9 @@ def _isoloco_step_matches_reference(opt_cls, method, key):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", iteration_stats.FlattenFallbackWarning)  # polar_bf16's cond
         opt.step()
-    tol = max(TOL[("update", torch.float32)], 2 * method_tol(_served_by(method, grads[0]), torch.float32, cond(grads[0])))
+    tol = max(
+        TOL[("update", torch.float32)], 2 * method_tol(_served_by(method, grads[0]), torch.float32, cond(grads[0]))
+    )
     for q, w in zip(params, want):
         assert rel_err(q, w) <= tol
 
@@ -270,8 +283,9 @@ def check_every_entry_point_takes_it(method):
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
     try:
         bk = [randn((3, 16, 40), torch.float32, "sharded0"), randn((24, 10), torch.float32, "sharded1")]
         want = [iso_flatten_ref(b) for b in bk]
@@ -301,8 +315,11 @@ CHECKS = [
     (check_opcheck, [("", ())]),
     (check_every_entry_point_takes_it, [("", ())]),
 ]
-CASES = [pytest.param(check, args, id=f"{check.__name__[len('check_'):]}{'-' * bool(cid)}{cid}")
-         for check, cases in CHECKS for cid, args in cases]
+CASES = [
+    pytest.param(check, args, id=f"{check.__name__[len('check_') :]}{'-' * bool(cid)}{cid}")
+    for check, cases in CHECKS
+    for cid, args in cases
+]
 
 
 @pytest.mark.parametrize("method", NAMES)
@@ -318,9 +335,15 @@ def test_every_check_is_in_the_contract():
 def test_unknown_method_is_refused_everywhere():
     x = randn((5, 6), torch.float32, "qr")
     keep = x.clone()
-    for call in (lambda: ik.iso_merge_([x], method="qr"), lambda: ik.iso_flatten(x, method="qr"),
-                 lambda: torch.ops.isoloco.iso_flatten_(x, "qr"), lambda: ik.IsoLoCo([torch.nn.Parameter(x)], method="qr")):
-        with pytest.raises(ValueError, match=r"method must be one of \('auto', 'svd', 'eigh', 'polar', 'polar_bf16', 'gram'"):
+    for call in (
+        lambda: ik.iso_merge_([x], method="qr"),
+        lambda: ik.iso_flatten(x, method="qr"),
+        lambda: torch.ops.isoloco.iso_flatten_(x, "qr"),
+        lambda: ik.IsoLoCo([torch.nn.Parameter(x)], method="qr"),
+    ):
+        with pytest.raises(
+            ValueError, match=r"method must be one of \('auto', 'svd', 'eigh', 'polar', 'polar_bf16', 'gram'"
+        ):
             call()
     assert torch.equal(x, keep)
 
@@ -356,7 +379,9 @@ def test_registry_facts_hold_together():
 
 
 @pytest.mark.parametrize("module", ["iteration_stats", "polar", "gram"])
-@pytest.mark.parametrize("old,new", [("PolarStats", "FlattenStats"), ("PolarFallbackWarning", "FlattenFallbackWarning")])
+@pytest.mark.parametrize(
+    "old,new", [("PolarStats", "FlattenStats"), ("PolarFallbackWarning", "FlattenFallbackWarning")]
+)
 def test_old_stats_names_still_import_with_a_deprecation_warning(module, old, new):
     import importlib
 
@@ -367,7 +392,7 @@ def test_old_stats_names_still_import_with_a_deprecation_warning(module, old, ne
     with pytest.warns(DeprecationWarning):
         exec(f"from isoloco_kernels.{module} import {old} as alias", {})
     with pytest.raises(AttributeError):
-        getattr(mod, "NoSuchName")
+        getattr(mod, "NoSuchName")  # noqa: B009 (the attribute lookup is the test)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,7 +411,9 @@ def test_a_new_method_joins_everything(monkeypatch):
         calls.append(tuple(x3.shape))
         exact.flatten_svd_(x3)
 
-    monkeypatch.setitem(METHODS, "toy", Method(run=toy_flatten_, flops=lambda k, r: {"fp64": 8.0 * k * r * r}, exact=True))
+    monkeypatch.setitem(
+        METHODS, "toy", Method(run=toy_flatten_, flops=lambda k, r: {"fp64": 8.0 * k * r * r}, exact=True)
+    )
     monkeypatch.setitem(TOL_ROWS, "toy", TOL_ROWS["exact"])
 
     for check, cases in CHECKS:

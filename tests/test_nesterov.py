@@ -1,5 +1,6 @@
 """nesterov_outer_: the torch foreach backend (CPU op), the Triton kernel under the interpreter, and
 the CUDA dispatch, against reference.nesterov_ref in float64."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -127,8 +128,7 @@ def test_bad_arguments_change_nothing():
 
 
 def test_opcheck():
-    params, bufs, updates, scales = _case(torch.float32, torch.float32, shapes=[(3, 4), (5,)], seed=5,
-                                          with_scales=True)
+    params, bufs, updates, scales = _case(torch.float32, torch.float32, shapes=[(3, 4), (5,)], seed=5, with_scales=True)
     torch.library.opcheck(torch.ops.isoloco.nesterov_outer_.default, (params, bufs, updates, LR, MU, scales))
     torch.library.opcheck(torch.ops.isoloco.nesterov_outer_.default, (params, bufs, updates, LR, MU, None))
 
@@ -187,8 +187,7 @@ def test_triton_kernel_interpreted_mixed_groups_and_strided_updates(interp):
     g = torch.Generator().manual_seed(7)
     params = [_rand((5, 6), torch.float32, g), _rand((40,), torch.bfloat16, g), _rand((6, 5), torch.float32, g)]
     bufs = [torch.zeros(5, 6), _rand((40,), torch.float32, g), _rand((6, 5), torch.float32, g)]
-    updates = [_rand((6, 5), torch.float32, g).t(), _rand((40,), torch.bfloat16, g),
-               _rand((6, 5), torch.float32, g)]
+    updates = [_rand((6, 5), torch.float32, g).t(), _rand((40,), torch.bfloat16, g), _rand((6, 5), torch.float32, g)]
     # contiguous views 4 bytes off a 16-byte boundary: the unaligned launch
     params.append(_rand((41,), torch.float32, g)[1:])
     bufs.append(_rand((41,), torch.float32, g)[1:])
@@ -211,9 +210,16 @@ def test_cuda_table_takes_triton_for_contiguous_and_torch_for_strided(interp, mo
     monkeypatch.setattr(tk, "usable_for", lambda t: True)
     monkeypatch.setattr(dispatch, "_triton_nesterov", lambda *a: interp.nesterov_outer_triton(*a))
     table = dispatch.TABLES[("nesterov_outer_", "cuda")]
-    monkeypatch.setitem(dispatch.TABLES, ("nesterov_outer_", "cuda"), [
-        dispatch.Candidate(c.name, c.available, c.supports, dispatch._triton_nesterov if c.name == "triton" else c.run)
-        for c in table])
+    monkeypatch.setitem(
+        dispatch.TABLES,
+        ("nesterov_outer_", "cuda"),
+        [
+            dispatch.Candidate(
+                c.name, c.available, c.supports, dispatch._triton_nesterov if c.name == "triton" else c.run
+            )
+            for c in table
+        ],
+    )
     g = torch.Generator().manual_seed(8)
     for strided in (False, True):
         params = [_rand((4, 6), torch.float32, g), _rand((6, 4), torch.float32, g), _rand((9,), torch.float64, g)]
@@ -255,8 +261,18 @@ def test_triton_kernel_compiles_for_sm90(pd, bd, has_scales, aligned, vector_op)
         pytest.skip("TRITON_INTERPRET=1 in this process")
     tdt = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp64": tl.float64}
     cdt = tl.float64 if "fp64" in (pd, bd) else tl.float32
-    names = ["table_ptr", "block_tensor_ptr", "scales_ptr", "P_DTYPE", "B_DTYPE", "U_DTYPE", "C_DTYPE",
-             "HAS_SCALES", "ALIGNED", "BLOCK"]
+    names = [
+        "table_ptr",
+        "block_tensor_ptr",
+        "scales_ptr",
+        "P_DTYPE",
+        "B_DTYPE",
+        "U_DTYPE",
+        "C_DTYPE",
+        "HAS_SCALES",
+        "ALIGNED",
+        "BLOCK",
+    ]
     pointers = {"table_ptr": "*i64", "block_tensor_ptr": "*i32", "scales_ptr": "*fp32"}
     values = [tdt[pd], tdt[bd], tdt[bd], cdt, has_scales, aligned, tn.BLOCK]
     try:
@@ -299,8 +315,7 @@ def test_triton_kernel_cuda_matches_torch():
         pytest.skip("triton not importable")
     from isoloco_kernels.triton import nesterov as tn
 
-    case = _case(torch.bfloat16, torch.float32, torch.float32, shapes=SHAPES + [(300, 257)], seed=10,
-                 with_scales=True)
+    case = _case(torch.bfloat16, torch.float32, torch.float32, shapes=SHAPES + [(300, 257)], seed=10, with_scales=True)
     params, bufs, updates = ([t.cuda() for t in ts] for ts in case[:3])
     scales = case[3].cuda()
     p2, b2 = _clone(params), _clone(bufs)

@@ -1,6 +1,7 @@
 """method="polar" (the Polar Express iteration, torch GEMMs on the CPU) against reference.py: its
 schedule, accuracy on spectra, fallback, bf16 mode, GEMM choice, TF32 handling and auto's float64
 rate. The contract every method keeps is tests/test_methods.py."""
+
 from __future__ import annotations
 
 import warnings
@@ -257,6 +258,7 @@ def test_the_old_triton_switch_is_ignored_with_a_warning(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # TF32: the polar GEMMs run in IEEE float32 whatever the user switched on, and the user's
 # setting comes back unchanged (torch >= 2.9 has two APIs; mixing them makes getters raise).
+
 
 def _tf32_state() -> dict:
     """Every TF32 getter a user or cuBLAS may read, with "raises" where it raises."""

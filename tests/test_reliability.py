@@ -3,6 +3,7 @@ nothing modified, or the right finite result; never NaN/Inf written silently, ne
 
 The multi-rank versions live in test_distributed.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -20,9 +21,7 @@ ALL = ("svd", "eigh", "polar")
 
 # A 4×4 whose Iso-C result is ~1.5× its largest entry (found by a small search): scaled near a
 # half dtype's max it has a result that does not fit the dtype.
-GROWS = torch.tensor(
-    [[-1, 1, 1, 1], [-1, 1, 0.4, 0.4], [-0.8, 1, 1, -1], [-0.5, 1, -1, 1]], dtype=torch.float64
-)
+GROWS = torch.tensor([[-1, 1, 1, 1], [-1, 1, 0.4, 0.4], [-0.8, 1, 1, -1], [-0.5, 1, -1, 1]], dtype=torch.float64)
 
 
 def _gen(seed=0):
@@ -303,15 +302,23 @@ def test_isoloco_pickled_with_a_process_group_says_so_when_stepped():
         pytest.param(lambda sd: sd.pop("param_groups"), r"'param_groups'", id="no-param-groups"),
         pytest.param(lambda sd: sd["param_groups"][0].pop("lr"), r"param group 0.*'lr'", id="no-lr"),
         pytest.param(lambda sd: sd["param_groups"][0].update(lr="0.5"), r"param group 0.*lr", id="lr-str"),
-        pytest.param(lambda sd: sd["param_groups"][0].update(momentum="x"), r"param group 0.*momentum",
-                     id="momentum-str"),
+        pytest.param(
+            lambda sd: sd["param_groups"][0].update(momentum="x"), r"param group 0.*momentum", id="momentum-str"
+        ),
         pytest.param(lambda sd: sd["param_groups"][0].update(lr=float("inf")), r"param group 0.*lr", id="lr-inf"),
-        pytest.param(lambda sd: sd["state"][0].update(momentum_buffer="zeros"), r"param 0.*momentum_buffer",
-                     id="buffer-str"),
-        pytest.param(lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(3)), r"param 0.*momentum_buffer",
-                     id="buffer-shape"),
-        pytest.param(lambda sd: sd["state"][1].update(momentum_buffer=torch.full((4, 6), float("nan"))),
-                     r"momentum_buffer", id="buffer-nan"),
+        pytest.param(
+            lambda sd: sd["state"][0].update(momentum_buffer="zeros"), r"param 0.*momentum_buffer", id="buffer-str"
+        ),
+        pytest.param(
+            lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(3)),
+            r"param 0.*momentum_buffer",
+            id="buffer-shape",
+        ),
+        pytest.param(
+            lambda sd: sd["state"][1].update(momentum_buffer=torch.full((4, 6), float("nan"))),
+            r"momentum_buffer",
+            id="buffer-nan",
+        ),
     ],
 )
 def test_load_state_dict_refuses_bad_fields_at_load_with_nothing_changed(edit, match):

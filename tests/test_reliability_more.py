@@ -2,6 +2,7 @@
 and state dicts whose content only fails later. Each case gives reference.py's result (float64) or
 a clear error with nothing modified.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -42,13 +43,24 @@ def _shifted(P, B, U):
     "alias, momentum, scales, match",
     [
         # update 1 is param 0: the op wrote param 0 before reading update 1 (error ~1.1)
-        pytest.param(lambda P, B, U: [U[0], P[0]], 0.9, None, r"update 1 shares memory with param 0",
-                     id="update-is-another-param"),
+        pytest.param(
+            lambda P, B, U: [U[0], P[0]],
+            0.9,
+            None,
+            r"update 1 shares memory with param 0",
+            id="update-is-another-param",
+        ),
         # update 0 is its own buffer: with μ = 0 the buffer was zeroed before it was read
-        pytest.param(lambda P, B, U: [B[0], U[1]], 0.0, None, r"update 0 shares memory with buf 0",
-                     id="update-is-its-buffer-mu0"),
-        pytest.param(lambda P, B, U: [B[0], U[1]], 0.9, torch.tensor([2.0, 1.0]),
-                     r"update 0 shares memory with buf 0", id="update-is-its-buffer-scaled"),
+        pytest.param(
+            lambda P, B, U: [B[0], U[1]], 0.0, None, r"update 0 shares memory with buf 0", id="update-is-its-buffer-mu0"
+        ),
+        pytest.param(
+            lambda P, B, U: [B[0], U[1]],
+            0.9,
+            torch.tensor([2.0, 1.0]),
+            r"update 0 shares memory with buf 0",
+            id="update-is-its-buffer-scaled",
+        ),
         # update 1 is its own param shifted by one element: read after its neighbour was written
         pytest.param(_shifted, 0.9, None, r"update 1 shares memory with param 1", id="update-overlaps-its-param"),
     ],
@@ -163,23 +175,37 @@ def _stepped(seed, dtype=torch.float32):
 
 
 def _snapshot(opt):
-    return {k: v["momentum_buffer"].clone() for k, v in opt.state_dict()["state"].items()}, \
-        [dict((k, v) for k, v in g.items() if k != "params") for g in opt.param_groups]
+    return {k: v["momentum_buffer"].clone() for k, v in opt.state_dict()["state"].items()}, [
+        dict((k, v) for k, v in g.items() if k != "params") for g in opt.param_groups
+    ]
 
 
 @pytest.mark.parametrize(
     "dtype, edit, exc, match",
     [
         # a float64 buffer beyond float32: loaded as Inf, then every step refused it
-        pytest.param(torch.float32, lambda sd: sd["state"][0].update(
-            momentum_buffer=torch.full((4, 6), 1e300, dtype=torch.float64)), ValueError,
-            r"param 0 .*momentum_buffer holds 1e\+300, beyond the torch.float32", id="f64-buffer-beyond-f32"),
-        pytest.param(torch.bfloat16, lambda sd: sd["state"][1].update(
-            momentum_buffer=torch.full((5,), -1e39, dtype=torch.float64)), ValueError,
-            r"param 1 .*momentum_buffer holds 1e\+39, beyond the torch.float32", id="f64-buffer-beyond-bf16-param"),
+        pytest.param(
+            torch.float32,
+            lambda sd: sd["state"][0].update(momentum_buffer=torch.full((4, 6), 1e300, dtype=torch.float64)),
+            ValueError,
+            r"param 0 .*momentum_buffer holds 1e\+300, beyond the torch.float32",
+            id="f64-buffer-beyond-f32",
+        ),
+        pytest.param(
+            torch.bfloat16,
+            lambda sd: sd["state"][1].update(momentum_buffer=torch.full((5,), -1e39, dtype=torch.float64)),
+            ValueError,
+            r"param 1 .*momentum_buffer holds 1e\+39, beyond the torch.float32",
+            id="f64-buffer-beyond-bf16-param",
+        ),
         # a None state entry: torch's loader failed with "'NoneType' object is not subscriptable"
-        pytest.param(torch.float32, lambda sd: sd["state"].update({0: None}), TypeError,
-                     r"state of param 0 must be a dict, got NoneType", id="state-entry-none"),
+        pytest.param(
+            torch.float32,
+            lambda sd: sd["state"].update({0: None}),
+            TypeError,
+            r"state of param 0 must be a dict, got NoneType",
+            id="state-entry-none",
+        ),
     ],
 )
 def test_load_state_dict_refuses_content_that_fails_later_with_nothing_changed(dtype, edit, exc, match):

@@ -2,6 +2,7 @@
 never an overflowed intermediate), all-or-nothing writes, one rank cut for every method, and clear
 errors for meta and fake tensors. Each case is compared with reference.py (float64).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -194,12 +195,18 @@ def _poke(t, value):
 @pytest.mark.parametrize(
     "make,exc,match",
     [
-        pytest.param(lambda x, q: (x, _poke(q, float("nan"))), ValueError, r"iso_scale_: q: matrix 1 contains NaN",
-                     id="nan-in-q"),
-        pytest.param(lambda x, q: (_poke(x, float("inf")), q), ValueError, r"iso_scale_: x: matrix 1 contains Inf",
-                     id="inf-in-x"),
-        pytest.param(lambda x, q: (x.half() * 200, q.half() * 200), ResultOverflowError,
-                     r"iso_scale_: matrix \d: the result s̄·q does not fit torch.float16", id="fp16-overflow"),
+        pytest.param(
+            lambda x, q: (x, _poke(q, float("nan"))), ValueError, r"iso_scale_: q: matrix 1 contains NaN", id="nan-in-q"
+        ),
+        pytest.param(
+            lambda x, q: (_poke(x, float("inf")), q), ValueError, r"iso_scale_: x: matrix 1 contains Inf", id="inf-in-x"
+        ),
+        pytest.param(
+            lambda x, q: (x.half() * 200, q.half() * 200),
+            ResultOverflowError,
+            r"iso_scale_: matrix \d: the result s̄·q does not fit torch.float16",
+            id="fp16-overflow",
+        ),
     ],
 )
 def test_iso_scale_refuses_with_nothing_written(make, exc, match):
@@ -232,9 +239,11 @@ def test_iso_scale_refuses_an_inference_tensor():
 
 def _triple(seed=30, n=2, dtype=torch.float32):
     g = _gen(seed)
-    return ([torch.randn(5, generator=g).to(dtype) for _ in range(n)],
-            [torch.randn(5, generator=g) for _ in range(n)],
-            [torch.randn(5, generator=g) for _ in range(n)])
+    return (
+        [torch.randn(5, generator=g).to(dtype) for _ in range(n)],
+        [torch.randn(5, generator=g) for _ in range(n)],
+        [torch.randn(5, generator=g) for _ in range(n)],
+    )
 
 
 def _nan(t):
@@ -247,15 +256,17 @@ def _nan(t):
     "edit,match",
     [
         pytest.param(lambda P, B, U, S: (P, B, [U[0], _nan(U[1])], S), r"tensor 1: update.*NaN", id="nan-update"),
-        pytest.param(lambda P, B, U, S: (P, B, [U[0], U[1] * float("inf")], S), r"tensor 1: update.*Inf",
-                     id="inf-update"),
+        pytest.param(
+            lambda P, B, U, S: (P, B, [U[0], U[1] * float("inf")], S), r"tensor 1: update.*Inf", id="inf-update"
+        ),
         pytest.param(lambda P, B, U, S: ([P[0], _nan(P[1])], B, U, S), r"tensor 1: param.*NaN", id="nan-param"),
-        pytest.param(lambda P, B, U, S: (P, [B[0], _nan(B[1])], U, S), r"tensor 1: momentum buffer.*NaN",
-                     id="nan-buf"),
-        pytest.param(lambda P, B, U, S: (P, B, U, torch.tensor([1.0, float("nan")])), r"scales\[1\] is nan",
-                     id="scales-nan"),
-        pytest.param(lambda P, B, U, S: (P, B, U, torch.tensor([float("inf"), 1.0])), r"scales\[0\] is inf",
-                     id="scales-inf"),
+        pytest.param(lambda P, B, U, S: (P, [B[0], _nan(B[1])], U, S), r"tensor 1: momentum buffer.*NaN", id="nan-buf"),
+        pytest.param(
+            lambda P, B, U, S: (P, B, U, torch.tensor([1.0, float("nan")])), r"scales\[1\] is nan", id="scales-nan"
+        ),
+        pytest.param(
+            lambda P, B, U, S: (P, B, U, torch.tensor([float("inf"), 1.0])), r"scales\[0\] is inf", id="scales-inf"
+        ),
     ],
 )
 def test_nesterov_refuses_non_finite_input_with_nothing_written(edit, match):
@@ -272,7 +283,9 @@ def test_nesterov_fp16_overflow_is_refused_with_nothing_written():
     P, B, U = _triple(31)
     ph = torch.zeros(5, dtype=torch.float16)
     before = [p.clone() for p in P], [b.clone() for b in B]
-    with pytest.raises(ResultOverflowError, match=r"tensor 2: the outer update.*overflows the param's dtype torch.float16"):
+    with pytest.raises(
+        ResultOverflowError, match=r"tensor 2: the outer update.*overflows the param's dtype torch.float16"
+    ):
         ops.nesterov_outer_([*P, ph], [*B, torch.zeros(5)], [*U, torch.full((5,), 6e4)], 1.0, 0.9, None)
     assert all(torch.equal(a, b) for a, b in zip(P + B, before[0] + before[1])) and not ph.any()
 
@@ -283,8 +296,10 @@ def test_nesterov_huge_lr_gives_the_exact_result_when_it_fits(scaled):
     P, B, U = _triple(32)
     B, U = [b * 1e-30 for b in B], [u * 1e-30 for u in U]
     S = torch.tensor([2.0, 0.5]) if scaled else None
-    want = [nesterov_ref(p, b, u, 1e39, 0.9, 1.0 if S is None else float(s)) for p, b, u, s in
-            zip(P, B, U, S if S is not None else [None] * 2)]
+    want = [
+        nesterov_ref(p, b, u, 1e39, 0.9, 1.0 if S is None else float(s))
+        for p, b, u, s in zip(P, B, U, S if S is not None else [None] * 2)
+    ]
     ops.nesterov_outer_(P, B, U, 1e39, 0.9, S)
     for p, b, (wp, wb) in zip(P, B, want):
         assert torch.isfinite(p).all() and rel_err(p, wp) <= TOL[("update", torch.float32)]
@@ -353,8 +368,11 @@ def test_iso_merge_a_bucket_failing_after_the_checks_leaves_every_bucket_unchang
         real(x3)
 
     monkeypatch.setitem(flatten.METHODS, "svd", dataclasses.replace(flatten.METHODS["svd"], run=svd_failing_on_5x7))
-    buckets = [torch.randn(3, 4, 6, generator=_gen(52)), torch.randn(5, 7, generator=_gen(53)),
-               torch.randn(2, 8, 9, generator=_gen(54))]
+    buckets = [
+        torch.randn(3, 4, 6, generator=_gen(52)),
+        torch.randn(5, 7, generator=_gen(53)),
+        torch.randn(2, 8, 9, generator=_gen(54)),
+    ]
     before = [b.clone() for b in buckets]
     with pytest.raises(torch.linalg.LinAlgError):
         ik.iso_merge_(buckets, method="svd")

@@ -1,6 +1,7 @@
 """IsoLoCo takes torch.optim.SGD's keywords: the values that mean IsoLoCo's update are accepted (and
 reproduce SGD with iso=False), the others are refused with a ValueError naming the fix, and the
 param groups and state dicts stay SGD's."""
+
 from __future__ import annotations
 
 import copy
@@ -64,8 +65,10 @@ def test_sgd_partial_reproduces_sgd(dtype, extra):
         assert all(torch.equal(x, y) for x, y in zip(b, a))
     else:  # SGD's for-loop / foreach order their roundings differently (an ulp or two)
         assert _max_rel(b, a) <= EPS[dtype]
-        assert _max_rel([iso.state[p]["momentum_buffer"] for p in b],
-                        [sgd.state[p]["momentum_buffer"] for p in a]) <= EPS[dtype]
+        assert (
+            _max_rel([iso.state[p]["momentum_buffer"] for p in b], [sgd.state[p]["momentum_buffer"] for p in a])
+            <= EPS[dtype]
+        )
     assert _max_rel(b, _params(dtype)) > 1e-2  # the steps moved the params
 
 

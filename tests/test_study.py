@@ -1,5 +1,6 @@
 """study/run_study.py's v3 settings (regime knobs, outer momentum per job, scoring at the end) and the
 loop's eval_every that serves them."""
+
 from __future__ import annotations
 
 import importlib
@@ -39,14 +40,26 @@ def _corpus() -> Corpus:
 
 def test_parse_lrs_reads_lr_and_momentum(run_study):
     assert run_study.parse_lrs("diloco=0.7@0.5,isoloco=1.8,ddp=-") == [
-        ("diloco", 0.7, 0.5), ("isoloco", 1.8, None), ("ddp", None, None)]
+        ("diloco", 0.7, 0.5),
+        ("isoloco", 1.8, None),
+        ("ddp", None, None),
+    ]
     assert run_study.parse_lrs("diloco=1.4@0") == [("diloco", 1.4, 0.0)]
 
 
 def test_v3_records_are_told_apart_by_their_settings():
     key = _study_module("summarize").run_key
-    base = dict(seed=0, workers=4, inner_steps=30, mode="diloco", outer_lr=0.7, rounds=10,
-                study="v3", eval_split="halves", eval_windows=1024)
+    base = dict(
+        seed=0,
+        workers=4,
+        inner_steps=30,
+        mode="diloco",
+        outer_lr=0.7,
+        rounds=10,
+        study="v3",
+        eval_split="halves",
+        eval_windows=1024,
+    )
     a = key({**base, "v3": {"batch": 16, "mu": None}})
     b = key({**base, "v3": {"batch": 16, "mu": 0.5}})
     c = key({**base, "v3": {"batch": 4, "mu": None}})
@@ -57,8 +70,9 @@ def test_v3_records_are_told_apart_by_their_settings():
 
 @pytest.mark.parametrize("mode", ["ddp", "isoloco"])
 def test_eval_every_scores_every_nth_round_and_the_last(mode):
-    cfg = TrainConfig(workers=2, inner_steps=2, rounds=5, batch=2, seq_len=16, eval_windows=4,
-                      divergence=False, eval_every=2)
+    cfg = TrainConfig(
+        workers=2, inner_steps=2, rounds=5, batch=2, seq_len=16, eval_windows=4, divergence=False, eval_every=2
+    )
     setup = Setup(cfg, _corpus())
     out = run_mode(mode, setup)
     per_round = setup.tokens_per_round()
@@ -78,23 +92,61 @@ def test_eval_every_must_be_positive():
 
 def test_v3_run_records_its_settings_and_resumes(tmp_path):
     out = tmp_path / "r.jsonl"
-    cmd = [sys.executable, str(STUDY / "run_study.py"), "--part", "v3", "--cells", "2:2", "--steps", "4",
-           "--eval-windows", "4", "--batch", "2", "--seq-len", "16", "--seeds", "0",
-           "--lrs", "diloco=0.7@0.5,isoloco=1.8", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(STUDY / "run_study.py"),
+        "--part",
+        "v3",
+        "--cells",
+        "2:2",
+        "--steps",
+        "4",
+        "--eval-windows",
+        "4",
+        "--batch",
+        "2",
+        "--seq-len",
+        "16",
+        "--seeds",
+        "0",
+        "--lrs",
+        "diloco=0.7@0.5,isoloco=1.8",
+        "--out",
+        str(out),
+    ]
     for _ in range(2):  # the second run finds both jobs finished
         subprocess.run(cmd, check=True, capture_output=True, cwd=STUDY.parent, timeout=300)
     recs = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [(r["mode"], r["outer_lr"], r["outer_momentum"]) for r in recs] == [("diloco", 0.7, 0.5),
-                                                                             ("isoloco", 1.8, 0.8)]
+    assert [(r["mode"], r["outer_lr"], r["outer_momentum"]) for r in recs] == [
+        ("diloco", 0.7, 0.5),
+        ("isoloco", 1.8, 0.8),
+    ]
     for r in recs:
         assert r["study"] == "v3" and r["rounds"] == 2 and len(r["heldout_loss"]) == 2
         assert {k: r["v3"][k] for k in ("batch", "seq_len", "inner", "eval_every")} == {
-            "batch": 2, "seq_len": 16, "inner": "adamw", "eval_every": 4}
+            "batch": 2,
+            "seq_len": 16,
+            "inner": "adamw",
+            "eval_every": 4,
+        }
 
 
 def test_v3_settings_need_part_v3(tmp_path):
-    r = subprocess.run([sys.executable, str(STUDY / "run_study.py"), "--seeds", "0", "--batch", "16",
-                        "--out", str(tmp_path / "r.jsonl")], capture_output=True, text=True, cwd=STUDY.parent)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(STUDY / "run_study.py"),
+            "--seeds",
+            "0",
+            "--batch",
+            "16",
+            "--out",
+            str(tmp_path / "r.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=STUDY.parent,
+    )
     assert r.returncode == 2 and "--part v3" in r.stderr
 
 
@@ -104,10 +156,21 @@ def v3():
 
 
 def _rec(mode, lr, mu, seed, sel, test, **v3):
-    return {"study": "v3", "mode": mode, "outer_lr": lr, "outer_momentum": mu, "seed": seed, "workers": 4,
-            "inner_steps": 30, "rounds": 10, "vocab": 256, "init": "gpt2", "final_loss": sel,
-            "final_test_loss": test, "v3": {"batch": 16, "seq_len": 64, "inner": "adamw", "inner_lr": 3e-3,
-                                           "model": "tiny", **v3}}
+    return {
+        "study": "v3",
+        "mode": mode,
+        "outer_lr": lr,
+        "outer_momentum": mu,
+        "seed": seed,
+        "workers": 4,
+        "inner_steps": 30,
+        "rounds": 10,
+        "vocab": 256,
+        "init": "gpt2",
+        "final_loss": sel,
+        "final_test_loss": test,
+        "v3": {"batch": 16, "seq_len": 64, "inner": "adamw", "inner_lr": 3e-3, "model": "tiny", **v3},
+    }
 
 
 def test_v3_tunes_on_selection_reports_test_and_marks_edges(v3):

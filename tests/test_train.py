@@ -1,5 +1,6 @@
 """The reference training loop: every mode trains, runs are reproducible and paired, bad input is
 refused before training, and the CLI writes its JSON and PNG."""
+
 from __future__ import annotations
 
 import json
@@ -9,20 +10,36 @@ from dataclasses import replace
 import pytest
 import torch
 
-from isoloco_kernels.train import MODES, Comm, Setup, TrainConfig, load_corpus, run_mode
+from isoloco_kernels.train import MODES, Comm, Setup, TrainConfig, load_corpus, run_mode, tokenizer
 from isoloco_kernels.train.capture import load_pseudo_gradients
 from isoloco_kernels.train.cli import main
 from isoloco_kernels.train.data import Batches, check_fits, heldout_windows, worker_seed
 from isoloco_kernels.train.divergence import DivergenceMeter
 from isoloco_kernels.train.loop import DEFAULT_MODES
-from isoloco_kernels.train import tokenizer
 from isoloco_kernels.train.model import ByteLM, ModelConfig
 
 from .helpers import TOL, rel_err
 
 SMALL = dict(model="tiny", seq_len=16, workers=2, inner_steps=3, rounds=2, batch=2, warmup=1, eval_windows=8)
-CLI_SMALL = ["-K", "2", "-H", "2", "-R", "2", "--batch", "2", "--seq-len", "16", "--eval-windows", "8",
-             "--max-bytes", "60000", "--quiet", "--threads", "1"]
+CLI_SMALL = [
+    "-K",
+    "2",
+    "-H",
+    "2",
+    "-R",
+    "2",
+    "--batch",
+    "2",
+    "--seq-len",
+    "16",
+    "--eval-windows",
+    "8",
+    "--max-bytes",
+    "60000",
+    "--quiet",
+    "--threads",
+    "1",
+]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small computations (tests/conftest.py)
@@ -115,17 +132,19 @@ def test_nonfinite_loss_is_reported_not_hidden(corpus):
 
 @pytest.mark.parametrize(
     "field, value, msg",
-    [("workers", 0, "workers must be an integer ≥ 1, got 0"),
-     ("inner_steps", 0, "inner_steps must be an integer ≥ 1, got 0"),
-     ("rounds", -1, "rounds must be"),
-     ("batch", 0, "batch must be"),
-     ("outer_lr", {"ddp": 1.0}, "outer lr given for 'ddp'"),
-     ("outer_lr", {"isoloco": float("nan")}, "outer lr for isoloco must be a finite number"),
-     ("model", "huge", "model must be one of"),
-     ("iso_skip", ("bogus.",), "iso_skip 'bogus.' matches no matrix of the model; its matrices: tok.weight"),
-     ("iso_skip", ("",), "iso_skip entries must be non-empty"),
-     ("iso_skip", "tok.", "iso_skip must be a tuple of parameter-name prefixes, got the string 'tok.'"),
-     ("iso_skip_outer", (0.35, 0.9), "iso_skip_outer is set but iso_skip names no parameters")],
+    [
+        ("workers", 0, "workers must be an integer ≥ 1, got 0"),
+        ("inner_steps", 0, "inner_steps must be an integer ≥ 1, got 0"),
+        ("rounds", -1, "rounds must be"),
+        ("batch", 0, "batch must be"),
+        ("outer_lr", {"ddp": 1.0}, "outer lr given for 'ddp'"),
+        ("outer_lr", {"isoloco": float("nan")}, "outer lr for isoloco must be a finite number"),
+        ("model", "huge", "model must be one of"),
+        ("iso_skip", ("bogus.",), "iso_skip 'bogus.' matches no matrix of the model; its matrices: tok.weight"),
+        ("iso_skip", ("",), "iso_skip entries must be non-empty"),
+        ("iso_skip", "tok.", "iso_skip must be a tuple of parameter-name prefixes, got the string 'tok.'"),
+        ("iso_skip_outer", (0.35, 0.9), "iso_skip_outer is set but iso_skip names no parameters"),
+    ],
 )
 def test_bad_settings_are_refused(field, value, msg):
     with pytest.raises(ValueError, match=msg):
@@ -183,22 +202,24 @@ def test_text_file_and_folder(tmp_path, corpus):
 
 @pytest.mark.parametrize(
     "args, msg",
-    [(["-K", "0"], "workers must be an integer ≥ 1, got 0"),
-     (["-H", "0"], "inner_steps must be an integer ≥ 1, got 0"),
-     (["--data", "/nonexistent/corpus"], "does not exist"),
-     (["--batch", "100000"], "larger than each of the 2 workers' data shard"),
-     (["--sweep", "workers=2,0"], "values must be integers ≥ 1"),
-     (["--outer-lr", "diloco=fast"], "--outer-lr takes a number"),
-     (["--mode", "adam"], "unknown mode"),
-     (["--iso-method", "bogus"], "iso_method must be one of"),
-     (["--mode", "ddp", "--iso-method", "bogus"], "iso_method must be one of"),
-     (["--device", "tpu"], "device must be cpu, cuda or cuda:N, got 'tpu'"),
-     (["--device", "meta"], "device must be cpu, cuda or cuda:N, got 'meta'"),
-     (["--vocab", "100"], "--vocab takes bytes, 256 or an integer in 257..262144"),
-     (["--init", "xavier"], "invalid choice: 'xavier'"),
-     (["--iso-skip", "norm."], "iso_skip 'norm.' matches no matrix of the model"),
-     (["--iso-skip", "tok.", "--iso-skip-outer", "0.35"], "takes LR,MOMENTUM"),
-     (["--save-pseudo-gradients", "cap", "--save-rounds", "5"], "round 5 is outside 1..2")],
+    [
+        (["-K", "0"], "workers must be an integer ≥ 1, got 0"),
+        (["-H", "0"], "inner_steps must be an integer ≥ 1, got 0"),
+        (["--data", "/nonexistent/corpus"], "does not exist"),
+        (["--batch", "100000"], "larger than each of the 2 workers' data shard"),
+        (["--sweep", "workers=2,0"], "values must be integers ≥ 1"),
+        (["--outer-lr", "diloco=fast"], "--outer-lr takes a number"),
+        (["--mode", "adam"], "unknown mode"),
+        (["--iso-method", "bogus"], "iso_method must be one of"),
+        (["--mode", "ddp", "--iso-method", "bogus"], "iso_method must be one of"),
+        (["--device", "tpu"], "device must be cpu, cuda or cuda:N, got 'tpu'"),
+        (["--device", "meta"], "device must be cpu, cuda or cuda:N, got 'meta'"),
+        (["--vocab", "100"], "--vocab takes bytes, 256 or an integer in 257..262144"),
+        (["--init", "xavier"], "invalid choice: 'xavier'"),
+        (["--iso-skip", "norm."], "iso_skip 'norm.' matches no matrix of the model"),
+        (["--iso-skip", "tok.", "--iso-skip-outer", "0.35"], "takes LR,MOMENTUM"),
+        (["--save-pseudo-gradients", "cap", "--save-rounds", "5"], "round 5 is outside 1..2"),
+    ],
 )
 def test_cli_refuses_bad_input_before_training(tmp_path, capsys, args, msg):
     out = tmp_path / "out"
@@ -228,8 +249,17 @@ def test_cli_end_to_end(tmp_path, capsys):
 
 def test_cli_sweep_and_outer_lr_override(tmp_path):
     out = tmp_path / "sweep"
-    args = CLI_SMALL + ["--out", str(out), "--mode", "diloco,isoloco", "--sweep", "workers=1,3",
-                        "--outer-lr", "isoloco=1.2", "--tie-embeddings"]
+    args = CLI_SMALL + [
+        "--out",
+        str(out),
+        "--mode",
+        "diloco,isoloco",
+        "--sweep",
+        "workers=1,3",
+        "--outer-lr",
+        "isoloco=1.2",
+        "--tie-embeddings",
+    ]
     assert main(args) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["sweep"]["param"] == "workers" and res["sweep"]["values"] == [1, 3]
@@ -292,8 +322,9 @@ def test_divergence_meter_matches_pairwise_brute_force():
     res = meter.finish(Comm(K), mean)
     for g, idx in meter.groups.items():
         flat = [torch.cat([d[i].flatten() for i in idx]).double() for d in deltas]
-        cos = [torch.nn.functional.cosine_similarity(flat[i], flat[j], dim=0)
-               for i in range(K) for j in range(i + 1, K)]
+        cos = [
+            torch.nn.functional.cosine_similarity(flat[i], flat[j], dim=0) for i in range(K) for j in range(i + 1, K)
+        ]
         assert res["cosine"][g] == pytest.approx(float(sum(cos) / len(cos)), rel=1e-5), g
         shrink = (sum(flat) / K).norm() / (sum(f.norm() for f in flat) / K)
         assert res["shrinkage"][g] == pytest.approx(float(shrink), rel=1e-5), g
@@ -387,8 +418,18 @@ def test_init_choices_differ_in_scale():
 
 def test_cli_saves_pseudo_gradients_and_records_divergence(tmp_path):
     out, cap = tmp_path / "run", tmp_path / "cap"
-    args = CLI_SMALL + ["--out", str(out), "--mode", "ddp,isoloco,avg", "--save-pseudo-gradients", str(cap),
-                        "--save-rounds", "all", "--save-dtype", "float16"]
+    args = CLI_SMALL + [
+        "--out",
+        str(out),
+        "--mode",
+        "ddp,isoloco,avg",
+        "--save-pseudo-gradients",
+        str(cap),
+        "--save-rounds",
+        "all",
+        "--save-dtype",
+        "float16",
+    ]
     assert main(args) == 0
     res = json.loads((out / "results.json").read_text())
     assert "divergence" not in res["modes"]["ddp"]
@@ -436,8 +477,13 @@ except SystemExit as e:
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "no PNG: matplotlib is not installed" in p.stdout
     assert 'vocab 300 needs the `tokenizers` package: pip install -e ".[train]"' in p.stderr
@@ -448,12 +494,26 @@ def test_captures_become_bucket_sets(tmp_path):
     from bench.captured import load_captured_sets, slim
 
     cap = tmp_path / "cap"
-    assert main(CLI_SMALL + ["--out", str(tmp_path / "run"), "--mode", "diloco", "--save-pseudo-gradients",
-                             str(cap), "--save-rounds", "last"]) == 0
+    assert (
+        main(
+            CLI_SMALL
+            + [
+                "--out",
+                str(tmp_path / "run"),
+                "--mode",
+                "diloco",
+                "--save-pseudo-gradients",
+                str(cap),
+                "--save-rounds",
+                "last",
+            ]
+        )
+        == 0
+    )
     small = slim(cap, tmp_path / "slim", keep=["tok.", "head.", "blocks.1."], dtype="float16")
     assert [p.name for p in small] == ["round_002.pt"]
     for folder, n_mats in ((cap, 11), (tmp_path / "slim", 6)):
-        (name, e), = load_captured_sets(folder).items()
+        ((name, e),) = load_captured_sets(folder).items()
         assert name == "captured-diloco-r2"
         assert sum(b for b, _, _ in e["shapes"]) == n_mats
         for (b, m, n), x, names, cond in zip(e["shapes"], e["src"], e["names"], e["cond"]):
@@ -511,8 +571,10 @@ def test_cli_says_when_a_split_holds_fewer_windows_than_asked(tmp_path, capsys):
     assert main(CLI_SMALL + ["--eval-windows", "100000", "--mode", "ddp", "-R", "1", "--out", str(out)]) == 0
     r = json.loads((out / "results.json").read_text())["modes"]["ddp"]
     assert 0 < min(r["eval_windows_scored"]) < 100000
-    assert (f"each half of the held-out text holds only {r['eval_windows_scored'][0]} / {r['eval_windows_scored'][1]}"
-            in capsys.readouterr().err)
+    assert (
+        f"each half of the held-out text holds only {r['eval_windows_scored'][0]} / {r['eval_windows_scored'][1]}"
+        in capsys.readouterr().err
+    )
 
 
 def test_muon_inner_steps_the_hidden_matrices_and_adamw_the_rest():
@@ -567,9 +629,15 @@ def test_muon_inner_trains_through_the_loop(corpus):
     assert r["heldout_loss"][0] == a["heldout_loss"][0] and r["final_loss"] != a["final_loss"]
 
 
-@pytest.mark.parametrize("mode, mu", [pytest.param("diloco", 0.5, id="diloco"), pytest.param("avg", 0.3, id="avg"),
-                                      pytest.param("isoloco", 0.0, id="isoloco-0"),
-                                      pytest.param("isoloco-sgd", 0.6, id="isoloco-sgd")])
+@pytest.mark.parametrize(
+    "mode, mu",
+    [
+        pytest.param("diloco", 0.5, id="diloco"),
+        pytest.param("avg", 0.3, id="avg"),
+        pytest.param("isoloco", 0.0, id="isoloco-0"),
+        pytest.param("isoloco-sgd", 0.6, id="isoloco-sgd"),
+    ],
+)
 def test_outer_momentum_for_every_method(mode, mu):
     from isoloco_kernels.train.loop import outer_optimizer
 
@@ -583,12 +651,15 @@ def test_outer_momentum_for_every_method(mode, mu):
         assert g["nesterov"] is (mu > 0)
 
 
-@pytest.mark.parametrize("value, msg", [
-    pytest.param({"diloco": 1.0}, r"outer momentum for diloco must be in \[0, 1\), got 1.0", id="one"),
-    pytest.param({"isoloco": -0.1}, r"outer momentum for isoloco must be in \[0, 1\)", id="negative"),
-    pytest.param({"isoloco": float("nan")}, r"outer momentum for isoloco must be in \[0, 1\)", id="nan"),
-    pytest.param({"ddp": 0.5}, "outer momentum given for 'ddp', which has no outer step", id="ddp"),
-])
+@pytest.mark.parametrize(
+    "value, msg",
+    [
+        pytest.param({"diloco": 1.0}, r"outer momentum for diloco must be in \[0, 1\), got 1.0", id="one"),
+        pytest.param({"isoloco": -0.1}, r"outer momentum for isoloco must be in \[0, 1\)", id="negative"),
+        pytest.param({"isoloco": float("nan")}, r"outer momentum for isoloco must be in \[0, 1\)", id="nan"),
+        pytest.param({"ddp": 0.5}, "outer momentum given for 'ddp', which has no outer step", id="ddp"),
+    ],
+)
 def test_bad_outer_momentum_is_refused(value, msg):
     with pytest.raises(ValueError, match=msg):
         TrainConfig(**SMALL, outer_momentum=value).validate()
@@ -596,8 +667,24 @@ def test_bad_outer_momentum_is_refused(value, msg):
 
 def test_cli_outer_momentum_and_inner(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(CLI_SMALL + ["--out", str(out), "--mode", "diloco,isoloco", "--outer-momentum", "diloco=0.5",
-                             "--inner", "muon", "-R", "1"]) == 0
+    assert (
+        main(
+            CLI_SMALL
+            + [
+                "--out",
+                str(out),
+                "--mode",
+                "diloco,isoloco",
+                "--outer-momentum",
+                "diloco=0.5",
+                "--inner",
+                "muon",
+                "-R",
+                "1",
+            ]
+        )
+        == 0
+    )
     res = json.loads((out / "results.json").read_text())
     assert res["modes"]["diloco"]["outer_momentum"] == 0.5 and res["modes"]["isoloco"]["outer_momentum"] == 0.8
     assert res["config"]["inner"] == "muon"

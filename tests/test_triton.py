@@ -8,6 +8,7 @@ other tests in the parent process never see the variable. Sizes stay small (the 
 slow).
 Outputs are poisoned (NaN) before kernels run, so unwritten elements show.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,7 +35,11 @@ def test_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.dirname(HERE))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-        env=env, cwd=os.path.dirname(HERE), capture_output=True, text=True, timeout=900,
+        env=env,
+        cwd=os.path.dirname(HERE),
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
@@ -91,7 +96,7 @@ def _compile_launch(kernel, args, kw, capability: int):
 
 def _iso_scale_cases():
     """(id, x, q): the shapes, dtypes and layouts iso_scale_ can get (CPU or meta stand-ins)."""
-    f32, f64, bf16, f16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
+    f64, bf16, f16 = torch.float64, torch.bfloat16, torch.float16
     misaligned = torch.empty(1 + 2 * 64 * 48)[1:].view(2, 64, 48)
     return [
         ("1xn", torch.empty(1, 37), torch.empty(1, 37)),  # R0 = 1, S = 1: constexprs
@@ -103,7 +108,11 @@ def _iso_scale_cases():
         ("misaligned", misaligned, torch.empty(2, 64, 48)),
         ("1xn-wide-f64", torch.empty(1, 1, 70001, dtype=f64), torch.empty(1, 1, 70001, dtype=f64)),
         # one matrix of 2^31 − 2^15 elements (32-bit arguments, 64-bit loop) and of 2^31 (i64)
-        ("just-below-2^31", torch.empty(1, 2**16 - 1, 2**15, device="meta"), torch.empty(1, 2**16 - 1, 2**15, device="meta")),
+        (
+            "just-below-2^31",
+            torch.empty(1, 2**16 - 1, 2**15, device="meta"),
+            torch.empty(1, 2**16 - 1, 2**15, device="meta"),
+        ),
         ("2^31-bf16", torch.empty(2**16, 2**15, dtype=bf16, device="meta"), torch.empty(2**16, 2**15, device="meta")),
         ("2^31-strided", torch.empty(2**15, 2**16, device="meta").mT, torch.empty(2**16, 2**15, device="meta")),
     ]
@@ -116,8 +125,9 @@ def test_iso_scale_kernels_compile_for_every_specialization(monkeypatch, capabil
     from isoloco_kernels.triton import iso_scale
 
     _, x, q = case
-    launches = _launches(monkeypatch, iso_scale, ["_iso_dot_kernel", "_iso_write_kernel"],
-                         lambda: iso_scale.iso_scale_triton(x, q))
+    launches = _launches(
+        monkeypatch, iso_scale, ["_iso_dot_kernel", "_iso_write_kernel"], lambda: iso_scale.iso_scale_triton(x, q)
+    )
     assert len(launches) == 2
     for kernel, args, kw in launches:
         compiled, signature = _compile_launch(kernel, args, kw, capability)
@@ -138,8 +148,9 @@ def test_iso_scale_specializations_include_the_integer_one_constexprs(monkeypatc
     from isoloco_kernels.triton import iso_scale
 
     _, x, q = _iso_scale_cases()[0]
-    (_, (kernel, args, kw)) = _launches(monkeypatch, iso_scale, ["_iso_dot_kernel", "_iso_write_kernel"],
-                                        lambda: iso_scale.iso_scale_triton(x, q))
+    (_, (kernel, args, kw)) = _launches(
+        monkeypatch, iso_scale, ["_iso_dot_kernel", "_iso_write_kernel"], lambda: iso_scale.iso_scale_triton(x, q)
+    )
     binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
     spec = dict(zip((p.name for p in kernel.params), binder(*args, **kw)[1]))
     assert spec["R0"] == ("constexpr", 1) and spec["S"] == ("constexpr", 1)
@@ -148,9 +159,15 @@ def test_iso_scale_specializations_include_the_integer_one_constexprs(monkeypatc
 def _nesterov_cases():
     f32, f64, bf16, f16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
     combos = [(d, d, d) for d in (f32, f64, bf16, f16)] + [
-        (bf16, f32, bf16), (f16, f32, f32), (f64, f32, f16), (f32, f32, bf16)]
-    cases = [(f"{'-'.join(str(d)[6:] for d in c)}{'-scales' if k % 2 else ''}", c, k % 2 == 1, False)
-             for k, c in enumerate(combos)]
+        (bf16, f32, bf16),
+        (f16, f32, f32),
+        (f64, f32, f16),
+        (f32, f32, bf16),
+    ]
+    cases = [
+        (f"{'-'.join(str(d)[6:] for d in c)}{'-scales' if k % 2 else ''}", c, k % 2 == 1, False)
+        for k, c in enumerate(combos)
+    ]
     cases.append(("f32-misaligned-scales", (f32, f32, f32), True, True))
     return cases
 
@@ -167,8 +184,12 @@ def test_nesterov_kernel_compiles_for_every_specialization(monkeypatch, capabili
     bs = [torch.empty(n, dtype=bd) for n in sizes]
     us = [torch.empty(n, dtype=ud) for n in sizes]
     scales = torch.ones(len(sizes), dtype=torch.float64) if with_scales else None
-    (launch,) = _launches(monkeypatch, nesterov, ["_nesterov_outer_kernel"],
-                          lambda: nesterov.nesterov_outer_triton(ps, bs, us, 0.7, 0.9, scales))
+    (launch,) = _launches(
+        monkeypatch,
+        nesterov,
+        ["_nesterov_outer_kernel"],
+        lambda: nesterov.nesterov_outer_triton(ps, bs, us, 0.7, 0.9, scales),
+    )
     kernel, args, kw = launch
     assert kw["ALIGNED"] == (not misaligned)
     compiled, _ = _compile_launch(kernel, args, kw, capability)
@@ -190,10 +211,19 @@ def test_iso_scale_divides_by_integer_r0_in_float64_for_float64_input():
 
     params = inspect.signature(iso_scale._iso_write_kernel.fn).parameters
     assert "R0" in params and "inv_r0" not in params
-    sig = {"x_ptr": "*fp64", "q_ptr": "*fp32", "part_ptr": "*fp64", "sbar_ptr": "*fp64",
-           **{k: "i32" for k in ("N", "NUMEL", "S", "R0", "sxb", "sxm", "sxn", "sqb", "sqm", "sqn")},
-           "BLOCK": "constexpr", "S_POW2": "constexpr", "FLAT": "constexpr"}
-    src = ASTSource(fn=iso_scale._iso_write_kernel, signature=sig, constexprs={"BLOCK": 1024, "S_POW2": 256, "FLAT": True})
+    sig = {
+        "x_ptr": "*fp64",
+        "q_ptr": "*fp32",
+        "part_ptr": "*fp64",
+        "sbar_ptr": "*fp64",
+        **{k: "i32" for k in ("N", "NUMEL", "S", "R0", "sxb", "sxm", "sxn", "sqb", "sqm", "sqn")},
+        "BLOCK": "constexpr",
+        "S_POW2": "constexpr",
+        "FLAT": "constexpr",
+    }
+    src = ASTSource(
+        fn=iso_scale._iso_write_kernel, signature=sig, constexprs={"BLOCK": 1024, "S_POW2": 256, "FLAT": True}
+    )
     ttir = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ttir"]
     assert re.search(r"arith\.divf .*: f64", ttir), ttir
     assert re.search(r"arith\.sitofp .*i32 to f64", ttir), ttir
@@ -307,7 +337,9 @@ def test_cuda_polar_flatten_and_auto(dtype):
     assert rel_err(ik.iso_flatten(xc, method="auto"), ref) <= TOL[("polar", dtype)]
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (launches on cuda:1 under its own device guard)")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 GPUs (launches on cuda:1 under its own device guard)"
+)
 def test_kernels_on_the_second_gpu():
     """Triton launches on the current device: every wrapper must make the tensors' device current."""
     from isoloco_kernels.triton import iso_scale, nesterov

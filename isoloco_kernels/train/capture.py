@@ -18,6 +18,7 @@ checksum, a non-finite entry. Format 1 files (written before checksums: no "form
 with a `CaptureFormatWarning` saying their bytes cannot be verified; `python -m bench.captured slim`
 rewrites them in format 2.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -54,8 +55,7 @@ def tensor_checksum(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def save_capture(path: str | os.PathLike, *, round: int, mode: str, config: dict, cond: dict,
-                 delta: dict) -> Path:
+def save_capture(path: str | os.PathLike, *, round: int, mode: str, config: dict, cond: dict, delta: dict) -> Path:
     """Write one saved round in the current format, atomically (a reader never sees half a file).
 
     Raises CaptureError, writing nothing, when a tensor is not finite (a cast to a narrower dtype
@@ -69,8 +69,15 @@ def save_capture(path: str | os.PathLike, *, round: int, mode: str, config: dict
                 f"{path}: tensor {n} has {bad} non-finite entries of {t.numel()} in {str(t.dtype).removeprefix('torch.')}"
                 " (does the Δ fit that dtype? --save-dtype float32 keeps it)"
             )
-    blob = {"format": FORMAT, "round": round, "mode": mode, "config": config, "cond": cond, "delta": delta,
-            "checksums": {n: tensor_checksum(t) for n, t in delta.items()}}
+    blob = {
+        "format": FORMAT,
+        "round": round,
+        "mode": mode,
+        "config": config,
+        "cond": cond,
+        "delta": delta,
+        "checksums": {n: tensor_checksum(t) for n, t in delta.items()},
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     torch.save(blob, tmp)
@@ -89,10 +96,23 @@ def load_capture(path: str | os.PathLike) -> dict:
         raise CaptureError(f"{path} is empty (0 bytes)")
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
-    except (EOFError, OSError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, KeyError,
-            AttributeError, TypeError, IndexError, UnicodeDecodeError) as e:
-        raise CaptureError(f"{path} is not a readable torch file, truncated or corrupted "
-                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    except (
+        EOFError,
+        OSError,
+        RuntimeError,
+        pickle.UnpicklingError,
+        zipfile.BadZipFile,
+        ValueError,
+        KeyError,
+        AttributeError,
+        TypeError,
+        IndexError,
+        UnicodeDecodeError,
+    ) as e:
+        raise CaptureError(
+            f"{path} is not a readable torch file, truncated or corrupted "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     if not isinstance(blob, dict):
         raise CaptureError(f"{path} holds a {type(blob).__name__}, not a saved round (a dict)")
     fmt = blob.get("format", 1)
@@ -102,8 +122,11 @@ def load_capture(path: str | os.PathLike) -> dict:
     if missing:
         raise CaptureError(f"{path} lacks {', '.join(missing)}: not a complete saved round")
     delta = blob["delta"]
-    if not isinstance(delta, dict) or not delta or not all(
-            isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in delta.items()):
+    if (
+        not isinstance(delta, dict)
+        or not delta
+        or not all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in delta.items())
+    ):
         raise CaptureError(f"{path}: 'delta' must be a non-empty dict of parameter name → tensor")
     if not isinstance(blob["cond"], dict) or not isinstance(blob["config"], dict):
         raise CaptureError(f"{path}: 'cond' and 'config' must be dicts")
@@ -118,8 +141,12 @@ def load_capture(path: str | os.PathLike) -> dict:
             if tensor_checksum(t) != sums[n]:
                 raise CaptureError(f"{path}: tensor {n} does not match its checksum: the file is corrupted")
     else:
-        warnings.warn(f"{path}: no checksum (format 1): corrupted bytes that stay finite cannot be detected; "
-                      "`python -m bench.captured slim` rewrites it in format 2", CaptureFormatWarning, stacklevel=3)
+        warnings.warn(
+            f"{path}: no checksum (format 1): corrupted bytes that stay finite cannot be detected; "
+            "`python -m bench.captured slim` rewrites it in format 2",
+            CaptureFormatWarning,
+            stacklevel=3,
+        )
     for n, t in delta.items():
         bad = int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
         if bad:
@@ -143,7 +170,9 @@ def parse_rounds(spec: str, rounds: int) -> Sequence[int]:
         try:
             r = int(part)
         except ValueError:
-            raise ValueError(f"--save-rounds takes all, or a comma list of rounds/first/mid/last, got {spec!r}") from None
+            raise ValueError(
+                f"--save-rounds takes all, or a comma list of rounds/first/mid/last, got {spec!r}"
+            ) from None
         if not 1 <= r <= rounds:
             raise ValueError(f"--save-rounds: round {r} is outside 1..{rounds} (the run has {rounds} rounds)")
         out.add(r)
@@ -153,8 +182,7 @@ def parse_rounds(spec: str, rounds: int) -> Sequence[int]:
 class PseudoGradientWriter:
     """The capture callback of one run: writes the chosen rounds under folder/run."""
 
-    def __init__(self, folder: str | os.PathLike, run: str, rounds: Iterable[int], dtype: str,
-                 mode: str, config: dict):
+    def __init__(self, folder: str | os.PathLike, run: str, rounds: Iterable[int], dtype: str, mode: str, config: dict):
         if dtype not in SAVE_DTYPES:
             raise ValueError(f"save dtype must be one of {sorted(SAVE_DTYPES)}, got {dtype!r}")
         self.dir = Path(folder) / run
@@ -168,8 +196,9 @@ class PseudoGradientWriter:
             return
         cond = {n: spectrum(d)["cond"] for n, d in zip(names, mean_delta) if d.ndim == 2}
         delta = {n: d.detach().to("cpu", self.dtype, copy=True) for n, d in zip(names, mean_delta)}
-        path = save_capture(self.dir / f"round_{rnd:03d}.pt", round=rnd, mode=self.mode, config=self.config,
-                            cond=cond, delta=delta)
+        path = save_capture(
+            self.dir / f"round_{rnd:03d}.pt", round=rnd, mode=self.mode, config=self.config, cond=cond, delta=delta
+        )
         self.written.append(path)
 
 

@@ -12,9 +12,9 @@ Under torchrun (`torchrun --nproc_per_node=K -m isoloco_kernels.train ...`) each
 one worker and the ranks average over torch.distributed (dist.py); --outer sharded splits the outer
 step over the ranks.
 """
+
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -29,76 +29,14 @@ from typing import Sequence
 
 import torch
 
+from .args import SWEEPABLE, build_parser
 from .capture import SAVE_DTYPES, PseudoGradientWriter, parse_rounds
-from .config import DEFAULT_MODES, INNERS, MODES, OUTER_DEFAULTS, TrainConfig, check_device
+from .config import OUTER_DEFAULTS, TrainConfig, check_device
 from .data import check_fits, load_corpus
-from .dist import OUTER_PLACEMENTS, check_outer, torchrun_launch
+from .dist import check_outer, torchrun_launch
 from .loop import Comm, Setup, check_memory, run_mode
-from .model import INITS, PRESETS
-from .tokenizer import MAX_VOCAB, tokenize
 from .report import mode_table, plot, sweep_table
-
-SWEEPABLE = {"workers": "workers", "inner-steps": "inner_steps", "rounds": "rounds", "batch": "batch"}
-
-
-def _parse_modes(s: str) -> list[str]:
-    if s == "all":
-        return list(MODES)
-    modes = [m.strip() for m in s.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {bad or s!r}; choose from all, {', '.join(MODES)}")
-    return list(dict.fromkeys(modes))
-
-
-def _parse_sweep(s: str) -> tuple[str, list[int]]:
-    name, sep, vals = s.partition("=")
-    if not sep or name not in SWEEPABLE:
-        raise argparse.ArgumentTypeError(
-            f"--sweep takes NAME=V1,V2,... with NAME one of {sorted(SWEEPABLE)}, got {s!r}"
-        )
-    try:
-        values = [int(v) for v in vals.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--sweep {name}: values must be integers, got {vals!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"--sweep {name}: values must be integers ≥ 1, got {vals!r}")
-    return name, values
-
-
-def _per_mode(flag: str, example: str):
-    """A parser of '1.2' (every mode with an outer step) or 'diloco=0.5,isoloco=2.0'."""
-
-    def parse(s: str) -> dict | float:
-        try:
-            if "=" not in s:
-                return float(s)
-            out = {}
-            for part in s.split(","):
-                mode, _, v = part.partition("=")
-                out[mode.strip()] = float(v)
-            return out
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a number or MODE=VALUE,... (e.g. {example}), got {s!r}") from None
-
-    return parse
-
-
-_parse_outer_lr = _per_mode("--outer-lr", "diloco=0.7,isoloco=1.8")
-_parse_outer_momentum = _per_mode("--outer-momentum", "diloco=0.5,isoloco=0.8")
-
-
-def _parse_vocab(s: str) -> int:
-    if s == "bytes":
-        return 256
-    try:
-        v = int(s)
-    except ValueError:
-        v = None
-    if v is None or not 256 <= v <= MAX_VOCAB:
-        raise argparse.ArgumentTypeError(
-            f"--vocab takes bytes, 256 or an integer in 257..{MAX_VOCAB} (BPE), got {s!r}")
-    return v
+from .tokenizer import tokenize
 
 
 def check_folder(flag: str, path: str | os.PathLike, files: Sequence[str] = ()) -> None:
@@ -148,85 +86,11 @@ def check_disk(flag: str, path: str | os.PathLike, need: int) -> None:
     first = next(q for q in (p, *p.parents) if q.exists())
     free = shutil.disk_usage(first).free
     if need > free:
-        raise ValueError(f"{flag} {path}: the run would write {need / 2**30:.2f} GiB there but "
-                         f"{free / 2**30:.2f} GiB is free; save fewer rounds (--save-rounds) or a smaller "
-                         "--save-dtype")
-
-
-def _parse_lr_momentum(s: str) -> tuple[float, float]:
-    try:
-        lr, mom = (float(x) for x in s.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes LR,MOMENTUM (e.g. 0.35,0.9), got {s!r}") from None
-    return lr, mom
-
-
-def build_parser() -> argparse.ArgumentParser:
-    d = TrainConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m isoloco_kernels.train",
-        description="Compare DDP, DiLoCo and IsoLoCo on a byte-level LM (same init, data and tokens).",
-    )
-    p.add_argument("--mode", type=_parse_modes, default=list(DEFAULT_MODES),
-                   help=f"a comma list of {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)}), or all")
-    p.add_argument("--model", choices=sorted(PRESETS), default=d.model,
-                   help="tiny ~0.5M params (CPU), small ~5M, base ~100M (GPU)")
-    p.add_argument("--workers", "-K", type=int, default=d.workers, help="K workers (default %(default)s)")
-    p.add_argument("--inner-steps", "-H", type=int, default=d.inner_steps, help="H inner steps per round")
-    p.add_argument("--rounds", "-R", type=int, default=d.rounds, help="outer steps (default %(default)s)")
-    p.add_argument("--batch", type=int, default=d.batch, help="sequences per worker per inner step")
-    p.add_argument("--seq-len", type=int, default=None, help="bytes per sequence (default: the model's)")
-    p.add_argument("--tie-embeddings", action="store_true", help="share input embedding and output head")
-    p.add_argument("--vocab", type=_parse_vocab, default=d.vocab,
-                   help="bytes/256 (default): byte-level; N > 256: a BPE vocabulary of N tokens (HF tokenizers) "
-                        "trained on the training split at first use and cached in --out; held-out loss "
-                        "stays in nats/byte")
-    p.add_argument("--init", choices=INITS, default=d.init,
-                   help="gpt2 (default): every matrix N(0, 0.02), residual projections /sqrt(2·layers); "
-                        "torch: PyTorch's module defaults (token embedding N(0, 1), Kaiming-uniform linears) "
-                        "with the position table N(0, 0.02); torch-pos1: the same with positions N(0, 1)")
-    p.add_argument("--inner", choices=INNERS, default=d.inner,
-                   help="inner optimizer: adamw (default), or muon: torch.optim.Muon on the blocks' matrices "
-                        "(lr scaled to AdamW's update RMS), AdamW on embeddings, head and norms (MuLoCo)")
-    p.add_argument("--inner-lr", type=float, default=d.inner_lr, help="inner peak lr (AdamW's, and Muon's)")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="inner warmup steps")
-    p.add_argument("--outer-lr", type=_parse_outer_lr, default=None,
-                   help="outer lr for every outer mode, or MODE=LR,... "
-                        + ", ".join(f"{m} {lr}" for m, (lr, _) in OUTER_DEFAULTS.items()))
-    p.add_argument("--outer-momentum", type=_parse_outer_momentum, default=None,
-                   help="outer Nesterov momentum for every outer mode, or MODE=MU,... (0 ≤ μ < 1); defaults "
-                        + ", ".join(f"{m} {mu}" for m, (_, mu) in OUTER_DEFAULTS.items()))
-    p.add_argument("--iso-method", default=d.iso_method, help="IsoLoCo flatten method (auto, svd, eigh, polar, ...)")
-    p.add_argument("--iso-skip", default="", metavar="PREFIXES",
-                   help="comma list of parameter-name prefixes kept out of Iso-C in the Iso-C modes, e.g. "
-                        "tok.,head. (the embedding and head take the outer step unflattened)")
-    p.add_argument("--iso-skip-outer", type=_parse_lr_momentum, default=None, metavar="LR,MOMENTUM",
-                   help="the outer lr and momentum of the --iso-skip matrices (default: the mode's)")
-    p.add_argument("--data", default=None, help="a text file or folder (default: Python's stdlib source)")
-    p.add_argument("--max-bytes", type=int, default=4_000_000, help="read at most this much text")
-    p.add_argument("--eval-windows", type=int, default=d.eval_windows,
-                   help="held-out windows in each split (default %(default)s): the selection split (first half "
-                        "of the held-out text, to pick settings on) and the test split (second half, to report)")
-    p.add_argument("--sweep", type=_parse_sweep, default=None,
-                   help="NAME=V1,V2,... e.g. workers=2,4,8,16 or inner-steps=30,100")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--out", default="runs/latest", help="folder for results.json and loss.png")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("--save-pseudo-gradients", metavar="DIR", default=None,
-                   help="save the averaged pseudo-gradient Δ of the rounds --save-rounds picks, one .pt per "
-                        "round under DIR/<mode>/ (capture.py)")
-    p.add_argument("--save-rounds", default="first,mid,last",
-                   help="rounds to save: all, or a comma list of numbers/first/mid/last (default %(default)s)")
-    p.add_argument("--save-dtype", choices=sorted(SAVE_DTYPES), default="float32",
-                   help="dtype of the saved Δ (default %(default)s)")
-    p.add_argument("--no-divergence", action="store_true",
-                   help="skip the per-round divergence and spectrum measurements (results.json 'divergence')")
-    p.add_argument("--outer", choices=OUTER_PLACEMENTS, default="replicated",
-                   help="under torchrun: the outer step on every rank (replicated, default) or each "
-                        "tensor's on one owner rank (sharded: ShardedIsoLoCo)")
-    return p
+        raise ValueError(
+            f"{flag} {path}: the run would write {need / 2**30:.2f} GiB there but "
+            f"{free / 2**30:.2f} GiB is free; save fewer rounds (--save-rounds) or a smaller "
+            "--save-dtype"
+        )
 
 
 def capture_run(mode: str, param: str | None, value) -> str:
@@ -269,11 +133,27 @@ def main(argv=None) -> int:
     per_mode = lambda v: {m: v for m in outer_modes} if isinstance(v, float) else (v or {})
     outer_lr, outer_momentum = per_mode(a.outer_lr), per_mode(a.outer_momentum)
     base = TrainConfig(
-        model=a.model, workers=a.workers, inner_steps=a.inner_steps, rounds=a.rounds, batch=a.batch,
-        seq_len=a.seq_len, tie_embeddings=a.tie_embeddings, inner_lr=a.inner_lr, warmup=a.warmup,
-        outer_lr=outer_lr, outer_momentum=outer_momentum, inner=a.inner, iso_method=a.iso_method, eval_windows=a.eval_windows, seed=a.seed, device=device,
-        vocab=a.vocab, init=a.init, divergence=not a.no_divergence,
-        iso_skip=tuple(x for x in a.iso_skip.split(",") if x), iso_skip_outer=a.iso_skip_outer,
+        model=a.model,
+        workers=a.workers,
+        inner_steps=a.inner_steps,
+        rounds=a.rounds,
+        batch=a.batch,
+        seq_len=a.seq_len,
+        tie_embeddings=a.tie_embeddings,
+        inner_lr=a.inner_lr,
+        warmup=a.warmup,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+        inner=a.inner,
+        iso_method=a.iso_method,
+        eval_windows=a.eval_windows,
+        seed=a.seed,
+        device=device,
+        vocab=a.vocab,
+        init=a.init,
+        divergence=not a.no_divergence,
+        iso_skip=tuple(x for x in a.iso_skip.split(",") if x),
+        iso_skip_outer=a.iso_skip_outer,
     )
     param, values = a.sweep if a.sweep else (None, [None])
     cfgs = [base if param is None else replace(base, **{SWEEPABLE[param]: v}) for v in values]
@@ -295,9 +175,13 @@ def main(argv=None) -> int:
                 per_round = c.n_params() * SAVE_DTYPES[a.save_dtype].itemsize
                 for m in (m for m in a.mode if m in OUTER_DEFAULTS):
                     run = capture_run(m, param, v)
-                    check_folder("--save-pseudo-gradients", Path(a.save_pseudo_gradients) / run,
-                                 [] if len(save_rounds[c.rounds]) > 1000 else
-                                 [f"round_{r:03d}.pt" for r in save_rounds[c.rounds]])
+                    check_folder(
+                        "--save-pseudo-gradients",
+                        Path(a.save_pseudo_gradients) / run,
+                        []
+                        if len(save_rounds[c.rounds]) > 1000
+                        else [f"round_{r:03d}.pt" for r in save_rounds[c.rounds]],
+                    )
                     need += len(save_rounds[c.rounds]) * per_round
             check_disk("--save-pseudo-gradients", a.save_pseudo_gradients, need)
         corpus = load_corpus(a.data, a.max_bytes)
@@ -338,20 +222,30 @@ def main(argv=None) -> int:
     for v, c in zip(values, cfgs):
         setup = setup0 if c is cfgs[0] else Setup(c, corpus)
         if min(setup.eval_windows) < c.eval_windows and c is cfgs[0]:
-            say(f"warning: --eval-windows {c.eval_windows}: each half of the held-out text holds only "
+            say(
+                f"warning: --eval-windows {c.eval_windows}: each half of the held-out text holds only "
                 f"{setup.eval_windows[0]} / {setup.eval_windows[1]} windows of {setup.mcfg.seq_len} {corpus.unit} "
-                "(selection / test); those are scored", file=sys.stderr)
+                "(selection / test); those are scored",
+                file=sys.stderr,
+            )
         runs = []
         for m in a.mode:
             tag = m if param is None else f"{m} {param}={v}"
             cb, close = make_progress(tag, c.workers * c.inner_steps * c.rounds)
             capture = None
             if a.save_pseudo_gradients is not None and m in OUTER_DEFAULTS and (launch is None or launch.is_main):
-                capture = PseudoGradientWriter(a.save_pseudo_gradients, capture_run(m, param, v),
-                                               save_rounds[c.rounds], a.save_dtype, m, c.as_dict())
+                capture = PseudoGradientWriter(
+                    a.save_pseudo_gradients,
+                    capture_run(m, param, v),
+                    save_rounds[c.rounds],
+                    a.save_dtype,
+                    m,
+                    c.as_dict(),
+                )
             try:
-                runs.append(run_mode(m, setup, Comm(c.workers) if launch is None else launch.comm(c), cb,
-                                     capture=capture))
+                runs.append(
+                    run_mode(m, setup, Comm(c.workers) if launch is None else launch.comm(c), cb, capture=capture)
+                )
             finally:
                 close()
             if launch is not None:
@@ -363,7 +257,9 @@ def main(argv=None) -> int:
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {
-            "platform": platform.platform(), "cpu_threads": torch.get_num_threads(), "device": device,
+            "platform": platform.platform(),
+            "cpu_threads": torch.get_num_threads(),
+            "device": device,
             "torch": torch.__version__,
         },
         "data": corpus.describe(),
@@ -376,14 +272,21 @@ def main(argv=None) -> int:
     else:
         result.update(
             config=base.as_dict(),
-            sweep={"param": param, "values": values,
-                   "runs": [{"config": c.as_dict(), "modes": {r["mode"]: r for r in runs}}
-                            for c, runs in zip(cfgs, per_value)]},
+            sweep={
+                "param": param,
+                "values": values,
+                "runs": [
+                    {"config": c.as_dict(), "modes": {r["mode"]: r for r in runs}} for c, runs in zip(cfgs, per_value)
+                ],
+            },
         )
         table = sweep_table(param, values, per_value)
     if a.save_pseudo_gradients is not None:
-        result["pseudo_gradients"] = {"dir": a.save_pseudo_gradients, "dtype": a.save_dtype,
-                                      "rounds": {str(k): list(v) for k, v in save_rounds.items()}}
+        result["pseudo_gradients"] = {
+            "dir": a.save_pseudo_gradients,
+            "dtype": a.save_dtype,
+            "rounds": {str(k): list(v) for k, v in save_rounds.items()},
+        }
     if launch is not None:
         result["launch"] = launch.describe()
         launch.close()
@@ -392,6 +295,8 @@ def main(argv=None) -> int:
     (out / "results.json").write_text(json.dumps(result, indent=1))
     wrote_png = plot(out / "loss.png", per_value, param, values)
     print(table)
-    print(f"\nwall {result['wall_s']:.0f} s; wrote {out / 'results.json'}"
-          + (f" and {out / 'loss.png'}" if wrote_png else " (no PNG: matplotlib is not installed)"))
+    print(
+        f"\nwall {result['wall_s']:.0f} s; wrote {out / 'results.json'}"
+        + (f" and {out / 'loss.png'}" if wrote_png else " (no PNG: matplotlib is not installed)")
+    )
     return 0

@@ -3,6 +3,7 @@
 The outer step of each mode (its Nesterov rule is `isoloco_kernels.reference.nesterov_ref`) is built in
 optimizers.py; the loop that runs the modes is loop.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -73,7 +74,7 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer ≥ 1, got {v!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
             raise ValueError(f"seq_len must be an integer ≥ 1, got {self.seq_len!r}")
@@ -92,15 +93,25 @@ class TrainConfig:
             if not 0 <= v < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {v!r}")
         for what, given, ok, rule in (
-            ("lr", self.outer_lr, lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v > 0,
-             "a finite number > 0"),
-            ("momentum", self.outer_momentum,
-             lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v < 1, "in [0, 1)"),
+            (
+                "lr",
+                self.outer_lr,
+                lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v > 0,
+                "a finite number > 0",
+            ),
+            (
+                "momentum",
+                self.outer_momentum,
+                lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v < 1,
+                "in [0, 1)",
+            ),
         ):
             for mode, v in given.items():
                 if mode not in OUTER_DEFAULTS:
-                    raise ValueError(f"outer {what} given for {mode!r}, which has no outer step; modes with one: "
-                                     f"{sorted(OUTER_DEFAULTS)}")
+                    raise ValueError(
+                        f"outer {what} given for {mode!r}, which has no outer step; modes with one: "
+                        f"{sorted(OUTER_DEFAULTS)}"
+                    )
                 if not ok(v):
                     raise ValueError(f"outer {what} for {mode} must be {rule}, got {v!r}")
         if self.inner not in INNERS:
@@ -130,8 +141,11 @@ class TrainConfig:
             if not self.iso_skip:
                 raise ValueError("iso_skip_outer is set but iso_skip names no parameters")
             v = self.iso_skip_outer
-            numbers = isinstance(v, (tuple, list)) and len(v) == 2 and all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+            numbers = (
+                isinstance(v, (tuple, list))
+                and len(v) == 2
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+            )
             if not (numbers and math.isfinite(v[0]) and v[0] > 0 and 0 <= v[1] < 1):
                 raise ValueError(f"iso_skip_outer must be (lr > 0, 0 ≤ momentum < 1), got {self.iso_skip_outer!r}")
 

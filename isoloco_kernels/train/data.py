@@ -6,6 +6,7 @@ visited in a fixed pseudo-random order (sha1 of the relative path), so a byte ca
 library instead of its alphabetical head. Each document goes to the held-out set when the sha1 of
 its name says so, which keeps the split stable across runs, machines and caps.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -117,8 +118,11 @@ class Corpus:
             "train_bytes": int(self.token_bytes[self.train.long()].sum().item()),
             "heldout_bytes": int(self.heldout_bytes.numel()),
             "vocab": self.vocab,
-            "tokenizer": {"kind": "bpe (HF tokenizers, byte-level)", "path": self.tokenizer_path,
-                          "loaded_from_cache": self.tokenizer_cached},
+            "tokenizer": {
+                "kind": "bpe (HF tokenizers, byte-level)",
+                "path": self.tokenizer_path,
+                "loaded_from_cache": self.tokenizer_cached,
+            },
             "train_tokens": int(self.train.numel()),
             "heldout_tokens": int(self.heldout.numel()),
         }
@@ -176,9 +180,7 @@ def load_corpus(path: str | os.PathLike | None = None, max_bytes: int = 4_000_00
             if not data.strip():
                 raise ValueError(f"data file {source} is empty")
             if not _is_text(data):
-                raise ValueError(
-                    f"data file {source} is not UTF-8 text (binary content); pass a text file or folder"
-                )
+                raise ValueError(f"data file {source} is not UTF-8 text (binary content); pass a text file or folder")
             return _split([(root.name, data)], source)
         files = _folder_files(root)
     docs, total, skipped = [], 0, 0

@@ -27,6 +27,7 @@ progress and writes the JSON and PNG.
 A non-finite loss is seen by one rank while the others wait in a collective, so under torchrun a
 divergence ends the run: the rank that saw it raises, and torchrun stops the others.
 """
+
 from __future__ import annotations
 
 import os
@@ -76,8 +77,13 @@ class DistComm(Comm):
 
         lr, momentum = cfg.outer(mode)
         return ShardedIsoLoCo(
-            params, lr=lr, momentum=momentum, iso=mode not in SGD_MODES, method=cfg.iso_method,
-            process_group=self.group, bucket_bytes=self.bucket_bytes,
+            params,
+            lr=lr,
+            momentum=momentum,
+            iso=mode not in SGD_MODES,
+            method=cfg.iso_method,
+            process_group=self.group,
+            bucket_bytes=self.bucket_bytes,
         )
 
     def pseudo_gradients_(self, delta: Sequence[torch.Tensor]) -> None:
@@ -126,9 +132,7 @@ class Launch:
                     "(one worker per rank); omit --workers or pass the world size"
                 )
         if device not in ("cpu", "cuda"):
-            raise ValueError(
-                f"--device {device!r} under torchrun: pass cpu or cuda (rank r uses cuda:LOCAL_RANK)"
-            )
+            raise ValueError(f"--device {device!r} under torchrun: pass cpu or cuda (rank r uses cuda:LOCAL_RANK)")
         self.outer = outer
 
     def start(self, device: str) -> None:
@@ -172,8 +176,7 @@ class Launch:
             )
 
     def describe(self) -> dict:
-        return {"launcher": "torchrun", "world_size": self.world_size, "backend": self.backend,
-                "outer": self.outer}
+        return {"launcher": "torchrun", "world_size": self.world_size, "backend": self.backend, "outer": self.outer}
 
     def close(self) -> None:
         import torch.distributed as dist

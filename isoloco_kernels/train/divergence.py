@@ -21,6 +21,7 @@ and, for every 2-D parameter, the spectrum of the averaged Δ (σ from float64 S
 Under torchrun the per-worker sums are all-reduced with the run's `Comm`, so every rank records the
 same numbers as the single-process simulation (to float rounding).
 """
+
 from __future__ import annotations
 
 import math
@@ -65,8 +66,9 @@ class DivergenceMeter:
         self._zero(params)
 
     def _zero(self, params: Sequence[torch.Tensor]) -> None:
-        self.unit = {g: [torch.zeros_like(params[i], dtype=torch.float32) for i in idx]
-                     for g, idx in self.groups.items()}
+        self.unit = {
+            g: [torch.zeros_like(params[i], dtype=torch.float32) for i in idx] for g, idx in self.groups.items()
+        }
         self.norm_sum = torch.zeros(len(self.groups), dtype=torch.float64, device=params[0].device)
         self.workers = 0
 
@@ -107,11 +109,16 @@ class DivergenceMeter:
         out["spectrum"] = {self.names[i]: spectrum(d) for i, d in enumerate(mean_delta) if d.ndim == 2}
         ranks = [s["erank"] for s in out["spectrum"].values()]
         tops = [s["top_over_mean"] for s in out["spectrum"].values() if s["top_over_mean"] is not None]
-        out["spectrum_median"] = {
-            "erank_over_r0": _median([s["erank"] / min(self.shapes[self.names.index(n)])
-                                      for n, s in out["spectrum"].items()]),
-            "top_over_mean": _median(tops),
-        } if ranks else {}
+        out["spectrum_median"] = (
+            {
+                "erank_over_r0": _median(
+                    [s["erank"] / min(self.shapes[self.names.index(n)]) for n, s in out["spectrum"].items()]
+                ),
+                "top_over_mean": _median(tops),
+            }
+            if ranks
+            else {}
+        )
         return out
 
 

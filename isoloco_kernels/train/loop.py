@@ -23,6 +23,7 @@ own AdamW state across rounds (as in DiLoCo); they share one scratch model that 
 global weights at the start of each worker's turn. The only cross-worker communication is
 `Comm.average_`, so a multi-process launcher replaces that one object.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,9 +41,27 @@ from .optimizers import InnerOptimizers, inner_optimizer, lr_factor, muon_params
 from .tokenizer import tokenize
 
 __all__ = [
-    "DEFAULT_MODES", "INNERS", "MODES", "OUTER_DEFAULTS", "SGD_MODES", "Comm", "Diverged", "InnerOptimizers",
-    "Setup", "TrainConfig", "available_memory", "check_device", "check_memory", "evaluate", "inner_optimizer",
-    "lr_factor", "memory_estimate", "muon_params", "outer_optimizer", "outer_params", "run_mode",
+    "DEFAULT_MODES",
+    "INNERS",
+    "MODES",
+    "OUTER_DEFAULTS",
+    "SGD_MODES",
+    "Comm",
+    "Diverged",
+    "InnerOptimizers",
+    "Setup",
+    "TrainConfig",
+    "available_memory",
+    "check_device",
+    "check_memory",
+    "evaluate",
+    "inner_optimizer",
+    "lr_factor",
+    "memory_estimate",
+    "muon_params",
+    "outer_optimizer",
+    "outer_params",
+    "run_mode",
 ]
 
 
@@ -79,7 +98,9 @@ def available_memory(device) -> int | None:
         return None
 
 
-def check_memory(cfgs: Sequence[TrainConfig], modes: Sequence[str], local_workers: Callable[[TrainConfig], int]) -> None:
+def check_memory(
+    cfgs: Sequence[TrainConfig], modes: Sequence[str], local_workers: Callable[[TrainConfig], int]
+) -> None:
     """ValueError, before any training, when even memory_estimate exceeds the device's free memory
     (e.g. --workers 20000, or a batch × sequence that fits the data but not the machine)."""
     for c in cfgs:
@@ -136,8 +157,9 @@ def _check_finite(loss: torch.Tensor, where: str) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: ByteLM, hx: torch.Tensor, hy: torch.Tensor, chunk: int = 64,
-             heldout_bytes: float | None = None) -> float:
+def evaluate(
+    model: ByteLM, hx: torch.Tensor, hy: torch.Tensor, chunk: int = 64, heldout_bytes: float | None = None
+) -> float:
     """Held-out loss in nats/byte over the fixed windows.
 
     Byte-level: the mean loss. Tokens: the summed loss over every target token divided by
@@ -249,7 +271,7 @@ def run_mode(
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     cfg = setup.cfg
     comm = comm or Comm(cfg.workers)
-    K, H, R = cfg.workers, cfg.inner_steps, cfg.rounds
+    H, R = cfg.inner_steps, cfg.rounds
     total = H * R
     model = setup.model()
     batches = setup.batches()

@@ -20,6 +20,7 @@ Three initialisations (`ModelConfig.init`, the CLI's --init):
 The init scale changes how far apart the workers' pseudo-gradients drift and how anisotropic
 their spectra are, which is a first-order factor of the DiLoCo / IsoLoCo gap (study/README.md).
 """
+
 from __future__ import annotations
 
 import math
@@ -52,9 +53,7 @@ class ModelConfig:
         if self.init not in INITS:
             raise ValueError(f"model init must be one of {INITS}, got {self.init!r}")
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"model d_model={self.d_model} must be divisible by n_heads={self.n_heads}"
-            )
+            raise ValueError(f"model d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -96,9 +95,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
-        a = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 

@@ -4,6 +4,7 @@ Inner: AdamW, or Muon on the hidden matrices with AdamW on the rest (TrainConfig
 torch.optim.SGD with Nesterov momentum for diloco and avg, IsoLoCo for the Iso-C modes; both take the
 same Nesterov step, stated once in `isoloco_kernels.reference.nesterov_ref`.
 """
+
 from __future__ import annotations
 
 import math
@@ -67,9 +68,14 @@ def inner_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     )
     if not hidden:
         return adamw
-    muon = torch.optim.Muon([p for n, p in model.named_parameters() if n in hidden], lr=cfg.inner_lr,
-                            weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True,
-                            adjust_lr_fn="match_rms_adamw")
+    muon = torch.optim.Muon(
+        [p for n, p in model.named_parameters() if n in hidden],
+        lr=cfg.inner_lr,
+        weight_decay=cfg.weight_decay,
+        momentum=0.95,
+        nesterov=True,
+        adjust_lr_fn="match_rms_adamw",
+    )
     return InnerOptimizers(adamw, muon)
 
 

@@ -1,4 +1,5 @@
 """Tables and plots of training results (the dicts `run_mode` returns)."""
+
 from __future__ import annotations
 
 from typing import Sequence

@@ -16,6 +16,7 @@ BPE runs compare on one scale.
 
 `tokenizers` is an optional dependency (`pip install -e ".[train]"`); byte-level runs do not need it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -46,9 +47,7 @@ def check_vocab(vocab) -> None:
         try:
             import tokenizers  # noqa: F401
         except ImportError:
-            raise ValueError(
-                f"vocab {vocab} needs the `tokenizers` package: pip install -e \".[train]\""
-            ) from None
+            raise ValueError(f'vocab {vocab} needs the `tokenizers` package: pip install -e ".[train]"') from None
 
 
 def _pieces(text: str) -> list[str]:
@@ -79,7 +78,9 @@ def train_bpe(text: str, vocab: int):
 
     tok = _new_tokenizer()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
+        vocab_size=vocab,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
         show_progress=False,
     )
     tok.train_from_iterator(_pieces(text), trainer=trainer)
@@ -98,8 +99,13 @@ def token_bytes(tok) -> torch.Tensor:
 def write_cache(path: Path, tokenizer_json: str, vocab: int, train_sha1: str) -> None:
     """Save a trained tokenizer's JSON in the cache envelope, atomically (parallel runs never read
     half a file)."""
-    blob = {"format": CACHE_FORMAT, "vocab": vocab, "train_sha1": train_sha1,
-            "sha256": hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest(), "tokenizer": tokenizer_json}
+    blob = {
+        "format": CACHE_FORMAT,
+        "vocab": vocab,
+        "train_sha1": train_sha1,
+        "sha256": hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest(),
+        "tokenizer": tokenizer_json,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(blob), encoding="utf-8")
@@ -120,8 +126,11 @@ def read_cache(path: Path, vocab: int, train_sha1: str) -> str:
         blob = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"tokenizer cache {path} is not valid JSON ({e}): truncated or corrupted; {fix}") from None
-    missing = [k for k in ("format", "vocab", "train_sha1", "sha256", "tokenizer")
-               if not isinstance(blob, dict) or k not in blob]
+    missing = [
+        k
+        for k in ("format", "vocab", "train_sha1", "sha256", "tokenizer")
+        if not isinstance(blob, dict) or k not in blob
+    ]
     if missing:
         raise ValueError(f"tokenizer cache {path} lacks {', '.join(missing)}: not a cache this loop wrote; {fix}")
     if blob["format"] != CACHE_FORMAT:
@@ -133,7 +142,9 @@ def read_cache(path: Path, vocab: int, train_sha1: str) -> str:
         )
     text = blob["tokenizer"]
     if not isinstance(text, str) or hashlib.sha256(text.encode("utf-8")).hexdigest() != blob["sha256"]:
-        raise ValueError(f"tokenizer cache {path}: the tokenizer does not match its sha256 (corrupted or edited); {fix}")
+        raise ValueError(
+            f"tokenizer cache {path}: the tokenizer does not match its sha256 (corrupted or edited); {fix}"
+        )
     return text
 
 
@@ -183,8 +194,11 @@ def tokenize(corpus: Corpus, vocab: int, cache_dir: str | os.PathLike | None = N
     if tok.get_vocab_size() != vocab:
         raise ValueError(
             f"{where} reached {tok.get_vocab_size()} tokens, not {vocab}"
-            + ("" if cached else ": the training text is too small for this vocabulary; use more data or a "
-               "smaller --vocab")
+            + (
+                ""
+                if cached
+                else ": the training text is too small for this vocabulary; use more data or a smaller --vocab"
+            )
         )
     try:
         tb = token_bytes(tok)
@@ -194,8 +208,13 @@ def tokenize(corpus: Corpus, vocab: int, cache_dir: str | os.PathLike | None = N
     if tb[train.long()].sum() != len(train_text.encode("utf-8")):  # each token stands for its bytes
         raise ValueError(f"{where}: the tokens do not cover the training bytes exactly; expected a byte-level BPE")
     out = replace(
-        corpus, train=train, heldout=_encode(tok, _text(corpus.heldout)), vocab=vocab,
-        token_bytes=tb, tokenizer_path=None if path is None else str(path), tokenizer_cached=cached,
+        corpus,
+        train=train,
+        heldout=_encode(tok, _text(corpus.heldout)),
+        vocab=vocab,
+        token_bytes=tb,
+        tokenizer_path=None if path is None else str(path),
+        tokenizer_cached=cached,
         heldout_bytes=corpus.heldout,
     )
     _MEMO[(sha, vocab, str(path))] = out

@@ -8,6 +8,7 @@ imported, the kernels are built for Triton's interpreter and take CPU tensors (t
 tests run them without a GPU); `interpreted()` says which kind was built. The polar iteration's
 GEMMs run on cuBLAS (Triton GEMM kernels for it were removed: never measured faster).
 """
+
 from __future__ import annotations
 
 try:

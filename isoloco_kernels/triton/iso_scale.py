@@ -19,6 +19,7 @@ offsets are 64-bit (a 32-bit chunk counter would wrap just below 2^31 elements).
 r0 is passed as an integer: a Python float argument would be typed fp32 and put ~1e-8 relative
 error into a float64 s̄.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,9 +41,21 @@ def _offsets(idx, N, sb, sm, sn, bid, FLAT: tl.constexpr):
 
 @triton.jit
 def _iso_dot_kernel(
-    x_ptr, q_ptr, part_ptr, N, NUMEL, S,
-    sxb, sxm, sxn, sqb, sqm, sqn,
-    BLOCK: tl.constexpr, ACC_F64: tl.constexpr, FLAT: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    part_ptr,
+    N,
+    NUMEL,
+    S,
+    sxb,
+    sxm,
+    sxn,
+    sqb,
+    sqm,
+    sqn,
+    BLOCK: tl.constexpr,
+    ACC_F64: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
     bid = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1)
@@ -61,9 +74,23 @@ def _iso_dot_kernel(
 
 @triton.jit
 def _iso_write_kernel(
-    x_ptr, q_ptr, part_ptr, sbar_ptr, N, NUMEL, S, R0,
-    sxb, sxm, sxn, sqb, sqm, sqn,
-    BLOCK: tl.constexpr, S_POW2: tl.constexpr, FLAT: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    part_ptr,
+    sbar_ptr,
+    N,
+    NUMEL,
+    S,
+    R0,
+    sxb,
+    sxm,
+    sxn,
+    sqb,
+    sqm,
+    sqn,
+    BLOCK: tl.constexpr,
+    S_POW2: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
     bid = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1)
@@ -99,7 +126,9 @@ def _row_major(t: torch.Tensor) -> bool:
     return (n == 1 or t.stride(-1) == 1) and (m == 1 or t.stride(-2) == n)
 
 
-def iso_scale_triton(x: torch.Tensor, q: torch.Tensor, *, block: int = 1024, max_splits: int = MAX_SPLITS) -> torch.Tensor:
+def iso_scale_triton(
+    x: torch.Tensor, q: torch.Tensor, *, block: int = 1024, max_splits: int = MAX_SPLITS
+) -> torch.Tensor:
     """x ← s̄·q in place for [m, n] / [B, m, n] x and q of the same shape; returns s̄ [B] (or [])
     in float32 (float64 for float64 x). Arguments are checked by the op (ops.py)."""
     m, n = x.shape[-2:]
@@ -118,8 +147,32 @@ def iso_scale_triton(x: torch.Tensor, q: torch.Tensor, *, block: int = 1024, max
     # Row-major matrices (the polar path's): flat offsets, no 64-bit div/mod per element.
     flat = _row_major(x3) and _row_major(q3)
     with on_device(x3):
-        _iso_dot_kernel[grid](x3, q3, part, n, numel, splits, *x3.stride(), *q3.stride(),
-                              BLOCK=block, ACC_F64=acc == torch.float64, FLAT=flat)
-        _iso_write_kernel[grid](x3, q3, part, sbar, n, numel, splits, min(m, n), *x3.stride(), *q3.stride(),
-                                BLOCK=block, S_POW2=triton.next_power_of_2(splits), FLAT=flat)
+        _iso_dot_kernel[grid](
+            x3,
+            q3,
+            part,
+            n,
+            numel,
+            splits,
+            *x3.stride(),
+            *q3.stride(),
+            BLOCK=block,
+            ACC_F64=acc == torch.float64,
+            FLAT=flat,
+        )
+        _iso_write_kernel[grid](
+            x3,
+            q3,
+            part,
+            sbar,
+            n,
+            numel,
+            splits,
+            min(m, n),
+            *x3.stride(),
+            *q3.stride(),
+            BLOCK=block,
+            S_POW2=triton.next_power_of_2(splits),
+            FLAT=flat,
+        )
     return sbar.reshape(x.shape[:-2])

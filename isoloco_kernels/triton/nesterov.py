@@ -18,6 +18,7 @@ and bufs contiguous; updates are made contiguous here.
 This module has no package-relative imports, so a test may load a second copy of it with the
 Triton interpreter switched on.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,9 +39,23 @@ _TL = {
     torch.float64: tl.float64,
 }
 
+
 @triton.jit
-def _nesterov_block(p_ptr, b_ptr, u_ptr, offs, n, s, lr, mu, P_DTYPE: tl.constexpr, B_DTYPE: tl.constexpr,
-                    C_DTYPE: tl.constexpr, HAS_SCALES: tl.constexpr, MASKED: tl.constexpr):
+def _nesterov_block(
+    p_ptr,
+    b_ptr,
+    u_ptr,
+    offs,
+    n,
+    s,
+    lr,
+    mu,
+    P_DTYPE: tl.constexpr,
+    B_DTYPE: tl.constexpr,
+    C_DTYPE: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """BLOCK elements of one tensor; MASKED only for a tensor's last, partial block."""
     if MASKED:
         mask = offs < n
