@@ -222,6 +222,8 @@ setup(
         "cupy": [cupy_wheel()],
         "cupy-cuda12": ["cupy-cuda12x"],
         "cupy-cuda13": ["cupy-cuda13x"],
+        # lint and format (pyproject.toml's [tool.ruff]); pinned: formatting may change between releases
+        "lint": ["ruff==0.17.6"],
         "examples": ["torchft", "torchtitan", "hivemind"],  # examples/: torchtitan's DiLoCo setup, hivemind peers
     },
     ext_modules=[CMakeExtension("isoloco_kernels._C")] if TOOLS is not None else [],
