@@ -44,6 +44,7 @@ import torch
 from summarize import read_jsonl, run_key  # study/ is on sys.path: this file runs as a script
 
 from isoloco_kernels.train import Setup, TrainConfig, load_corpus, run_mode
+from isoloco_kernels.train.config import OUTER_DEFAULTS
 
 STEPS_PER_WORKER = 300
 EVAL_WINDOWS = 1024  # per split: the paired-difference noise of 64 windows hid gaps ≤ 0.05
@@ -127,7 +128,8 @@ def main() -> None:
     p.add_argument(
         "--lrs",
         default=None,
-        help="run only these outer lrs instead of a part, e.g. diloco=0.35,isoloco=3.2 (ddp=- for DDP)",
+        help="run only these outer lrs instead of a part, e.g. diloco=0.35,isoloco=3.2 (ddp=- for DDP; "
+        "v3: diloco=0.7@0.5 sets μ too, and best:diloco,isoloco,ddp runs each mode's best config so far in the cell)",
     )
     p.add_argument("--init", default="gpt2", help="v2: comma list of inits (gpt2, torch)")
     p.add_argument("--vocab", type=int, default=256, help="v2: 256 (bytes) or a BPE vocabulary size")
@@ -181,9 +183,27 @@ def main() -> None:
     corpus = load_corpus()
     cache = out.parent / ".tokenizers"  # BPE tokenizers, trained once on the training split
     todo = [(K, H, m, lr, None) for K, H, m, lr in jobs(cells, a.part if study != "v3" else "defaults")]
-    if a.lrs:  # extend the grid where its best point sits on an edge
+    best = (a.lrs or "").startswith("best:")
+    if a.lrs and not best:  # extend the grid where its best point sits on an edge
         todo = [(K, H, m, lr, mu) for K, H in cells for m, lr, mu in parse_lrs(a.lrs)]
     todo = [(K, H, mode, lr, mu, init, seed) for init in inits for K, H, mode, lr, mu in todo for seed in seeds]
+    if best:  # each method's best config so far in the cell, on more seeds
+        if v3 is None:
+            p.error("--lrs best:MODES picks from study v3's grids: add --part v3")
+        from v3 import best_jobs
+
+        recs = [r for f in sorted(out.parent.glob("*.jsonl")) for r in read_jsonl(f)]
+        mu0 = {m: mu for m, (_, mu) in OUTER_DEFAULTS.items()}
+        setting = tuple(v3[k] for k in ("batch", "seq_len", "inner", "inner_lr", "model"))
+        todo = [
+            (K, H, mode, lr, mu, init, seed)
+            for init in inits
+            for K, H in cells
+            for mode, lr, mu in best_jobs(
+                recs, (K, H, a.steps // H, a.vocab, init, *setting), a.lrs[5:].split(","), mu0
+            )
+            for seed in seeds
+        ]
     if study == "v2":  # the paired DiLoCo / IsoLoCo runs of every init first, seed by seed; then the rest
         todo.sort(key=lambda j: (j[2] not in ("diloco", "isoloco"), j[6]))
     for K, H, mode, lr, mu, init, seed in todo:

@@ -66,7 +66,7 @@ def best_config(grid: dict) -> dict | None:
     }
     cfg = min(score, key=score.get)
     lrs = sorted(lr for lr, mu in grid if mu == cfg[1] and lr is not None)
-    edge = len(lrs) > 1 and cfg[0] in (lrs[0], lrs[-1])
+    edge = cfg[0] is not None and cfg[0] in (lrs[0], lrs[-1])  # a lone lr at its μ is an edge too
     runs = grid[cfg]
     return {
         "lr": cfg[0],
@@ -84,6 +84,19 @@ def best_config(grid: dict) -> dict | None:
             for (lr, mu), g in sorted(grid.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0] or 0))
         },
     }
+
+
+def best_jobs(recs: list[dict], cell: tuple, modes, default_momentum: dict) -> list[tuple]:
+    """(mode, outer lr, μ) of each mode's best config so far in `cell` (μ None where it is the mode's
+    default, as the runner names it), for the modes that have a grid there."""
+    grid = grids(recs).get(cell, {})
+    out = []
+    for mode in modes:
+        b = best_config(grid.get(mode, {}))
+        if b is not None:
+            mu = None if b["momentum"] == default_momentum.get(mode) else b["momentum"]
+            out.append((mode, b["lr"], mu))
+    return out
 
 
 def summarize_v3(recs: list[dict], paired_ci) -> dict:

@@ -92,34 +92,30 @@ def test_eval_every_must_be_positive():
 
 def test_v3_run_records_its_settings_and_resumes(tmp_path):
     out = tmp_path / "r.jsonl"
-    cmd = [
-        sys.executable,
-        str(STUDY / "run_study.py"),
-        "--part",
-        "v3",
-        "--cells",
-        "2:2",
-        "--steps",
-        "4",
-        "--eval-windows",
-        "4",
-        "--batch",
-        "2",
-        "--seq-len",
-        "16",
-        "--seeds",
-        "0",
-        "--lrs",
-        "diloco=0.7@0.5,isoloco=1.8",
-        "--out",
-        str(out),
-    ]
-    for _ in range(2):  # the second run finds both jobs finished
-        subprocess.run(cmd, check=True, capture_output=True, cwd=STUDY.parent, timeout=300)
+    cmd = [sys.executable, str(STUDY / "run_study.py"), "--part", "v3", "--cells", "2:2", "--steps", "4"]
+    cmd += ["--eval-windows", "4", "--batch", "2", "--seq-len", "16", "--out", str(out)]
+    grid = ["--seeds", "0", "--lrs", "diloco=0.7@0.5,diloco=1.4@0,isoloco=1.8"]
+    for _ in range(2):  # the second run finds every job finished
+        subprocess.run(cmd + grid, check=True, capture_output=True, cwd=STUDY.parent, timeout=300)
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [(r["mode"], r["outer_lr"], r["outer_momentum"]) for r in recs] == [
         ("diloco", 0.7, 0.5),
+        ("diloco", 1.4, 0.0),
         ("isoloco", 1.8, 0.8),
+    ]
+    # seed 1 of each method's best config on seed 0's selection split
+    subprocess.run(
+        cmd + ["--seeds", "1", "--lrs", "best:diloco,isoloco"],
+        check=True,
+        capture_output=True,
+        cwd=STUDY.parent,
+        timeout=300,
+    )
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    best_dl = min((r for r in recs[:2]), key=lambda r: r["final_loss"])
+    assert [(r["seed"], r["mode"], r["outer_lr"], r["outer_momentum"], r["v3"]["mu"]) for r in recs[3:]] == [
+        (1, "diloco", best_dl["outer_lr"], best_dl["outer_momentum"], best_dl["v3"]["mu"]),
+        (1, "isoloco", 1.8, 0.8, None),  # IsoLoCo's default μ is named as the grid named it
     ]
     for r in recs:
         assert r["study"] == "v3" and r["rounds"] == 2 and len(r["heldout_loss"]) == 2
