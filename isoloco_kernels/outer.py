@@ -2,8 +2,9 @@
 
 One place for what every outer optimizer of this package does alike, so each check has one
 behaviour: group and hyper-parameter checks (`check_group`), grad collection with every input
-check before any write (`collect`), momentum buffers (`prepare_nesterov`: made on first use in the
-compute dtype, joined to the state only once written), SGD-shaped state (`SGD_KEYS`,
+check before any write (`collect`), constructor defaults (`outer_defaults`), Iso-C of the step's
+matrices batched by shape (`bucket_flatten`), momentum buffers (`prepare_nesterov`: made on first
+use in the compute dtype, joined to the state only once written), SGD-shaped state (`SGD_KEYS`,
 `check_state_dict`, `restore_half_momentum`). The update rule is `reference.isoloco_step_ref`.
 """
 from __future__ import annotations
@@ -15,12 +16,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ._validate import (SUPPORTED_DTYPES, check_all_finite, check_writable, compute_dtype, overflow_limit,
-                        read_write_overlaps)
-from .ops import prepare_nesterov_outer_
+from ._validate import (SUPPORTED_DTYPES, ResultOverflowError, check_all_finite, check_writable, compute_dtype,
+                        overflow_limit, read_write_overlaps)
+from .buckets import BucketPlan
+from .flatten import check_method
+from .ops import iso_merge_unchecked_, prepare_nesterov_outer_
 
-__all__ = ["SGD_KEYS", "Entry", "check_group", "check_hyper", "check_state_dict", "collect",
-           "is_dtensor", "load_sgd_state", "local", "prepare_nesterov"]
+__all__ = ["SGD_KEYS", "Entry", "bucket_flatten", "check_group", "check_hyper", "check_state_dict", "collect",
+           "is_dtensor", "load_sgd_state", "local", "outer_defaults", "prepare_nesterov"]
 
 #: SGD's group keys at the values that make SGD(nesterov=True) the update IsoLoCo applies.
 SGD_KEYS = dict(
@@ -77,6 +80,18 @@ def check_group(group: dict, where: str) -> None:
             )
     if not isinstance(group.get("iso", True), bool):
         raise ValueError(f"{where}: iso must be a bool, got {group['iso']!r}")
+
+
+def outer_defaults(where: str, lr: Any, momentum: Any, iso: Any, method: str,
+                   sgd: Callable[[], dict] = lambda: SGD_KEYS) -> dict:
+    """An outer optimizer's constructor arguments, checked (lr and momentum, then `sgd()`: SGD's
+    other keys, then the method, then iso): the defaults dict to hand to torch.optim.Optimizer."""
+    check_hyper(lr, momentum, where)
+    keys = sgd()
+    check_method(method)
+    if not isinstance(iso, bool):
+        raise ValueError(f"{where}: iso must be a bool, got {iso!r}")
+    return dict(lr=lr, momentum=momentum, iso=iso, **keys)
 
 
 def check_param_dtypes(params: Sequence[torch.Tensor], where: str) -> None:
@@ -171,6 +186,40 @@ def collect(
     for k in sorted({r for r, _ in read_write_overlaps([local(e.g) for e in entries], written)}):
         entries[k].g = entries[k].g.detach().clone()
     return entries
+
+
+# -- Iso-C of the step's matrices, batched by shape ---------------------------------------------
+
+def bucket_flatten(
+    mats: Sequence[torch.Tensor],
+    method: str,
+    names: Sequence[str],
+    plan: Optional[BucketPlan] = None,
+    merge: Optional[Callable[[list[torch.Tensor]], Any]] = None,
+) -> tuple[Optional[BucketPlan], list[torch.Tensor]]:
+    """Iso-C of 2-D tensors (already checked by the caller), batched by shape: packed into the
+    [B, m, n] buffers of a `BucketPlan` (`plan`, reused while it matches the tensors, else a new
+    one), flattened in place by `merge(buffers)` (default: `iso_merge_unchecked_` with `method`).
+    Returns (the plan, to keep for the next step; each tensor's result as a view in its own
+    orientation). A result that does not fit its bucket's dtype raises ResultOverflowError naming
+    its tensor by `names`."""
+    if not mats:
+        return plan, []
+    if plan is None or not plan.matches(mats):
+        plan = BucketPlan(mats)
+    buffers = plan.pack(mats)
+    try:
+        if merge is None:
+            iso_merge_unchecked_(buffers, method)
+        else:
+            merge(buffers)
+    except ResultOverflowError as e:  # name the tensor, not the internal bucket
+        if e.bucket is None or e.matrix is None:
+            raise
+        b = plan.buckets[e.bucket]
+        raise ResultOverflowError(f"{names[b.members[e.matrix]]}: the Iso-C result of its grad does not fit "
+                                  f"{b.dtype}; nothing was changed") from None
+    return plan, plan.views()
 
 
 # -- the Nesterov half of the step --------------------------------------------------------------

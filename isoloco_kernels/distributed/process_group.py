@@ -25,7 +25,7 @@ def step_(opt, group, failed: Optional[BaseException] = None) -> None:
     if not entries:
         return
     iso = opt._iso_updates(entries)  # sharded_iso_merge_ agrees around the flatten itself
-    apply = ag.attempt(opt._prepare_update, entries, iso)
+    apply = ag.attempt(opt._prepare_nesterov, entries, iso)
     ag.settle()
     apply()
 
@@ -33,4 +33,4 @@ def step_(opt, group, failed: Optional[BaseException] = None) -> None:
 def _checked(opt, failed):
     if failed is not None:
         raise failed
-    return opt._gather()
+    return opt._collect_grads()

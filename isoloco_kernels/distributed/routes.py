@@ -19,10 +19,8 @@ from typing import Optional
 
 import torch
 
-from .._validate import ResultOverflowError, check_all_finite, compute_dtype
-from ..buckets import BucketPlan
-from ..ops import iso_merge_unchecked_
-from ..outer import Entry, local
+from .._validate import check_all_finite, compute_dtype
+from ..outer import Entry, bucket_flatten, local
 from .collectives import GatherSegments, all_gather_shards, owner_collect, owner_return
 from .gram_route import agree_exact, gram_route
 from .plan import ShardLayout
@@ -155,22 +153,13 @@ def _gather_whole(mesh, entries: list[Entry], layouts, ks: list[int], ag, stats,
 
 
 def _flatten_whole(entries: list[Entry], whole: dict[int, torch.Tensor], method: str) -> dict[int, torch.Tensor]:
-    """iso() of whole matrices, batched by shape in their compute dtype (`BucketPlan`): entry
-    index → result view. A result that does not fit its dtype is named by its param."""
-    if not whole:
-        return {}
+    """iso() of whole matrices, batched by shape in their compute dtype (`outer.bucket_flatten`):
+    entry index → result view. A result that does not fit its dtype is named by its param."""
     ks = list(whole)
     mats = [whole[k] for k in ks]
-    plan = BucketPlan(mats)
-    buffers = plan.pack(mats)
     check_all_finite(mats, [f"IsoLoCo: {entries[k].name}: the whole grad" for k in ks])
-    try:
-        iso_merge_unchecked_(buffers, method)
-    except ResultOverflowError as e:
-        b = plan.buckets[e.bucket]
-        raise ResultOverflowError(f"IsoLoCo: {entries[ks[b.members[e.matrix]]].name}: the Iso-C result of its "
-                                  f"grad does not fit {b.dtype}; nothing was changed") from None
-    return dict(zip(ks, plan.views()))
+    _, views = bucket_flatten(mats, method, [f"IsoLoCo: {entries[k].name}" for k in ks])
+    return dict(zip(ks, views))
 
 
 def _my_shard(entry: Entry, layout: Optional[ShardLayout], whole: torch.Tensor) -> torch.Tensor:

@@ -14,10 +14,9 @@ from typing import Optional
 import torch
 
 from ..buckets import BucketPlan
-from ..flatten import check_method
-from ..ops import iso_merge_unchecked_
 from .._validate import check_all_finite
-from ..outer import SGD_KEYS, check_group, check_hyper, check_param_dtypes, collect, load_sgd_state, prepare_nesterov
+from ..outer import bucket_flatten, check_group, check_param_dtypes, collect, load_sgd_state, outer_defaults
+from ..outer import prepare_nesterov
 from .agree import Agreement, check_on_comm_device, group_info, optimizer_settings, renamed_keyword
 from .collectives import (BUCKET_BYTES, broadcast_into, check_chunk_bytes, flat_view, reduce_scatter_mean,
                           reduce_to_owner, scatter_into)
@@ -87,12 +86,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         return self.process_group
 
     def _build(self, params, lr, momentum, iso, method, bucket_bytes, solo_above) -> None:
-        check_hyper(lr, momentum, "ShardedIsoLoCo")
-        check_method(method)
-        if not isinstance(iso, bool):
-            raise ValueError(f"ShardedIsoLoCo: iso must be a bool, got {iso!r}")
+        defaults = outer_defaults("ShardedIsoLoCo", lr, momentum, iso, method)
         check_chunk_bytes(bucket_bytes, "ShardedIsoLoCo: bucket_bytes")
-        super().__init__(params, dict(lr=lr, momentum=momentum, iso=iso, **SGD_KEYS))
+        super().__init__(params, defaults)
         for k, g in enumerate(self.param_groups):
             check_group(g, f"ShardedIsoLoCo: param group {k}")
         self._buckets: Optional[BucketPlan] = None  # batched Iso-C of my matrices, reused across steps
@@ -202,7 +198,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         idx = sorted(means)
         check_all_finite([means[i] for i in idx], [f"mean pseudo-gradient of param {i}" for i in idx])
         updates = dict(means)
-        updates.update(self._iso_c(means))
+        updates.update(self._iso_updates(means))
         return prepare_nesterov(self, [
             (self._params[i], updates[i], self.param_groups[self._group_of[i]]["lr"],
              self.param_groups[self._group_of[i]]["momentum"],
@@ -220,20 +216,16 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         for i in sorted(plan.solo):
             broadcast_into(self._params[i].data, plan.owners[i], self.process_group, self.bucket_bytes)
 
-    def _iso_c(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    def _iso_updates(self, means: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Iso-C of my 2-D mean pseudo-gradients in iso groups, batched by shape as IsoLoCo does
-        (buckets.BucketPlan, transposed twins together): param index → result view."""
+        (`outer.bucket_flatten`, the buffers kept for the next step): param index → result view."""
         idx = [
-            i for i in sorted(updates)
-            if updates[i].ndim == 2 and updates[i].numel() and self.param_groups[self._group_of[i]]["iso"]
+            i for i in sorted(means)
+            if means[i].ndim == 2 and means[i].numel() and self.param_groups[self._group_of[i]]["iso"]
         ]
-        if not idx:
-            return {}
-        views = [updates[i] for i in idx]
-        if self._buckets is None or not self._buckets.matches(views):
-            self._buckets = BucketPlan(views)
-        iso_merge_unchecked_(self._buckets.pack(views), self.method)  # checked by the caller
-        return dict(zip(idx, self._buckets.views()))
+        names = [f"ShardedIsoLoCo: {self._name(0, 0, self._params[i])}" for i in idx]
+        self._buckets, views = bucket_flatten([means[i] for i in idx], self.method, names, self._buckets)  # checked
+        return dict(zip(idx, views))
 
     def _own_single(self, dtype, flat) -> torch.Tensor:
         """World size 1: my segment is just my grads, copied (the grads stay untouched)."""

@@ -67,7 +67,7 @@ class DistComm(Comm):
     def average_(self, tensors: Sequence[torch.Tensor]) -> None:
         from ..distributed import average_
 
-        average_(tensors, self.group, bucket_bytes=self.bucket_bytes)
+        average_(tensors, self.group, chunk_bytes=self.bucket_bytes)
 
     def outer_optimizer(self, mode: str, params, cfg: TrainConfig) -> torch.optim.Optimizer:
         if self.outer == "replicated":
