@@ -5,8 +5,8 @@ A drop-in for `torch.optim.SGD(lr, momentum, nesterov=True)`: write the averaged
 
     M = iso(Δ) for 2-D params of iso groups, else Δ;   buf ← μ·buf + M;   p ← p − lr·(M + μ·buf)
 
-The 2-D grads are packed into one [B, m, n] buffer per shape (buckets.py), flattened, and one fused
-`nesterov_outer_` call per (device, lr, momentum) applies the update. State is SGD's; checks,
+The 2-D grads are packed into one [B, m, n] buffer per shape and flattened (`outer.bucket_flatten`),
+and one fused `nesterov_outer_` call per (device, lr, momentum) applies the update. State is SGD's; checks,
 buffers and state handling are the shared core (outer.py); DTensor params step in
 distributed/dtensor.py, over a process group in distributed/process_group.py. README "The outer
 optimizer" has the contract.

@@ -8,12 +8,14 @@ float32 (the compute dtype) and only the param is rounded to its dtype, once per
 - the params agree to their dtype's update tolerance (an element whose update differs in its last
   float32 bits may round to the neighbouring half-precision value);
 - every 2-D param moved.
-gloo on 127.0.0.1, 2 ranks (1-D mesh, HSDP 1×2, process group); 4 ranks (HSDP 2×2) are opt-in.
+gloo on 127.0.0.1 (tests/spawn.py), 2 ranks (1-D mesh, HSDP 1×2, process group); 4 ranks (HSDP
+2×2, 1-D mesh) run by default (ISOLOCO_SKIP_4_RANKS=1 skips them). Each check, per dtype, is its
+own test.
 """
 from __future__ import annotations
 
 import copy
-import os
+import functools
 import time
 
 import pytest
@@ -26,7 +28,7 @@ from isoloco_kernels import IsoLoCo, iso_merge_
 from isoloco_kernels.distributed import DistributedStepError, ShardedIsoLoCo, sharded_iso_merge_
 from isoloco_kernels.distributed import dtensor as DT
 from tests.helpers import TOL, rel_err
-from tests.test_distributed import PG_TIMEOUT_S, _spawn
+from tests.spawn import PG_TIMEOUT_S, Checks, groups, params
 from tests.test_dtensor import TOL_FP32, TinyLlama, _pseudo_grad
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
@@ -128,8 +130,9 @@ def _check_tp_routes(mesh, dtype):
         _run_dtensor(mlp, ref, opt, ref_opt, dtype, f"TP {dtype} route {route}")
 
 
-def _check_general_mesh(mesh, dtype, what):
+def _check_general_mesh(hsdp, dtype):
     """A mesh with two dimensions (HSDP): the general full_tensor() path."""
+    mesh, what = hsdp, "HSDP " + "x".join(map(str, hsdp.shape))
     model, ref = _half_fsdp_llama(mesh, dtype)
     opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8, method="svd")
     ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method="svd")
@@ -234,41 +237,27 @@ def _check_sharded_merge(dtype):
         assert e <= TOL[("update", dtype)], f"sharded_iso_merge_ {dtype}: bucket {i} differs by {e:.3g}"
 
 
-def _body_two_ranks(rank, world, tmpdir):
+TWO, FOUR = Checks(), Checks()
+for _dtype in HALF:
+    _name = str(_dtype).removeprefix("torch.")
+    for _fn in (_check_fsdp_routes, _check_tp_routes, _check_general_mesh, _check_overflow, _check_sharded_optimizer,
+                _check_process_group, _check_sharded_merge):
+        TWO.add(f"{_fn.__name__.removeprefix('_check_')}-{_name}", functools.partial(_fn, dtype=_dtype))
+    for _fn in (_check_general_mesh, _check_fsdp_routes):
+        FOUR.add(f"{_fn.__name__.removeprefix('_check_')}-{_name}", functools.partial(_fn, dtype=_dtype))
+
+
+def _body(rank, world, tmpdir):
     from torch.distributed.device_mesh import init_device_mesh
 
+    hsdp = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
     mesh = init_device_mesh("cpu", (world,))
-    hsdp = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
-    for dtype in HALF:
-        _check_fsdp_routes(mesh, dtype)
-        _check_tp_routes(mesh, dtype)
-        _check_general_mesh(hsdp, dtype, "HSDP 1x2")
-        _check_overflow(mesh, rank, dtype)
-        _check_sharded_optimizer(rank, world, dtype)
-        _check_process_group(dtype)
-        _check_sharded_merge(dtype)
+    (TWO if world == 2 else FOUR).run(tmpdir, rank, rank=rank, world=world, mesh=mesh, hsdp=hsdp)
 
 
-def _body_four_ranks(rank, world, tmpdir):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    mesh = init_device_mesh("cpu", (world,))
-    for dtype in HALF:
-        _check_general_mesh(hsdp, dtype, "HSDP 2x2")
-        _check_fsdp_routes(mesh, dtype)
+half_groups = groups(_body, 2, 4, deadline_s=400)  # one spawned group each of 2 and 4 ranks
 
 
-def test_half_precision_two_ranks(tmp_path):
-    _spawn(_body_two_ranks, 2, tmp_path)
-
-
-@pytest.mark.skipif(
-    os.environ.get("ISOLOCO_SKIP_4_RANKS") == "1",
-    reason="ISOLOCO_SKIP_4_RANKS=1 (4 spawned ranks)",
-)
-def test_half_precision_four_ranks(tmp_path, monkeypatch):
-    import tests.test_distributed as td
-
-    monkeypatch.setattr(td, "DEADLINE_S", 400)
-    _spawn(_body_four_ranks, 4, tmp_path)
+@pytest.mark.parametrize("world, name", params({2: TWO, 4: FOUR}))
+def test_half_precision(half_groups, world, name):
+    half_groups[world].assert_ok(name)

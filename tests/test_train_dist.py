@@ -7,7 +7,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 
@@ -19,6 +18,7 @@ from isoloco_kernels.train.cli import main
 from isoloco_kernels.train.dist import Launch, check_outer, launched_by_torchrun
 
 from .helpers import TOL
+from .spawn import free_port
 
 FLAGS = ["-H", "2", "-R", "2", "--batch", "2", "--seq-len", "16", "--eval-windows", "8",
          "--max-bytes", "200000", "--quiet", "--seed", "3"]
@@ -37,17 +37,11 @@ def data_file(tmp_path_factory):
     return path
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(args: list[str], out) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "isoloco_kernels.train", *args, "--out", str(out)]
+           "--master_port", str(free_port()), "-m", "isoloco_kernels.train", *args, "--out", str(out)]
     # its own session, so a hung launch is killed with its workers, not just the torchrun agent
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
