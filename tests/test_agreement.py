@@ -302,8 +302,9 @@ for _kind, _init, _step in (("sharded", _sharded_init, _sharded_step), ("pg", _p
         CASES[f"{_kind}_init_{_name}"] = _init(*_setting)
         CASES[f"{_kind}_step_{_name}"] = _step(*_setting)
 _common = str(D.collectives.BUCKET_BYTES)
-CASES["sharded_init_bucket_bytes"] = _sharded_init({"bucket_bytes": 4096}, "bucket_bytes", _common, "4096")
-CASES["sharded_step_bucket_bytes"] = _sharded_step({"bucket_bytes": 64}, "bucket_bytes", _common, "64")
+CASES["sharded_init_chunk_bytes"] = _sharded_init({"chunk_bytes": 4096}, "chunk_bytes", _common, "4096")
+CASES["sharded_step_chunk_bytes"] = _sharded_step({"chunk_bytes": 64}, "chunk_bytes", _common, "64")
+CASES["sharded_step_bucket_bytes"] = _sharded_step({"bucket_bytes": 64}, "chunk_bytes", _common, "64")  # old name
 CASES["sharded_init_solo_above"] = _sharded_init({"solo_above": None}, "solo_above", "1.0", "None")
 CASES["dtensor_step_route"] = _dtensor_step({"dtensor_route": "gather"}, "dtensor_route", "'auto'", "'gather'")
 
@@ -490,7 +491,7 @@ def _every_collective(rank, world, rule):
         A.agree_on_mesh("bad" if rank == 0 else None, mesh, "agree_on_mesh")
     # average_: several buckets, mixed dtypes, a non-contiguous tensor; then a NaN on one rank
     xs = [torch.randn(40, 3).mT, torch.randn(50), torch.randn(7, dtype=torch.float64)]
-    D.average_(xs, bucket_bytes=64)
+    D.average_(xs, chunk_bytes=64)
     nan_on_last(xs[1])
     with pytest.raises(D.DistributedStepError):
         D.average_(xs)
@@ -498,7 +499,7 @@ def _every_collective(rank, world, rule):
     params = _model(SHAPES + [(30, 20)], torch.float32)
     params[-1] = params[-1].mT.contiguous().mT
     for solo in (None, 0.2):
-        opt = D.ShardedIsoLoCo(params, bucket_bytes=96, solo_above=solo)
+        opt = D.ShardedIsoLoCo(params, chunk_bytes=96, solo_above=solo)
         assert solo is None or opt.plan.solo
         for step in range(2):
             _grads_in(params, rank, step)

@@ -115,7 +115,7 @@ def _check_sharded_matches_isoloco(group, tmpdir):
              (torch.bfloat16, 1 << 20, 1.0))
     for dtype, bucket, rep in cases:
         params = _model(SHAPES_2, dtype)
-        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, process_group=group, bucket_bytes=bucket, solo_above=rep)
+        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, process_group=group, chunk_bytes=bucket, solo_above=rep)
         if rep == 0.2:
             assert opt.plan.solo, "solo_above=0.2 must send the largest tensors solo"
         _run_sharded(params, SHAPES_2, dtype, rank, 3, opt)
@@ -270,8 +270,9 @@ def _check_sharded_iso_merge_equals_iso_merge(group, tmpdir):
 
 @_pair_check
 def _check_old_keyword_names_warn(group, tmpdir):
-    """ShardedIsoLoCo(group=), sharded_iso_merge_(bucket_bytes=) and average_(bucket_bytes=) still work, with a
-    DeprecationWarning naming the new keyword; both names at once are refused."""
+    """ShardedIsoLoCo(group=, bucket_bytes=), sharded_iso_merge_(bucket_bytes=) and
+    average_(bucket_bytes=) still work, with a DeprecationWarning naming the new keyword; both names
+    at once are refused."""
     rank = dist.get_rank(group)
     params = _model(SHAPES_2, torch.float32)
     with pytest.warns(DeprecationWarning, match=r"group= is deprecated, pass process_group="):
@@ -286,6 +287,15 @@ def _check_old_keyword_names_warn(group, tmpdir):
     assert all(torch.equal(a, b) for a, b in zip(params, new_params))
     with pytest.raises(TypeError, match="pass process_group= only"):
         D.ShardedIsoLoCo(params, group=group, process_group=group)
+    with pytest.warns(DeprecationWarning, match=r"ShardedIsoLoCo: bucket_bytes= is deprecated, pass chunk_bytes="):
+        old = D.ShardedIsoLoCo(params, group=group, bucket_bytes=640)
+    assert old.chunk_bytes == old.bucket_bytes == 640 and old.process_group is group
+    old.bucket_bytes = 320  # the old attribute name sets the new one
+    assert old.chunk_bytes == 320
+    with pytest.raises(TypeError, match="pass chunk_bytes= only"):
+        D.ShardedIsoLoCo(params, process_group=group, bucket_bytes=64, chunk_bytes=32)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_size'"):
+        D.ShardedIsoLoCo(params, process_group=group, bucket_size=64)
     bk = [torch.randn(2, 6, 5, generator=torch.Generator().manual_seed(1)), torch.randn(9, 4)]
     got = [b.clone() for b in bk]
     with pytest.warns(DeprecationWarning, match=r"bucket_bytes= is deprecated, pass chunk_bytes="):
@@ -346,7 +356,7 @@ def _check_uneven_plan_matches_isoloco(rank, world, tmpdir):
     lr, mu = 1.8, 0.8
     for rep in (None, 1.0):
         params = _model(SHAPES_4, torch.float64)
-        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, solo_above=rep, bucket_bytes=640)
+        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, solo_above=rep, chunk_bytes=640)
         if rep is None:
             assert len(set(opt.plan.owners)) == 3 and not opt.plan.owned(3), opt.plan.owners
         _run_sharded(params, SHAPES_4, torch.float64, rank, 3, opt)
@@ -624,7 +634,7 @@ def _half_sharded(rank, world, dtype):
     grads = _half_grads(shapes, dtype, rank, world)
     for solo in (None, 0.2):
         params = [torch.zeros(s, dtype=dtype) for s in shapes]
-        opt = D.ShardedIsoLoCo(params, lr=1e-6, momentum=0.5, iso=False, bucket_bytes=64, solo_above=solo)
+        opt = D.ShardedIsoLoCo(params, lr=1e-6, momentum=0.5, iso=False, chunk_bytes=64, solo_above=solo)
         assert solo is None or opt.plan.solo
         for p, g in zip(params, grads[rank]):
             p.grad = g.clone()

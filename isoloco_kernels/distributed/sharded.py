@@ -46,13 +46,14 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     If any rank finds bad input (missing grad, wrong shape or dtype, NaN/Inf, a failed flatten),
     every rank raises DistributedStepError and no param or buffer changes on any rank. The ranks
     also agree on their settings, at construction and before every step: each group's
-    hyper-parameters, `method`, `bucket_bytes`, `solo_above` and the shard plan; a setting that
+    hyper-parameters, `method`, `chunk_bytes`, `solo_above` and the shard plan; a setting that
     differs on some rank raises DistributedStepError everywhere, naming it and which ranks hold
     which value. A rank whose constructor arguments are refused raises its own error, the others
     DistributedStepError naming it. Params must live on the group's communication device
     (`agree.comm_device`: CUDA for NCCL, the CPU for gloo). Param groups are fixed at construction
     (`add_param_group` afterwards is refused). `process_group`: the group (None: the default
-    group), as for IsoLoCo; `group=` is its old name (deprecated).
+    group), as for IsoLoCo; `group=` is its old name (deprecated). `chunk_bytes`: the size of one
+    communication chunk; `bucket_bytes=` is its old name (deprecated).
     """
 
     def __init__(
@@ -64,11 +65,14 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         iso: bool = True,
         method: str = "auto",
         process_group=None,
-        bucket_bytes: int = BUCKET_BYTES,
+        chunk_bytes: int = BUCKET_BYTES,
         solo_above: Optional[float] = 1.0,
         **old,
     ):
-        process_group = renamed_keyword(old, "group", "process_group", process_group, None, "ShardedIsoLoCo")
+        process_group = renamed_keyword({k: v for k, v in old.items() if k != "bucket_bytes"}, "group",
+                                        "process_group", process_group, None, "ShardedIsoLoCo")
+        chunk_bytes = renamed_keyword({k: v for k, v in old.items() if k == "bucket_bytes"}, "bucket_bytes",
+                                      "chunk_bytes", chunk_bytes, BUCKET_BYTES, "ShardedIsoLoCo")
         self.process_group = process_group
         self.rank, self.world_size = group_info(process_group)
         self._built = False
@@ -76,7 +80,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         # refused raises its error after the agreement, the others DistributedStepError naming it;
         # settings that differ between ranks raise DistributedStepError everywhere, naming them.
         ag = Agreement("ShardedIsoLoCo()", process_group, alone=self.world_size == 1, mismatch=PLAN_MISMATCH)
-        ag.attempt(self._build, params, lr, momentum, iso, method, bucket_bytes, solo_above)
+        ag.attempt(self._build, params, lr, momentum, iso, method, chunk_bytes, solo_above)
         ag.settle(settings=ag.attempt(self._settings), own_error=True)
         self._built = True
 
@@ -85,14 +89,23 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         """The process group (the old name of `process_group`)."""
         return self.process_group
 
-    def _build(self, params, lr, momentum, iso, method, bucket_bytes, solo_above) -> None:
+    @property
+    def bucket_bytes(self) -> int:
+        """The communication chunk size (the old name of `chunk_bytes`)."""
+        return self.chunk_bytes
+
+    @bucket_bytes.setter
+    def bucket_bytes(self, value: int) -> None:
+        self.chunk_bytes = value
+
+    def _build(self, params, lr, momentum, iso, method, chunk_bytes, solo_above) -> None:
         defaults = outer_defaults("ShardedIsoLoCo", lr, momentum, iso, method)
-        check_chunk_bytes(bucket_bytes, "ShardedIsoLoCo: bucket_bytes")
+        check_chunk_bytes(chunk_bytes, "ShardedIsoLoCo: chunk_bytes")
         super().__init__(params, defaults)
         for k, g in enumerate(self.param_groups):
             check_group(g, f"ShardedIsoLoCo: param group {k}")
         self._buckets: Optional[BucketPlan] = None  # batched Iso-C of my matrices, reused across steps
-        self.method, self.bucket_bytes, self.solo_above = method, bucket_bytes, solo_above
+        self.method, self.chunk_bytes, self.solo_above = method, chunk_bytes, solo_above
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._index = {p: i for i, p in enumerate(self._params)}
         self._group_of = [k for k, g in enumerate(self.param_groups) for _ in g["params"]]
@@ -118,7 +131,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         """What every rank must share for the step to run the same collectives and write the same
         values: each group's hyper-parameters, the method, the chunk size and the shard plan."""
         plan = {"shard plan (shapes, dtypes, iso, solo_above)": f"{self.plan.fingerprint:#x}"}
-        return optimizer_settings(self, method=self.method, bucket_bytes=self.bucket_bytes,
+        return optimizer_settings(self, method=self.method, chunk_bytes=self.chunk_bytes,
                                   solo_above=self.solo_above, **plan)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -151,7 +164,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                 loss = ag.attempt(closure)
         grads = ag.attempt(self._check)
         # Agree before the first collective: bad input, or settings that differ between ranks (lr,
-        # method, bucket_bytes, … changed on one rank since construction), stop every rank here.
+        # method, chunk_bytes, … changed on one rank since construction), stop every rank here.
         ag.settle(settings=ag.attempt(self._settings))
         segments, means = self._reduce(grads)
         write = ag.attempt(self._compute, means)
@@ -179,7 +192,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         segments, means = {}, {}
         for dt in plan.sharded_dtypes:
             if self.world_size > 1:
-                own = reduce_scatter_mean(plan, dt, lambda i: flat[i], rank, self.process_group, self.bucket_bytes)
+                own = reduce_scatter_mean(plan, dt, lambda i: flat[i], rank, self.process_group, self.chunk_bytes)
             else:
                 own = self._own_single(dt, flat)
             segments[dt] = own
@@ -187,7 +200,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         for i in sorted(plan.solo):
             p = self._params[i]
             mean = reduce_to_owner(flat[i], p.numel(), p.dtype, plan.owners[i], rank, self.process_group,
-                                   self.bucket_bytes)
+                                   self.chunk_bytes)
             if mean is not None:
                 means[i] = mean.view(p.shape)
         return segments, means
@@ -212,9 +225,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             for i, v in owned_views(plan, dt, own, rank).items():
                 v.copy_(self._params[i])
             if self.world_size > 1:
-                scatter_into(plan, dt, own, [p.data for p in self._params], rank, self.process_group, self.bucket_bytes)
+                scatter_into(plan, dt, own, [p.data for p in self._params], rank, self.process_group, self.chunk_bytes)
         for i in sorted(plan.solo):
-            broadcast_into(self._params[i].data, plan.owners[i], self.process_group, self.bucket_bytes)
+            broadcast_into(self._params[i].data, plan.owners[i], self.process_group, self.chunk_bytes)
 
     def _iso_updates(self, means: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Iso-C of my 2-D mean pseudo-gradients in iso groups, batched by shape as IsoLoCo does

@@ -77,7 +77,7 @@ class DistComm(Comm):
         lr, momentum = cfg.outer(mode)
         return ShardedIsoLoCo(
             params, lr=lr, momentum=momentum, iso=mode not in SGD_MODES, method=cfg.iso_method,
-            process_group=self.group, bucket_bytes=self.bucket_bytes,
+            process_group=self.group, chunk_bytes=self.bucket_bytes,
         )
 
     def pseudo_gradients_(self, delta: Sequence[torch.Tensor]) -> None:
