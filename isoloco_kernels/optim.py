@@ -5,12 +5,13 @@ A drop-in for `torch.optim.SGD(lr, momentum, nesterov=True)`: write the averaged
 
     M = iso(Δ) for 2-D params of iso groups, else Δ;   buf ← μ·buf + M;   p ← p − lr·(M + μ·buf)
 
-The 2-D grads are packed into one [B, m, n] buffer per shape (buckets.py), flattened, and one fused
-`nesterov_outer_` call per (device, lr, momentum) applies the update. State is SGD's; checks,
+The 2-D grads are packed into one [B, m, n] buffer per shape and flattened (`outer.bucket_flatten`),
+and one fused `nesterov_outer_` call per (device, lr, momentum) applies the update. State is SGD's; checks,
 buffers and state handling are the shared core (outer.py); DTensor params step in
 distributed/dtensor.py, over a process group in distributed/process_group.py. README "The outer
 optimizer" has the contract.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -18,15 +19,21 @@ from typing import Callable, Optional
 
 import torch
 
-from ._validate import ResultOverflowError
-from .buckets import BucketPlan
 from . import distributed
+from .buckets import BucketPlan
 from .distributed import dtensor, process_group
 from .distributed.agree import agreed_init, describe, optimizer_settings
-from .flatten import check_method
-from .ops import iso_merge_unchecked_
-from .outer import SGD_KEYS, Entry, check_group, check_hyper, check_param_dtypes, collect, load_sgd_state
-from .outer import prepare_nesterov
+from .outer import (
+    SGD_KEYS,
+    Entry,
+    bucket_flatten,
+    check_group,
+    check_param_dtypes,
+    collect,
+    load_sgd_state,
+    outer_defaults,
+    prepare_nesterov,
+)
 
 __all__ = ["IsoLoCo", "sgd_keywords"]
 
@@ -95,8 +102,10 @@ def sgd_keywords(
             "place outside autograd; use differentiable=False"
         )
     if foreach and fused:
-        raise ValueError(f"{where}: foreach=True and fused=True cannot be set together (as for torch.optim.SGD); "
-                         "set one of them, or neither")
+        raise ValueError(
+            f"{where}: foreach=True and fused=True cannot be set together (as for torch.optim.SGD); "
+            "set one of them, or neither"
+        )
     return {**SGD_KEYS, "foreach": foreach, "fused": fused}
 
 
@@ -137,17 +146,22 @@ class IsoLoCo(torch.optim.Optimizer):
         method: str = "auto",
         process_group=None,
     ):
-        check_hyper(lr, momentum, "IsoLoCo")
-        sgd = sgd_keywords("IsoLoCo", dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused)
-        check_method(method)
-        if not isinstance(iso, bool):
-            raise ValueError(f"IsoLoCo: iso must be a bool, got {iso!r}")
+        defaults = outer_defaults(
+            "IsoLoCo",
+            lr,
+            momentum,
+            iso,
+            method,
+            lambda: sgd_keywords(
+                "IsoLoCo", dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused
+            ),
+        )
         self.method = method
         # Set when p.grad is already averaged and equal on every rank of this group (torchft,
         # OpenDiLoCo): each rank flattens only its share of the matrices (sharded_iso_merge_).
         self.process_group = process_group
         self._plan: Optional[BucketPlan] = None  # bucket buffers, reused while the grads' shapes hold
-        super().__init__(params, dict(lr=lr, momentum=momentum, iso=iso, **sgd))
+        super().__init__(params, defaults)
 
     @property
     def process_group(self):
@@ -228,31 +242,29 @@ class IsoLoCo(torch.optim.Optimizer):
 
     # -- the step --------------------------------------------------------------------------------
 
-    def _gather(self) -> list[Entry]:
+    def _collect_grads(self) -> list[Entry]:
         """Every param with a grad, all checked (`outer.collect`)."""
         return collect(self, "IsoLoCo", _name, _check_plain)
 
     def _iso_updates(self, entries) -> dict[int, torch.Tensor]:
-        """Iso-C of every 2-D grad in an iso group, via the bucket buffers: entry index → result view."""
+        """Iso-C of every 2-D grad in an iso group, batched by shape (`outer.bucket_flatten`, the
+        buffers kept for the next step; over a process group the flatten is split across its ranks
+        by `sharded_iso_merge_`): entry index → result view."""
         chosen = [k for k, e in enumerate(entries) if e.iso]
-        if not chosen:
-            return {}
-        grads = [entries[k].g for k in chosen]
-        if self._plan is None or not self._plan.matches(grads):
-            self._plan = BucketPlan(grads)
-        buffers = self._plan.pack(grads)
-        if self._process_group is None:
-            try:
-                iso_merge_unchecked_(buffers, self.method)  # grads were checked in _gather
-            except ResultOverflowError as e:  # name the param, not the internal bucket
-                b = self._plan.buckets[e.bucket]
-                raise ResultOverflowError(
-                    f"IsoLoCo: {entries[chosen[b.members[e.matrix]]].name}: "
-                    f"the Iso-C result of its grad does not fit {b.dtype}; nothing was changed"
-                ) from None
-        else:
-            distributed.sharded_iso_merge_(buffers, self._process_group, method=self.method)
-        return dict(zip(chosen, self._plan.views()))
+        group = self._process_group
+        merge = (
+            None
+            if group is None
+            else (lambda buffers: distributed.sharded_iso_merge_(buffers, group, method=self.method))
+        )
+        self._plan, views = bucket_flatten(
+            [entries[k].g for k in chosen],
+            self.method,  # grads checked
+            [f"IsoLoCo: {entries[k].name}" for k in chosen],
+            self._plan,
+            merge,
+        )
+        return dict(zip(chosen, views))
 
     @torch.no_grad()
     def _update(self, failed: Optional[BaseException] = None) -> None:
@@ -263,14 +275,19 @@ class IsoLoCo(torch.optim.Optimizer):
         group = self._group()
         if group is not None:  # -- over a process group: distributed/process_group.py --
             return process_group.step_(self, group, failed)
-        entries = self._gather()
+        entries = self._collect_grads()
         if entries:
-            self._prepare_update(entries, self._iso_updates(entries))()
+            self._prepare_nesterov(entries, self._iso_updates(entries))()
 
-    def _prepare_update(self, entries: list[Entry], iso: dict[int, torch.Tensor]) -> Callable[[], None]:
+    def _prepare_nesterov(self, entries: list[Entry], iso: dict[int, torch.Tensor]) -> Callable[[], None]:
         """The Nesterov update, checked and ready to write (`outer.prepare_nesterov`)."""
-        return prepare_nesterov(self, [(e.p, iso.get(k, e.g), e.group["lr"], e.group["momentum"], f"IsoLoCo: {e.name}")
-                                       for k, e in enumerate(entries)])
+        return prepare_nesterov(
+            self,
+            [
+                (e.p, iso.get(k, e.g), e.group["lr"], e.group["momentum"], f"IsoLoCo: {e.name}")
+                for k, e in enumerate(entries)
+            ],
+        )
 
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One outer step from the `.grad` of each param (params without a grad are skipped).

@@ -2,10 +2,12 @@
 
 One place for what every outer optimizer of this package does alike, so each check has one
 behaviour: group and hyper-parameter checks (`check_group`), grad collection with every input
-check before any write (`collect`), momentum buffers (`prepare_nesterov`: made on first use in the
-compute dtype, joined to the state only once written), SGD-shaped state (`SGD_KEYS`,
+check before any write (`collect`), constructor defaults (`outer_defaults`), Iso-C of the step's
+matrices batched by shape (`bucket_flatten`), momentum buffers (`prepare_nesterov`: made on first
+use in the compute dtype, joined to the state only once written), SGD-shaped state (`SGD_KEYS`,
 `check_state_dict`, `restore_half_momentum`). The update rule is `reference.isoloco_step_ref`.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -15,12 +17,33 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ._validate import (SUPPORTED_DTYPES, check_all_finite, check_writable, compute_dtype, overflow_limit,
-                        read_write_overlaps)
-from .ops import prepare_nesterov_outer_
+from ._validate import (
+    SUPPORTED_DTYPES,
+    ResultOverflowError,
+    check_all_finite,
+    check_writable,
+    compute_dtype,
+    overflow_limit,
+    read_write_overlaps,
+)
+from .buckets import BucketPlan
+from .flatten import check_method
+from .ops import iso_merge_unchecked_, prepare_nesterov_outer_
 
-__all__ = ["SGD_KEYS", "Entry", "check_group", "check_hyper", "check_state_dict", "collect",
-           "is_dtensor", "load_sgd_state", "local", "prepare_nesterov"]
+__all__ = [
+    "SGD_KEYS",
+    "Entry",
+    "bucket_flatten",
+    "check_group",
+    "check_hyper",
+    "check_state_dict",
+    "collect",
+    "is_dtensor",
+    "load_sgd_state",
+    "local",
+    "outer_defaults",
+    "prepare_nesterov",
+]
 
 #: SGD's group keys at the values that make SGD(nesterov=True) the update IsoLoCo applies.
 SGD_KEYS = dict(
@@ -30,6 +53,7 @@ SGD_KEYS = dict(
 
 # -- DTensors without importing torch.distributed.tensor (seconds to import): a DTensor exists
 #    only once that module is loaded.
+
 
 def is_dtensor(t) -> bool:
     mod = sys.modules.get("torch.distributed.tensor")
@@ -42,6 +66,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 # -- hyper-parameters and groups --------------------------------------------------------------
+
 
 def _number(v: Any, key: str, where: str) -> float:
     """v as a float; a one-element tensor counts (as torch's optimizers accept a tensor lr)."""
@@ -79,6 +104,19 @@ def check_group(group: dict, where: str) -> None:
         raise ValueError(f"{where}: iso must be a bool, got {group['iso']!r}")
 
 
+def outer_defaults(
+    where: str, lr: Any, momentum: Any, iso: Any, method: str, sgd: Callable[[], dict] = lambda: SGD_KEYS
+) -> dict:
+    """An outer optimizer's constructor arguments, checked (lr and momentum, then `sgd()`: SGD's
+    other keys, then the method, then iso): the defaults dict to hand to torch.optim.Optimizer."""
+    check_hyper(lr, momentum, where)
+    keys = sgd()
+    check_method(method)
+    if not isinstance(iso, bool):
+        raise ValueError(f"{where}: iso must be a bool, got {iso!r}")
+    return dict(lr=lr, momentum=momentum, iso=iso, **keys)
+
+
 def check_param_dtypes(params: Sequence[torch.Tensor], where: str) -> None:
     for i, p in enumerate(params):
         if p.dtype not in SUPPORTED_DTYPES:
@@ -86,6 +124,7 @@ def check_param_dtypes(params: Sequence[torch.Tensor], where: str) -> None:
 
 
 # -- the grads of one step ----------------------------------------------------------------------
+
 
 @dataclass
 class Entry:
@@ -112,11 +151,16 @@ def buffer_problem(buf, p: torch.Tensor) -> Optional[str]:
     lb, lp = local(buf), local(p)
     if lb.device.type == "meta":
         return "is a meta tensor (it holds no data)"
-    if buf.shape != p.shape or lb.shape != lp.shape or lb.device != lp.device or buf.dtype not in (
-        p.dtype, compute_dtype(p.dtype)
+    if (
+        buf.shape != p.shape
+        or lb.shape != lp.shape
+        or lb.device != lp.device
+        or buf.dtype not in (p.dtype, compute_dtype(p.dtype))
     ):
-        return (f"has shape {tuple(buf.shape)}, dtype {buf.dtype} on {lb.device}; want {tuple(p.shape)}, "
-                f"{p.dtype} or {compute_dtype(p.dtype)}, on {lp.device}")
+        return (
+            f"has shape {tuple(buf.shape)}, dtype {buf.dtype} on {lb.device}; want {tuple(p.shape)}, "
+            f"{p.dtype} or {compute_dtype(p.dtype)}, on {lp.device}"
+        )
     return None
 
 
@@ -146,8 +190,10 @@ def collect(
                 continue
             for what, t in (("param", p), ("grad", g)):
                 if local(t).device.type == "meta":
-                    raise RuntimeError(f"{where}: {n}: the {what} is a meta tensor (it holds no data to "
-                                       "compute from or write to); nothing was changed")
+                    raise RuntimeError(
+                        f"{where}: {n}: the {what} is a meta tensor (it holds no data to "
+                        "compute from or write to); nothing was changed"
+                    )
             if g.is_sparse:
                 raise RuntimeError(f"{where}: {n} has a sparse grad; IsoLoCo needs dense grads")
             if g.dtype not in SUPPORTED_DTYPES:
@@ -173,7 +219,44 @@ def collect(
     return entries
 
 
+# -- Iso-C of the step's matrices, batched by shape ---------------------------------------------
+
+
+def bucket_flatten(
+    mats: Sequence[torch.Tensor],
+    method: str,
+    names: Sequence[str],
+    plan: Optional[BucketPlan] = None,
+    merge: Optional[Callable[[list[torch.Tensor]], Any]] = None,
+) -> tuple[Optional[BucketPlan], list[torch.Tensor]]:
+    """Iso-C of 2-D tensors (already checked by the caller), batched by shape: packed into the
+    [B, m, n] buffers of a `BucketPlan` (`plan`, reused while it matches the tensors, else a new
+    one), flattened in place by `merge(buffers)` (default: `iso_merge_unchecked_` with `method`).
+    Returns (the plan, to keep for the next step; each tensor's result as a view in its own
+    orientation). A result that does not fit its bucket's dtype raises ResultOverflowError naming
+    its tensor by `names`."""
+    if not mats:
+        return plan, []
+    if plan is None or not plan.matches(mats):
+        plan = BucketPlan(mats)
+    buffers = plan.pack(mats)
+    try:
+        if merge is None:
+            iso_merge_unchecked_(buffers, method)
+        else:
+            merge(buffers)
+    except ResultOverflowError as e:  # name the tensor, not the internal bucket
+        if e.bucket is None or e.matrix is None:
+            raise
+        b = plan.buckets[e.bucket]
+        raise ResultOverflowError(
+            f"{names[b.members[e.matrix]]}: the Iso-C result of its grad does not fit {b.dtype}; nothing was changed"
+        ) from None
+    return plan, plan.views()
+
+
 # -- the Nesterov half of the step --------------------------------------------------------------
+
 
 def prepare_nesterov(opt: torch.optim.Optimizer, rows) -> Callable[[], None]:
     """Everything but the writes of the Nesterov update. rows: (param, update, lr, momentum, name)
@@ -194,8 +277,10 @@ def prepare_nesterov(opt: torch.optim.Optimizer, rows) -> Callable[[], None]:
         bs.append(local(buf))
         us.append(u)
         names.append(name)
-    applies = [prepare_nesterov_outer_(ps, bs, us, lr, mu, None, names=names)
-               for (_, lr, mu), (ps, bs, us, names) in calls.items()]
+    applies = [
+        prepare_nesterov_outer_(ps, bs, us, lr, mu, None, names=names)
+        for (_, lr, mu), (ps, bs, us, names) in calls.items()
+    ]
 
     def apply() -> None:
         for fn in applies:
@@ -208,6 +293,7 @@ def prepare_nesterov(opt: torch.optim.Optimizer, rows) -> Callable[[], None]:
 
 # -- SGD-shaped state -----------------------------------------------------------------------------
 
+
 def check_state_dict(opt: torch.optim.Optimizer, state_dict: Any, where: str) -> None:
     """Everything a (torch.optim.SGD or IsoLoCo) state dict must hold for `opt` to load it and
     step, checked before anything is loaded: the 'state' and 'param_groups' entries, each group's
@@ -219,8 +305,9 @@ def check_state_dict(opt: torch.optim.Optimizer, state_dict: Any, where: str) ->
         if key not in state_dict:
             raise ValueError(f"{where}: the state dict has no '{key}' entry")
         if not isinstance(state_dict[key], kind):
-            raise TypeError(f"{where}: '{key}' must be a {getattr(kind, '__name__', 'list')}, got "
-                            f"{type(state_dict[key]).__name__}")
+            raise TypeError(
+                f"{where}: '{key}' must be a {getattr(kind, '__name__', 'list')}, got {type(state_dict[key]).__name__}"
+            )
     saved = state_dict["param_groups"]
     if len(saved) != len(opt.param_groups):
         raise ValueError(
@@ -233,8 +320,7 @@ def check_state_dict(opt: torch.optim.Optimizer, state_dict: Any, where: str) ->
         check_group({k: v for k, v in g.items() if k != "params"}, f"{where}: param group {gi}")
         if len(g["params"]) != len(mine["params"]):
             raise ValueError(
-                f"{where}: param group {gi} has {len(g['params'])} params in the state dict, "
-                f"{len(mine['params'])} here"
+                f"{where}: param group {gi} has {len(g['params'])} params in the state dict, {len(mine['params'])} here"
             )
         params += mine["params"]
         ids += list(g["params"])
@@ -254,8 +340,9 @@ def check_state_dict(opt: torch.optim.Optimizer, state_dict: Any, where: str) ->
         if local(b).device.type == "meta":
             raise ValueError(f"{name} is a meta tensor (it holds no data to load)")
         if b.dtype not in SUPPORTED_DTYPES or tuple(b.shape) != tuple(p.shape):
-            raise ValueError(f"{name} has shape {tuple(b.shape)}, dtype {b.dtype}; want {tuple(p.shape)}, "
-                             f"one of {SUPPORTED_DTYPES}")
+            raise ValueError(
+                f"{name} has shape {tuple(b.shape)}, dtype {b.dtype}; want {tuple(p.shape)}, one of {SUPPORTED_DTYPES}"
+            )
         held.append((local(b), local(p), name))
     check_all_finite([b for b, _, _ in held], [n for _, _, n in held])
     for b, p, name in held:  # loaded in p's compute dtype: a value beyond it would load as Inf
@@ -263,8 +350,10 @@ def check_state_dict(opt: torch.optim.Optimizer, state_dict: Any, where: str) ->
         if b.numel() and torch.finfo(b.dtype).max > torch.finfo(want).max:
             top = float(b.detach().abs().max())
             if top >= overflow_limit(want):
-                raise ValueError(f"{name} holds {top:.4g}, beyond the {want} it is kept in for this param "
-                                 "(it would load as Inf); nothing was loaded")
+                raise ValueError(
+                    f"{name} holds {top:.4g}, beyond the {want} it is kept in for this param "
+                    "(it would load as Inf); nothing was loaded"
+                )
     # buffers loaded as they are (same dtype and device) are written in place by later steps
     kept = [(b, n) for b, p, n in held if b.dtype == p.dtype == compute_dtype(p.dtype) and b.device == p.device]
     with torch.no_grad():

@@ -1,4 +1,5 @@
 """Fixtures shared by the test files."""
+
 from __future__ import annotations
 
 import re

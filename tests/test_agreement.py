@@ -8,13 +8,12 @@ is short, so a regression (a rank left waiting in a collective) fails fast inste
 The last part runs every collective of the package under a stand-in for NCCL's rule (tensors
 must live on the group's communication device), which gloo does not enforce.
 """
+
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
-import traceback
 import weakref
 
 import pytest
@@ -25,7 +24,8 @@ import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import IsoLoCo
 from isoloco_kernels import distributed as D
 from isoloco_kernels.distributed import agree as A
-from tests.test_distributed import _model, _pseudo_grads, _spawn
+from tests.spawn import Checks, groups, spawn
+from tests.test_distributed import _model, _pseudo_grads
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 
@@ -37,19 +37,19 @@ SHAPES = [(8, 6), (6, 8), (5,), (3, 4)]  # row counts shard over 2 and 3 ranks (
 # ----------------------------------------------------------------------------------------------
 # The cases: fn(rank, world, odd) runs on every rank; `odd` is the rank that differs.
 
-CASES: dict = {}
+CASES = Checks()
 
 
 def _case(fn):
-    CASES[fn.__name__.removeprefix("_case_")] = fn
-    return fn
+    return CASES.add(fn.__name__.removeprefix("_case_"), fn)
 
 
 def _differs(key: str, common: str, other: str, world: int) -> str:
     """The regex of agree's report that `key` is `common` on every rank but the last, `other` there."""
     ranks = ", ".join(str(r) for r in range(world - 1))
-    return (re.escape(f"{key}: {common} on rank{'s' if world > 2 else ''} {ranks}, {other} on rank {world - 1}")
-            + r"(;|$)")
+    return (
+        re.escape(f"{key}: {common} on rank{'s' if world > 2 else ''} {ranks}, {other} on rank {world - 1}") + r"(;|$)"
+    )
 
 
 def _failed_on_last(world: int, text: str) -> str:
@@ -105,23 +105,35 @@ def _stepped_sharded(rank, **kw):
     return params, opt
 
 
+# -- the settings each outer optimizer compares --------------------------------------------------
+# The ranks compare the same hyper-parameters at construction and at every step, whatever the
+# entry point: name → (the keyword set on the odd rank, the setting's name in the report, its
+# value on the other ranks, its value there).
+SETTINGS = {
+    "lr": ({"lr": 0.7}, "param_groups[0]['lr']", "1.8", "0.7"),
+    "momentum": ({"momentum": 0.5}, "param_groups[0]['momentum']", "0.8", "0.5"),
+    "iso": ({"iso": False}, "param_groups[0]['iso']", "True", "False"),
+    "method": ({"method": "svd"}, "method", "'auto'", "'svd'"),
+}
+
+
+def _changed(kw: dict):
+    """The change of a step-time case: the setting of `kw` changed on the optimizer (its group, or the
+    optimizer's own attribute for method and the chunk sizes)."""
+    ((key, value),) = kw.items()
+    return lambda o: o.param_groups[0].update(kw) if key in o.defaults else setattr(o, key, value)
+
+
 # -- ShardedIsoLoCo: construction ---------------------------------------------------------------
+
 
 def _sharded_init(odd_kw, key, common, other):
     def case(rank, world, odd):
         params = _model(SHAPES, torch.float32)
         kw = odd_kw if rank == odd else {}
         _fails_together(lambda: D.ShardedIsoLoCo(params, **kw), _differs(key, common, other, world), params)
+
     return case
-
-
-CASES["sharded_init_lr"] = _sharded_init({"lr": 0.7}, "param_groups[0]['lr']", "1.8", "0.7")
-CASES["sharded_init_momentum"] = _sharded_init({"momentum": 0.9}, "param_groups[0]['momentum']", "0.8", "0.9")
-CASES["sharded_init_iso"] = _sharded_init({"iso": False}, "param_groups[0]['iso']", "True", "False")
-CASES["sharded_init_method"] = _sharded_init({"method": "svd"}, "method", "'auto'", "'svd'")
-CASES["sharded_init_bucket_bytes"] = _sharded_init({"bucket_bytes": 4096}, "bucket_bytes",
-                                                   str(D.collectives.BUCKET_BYTES), "4096")
-CASES["sharded_init_solo_above"] = _sharded_init({"solo_above": None}, "solo_above", "1.0", "None")
 
 
 @_case
@@ -135,30 +147,22 @@ def _case_sharded_init_lr_nan(rank, world, odd):
 def _case_sharded_init_method_bogus(rank, world, odd):
     params = _model(SHAPES, torch.float32)
     method = "bogus" if rank == odd else "auto"
-    _refused_on_last(rank, world, odd, lambda: D.ShardedIsoLoCo(params, method=method),
-                     "method must be one of .*'bogus'", params)
+    _refused_on_last(
+        rank, world, odd, lambda: D.ShardedIsoLoCo(params, method=method), "method must be one of .*'bogus'", params
+    )
 
 
 # -- ShardedIsoLoCo: a setting changed on one rank between steps ----------------------------------
 
-def _sharded_step(change, key, common, other):
+
+def _sharded_step(odd_kw, key, common, other):
     def case(rank, world, odd):
         params, opt = _stepped_sharded(rank)
         if rank == odd:
-            change(opt)
+            _changed(odd_kw)(opt)
         _fails_together(opt.step, _differs(key, common, other, world), params + [p.grad for p in params], opt)
+
     return case
-
-
-CASES["sharded_step_lr"] = _sharded_step(lambda o: o.param_groups[0].update(lr=0.5), "param_groups[0]['lr']",
-                                         "1.8", "0.5")
-CASES["sharded_step_momentum"] = _sharded_step(lambda o: o.param_groups[0].update(momentum=0.5),
-                                               "param_groups[0]['momentum']", "0.8", "0.5")
-CASES["sharded_step_iso"] = _sharded_step(lambda o: o.param_groups[0].update(iso=False), "param_groups[0]['iso']",
-                                          "True", "False")
-CASES["sharded_step_method"] = _sharded_step(lambda o: setattr(o, "method", "gram"), "method", "'auto'", "'gram'")
-CASES["sharded_step_bucket_bytes"] = _sharded_step(lambda o: setattr(o, "bucket_bytes", 64), "bucket_bytes",
-                                                   str(D.collectives.BUCKET_BYTES), "64")
 
 
 @_case
@@ -177,6 +181,7 @@ def _case_sharded_add_param_group(rank, world, odd):
 
 # -- sharded_iso_merge_ ---------------------------------------------------------------------------
 
+
 def _buckets():
     g = torch.Generator().manual_seed(3)
     return [torch.randn(2, 6, 5, generator=g), torch.randn(40, 7, generator=g), torch.randn(3, 3, generator=g)]
@@ -187,22 +192,25 @@ def _merge(odd_kw, match):
         bk = _buckets()
         kw = odd_kw if rank == odd else {}
         _fails_together(lambda: D.sharded_iso_merge_(bk, **kw), match(world), bk)
+
     return case
 
 
 CASES["merge_method"] = _merge({"method": "svd"}, lambda w: _differs("method", "'auto'", "'svd'", w))
-CASES["merge_chunk_bytes"] = _merge({"chunk_bytes": 64}, lambda w: _differs(
-    "chunk_bytes", str(D.collectives.BUCKET_BYTES), "64", w))
+CASES["merge_chunk_bytes"] = _merge(
+    {"chunk_bytes": 64}, lambda w: _differs("chunk_bytes", str(D.collectives.CHUNK_BYTES), "64", w)
+)
 CASES["merge_solo_above"] = _merge({"solo_above": None}, lambda w: _differs("solo_above", "1.0", "None", w))
-CASES["merge_method_bogus"] = _merge({"method": "bogus"}, lambda w: _failed_on_last(
-    w, "ValueError: method must be one of"))
-CASES["merge_chunk_bytes_zero"] = _merge({"chunk_bytes": 0}, lambda w: _failed_on_last(
-    w, "ValueError: .*chunk_bytes"))
+CASES["merge_method_bogus"] = _merge(
+    {"method": "bogus"}, lambda w: _failed_on_last(w, "ValueError: method must be one of")
+)
+CASES["merge_chunk_bytes_zero"] = _merge({"chunk_bytes": 0}, lambda w: _failed_on_last(w, "ValueError: .*chunk_bytes"))
 
 
 # -- IsoLoCo(process_group=...) ---------------------------------------------------------------------
 
-def _pg_init(odd_kw, match=None, refused=None):
+
+def _pg_init(odd_kw, key=None, common=None, other=None, refused=None):
     def case(rank, world, odd):
         params = _model(SHAPES, torch.float32)
         kw = odd_kw if rank == odd else {}
@@ -210,18 +218,16 @@ def _pg_init(odd_kw, match=None, refused=None):
         if refused:
             _refused_on_last(rank, world, odd, make, refused, params)
         else:
-            _fails_together(make, match(world), params)
+            _fails_together(make, _differs(key, common, other, world), params)
+
     return case
 
 
-CASES["pg_init_lr"] = _pg_init({"lr": 0.7}, lambda w: _differs("param_groups[0]['lr']", "1.8", "0.7", w))
-CASES["pg_init_iso"] = _pg_init({"iso": False}, lambda w: _differs("param_groups[0]['iso']", "True", "False", w))
-CASES["pg_init_method"] = _pg_init({"method": "gram"}, lambda w: _differs("method", "'auto'", "'gram'", w))
 CASES["pg_init_method_bogus"] = _pg_init({"method": "bogus"}, refused="method must be one of")
 CASES["pg_init_lr_inf"] = _pg_init({"lr": float("inf")}, refused=".*learning rate")
 
 
-def _pg_step(change, key, common, other):
+def _pg_step(odd_kw, key, common, other):
     def case(rank, world, odd):
         params = _model(SHAPES, torch.float32)
         opt = IsoLoCo(params, lr=1.8, momentum=0.8, process_group=dist.group.WORLD)
@@ -229,32 +235,26 @@ def _pg_step(change, key, common, other):
             _grads_in(params, 0, step)
             if step == 1:
                 if rank == odd:
-                    change(opt)
-                _fails_together(opt.step, _differs(key, common, other, world),
-                                params + [p.grad for p in params], opt)
+                    _changed(odd_kw)(opt)
+                _fails_together(opt.step, _differs(key, common, other, world), params + [p.grad for p in params], opt)
             else:
                 opt.step()
+
     return case
-
-
-CASES["pg_step_lr"] = _pg_step(lambda o: o.param_groups[0].update(lr=0.5), "param_groups[0]['lr']", "1.8", "0.5")
-CASES["pg_step_momentum"] = _pg_step(lambda o: o.param_groups[0].update(momentum=0.0),
-                                     "param_groups[0]['momentum']", "0.8", "0.0")
-CASES["pg_step_iso"] = _pg_step(lambda o: o.param_groups[0].update(iso=False), "param_groups[0]['iso']",
-                                "True", "False")
-CASES["pg_step_method"] = _pg_step(lambda o: setattr(o, "method", "svd"), "method", "'auto'", "'svd'")
 
 
 # -- average_ ---------------------------------------------------------------------------------------
 
+
 @_case
-def _case_average_bucket_bytes(rank, world, odd):
+def _case_average_chunk_bytes(rank, world, odd):
     xs = [torch.randn(300), torch.randn(20, 7)]
-    bb = 64 if rank == odd else 1 << 20
-    _fails_together(lambda: D.average_(xs, bucket_bytes=bb), _differs("bucket_bytes", str(1 << 20), "64", world), xs)
+    cb = 64 if rank == odd else 1 << 20
+    _fails_together(lambda: D.average_(xs, chunk_bytes=cb), _differs("chunk_bytes", str(1 << 20), "64", world), xs)
 
 
 # -- the DTensor step (a 1-D mesh of every rank, params sharded by rows) ------------------------
+
 
 def _mesh(world):
     from torch.distributed.device_mesh import init_device_mesh
@@ -280,8 +280,9 @@ def _dtensor_watch(params, grads=True):
     return [local(p) for p in params] + ([local(p.grad) for p in params] if grads else [])
 
 
-def _dtensor_init(odd_kw, match=None, refused=None):
+def _dtensor_init(odd_kw, key=None, common=None, other=None, refused=None):
     """IsoLoCo on DTensor params built differently on one rank: the ranks agree over the mesh."""
+
     def case(rank, world, odd):
         from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -291,36 +292,42 @@ def _dtensor_init(odd_kw, match=None, refused=None):
         if refused:
             _refused_on_last(rank, world, odd, make, refused, _dtensor_watch(params, grads=False))
         else:
-            _fails_together(make, match(world), _dtensor_watch(params, grads=False))
+            _fails_together(make, _differs(key, common, other, world), _dtensor_watch(params, grads=False))
+
     return case
 
 
-CASES["dtensor_init_lr"] = _dtensor_init({"lr": 0.7}, lambda w: _differs("param_groups[0]['lr']", "1.8", "0.7", w))
-CASES["dtensor_init_iso"] = _dtensor_init({"iso": False}, lambda w: _differs(
-    "param_groups[0]['iso']", "True", "False", w))
-CASES["dtensor_init_method"] = _dtensor_init({"method": "svd"}, lambda w: _differs("method", "'auto'", "'svd'", w))
 CASES["dtensor_init_lr_nan"] = _dtensor_init({"lr": float("nan")}, refused=".*learning rate")
 
 
-def _dtensor_step(change, key, common, other):
+def _dtensor_step(odd_kw, key, common, other):
     """A setting changed on one rank after construction: the DTensor step's first agreement."""
+
     def case(rank, world, odd):
         params, opt = _dtensor_opt(rank, world)
         if rank == odd:
-            change(opt)
+            _changed(odd_kw)(opt)
         _fails_together(opt.step, _differs(key, common, other, world), _dtensor_watch(params), opt)
+
     return case
 
 
-CASES["dtensor_step_lr"] = _dtensor_step(lambda o: o.param_groups[0].update(lr=0.7), "param_groups[0]['lr']",
-                                         "1.8", "0.7")
-CASES["dtensor_step_momentum"] = _dtensor_step(lambda o: o.param_groups[0].update(momentum=0.9),
-                                               "param_groups[0]['momentum']", "0.8", "0.9")
-CASES["dtensor_step_iso"] = _dtensor_step(lambda o: o.param_groups[0].update(iso=False), "param_groups[0]['iso']",
-                                          "True", "False")
-CASES["dtensor_step_method"] = _dtensor_step(lambda o: setattr(o, "method", "svd"), "method", "'auto'", "'svd'")
-CASES["dtensor_step_route"] = _dtensor_step(lambda o: setattr(o, "dtensor_route", "gather"), "dtensor_route",
-                                            "'auto'", "'gather'")
+# every entry point compares every setting of SETTINGS, at construction and at a step; ShardedIsoLoCo
+# its chunk size and solo_above too, the DTensor step its route
+for _kind, _init, _step in (
+    ("sharded", _sharded_init, _sharded_step),
+    ("pg", _pg_init, _pg_step),
+    ("dtensor", _dtensor_init, _dtensor_step),
+):
+    for _name, _setting in SETTINGS.items():
+        CASES[f"{_kind}_init_{_name}"] = _init(*_setting)
+        CASES[f"{_kind}_step_{_name}"] = _step(*_setting)
+_common = str(D.collectives.CHUNK_BYTES)
+CASES["sharded_init_chunk_bytes"] = _sharded_init({"chunk_bytes": 4096}, "chunk_bytes", _common, "4096")
+CASES["sharded_step_chunk_bytes"] = _sharded_step({"chunk_bytes": 64}, "chunk_bytes", _common, "64")
+CASES["sharded_step_bucket_bytes"] = _sharded_step({"bucket_bytes": 64}, "chunk_bytes", _common, "64")  # old name
+CASES["sharded_init_solo_above"] = _sharded_init({"solo_above": None}, "solo_above", "1.0", "None")
+CASES["dtensor_step_route"] = _dtensor_step({"dtensor_route": "gather"}, "dtensor_route", "'auto'", "'gather'")
 
 
 @_case
@@ -332,22 +339,16 @@ def _case_dtensor_closure_raises(rank, world, odd):
             raise RuntimeError("no loss on this rank")
         return 0.0
 
-    _fails_together(lambda: opt.step(closure), _failed_on_last(world, "RuntimeError: no loss on this rank"),
-                    _dtensor_watch(params), opt)
+    _fails_together(
+        lambda: opt.step(closure),
+        _failed_on_last(world, "RuntimeError: no loss on this rank"),
+        _dtensor_watch(params),
+        opt,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # One spawned group per world size runs every case; each case is reported as its own test.
-
-
-def _record(tmpdir, rank, name, fn, *args):
-    try:
-        fn(*args)
-        out = "ok"
-    except BaseException:  # noqa: BLE001 — pytest's failures too: reported by the test of that case
-        out = traceback.format_exc()
-    with open(os.path.join(tmpdir, f"case-{name}-rank{rank}"), "w") as f:
-        f.write(out)
 
 
 def _warm_up(rank):
@@ -362,39 +363,17 @@ def _warm_up(rank):
 
 def _body(rank, world, tmpdir):
     _warm_up(rank)  # and every rank started: the cases time the library, not the spawn
-    for name, fn in CASES.items():
-        _record(tmpdir, rank, name, fn, rank, world, world - 1)
-        dist.barrier()  # a case that failed on one rank cannot leave the next one out of step
+    CASES.run(tmpdir, rank, rank, world, world - 1)
 
 
-@pytest.fixture(scope="module")
-def groups(tmp_path_factory):
-    """world size → (folder of reports, error of the spawn or None), spawned on first use."""
-    made = {}
-
-    def get(world):
-        if world not in made:
-            tmp = tmp_path_factory.mktemp(f"agree{world}")
-            try:
-                _spawn(_body, world, tmp, pg_timeout_s=PG_TIMEOUT_S)
-                made[world] = (tmp, None)
-            except BaseException as e:  # noqa: BLE001 — each case then says what it lacks
-                made[world] = (tmp, f"{type(e).__name__}: {e}")
-        return made[world]
-
-    return get
+agreement_groups = groups(_body, 2, 3, pg_timeout_s=PG_TIMEOUT_S)  # one spawned group per world size
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, id=n) for n in CASES])
 @pytest.mark.parametrize("world", [pytest.param(2, id="2ranks"), pytest.param(3, id="3ranks")])
-def test_disagreement_fails_every_rank(groups, world, name):
+def test_disagreement_fails_every_rank(agreement_groups, world, name):
     """One rank set differently: DistributedStepError on every rank, fast, naming it; nothing changed."""
-    tmp, spawn_error = groups(world)
-    for rank in range(world):
-        f = tmp / f"case-{name}-rank{rank}"
-        assert f.exists(), f"rank {rank} did not report case {name!r}: {spawn_error}"
-        text = f.read_text()
-        assert text == "ok", f"rank {rank}:\n{text}"
+    agreement_groups[world].assert_ok(name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,6 +384,7 @@ def test_disagreement_fails_every_rank(groups, world, name):
 def test_comm_device_is_decided_by_the_backend(monkeypatch):
     """NCCL (alone or beside gloo) → this process's CUDA device (the group's bound one first);
     anything else → the CPU. Nothing about the tensors a rank holds enters the decision."""
+
     class Group:
         bound_device_id = None
 
@@ -436,9 +416,21 @@ class NcclRule:
     `calls` counts the collectives by name, `by_caller` by (calling module.function, name).
     """
 
-    TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_to_all_single", "all_gather_into_tensor",
-                          "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather",
-                          "reduce_scatter", "all_to_all", "gather", "scatter")
+    TENSOR_COLLECTIVES = (
+        "all_reduce",
+        "broadcast",
+        "reduce",
+        "all_to_all_single",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "reduce_scatter_tensor",
+        "reduce_scatter_single",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "gather",
+        "scatter",
+    )
     OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
 
     def __init__(self):
@@ -499,7 +491,7 @@ class NcclRule:
     def _wrap(self, name, real):
         def collective(*args, **kwargs):
             frame = sys._getframe(1)
-            caller = f'{frame.f_globals.get("__name__", "")}.{frame.f_code.co_name}'
+            caller = f"{frame.f_globals.get('__name__', '')}.{frame.f_code.co_name}"
             if caller.startswith("isoloco_kernels"):
                 self.calls[name] = self.calls.get(name, 0) + 1
                 self.by_caller[caller, name] = self.by_caller.get((caller, name), 0) + 1
@@ -537,7 +529,7 @@ def _every_collective(rank, world, rule):
         A.agree_on_mesh("bad" if rank == 0 else None, mesh, "agree_on_mesh")
     # average_: several buckets, mixed dtypes, a non-contiguous tensor; then a NaN on one rank
     xs = [torch.randn(40, 3).mT, torch.randn(50), torch.randn(7, dtype=torch.float64)]
-    D.average_(xs, bucket_bytes=64)
+    D.average_(xs, chunk_bytes=64)
     nan_on_last(xs[1])
     with pytest.raises(D.DistributedStepError):
         D.average_(xs)
@@ -545,7 +537,7 @@ def _every_collective(rank, world, rule):
     params = _model(SHAPES + [(30, 20)], torch.float32)
     params[-1] = params[-1].mT.contiguous().mT
     for solo in (None, 0.2):
-        opt = D.ShardedIsoLoCo(params, bucket_bytes=96, solo_above=solo)
+        opt = D.ShardedIsoLoCo(params, chunk_bytes=96, solo_above=solo)
         assert solo is None or opt.plan.solo
         for step in range(2):
             _grads_in(params, rank, step)
@@ -611,8 +603,12 @@ def _body_nccl_rule(rank, world, tmpdir):
         assert any(k.startswith(name) for k in rule.calls), f"no {name} ran under the stand-in: {rule.calls}"
     # the DTensor step's data collectives ran under the rule: the Gram all-reduce and the exact
     # path's flags (gram_route.py), the gathers and the owner all-to-alls of shards (collectives.py)
-    dtensor_callers = ("distributed.gram_route.gram_route", "distributed.gram_route.agree_exact",
-                       "distributed.collectives.all_gather_shards", "distributed.collectives._owner_all_to_all")
+    dtensor_callers = (
+        "distributed.gram_route.gram_route",
+        "distributed.gram_route.agree_exact",
+        "distributed.collectives.all_gather_shards",
+        "distributed.collectives._owner_all_to_all",
+    )
     dt: dict[str, int] = {}
     for (caller, name), n in rule.by_caller.items():
         if caller.endswith(dtensor_callers):
@@ -623,12 +619,13 @@ def _body_nccl_rule(rank, world, tmpdir):
     rule.answer = torch.device("cpu")  # equal to the decision, but not the decision
     A.agree(None, None, "stand-in check")
     rule.answer = rule.device
-    assert rule.violations and all("not made on the device comm_device decided" in v for v in rule.violations), \
+    assert rule.violations and all("not made on the device comm_device decided" in v for v in rule.violations), (
         rule.violations
+    )
 
 
 @pytest.mark.parametrize("world", [pytest.param(2, id="2ranks"), pytest.param(3, id="3ranks")])
 def test_every_collective_follows_nccl_device_rule(tmp_path, world):
     """agree, agree_on_mesh, object gathers, average_, ShardedIsoLoCo, sharded_iso_merge_,
     IsoLoCo(process_group=...) and the DTensor step, good and failing, under the stand-in."""
-    _spawn(_body_nccl_rule, world, tmp_path, pg_timeout_s=PG_TIMEOUT_S)
+    spawn(_body_nccl_rule, world, tmp_path, pg_timeout_s=PG_TIMEOUT_S)

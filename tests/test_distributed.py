@@ -1,71 +1,28 @@
-"""The sharded outer step on torch.distributed (gloo over 127.0.0.1, ranks spawned per test).
+"""The sharded outer step on torch.distributed (gloo over 127.0.0.1, ranks spawned by tests/spawn.py).
 
-Spawning is slow, so each test starts one group and runs several checks in it. Every worker does its
-own asserting (an AssertionError in any rank fails the test, with that rank's traceback); the parent
-enforces a hard deadline, so a hang fails instead of blocking CI.
+Spawning is slow, so one group runs many checks, each reported as its own test. Every worker does
+its own asserting (an AssertionError in any rank fails that check, with that rank's traceback);
+the parent enforces a hard deadline, so a hang fails instead of blocking CI.
 """
+
 from __future__ import annotations
 
 import os
-import socket
 import time
-import traceback
-from datetime import timedelta
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
-from isoloco_kernels import IsoLoCo
+from isoloco_kernels import IsoLoCo, outer
 from isoloco_kernels import distributed as D
-from isoloco_kernels.reference import isoloco_step_ref, iso_flatten_ref
+from isoloco_kernels.reference import iso_flatten_ref, isoloco_step_ref
 from tests.helpers import TOL, rel_err
-
-DEADLINE_S = 120  # per spawned group, generous for 2 busy cores; a hang fails here
-PG_TIMEOUT_S = 15  # process group timeout: the backstop for a rank that vanishes
+from tests.spawn import PG_TIMEOUT_S, Checks, finished, groups, record
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, port, body, tmpdir, pg_timeout_s=PG_TIMEOUT_S):
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=pg_timeout_s),
-    )
-    body(rank, world, tmpdir)
-    with open(os.path.join(tmpdir, f"done{rank}"), "w") as f:
-        f.write("ok")
-    os._exit(0)  # skip process-group teardown: a check may have left a peer gone
-
-
-def _spawn(body, world, tmp_path, pg_timeout_s=PG_TIMEOUT_S):
-    """Run body(rank, world, tmpdir) on `world` spawned gloo ranks (process-group timeout
-    pg_timeout_s: a collective that waits longer fails that rank)."""
-    ctx = mp.start_processes(
-        _entry, args=(world, _free_port(), body, str(tmp_path), pg_timeout_s), nprocs=world, join=False,
-        start_method="spawn",
-    )
-    t0 = time.monotonic()
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() - t0 > DEADLINE_S:
-                pytest.fail(f"spawned group of {world} did not finish within {DEADLINE_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    missing = [r for r in range(world) if not (tmp_path / f"done{r}").exists()]
-    assert not missing, f"ranks {missing} exited without finishing their checks"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,23 +104,23 @@ SHAPES_2 = [(12, 5), (7,), (5, 9), (1, 6), (6, 1), (16, 16), (3,), (9, 4)]
 # Each check below runs on a 2-rank subgroup (ranks 0, 1 and ranks 2, 3 at once) inside one spawned
 # group of 4 processes and is reported as its own test result (test_pair_check[name]).
 LR, MU = 1.8, 0.8
-PAIR_CHECKS = {}
-
-
-def _pair_check(fn):
-    PAIR_CHECKS[fn.__name__.removeprefix("_check_")] = fn
-    return fn
+PAIR_CHECKS = Checks()
+_pair_check = PAIR_CHECKS
 
 
 @_pair_check
 def _check_sharded_matches_isoloco(group, tmpdir):
     rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
     # several steps, fp32 and fp64, multi-chunk communication (tiny buckets), solo tensors on and off
-    cases = ((torch.float32, 64, 1.0), (torch.float64, 1 << 20, None), (torch.float32, 1 << 20, 0.2),
-             (torch.bfloat16, 1 << 20, 1.0))
+    cases = (
+        (torch.float32, 64, 1.0),
+        (torch.float64, 1 << 20, None),
+        (torch.float32, 1 << 20, 0.2),
+        (torch.bfloat16, 1 << 20, 1.0),
+    )
     for dtype, bucket, rep in cases:
         params = _model(SHAPES_2, dtype)
-        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, process_group=group, bucket_bytes=bucket, solo_above=rep)
+        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, process_group=group, chunk_bytes=bucket, solo_above=rep)
         if rep == 0.2:
             assert opt.plan.solo, "solo_above=0.2 must send the largest tensors solo"
         _run_sharded(params, SHAPES_2, dtype, rank, 3, opt)
@@ -178,7 +135,7 @@ def _check_sharded_matches_isoloco(group, tmpdir):
 
 @_pair_check
 def _check_iso_off(group, tmpdir):
-    rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
+    rank, world = dist.get_rank(group), 2
     # iso off: plain Nesterov SGD on the averaged pseudo-gradients
     params = _model(SHAPES_2, torch.float64)
     opt = D.ShardedIsoLoCo(params, lr=0.7, momentum=0.9, iso=False, process_group=group)
@@ -191,7 +148,7 @@ def _check_iso_off(group, tmpdir):
 
 @_pair_check
 def _check_process_group_splits_the_flatten(group, tmpdir):
-    rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
+    world, lr, mu = 2, LR, MU
     # IsoLoCo(process_group=...): grads already averaged on every rank, flatten work split
     calls = []
     real_sharded = D.sharded_iso_merge_
@@ -246,7 +203,7 @@ def _check_state_dict_resume(group, tmpdir):
 
 @_pair_check
 def _check_failure_on_one_rank_changes_nothing(group, tmpdir):
-    rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
+    rank, lr, mu = dist.get_rank(group), LR, MU
     # NaN in one rank's pseudo-gradients: every rank raises, nothing changes anywhere
     params = _model(SHAPES_2, torch.float32)
     opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, process_group=group)
@@ -273,15 +230,17 @@ def _check_failure_on_one_rank_changes_nothing(group, tmpdir):
     # a flatten that fails on one rank (not bad input): same all-or-nothing behaviour
     for p, g in zip(params, _pseudo_grads(SHAPES_2, torch.float32, rank, 1)):
         p.grad = g
-    real = D.sharded.iso_merge_unchecked_
+    real = outer.iso_merge_unchecked_  # the flatten of outer.bucket_flatten, which the step calls
     if rank == 0:
+
         def broken(buckets, method):
             real(buckets, method)  # scribbles on the scratch copies first
             raise RuntimeError("injected flatten failure")
-        D.sharded.iso_merge_unchecked_ = broken
+
+        outer.iso_merge_unchecked_ = broken
     with pytest.raises(D.DistributedStepError, match="rank 0: RuntimeError: injected flatten failure"):
         opt.step()
-    D.sharded.iso_merge_unchecked_ = real
+    outer.iso_merge_unchecked_ = real
     _assert_unchanged(opt, params, before_p, before_b)
     # and the optimizer still works afterwards
     opt.step()
@@ -290,12 +249,17 @@ def _check_failure_on_one_rank_changes_nothing(group, tmpdir):
 
 @_pair_check
 def _check_sharded_iso_merge_equals_iso_merge(group, tmpdir):
-    rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
+    rank = dist.get_rank(group)
     # pre-averaged grads: sharded_iso_merge_ equals iso_merge_, odd shapes, batched, non-contiguous
     g = torch.Generator().manual_seed(7)
-    bk = [torch.randn(12, 5, generator=g), torch.randn(3, 4, 6, generator=g, dtype=torch.float64),
-          torch.randn(9, 7, generator=g).mT, torch.randn(1, 8, generator=g), torch.randn(8, 1, generator=g),
-          torch.randn(5, 5, generator=g).to(torch.bfloat16)]
+    bk = [
+        torch.randn(12, 5, generator=g),
+        torch.randn(3, 4, 6, generator=g, dtype=torch.float64),
+        torch.randn(9, 7, generator=g).mT,
+        torch.randn(1, 8, generator=g),
+        torch.randn(8, 1, generator=g),
+        torch.randn(5, 5, generator=g).to(torch.bfloat16),
+    ]
     for rep, bucket in ((1.0, 1 << 20), (None, 48)):
         got = [b.clone() if b.is_contiguous() else b.clone().mT.contiguous().mT for b in bk]
         D.sharded_iso_merge_(got, group, method="svd", solo_above=rep, chunk_bytes=bucket)
@@ -318,10 +282,9 @@ def _check_sharded_iso_merge_equals_iso_merge(group, tmpdir):
 
 @_pair_check
 def _check_old_keyword_names_warn(group, tmpdir):
-    """ShardedIsoLoCo(group=) and sharded_iso_merge_(bucket_bytes=) still work, with a
-    DeprecationWarning naming the new keyword; both names at once are refused."""
-    import warnings
-
+    """ShardedIsoLoCo(group=, bucket_bytes=), sharded_iso_merge_(bucket_bytes=) and
+    average_(bucket_bytes=) still work, with a DeprecationWarning naming the new keyword; both names
+    at once are refused."""
     rank = dist.get_rank(group)
     params = _model(SHAPES_2, torch.float32)
     with pytest.warns(DeprecationWarning, match=r"group= is deprecated, pass process_group="):
@@ -336,6 +299,15 @@ def _check_old_keyword_names_warn(group, tmpdir):
     assert all(torch.equal(a, b) for a, b in zip(params, new_params))
     with pytest.raises(TypeError, match="pass process_group= only"):
         D.ShardedIsoLoCo(params, group=group, process_group=group)
+    with pytest.warns(DeprecationWarning, match=r"ShardedIsoLoCo: bucket_bytes= is deprecated, pass chunk_bytes="):
+        old = D.ShardedIsoLoCo(params, group=group, bucket_bytes=640)
+    assert old.chunk_bytes == old.bucket_bytes == 640 and old.process_group is group
+    old.bucket_bytes = 320  # the old attribute name sets the new one
+    assert old.chunk_bytes == 320
+    with pytest.raises(TypeError, match="pass chunk_bytes= only"):
+        D.ShardedIsoLoCo(params, process_group=group, bucket_bytes=64, chunk_bytes=32)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_size'"):
+        D.ShardedIsoLoCo(params, process_group=group, bucket_size=64)
     bk = [torch.randn(2, 6, 5, generator=torch.Generator().manual_seed(1)), torch.randn(9, 4)]
     got = [b.clone() for b in bk]
     with pytest.warns(DeprecationWarning, match=r"bucket_bytes= is deprecated, pass chunk_bytes="):
@@ -347,17 +319,30 @@ def _check_old_keyword_names_warn(group, tmpdir):
         D.sharded_iso_merge_(bk, group, bucket_bytes=64, chunk_bytes=32)
     with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_size'"):
         D.sharded_iso_merge_(bk, group, bucket_size=64)
+    xs = [torch.randn(5, 3, generator=torch.Generator().manual_seed(2 + rank)), torch.randn(11)]
+    got, want = [x.clone() for x in xs], [x.clone() for x in xs]
+    with pytest.warns(DeprecationWarning, match=r"average_: bucket_bytes= is deprecated, pass chunk_bytes="):
+        D.average_(got, group, bucket_bytes=24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        D.average_(want, group, chunk_bytes=24)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(TypeError, match="pass chunk_bytes= only"):
+        D.average_(xs, group, bucket_bytes=24, chunk_bytes=24)
 
 
 @_pair_check
 def _check_average_is_the_mean(group, tmpdir):
-    rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
+    rank, world = dist.get_rank(group), 2
     # average_: mean over ranks, in place, multi-bucket, non-contiguous, mixed dtypes
     xs = [_noncontig(t) for t in _pseudo_grads([(5, 3), (11,), (4, 4)], torch.float32, rank, 9)]
     xs.append(_pseudo_grads([(6,)], torch.float64, rank, 9)[0])
-    all_x = [[_noncontig(t) for t in _pseudo_grads([(5, 3), (11,), (4, 4)], torch.float32, r, 9)]
-             + [_pseudo_grads([(6,)], torch.float64, r, 9)[0]] for r in range(world)]
-    D.average_(xs, group, bucket_bytes=24)
+    all_x = [
+        [_noncontig(t) for t in _pseudo_grads([(5, 3), (11,), (4, 4)], torch.float32, r, 9)]
+        + [_pseudo_grads([(6,)], torch.float64, r, 9)[0]]
+        for r in range(world)
+    ]
+    D.average_(xs, group, chunk_bytes=24)
     for i, x in enumerate(xs):
         want = torch.stack([a[i].double() for a in all_x]).mean(0)
         assert rel_err(x, want) <= TOL[("update", x.dtype)], f"average_ tensor {i}"
@@ -376,21 +361,17 @@ def _assert_unchanged(opt, params, before_p, before_b):
 SHAPES_4 = [(6, 10), (10,), (8, 3)]
 
 
-FOUR_RANK_CHECKS = {}
-
-
-def _four_rank_check(fn):
-    FOUR_RANK_CHECKS[fn.__name__.removeprefix("_four_")] = fn
-    return fn
+FOUR_RANK_CHECKS = Checks()
+_four_rank_check = FOUR_RANK_CHECKS
 
 
 @_four_rank_check
-def _four_uneven_plan_matches_isoloco(rank, world, tmpdir):
+def _check_uneven_plan_matches_isoloco(rank, world, tmpdir):
     """Fewer matrices than ranks (one rank owns nothing), solo tensors off and on."""
     lr, mu = 1.8, 0.8
     for rep in (None, 1.0):
         params = _model(SHAPES_4, torch.float64)
-        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, solo_above=rep, bucket_bytes=640)
+        opt = D.ShardedIsoLoCo(params, lr=lr, momentum=mu, solo_above=rep, chunk_bytes=640)
         if rep is None:
             assert len(set(opt.plan.owners)) == 3 and not opt.plan.owned(3), opt.plan.owners
         _run_sharded(params, SHAPES_4, torch.float64, rank, 3, opt)
@@ -402,7 +383,7 @@ def _four_uneven_plan_matches_isoloco(rank, world, tmpdir):
 
 
 @_four_rank_check
-def _four_merge_three_matrices(rank, world, tmpdir):
+def _check_merge_three_matrices(rank, world, tmpdir):
     """3 matrices on 4 ranks through sharded_iso_merge_."""
     g = torch.Generator().manual_seed(3)
     bk = [torch.randn(7, 4, generator=g), torch.randn(4, 7, generator=g), torch.randn(2, 3, 3, generator=g)]
@@ -412,7 +393,7 @@ def _four_merge_three_matrices(rank, world, tmpdir):
 
 
 @_four_rank_check
-def _four_different_shapes_are_refused(rank, world, tmpdir):
+def _check_different_shapes_are_refused(rank, world, tmpdir):
     """Ranks passing different shapes are told so, instead of exchanging garbage."""
     mine = [torch.randn(4, 4)] if rank != 2 else [torch.randn(4, 5)]
     with pytest.raises(D.DistributedStepError, match=r"shard plan .*rank 2\b"):
@@ -428,9 +409,8 @@ def _four_dead_rank(rank, world, tmpdir):
     for p, gr in zip(params, _pseudo_grads(SHAPES_4, torch.float32, rank, 0)):
         p.grad = gr
     if rank == 3:
-        for name in ("check-dead_rank-rank3", "done3"):
-            with open(os.path.join(tmpdir, name), "w") as f:
-                f.write("ok")
+        record(tmpdir, 3, "dead_rank", lambda: None)
+        finished(tmpdir, 3)
         os._exit(0)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError):
@@ -447,60 +427,29 @@ def _single_checks(group):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
 
 
-def _record(tmpdir, rank: int, name: str, fn, *args) -> None:
-    """Run one check and write its outcome (ok, or the traceback) for the test that reports it."""
-    try:
-        fn(*args)
-        out = "ok"
-    except Exception:  # noqa: BLE001 — reported by test_pair_check[name]
-        out = traceback.format_exc()
-    with open(os.path.join(tmpdir, f"check-{name}-rank{rank}"), "w") as f:
-        f.write(out)
-
-
 def _body(rank, world, tmpdir):
     singles = [dist.new_group([r]) for r in range(world)]
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    _record(tmpdir, rank, "single_rank_group", _single_checks, singles[rank])
-    for name, fn in PAIR_CHECKS.items():
-        _record(tmpdir, rank, name, fn, pairs[rank // 2], tmpdir)
-        dist.barrier()  # a check that failed on one rank cannot leave the next one out of step
-    for name, fn in FOUR_RANK_CHECKS.items():
-        _record(tmpdir, rank, name, fn, rank, world, tmpdir)
-        dist.barrier()
-    _record(tmpdir, rank, "dead_rank", _four_dead_rank, rank, world, tmpdir)
+    record(tmpdir, rank, "single_rank_group", _single_checks, singles[rank])
+    dist.barrier()
+    PAIR_CHECKS.run(tmpdir, rank, pairs[rank // 2], tmpdir)
+    FOUR_RANK_CHECKS.run(tmpdir, rank, rank, world, tmpdir)
+    record(tmpdir, rank, "dead_rank", _four_dead_rank, rank, world, tmpdir)
 
 
-@pytest.fixture(scope="module")
-def gloo_group_of_four(tmp_path_factory):
-    """One spawned group of 4 processes runs every check below; (folder, error of the spawn)."""
-    tmp = tmp_path_factory.mktemp("gloo4")
-    try:
-        _spawn(_body, 4, tmp)
-    except BaseException as e:  # noqa: BLE001 — each check then says what it lacks
-        return tmp, f"{type(e).__name__}: {e}"
-    return tmp, None
+gloo_group_of_four = groups(_body, 4)  # one spawned group of 4 processes runs every check below
 
 
 @pytest.mark.parametrize("name", ["single_rank_group", *PAIR_CHECKS])
 def test_pair_check(gloo_group_of_four, name):
     """ShardedIsoLoCo, IsoLoCo(process_group=...), sharded_iso_merge_ and average_ on 2-rank groups."""
-    _assert_reported(gloo_group_of_four, name)
-
-
-def _assert_reported(gloo_group_of_four, name):
-    tmp, spawn_error = gloo_group_of_four
-    for rank in range(4):
-        f = tmp / f"check-{name}-rank{rank}"
-        assert f.exists(), f"rank {rank} did not report check {name!r}: {spawn_error}"
-        text = f.read_text()
-        assert text == "ok", f"rank {rank}:\n{text}"
+    gloo_group_of_four[4].assert_ok(name)
 
 
 @pytest.mark.parametrize("name", [*FOUR_RANK_CHECKS, "dead_rank"])
 def test_four_rank_check(gloo_group_of_four, name):
     """All 4 ranks: uneven plans, sharded_iso_merge_, mismatched shapes, a rank that vanishes."""
-    _assert_reported(gloo_group_of_four, name)
+    gloo_group_of_four[4].assert_ok(name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -553,14 +502,19 @@ def _fails_everywhere(fn, match, tensors, what):
         assert torch.equal(a.detach().nan_to_num(nan=7.0), b.nan_to_num(nan=7.0)), f"{what}: a tensor changed"
 
 
-def _body_reliability(rank, world, tmpdir):
-    g = torch.Generator().manual_seed(77)
-    shapes = [(6, 10), (10, 6), (10,)]
+# Each check runs on every rank of a 2-rank group (the half-precision means below on 2 and 3).
+SMALL_CHECKS = Checks()
+_small_check = SMALL_CHECKS
+REL_SHAPES = [(6, 10), (10, 6), (10,)]
 
-    # IsoLoCo(process_group) with a NaN grad on rank 1 only
-    params = [torch.randn(s, generator=g) for s in shapes]
+
+@_small_check
+def _check_isoloco_nan_or_closure_on_one_rank(rank, world):
+    """IsoLoCo(process_group) with a NaN grad on rank 1 only, then a closure that raises there."""
+    g = torch.Generator().manual_seed(77)
+    params = [torch.randn(s, generator=g) for s in REL_SHAPES]
     opt = IsoLoCo(params, lr=0.5, momentum=0.9, process_group=dist.group.WORLD)
-    grads = [torch.randn(s, generator=torch.Generator().manual_seed(5)) for s in shapes]
+    grads = [torch.randn(s, generator=torch.Generator().manual_seed(5)) for s in REL_SHAPES]
     for p, gr in zip(params, grads):
         p.grad = gr.clone()
     if rank == 1:
@@ -572,7 +526,6 @@ def _body_reliability(rank, world, tmpdir):
     assert all(torch.isfinite(p).all() for p in params) and len(opt.state) == 3
     assert all(torch.equal(p.grad, gr) for p, gr in zip(params, grads))
 
-    # ... and a closure that raises on rank 1 only
     def closure1():
         if rank == 1:
             raise RuntimeError("no loss here")
@@ -580,7 +533,10 @@ def _body_reliability(rank, world, tmpdir):
 
     _fails_everywhere(lambda: opt.step(closure1), r"rank 1: RuntimeError: no loss here", params, "IsoLoCo closure")
 
-    # ShardedIsoLoCo: a closure that raises on rank 0 only
+
+@_small_check
+def _check_sharded_closure_on_one_rank(rank, world):
+    """ShardedIsoLoCo: a closure that raises on rank 0 only."""
     params = _model(SHAPES_2, torch.float32)
     opt = D.ShardedIsoLoCo(params, lr=0.5, momentum=0.9)
     for p, gr in zip(params, _pseudo_grads(SHAPES_2, torch.float32, rank, 0)):
@@ -594,7 +550,11 @@ def _body_reliability(rank, world, tmpdir):
     _fails_everywhere(lambda: opt.step(closure), r"rank 0: RuntimeError: loss went away", params, "closure")
     assert not any(opt.state.values())
 
-    # ShardedIsoLoCo: huge pseudo-gradients give the right finite step (Iso-C is homogeneous)
+
+@_small_check
+def _check_sharded_huge_or_overflowing_grads(rank, world):
+    """ShardedIsoLoCo: huge pseudo-gradients give the right finite step (Iso-C is homogeneous);
+    one whose update overflows float32 is refused on both ranks, nothing changed."""
     params = _model(SHAPES_2, torch.float32)
     before = [p.detach().clone() for p in params]
     opt = D.ShardedIsoLoCo(params, lr=1.8, momentum=0.8)
@@ -605,23 +565,27 @@ def _body_reliability(rank, world, tmpdir):
     ref_p, _ = isoloco_step_ref(before, [torch.zeros_like(p) for p in before], grads, 1.8, 0.8)
     for p, r in zip(params, ref_p):
         assert torch.isfinite(p).all() and rel_err(p, r) < 1e-4
-
-    # ... and one whose update overflows float32 is refused on both ranks, nothing changed
     params = _model(SHAPES_2, torch.float32)
     opt = D.ShardedIsoLoCo(params, lr=1.8, momentum=0.8)
     for p in params:
         p.grad = torch.full_like(p, 3e38)
     _fails_everywhere(opt.step, r"overflow|not finite|NaN|Inf", params, "overflowing update")
 
-    # sharded_iso_merge_ with an expanded (self-overlapping) bucket on rank 1 only
+
+@_small_check
+def _check_merge_expanded_bucket_on_one_rank(rank, world):
+    """sharded_iso_merge_ with an expanded (self-overlapping) bucket on rank 1 only."""
     a = torch.randn(4, 6, generator=torch.Generator().manual_seed(8))
     b = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(9))
     if rank == 1:
         b = torch.randn(1, 4, 6).expand(2, 4, 6)
     _fails_everywhere(lambda: D.sharded_iso_merge_([a, b]), r"rank 1.*bucket 1.*overlap", [a, b], "expanded bucket")
 
-    # average_: different element counts (gloo would abort the process), then same count but
-    # different shapes (would be averaged silently)
+
+@_small_check
+def _check_average_refusals(rank, world):
+    """average_: different element counts (gloo would abort the process), then same count but
+    different shapes (would be averaged silently), overlap, NaN, an integer tensor."""
     x = torch.full((6,), float(rank))
     y = torch.ones(5 if rank == 0 else 7)
     _fails_everywhere(lambda: D.average_([x, y]), "different tensors", [x, y], "average_ counts")
@@ -639,8 +603,7 @@ def _body_reliability(rank, world, tmpdir):
     assert torch.equal(x, torch.full((6,), 0.5))
 
 
-def test_a_failure_on_one_rank_fails_every_rank_with_nothing_changed(tmp_path):
-    _spawn(_body_reliability, 2, tmp_path)
+RELIABILITY = list(SMALL_CHECKS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -657,8 +620,12 @@ def _half_grads(shapes, dtype, rank, world, step=0):
         if dtype == torch.float16:
             out.append([(40000 + 20000 * torch.rand(s, generator=g)).to(dtype) for s in shapes])
         else:
-            out.append([((0.5 + 1.5 * torch.rand(s, generator=g))
-                         * (torch.randint(0, 2, s, generator=g) * 2 - 1)).to(dtype) for s in shapes])
+            out.append(
+                [
+                    ((0.5 + 1.5 * torch.rand(s, generator=g)) * (torch.randint(0, 2, s, generator=g) * 2 - 1)).to(dtype)
+                    for s in shapes
+                ]
+            )
     return out
 
 
@@ -666,41 +633,73 @@ def _mean_rounded_once(grads, i, dtype):
     return (sum(g[i].float() for g in grads) / len(grads)).to(dtype)
 
 
-def _body_half_means(rank, world, tmpdir):
-    shapes = [(7, 5), (33,), (4, 6), (257,)]
-    for dtype in (torch.float16, torch.bfloat16):
-        grads = _half_grads(shapes, dtype, rank, world)
-        # average_: several buckets, a non-contiguous tensor
-        xs = [_noncontig(g.clone()) for g in grads[rank]]
-        D.average_(xs, bucket_bytes=40)
-        for i, x in enumerate(xs):
-            want = _mean_rounded_once(grads, i, dtype)
-            assert x.dtype == dtype and torch.equal(x, want), \
-                f"average_ {dtype}, {world} ranks: tensor {i} is not the float32 mean rounded once " \
-                f"({int((x != want).sum())} of {x.numel()} elements differ, max {float(x.float().abs().max()):.6g})"
-        # ShardedIsoLoCo: the reduce-scatter (segments) and the reduce to an owner (solo tensors);
-        # iso off, so the first step's momentum buffer is the mean pseudo-gradient itself
-        for solo in (None, 0.2):
-            params = [torch.zeros(s, dtype=dtype) for s in shapes]
-            opt = D.ShardedIsoLoCo(params, lr=1e-6, momentum=0.5, iso=False, bucket_bytes=64, solo_above=solo)
-            assert solo is None or opt.plan.solo
-            for p, g in zip(params, grads[rank]):
-                p.grad = g.clone()
-            opt.step()
-            for i in opt.mine:
-                buf = opt.state[params[i]]["momentum_buffer"]
-                want = _mean_rounded_once(grads, i, dtype).float()
-                assert torch.equal(buf, want), \
-                    f"ShardedIsoLoCo {dtype}, {world} ranks, solo_above={solo}: param {i}'s mean is not the " \
-                    f"float32 mean rounded once ({int((buf != want).sum())} of {buf.numel()} elements differ)"
-            for i, p in enumerate(params):
-                want = (-1e-6 * 1.5 * _mean_rounded_once(grads, i, dtype).float()).to(dtype)
-                assert rel_err(p, want) <= TOL[("update", dtype)], f"ShardedIsoLoCo {dtype}: param {i}"
+def _half_average(rank, world, dtype):
+    """average_: several chunks, a non-contiguous tensor."""
+    shapes = HALF_SHAPES
+    grads = _half_grads(shapes, dtype, rank, world)
+    xs = [_noncontig(g.clone()) for g in grads[rank]]
+    D.average_(xs, chunk_bytes=40)
+    for i, x in enumerate(xs):
+        want = _mean_rounded_once(grads, i, dtype)
+        assert x.dtype == dtype and torch.equal(x, want), (
+            f"average_ {dtype}, {world} ranks: tensor {i} is not the float32 mean rounded once "
+            f"({int((x != want).sum())} of {x.numel()} elements differ, max {float(x.float().abs().max()):.6g})"
+        )
 
 
+def _half_sharded(rank, world, dtype):
+    """ShardedIsoLoCo: the reduce-scatter (segments) and the reduce to an owner (solo tensors);
+    iso off, so the first step's momentum buffer is the mean pseudo-gradient itself."""
+    shapes = HALF_SHAPES
+    grads = _half_grads(shapes, dtype, rank, world)
+    for solo in (None, 0.2):
+        params = [torch.zeros(s, dtype=dtype) for s in shapes]
+        opt = D.ShardedIsoLoCo(params, lr=1e-6, momentum=0.5, iso=False, chunk_bytes=64, solo_above=solo)
+        assert solo is None or opt.plan.solo
+        for p, g in zip(params, grads[rank]):
+            p.grad = g.clone()
+        opt.step()
+        for i in opt.mine:
+            buf = opt.state[params[i]]["momentum_buffer"]
+            want = _mean_rounded_once(grads, i, dtype).float()
+            assert torch.equal(buf, want), (
+                f"ShardedIsoLoCo {dtype}, {world} ranks, solo_above={solo}: param {i}'s mean is not the "
+                f"float32 mean rounded once ({int((buf != want).sum())} of {buf.numel()} elements differ)"
+            )
+        for i, p in enumerate(params):
+            want = (-1e-6 * 1.5 * _mean_rounded_once(grads, i, dtype).float()).to(dtype)
+            assert rel_err(p, want) <= TOL[("update", dtype)], f"ShardedIsoLoCo {dtype}: param {i}"
+
+
+HALF_SHAPES = [(7, 5), (33,), (4, 6), (257,)]
+
+
+def _half_check(how, dtype) -> str:
+    name = f"{how.__name__.removeprefix('_half_')}-{str(dtype).removeprefix('torch.')}"
+    SMALL_CHECKS.add(name, lambda rank, world: how(rank, world, dtype))
+    return name
+
+
+HALF_MEANS = [_half_check(how, dt) for dt in (torch.float16, torch.bfloat16) for how in (_half_average, _half_sharded)]
+
+
+def _body_small(rank, world, tmpdir):
+    checks = SMALL_CHECKS if world == 2 else Checks({n: SMALL_CHECKS[n] for n in HALF_MEANS})
+    checks.run(tmpdir, rank, rank, world)
+
+
+small_groups = groups(_body_small, 2, 3)  # one spawned group each of 2 and 3 ranks
+
+
+@pytest.mark.parametrize("name", RELIABILITY)
+def test_a_failure_on_one_rank_fails_every_rank_with_nothing_changed(small_groups, name):
+    small_groups[2].assert_ok(name)
+
+
+@pytest.mark.parametrize("name", HALF_MEANS)
 @pytest.mark.parametrize("world", [pytest.param(2, id="2ranks"), pytest.param(3, id="3ranks")])
-def test_half_precision_means_are_float32_means_rounded_once(tmp_path, world):
+def test_half_precision_means_are_float32_means_rounded_once(small_groups, world, name):
     """average_ and ShardedIsoLoCo's reduce-scatter and reduce-to-owner sum float16/bfloat16 in
     float32: float16 grads near 40000 (the sum overflows, the mean fits) give their mean, not a
     refused step; bfloat16 over 3 ranks is rounded once, bit for bit."""
-    _spawn(_body_half_means, world, tmp_path)
+    small_groups[world].assert_ok(name)

@@ -1,15 +1,18 @@
 """IsoLoCo on DTensor params: FSDP2 (`fully_shard`) and tensor parallelism, gloo on 127.0.0.1.
 
-One spawned group of 2 ranks runs the checks of the step, torchft's DiLoCo end to end included
-(spawning costs tens of seconds on a busy 2-core machine), a second one the one-rank failures
-injected between the step's collectives and the load_state_dict refusals; 4 ranks (HSDP 2×2,
-FSDP × TP 2×2) run by default (ISOLOCO_SKIP_4_RANKS=1 skips them). The reference is single-process IsoLoCo on the same whole grads, on an
-unsharded copy of the same model. Half precision: tests/test_dtensor_half.py.
+One spawned group of 2 ranks (spawning costs tens of seconds on a busy 2-core machine) runs
+every 2-rank check, each reported as its own test: the checks of the step, torchft's DiLoCo end to
+end included; the one-rank failures injected between the step's collectives and the
+load_state_dict refusals; the Gram route's rank-cut cases. 4 ranks (HSDP 2×2, FSDP × TP 2×2) run
+by default (ISOLOCO_SKIP_4_RANKS=1 skips them). The reference is single-process IsoLoCo on the same
+whole grads, on an unsharded copy of the same model. Half precision: tests/test_dtensor_half.py.
 """
+
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import os
 import time
@@ -22,16 +25,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
-from isoloco_kernels import IsoLoCo
+from isoloco_kernels import IsoLoCo, outer
+from isoloco_kernels.distributed import DistributedStepError, gram_route
 from isoloco_kernels.distributed import dtensor as DT
-from isoloco_kernels.distributed import DistributedStepError, gram_route, routes as R
+from isoloco_kernels.distributed import routes as R
 from isoloco_kernels.distributed.plan import ShardLayout, plan_shards, shard_sizes
 from tests.helpers import TOL, rel_err, spectrum, with_spectrum
-from tests.test_distributed import PG_TIMEOUT_S, _spawn
+from tests.spawn import PG_TIMEOUT_S, Checks, groups, params
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 
 TOL_FP32 = 1e-5  # whole-model relative error vs single-process IsoLoCo after several outer steps
+
+# The checks, by the test that reports them; each takes the body's context by parameter name
+# (mesh, hsdp, dp_tp, rank, world, tmpdir: tests.spawn.Checks.run).
+STEP, FAILURES, RANK_CUT, FOUR = Checks(), Checks(), Checks(), Checks()
 
 VOCAB, HIDDEN, FFN, LAYERS, HEADS = 101, 16, 45, 2, 2  # odd vocabulary and ffn: uneven shards
 
@@ -132,6 +140,7 @@ def _fsdp_llama(mesh, seed=0):
 # The checks (each rank runs them all)
 
 
+@STEP
 def _check_fsdp_matches_single_process(mesh, rank):
     """Several outer steps over DTensor grads == single-process IsoLoCo on the whole grads."""
     # the first step's grads come from a real backward through the FSDP2 model (reduce-scattered)
@@ -172,6 +181,7 @@ def _check_fsdp_matches_single_process(mesh, rank):
                 assert routes.count("owner") == len(shapes) - 2, routes
 
 
+@STEP
 def _check_sgd(mesh):
     """iso=False is torch.optim.SGD(nesterov=True) on the same DTensor params and grads."""
     model, ref_plain = _fsdp_llama(mesh, seed=1)
@@ -189,6 +199,7 @@ def _check_sgd(mesh):
         assert ba.placements == bb.placements and rel_err(ba.to_local(), bb.to_local()) <= 1e-6, name
 
 
+@STEP
 def _check_tp(mesh):
     """ColwiseParallel / RowwiseParallel MLP (Shard(0) and Shard(1) weights, uneven ffn)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -265,13 +276,16 @@ def _stepped_once(mesh):
     return model, ref, opt, _snapshot(model, opt)
 
 
+@STEP
 def _check_all_or_nothing(mesh, rank):
     model, ref, opt, snap = _stepped_once(mesh)
     _set_grads(model, ref, 1)
     if rank == 1:  # a NaN in rank 1's shard of the embedding only
         model.embed.weight.grad.to_local()[3, 2] = float("nan")
     t0 = time.monotonic()
-    with pytest.raises(DistributedStepError, match=r"1 of 2 ranks.*rank 1: ValueError: .*\(shape \(101, 16\)\) on rank 1 grad.*NaN"):
+    with pytest.raises(
+        DistributedStepError, match=r"1 of 2 ranks.*rank 1: ValueError: .*\(shape \(101, 16\)\) on rank 1 grad.*NaN"
+    ):
         opt.step()
     assert time.monotonic() - t0 < PG_TIMEOUT_S / 3
     _assert_unchanged(model, opt, snap, "NaN on rank 1")
@@ -289,7 +303,7 @@ def _check_all_or_nothing(mesh, rank):
             opt.step()
     _assert_unchanged(model, opt, snap, "failed flatten")
     # an owner whose flatten fails (after the first all-to-all, before the second)
-    with _replaced(R, "iso_merge_unchecked_", "injected owner failure", rank == 1):
+    with _replaced(outer, "iso_merge_unchecked_", "injected owner failure", rank == 1):  # outer.bucket_flatten's
         with pytest.raises(DistributedStepError, match="rank 1: RuntimeError: injected owner failure"):
             opt.step()
     _assert_unchanged(model, opt, snap, "failed owner flatten")
@@ -305,6 +319,7 @@ def _check_all_or_nothing(mesh, rank):
     assert not torch.equal(model.embed.weight.to_local(), snap[0][0])
 
 
+@STEP
 def _check_dcp(mesh, rank, tmpdir):
     """torch.distributed.checkpoint save/load of the DTensor momentum: bit-exact, same trajectory."""
     import torch.distributed.checkpoint as dcp
@@ -340,6 +355,7 @@ def _check_dcp(mesh, rank, tmpdir):
         assert torch.equal(p.to_local(), p2.to_local()), f"DCP: {name} differs after resuming"
 
 
+@STEP
 def _check_plain_state_dict(mesh):
     """A plain (single-process) IsoLoCo or SGD state dict loads into the DTensor optimizer, resharded."""
     makers = {
@@ -355,7 +371,9 @@ def _check_plain_state_dict(mesh):
         with torch.no_grad():
             for p, r in zip(model.parameters(), ref.parameters()):
                 p.to_local().copy_(_distribute_like(r, p).to_local())
-        opt = IsoLoCo(model.parameters(), lr=0.7, momentum=0.9, iso=False) if kind == "SGD" else make(model.parameters())
+        opt = (
+            IsoLoCo(model.parameters(), lr=0.7, momentum=0.9, iso=False) if kind == "SGD" else make(model.parameters())
+        )
         opt.load_state_dict(ref_opt.state_dict())
         _set_grads(model, ref, 2)
         opt.step()
@@ -369,6 +387,7 @@ def _distribute_like(t, p):
     return distribute_tensor(t.detach(), p.device_mesh, p.placements, src_data_rank=None)
 
 
+@STEP
 def _check_refusals(mesh):
     from torch.distributed.tensor import DTensor, Partial
 
@@ -416,6 +435,12 @@ def _check_fsdp_tp(mesh):
     _compare(mlp, ref, opt, ref_opt, "FSDP x TP 2x2")
 
 
+STEP.add("general_mesh", lambda hsdp: _check_general_mesh(hsdp, "HSDP 1x2 (general path)"))
+FOUR.add("general_mesh", lambda hsdp: _check_general_mesh(hsdp, "HSDP 2x2"))
+FOUR.add("fsdp_tp", lambda dp_tp: _check_fsdp_tp(dp_tp))
+FOUR.add("fsdp_matches_single_process", _check_fsdp_matches_single_process)
+
+
 def _torchft_run(mesh, rank, world, make_outer, lighthouse_addr, store_port, sync_every=2, rounds=2):
     """One replica group of `world` FSDP2 ranks trained by torchft's DiLoCo (Manager + lighthouse on
     localhost); returns (model, outer optimizer, [(params, grads, params after) per outer step])."""
@@ -438,10 +463,21 @@ def _torchft_run(mesh, rank, world, make_outer, lighthouse_addr, store_port, syn
     outer.step = recording_step
     timeout = timedelta(seconds=15)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, use_async_quorum=False,
-        load_state_dict=None, state_dict=None, replica_id="isoloco_ft_0", store_addr="127.0.0.1",
-        store_port=store_port, rank=rank, world_size=world, lighthouse_addr=lighthouse_addr, port=0,
-        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+        pg=ProcessGroupGloo(timeout=timeout),
+        min_replica_size=1,
+        use_async_quorum=False,
+        load_state_dict=None,
+        state_dict=None,
+        replica_id="isoloco_ft_0",
+        store_addr="127.0.0.1",
+        store_port=store_port,
+        rank=rank,
+        world_size=world,
+        lighthouse_addr=lighthouse_addr,
+        port=0,
+        timeout=timeout,
+        quorum_timeout=timeout,
+        connect_timeout=timeout,
     )
     try:
         with DiLoCo(manager, [model], inner, outer, sync_every=sync_every):
@@ -456,6 +492,7 @@ def _torchft_run(mesh, rank, world, make_outer, lighthouse_addr, store_port, syn
     return model, outer, seen
 
 
+@STEP
 def _check_torchft(mesh, rank, world):
     """torchft's own DiLoCo over an FSDP2 model with IsoLoCo as the outer optimizer: the outer steps
     equal single-process IsoLoCo on the same whole params and pseudo-gradients; IsoLoCo(iso=False)
@@ -473,11 +510,14 @@ def _check_torchft(mesh, rank, world):
     addr, ports = info
     runs = {}
     try:
-        for (name, make), port in zip((
-            ("isoloco", lambda ps: IsoLoCo(ps, lr=1.8, momentum=0.8)),
-            ("iso_off", lambda ps: IsoLoCo(ps, lr=0.7, momentum=0.9, iso=False)),
-            ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)),
-        ), ports):
+        for (name, make), port in zip(
+            (
+                ("isoloco", lambda ps: IsoLoCo(ps, lr=1.8, momentum=0.8)),
+                ("iso_off", lambda ps: IsoLoCo(ps, lr=0.7, momentum=0.9, iso=False)),
+                ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)),
+            ),
+            ports,
+        ):
             runs[name] = _torchft_run(mesh, rank, world, make, addr, port)
             dist.barrier()
     finally:
@@ -506,44 +546,33 @@ def _check_torchft(mesh, rank, world):
         assert e <= 1e-6, f"torchft: IsoLoCo(iso=False) vs SGD(nesterov=True): {name} differs by {e:.3g}"
 
 
-def _body_two_ranks(rank, world, tmpdir):
+def _body(rank, world, tmpdir):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,))
-    _check_refusals(mesh)
-    _check_fsdp_matches_single_process(mesh, rank)
-    _check_sgd(mesh)
-    _check_tp(mesh)
-    _check_all_or_nothing(mesh, rank)
-    _check_dcp(mesh, rank, tmpdir)
-    _check_plain_state_dict(mesh)
-    hsdp = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
-    _check_general_mesh(hsdp, "HSDP 1x2 (general path)")
-    _check_torchft(mesh, rank, world)
+    if world == 2:
+        ctx = dict(
+            mesh=init_device_mesh("cpu", (world,)),
+            hsdp=init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard")),
+        )
+        tables = (STEP, FAILURES, RANK_CUT)
+    else:
+        ctx = dict(
+            hsdp=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
+            dp_tp=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
+            mesh=init_device_mesh("cpu", (world,)),
+        )
+        tables = (FOUR,)
+    for table in tables:
+        table.run(tmpdir, rank, rank=rank, world=world, tmpdir=tmpdir, **ctx)
 
 
-def _body_four_ranks(rank, world, tmpdir):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    _check_general_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), "HSDP 2x2")
-    _check_fsdp_tp(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
-    mesh = init_device_mesh("cpu", (world,))
-    _check_fsdp_matches_single_process(mesh, rank)
+# one spawned group of 2 ranks runs every 2-rank check, one of 4 ranks the 4-rank ones
+dtensor_groups = groups(_body, 2, 4, deadline_s=400)
 
 
-def test_dtensor_two_ranks(tmp_path):
-    _spawn(_body_two_ranks, 2, tmp_path)
-
-
-@pytest.mark.skipif(
-    os.environ.get("ISOLOCO_SKIP_4_RANKS") == "1",
-    reason="ISOLOCO_SKIP_4_RANKS=1 (4 spawned ranks: about 25 s on an idle 2-core machine)",
-)
-def test_dtensor_four_ranks(tmp_path, monkeypatch):
-    import tests.test_distributed as td
-
-    monkeypatch.setattr(td, "DEADLINE_S", 400)
-    _spawn(_body_four_ranks, 4, tmp_path)
+@pytest.mark.parametrize("world, name", params({2: STEP, 4: FOUR}))
+def test_dtensor_step(dtensor_groups, world, name):
+    dtensor_groups[world].assert_ok(name)
 
 
 def test_routes_and_bytes():
@@ -564,7 +593,10 @@ def test_routes_and_bytes():
     assert DT.route_for((1024, 2688), 0, 8, 4, "gram") == "owner"  # short side sharded: never Gram
     assert DT.route_for((1024, 2688), 0, 8, 4, "gather") == "gather"
     # Gram iff long/short > 16·W/(b + r): b bytes out, r = max(b, 4) back (results in the compute dtype)
-    assert DT.route_for((16 * 1024 + 64, 1024), 0, 8, 4) == "gram" and DT.route_for((16 * 1024 - 64, 1024), 0, 8, 4) == "owner"
+    assert (
+        DT.route_for((16 * 1024 + 64, 1024), 0, 8, 4) == "gram"
+        and DT.route_for((16 * 1024 - 64, 1024), 0, 8, 4) == "owner"
+    )
     assert DT.route_for((5 * 1024, 1024), 0, 2, 4) == "gram" and DT.route_for((3 * 1024, 1024), 0, 2, 4) == "owner"
     assert DT.route_for((6 * 1024, 1024), 0, 2, 2) == "gram" and DT.route_for((5 * 1024, 1024), 0, 2, 2) == "owner"
     assert R.owner_bytes((1024, 1024), 0, 2, 2) == 1 / 4 * 1024 * 1024 * (2 + 4)
@@ -602,13 +634,16 @@ def test_gram_from_a0_matches_flatten_gram_and_falls_back_deterministically():
     assert oks[0] == oks[1] == [True, True, False]
 
 
-@pytest.mark.parametrize("kind, cond, certified", [
-    pytest.param("geometric", 1e3, True, id="kappa1e3-certified"),
-    # 31 directions at 1e-6·σ_1: above the cut, but the bound (loose by r^¼) cannot show it; the
-    # residual check alone passed this one (9e-6 ≤ CHECK_TOL)
-    pytest.param("lowrank_noise", 1e6, False, id="noise-floor-1e-6-uncertified"),
-    pytest.param("lowrank_noise", 4e6, False, id="noise-floor-below-the-rank-cut"),
-])
+@pytest.mark.parametrize(
+    "kind, cond, certified",
+    [
+        pytest.param("geometric", 1e3, True, id="kappa1e3-certified"),
+        # 31 directions at 1e-6·σ_1: above the cut, but the bound (loose by r^¼) cannot show it; the
+        # residual check alone passed this one (9e-6 ≤ CHECK_TOL)
+        pytest.param("lowrank_noise", 1e6, False, id="noise-floor-1e-6-uncertified"),
+        pytest.param("lowrank_noise", 4e6, False, id="noise-floor-below-the-rank-cut"),
+    ],
+)
 def test_gram_from_a0_certifies_the_rank_cut_like_flatten_gram(kind, cond, certified):
     """gram_from_a0 applies flatten_gram_'s bound on the smallest kept direction (σ > τ·σ_1,
     reference.rank_tol) besides the residual: a float32 matrix it cannot certify is refused, so
@@ -635,32 +670,50 @@ def test_gram_from_a0_certifies_the_rank_cut_like_flatten_gram(kind, cond, certi
 # (case id, what raises on one rank, route): each name is library code the step runs between two
 # collectives (or before the first agreement); the rank must still join every collective, so every
 # rank raises DistributedStepError within seconds and nothing changes.
-INJECTIONS = [
-    pytest.param("dtensor._Routes", "auto", id="plan-before-agreement"),
-    pytest.param("gram_route._gram_into", "gram", id="gram-before-allreduce"),
-    pytest.param("gram_route._gram_results", "gram", id="gram-after-allreduce"),
-    pytest.param("collectives._gather_pack", "gather", id="gather-pack"),
-    pytest.param("collectives._gather_unpack", "gather", id="gather-unpack"),
-    pytest.param("collectives._owner_pack", "owner", id="owner-pack"),
-    pytest.param("collectives._owner_unpack", "owner", id="owner-unpack"),
-    pytest.param("routes._flatten_whole", "owner", id="owner-flatten"),
-    pytest.param("collectives._owner_pack_results", "owner", id="owner-return-between-all-to-alls"),
-    pytest.param("collectives._owner_receive", "owner", id="owner-receive"),
-    pytest.param("routes._my_shard", "gather", id="gather-my-shard"),
-    pytest.param("dtensor._prepare_nesterov", "auto", id="nesterov"),
-]
+# route → {case id: what raises on one rank}: each is library code the step runs between two
+# collectives (or before the first agreement); the rank must still join every collective, so every
+# rank raises DistributedStepError within seconds and nothing changes.
+INJECTIONS = {
+    "auto": {"plan-before-agreement": "dtensor._Routes", "nesterov": "dtensor._prepare_nesterov"},
+    "gram": {"gram-before-allreduce": "gram_route._gram_into", "gram-after-allreduce": "gram_route._gram_results"},
+    "gather": {
+        "gather-pack": "collectives._gather_pack",
+        "gather-unpack": "collectives._gather_unpack",
+        "gather-my-shard": "routes._my_shard",
+    },
+    "owner": {
+        "owner-pack": "collectives._owner_pack",
+        "owner-unpack": "collectives._owner_unpack",
+        "owner-flatten": "routes._flatten_whole",
+        "owner-return-between-all-to-alls": "collectives._owner_pack_results",
+        "owner-receive": "collectives._owner_receive",
+    },
+}
 
 
-def _check_injected_failures(mesh, rank):
-    model, ref, opt, snap = _stepped_once(mesh)
-    for k, case in enumerate(INJECTIONS):
-        name, route = case.values
-        who = k % 2  # the rank that fails, alternating
-        opt.dtensor_route = route
-        _set_grads(model, ref, 1)
-        _fails_everywhere_fast(rank, who, name, opt.step, case.id, head="1 of 2 ranks.*")
-        _assert_unchanged(model, opt, snap, case.id)
-    # a closure that raises on one rank only
+def _stepped_once_shared(mesh):
+    """`_stepped_once`, made once per process for every injected failure (each leaves it unchanged)."""
+    if not hasattr(_stepped_once_shared, "made"):
+        _stepped_once_shared.made = _stepped_once(mesh)
+    return _stepped_once_shared.made
+
+
+def _check_injected_failure(mesh, rank, case: str, name: str, route: str, who: int):
+    model, ref, opt, snap = _stepped_once_shared(mesh)
+    opt.dtensor_route = route
+    _set_grads(model, ref, 1)
+    _fails_everywhere_fast(rank, who, name, opt.step, case, head="1 of 2 ranks.*")
+    _assert_unchanged(model, opt, snap, case)
+
+
+for _k, (_case, _name, _route) in enumerate((c, n, r) for r, cs in INJECTIONS.items() for c, n in cs.items()):
+    FAILURES.add(_case, functools.partial(_check_injected_failure, case=_case, name=_name, route=_route, who=_k % 2))
+
+
+@FAILURES
+def _check_closure(mesh, rank):
+    """A closure that raises on one rank only; then the optimizer still steps."""
+    model, ref, opt, snap = _stepped_once_shared(mesh)
     _set_grads(model, ref, 1)
 
     def closure():
@@ -678,6 +731,7 @@ def _check_injected_failures(mesh, rank):
     assert not torch.equal(model.embed.weight.to_local(), snap[0][0])
 
 
+@FAILURES
 def _check_load_refusals(mesh, rank):
     """A DTensor momentum buffer on another mesh or with other placements or shape, or a buffer that
     is a param: refused by load_state_dict, nothing loaded, the next step runs."""
@@ -716,26 +770,22 @@ def _on_mesh(b, mesh):
     return DTensor.from_local(b.to_local().clone(), mesh, b.placements, shape=b.shape, stride=b.stride())
 
 
-def _body_failures(rank, world, tmpdir):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
-    _check_injected_failures(mesh, rank)
-    _check_load_refusals(mesh, rank)
+@pytest.mark.parametrize("name", list(FAILURES))
+def test_dtensor_failures_two_ranks(dtensor_groups, name):
+    """Every INJECTIONS case, a closure failing on one rank and the load refusals."""
+    dtensor_groups[2].assert_ok(name)
 
 
-def test_dtensor_failures_two_ranks(tmp_path):
-    """Every INJECTIONS case and the load refusals, in one spawned group of 2 ranks."""
-    _spawn(_body_failures, 2, tmp_path)
-
-
-@pytest.mark.parametrize("make, pattern", [
-    pytest.param(lambda ps, st: ps[0].detach(), "param 0 .* shares memory with its own param", id="own-param"),
-    pytest.param(lambda ps, st: ps[1].detach(), "param 0 .* shares memory with param 1", id="other-param"),
-    pytest.param(lambda ps, st: ps[0].detach()[:], "shares memory with its own param", id="view-of-param"),
-    pytest.param(lambda ps, st: st[1], "param 0 .* shares memory with param 2", id="inside-another-param"),
-    pytest.param(lambda ps, st: st[3], None, id="beside-a-param-is-fine"),
-])
+@pytest.mark.parametrize(
+    "make, pattern",
+    [
+        pytest.param(lambda ps, st: ps[0].detach(), "param 0 .* shares memory with its own param", id="own-param"),
+        pytest.param(lambda ps, st: ps[1].detach(), "param 0 .* shares memory with param 1", id="other-param"),
+        pytest.param(lambda ps, st: ps[0].detach()[:], "shares memory with its own param", id="view-of-param"),
+        pytest.param(lambda ps, st: st[1], "param 0 .* shares memory with param 2", id="inside-another-param"),
+        pytest.param(lambda ps, st: st[3], None, id="beside-a-param-is-fine"),
+    ],
+)
 def test_load_refuses_buffer_sharing_param_memory(make, pattern):
     """A plain optimizer too: a buffer that is (a view of) a param would make every step refuse;
     a buffer in the same storage as a param but on none of its elements loads."""
@@ -764,6 +814,7 @@ def test_load_refuses_buffer_sharing_param_memory(make, pattern):
 # ----------------------------------------------------------------------------------------------
 # The Gram route against reference.py where A₀ cannot resolve the spectrum (the rank cut)
 
+
 # (case id, dtype, spectrum builder): a tall (400×128, Shard(0)) and a wide (128×400, Shard(1))
 # matrix per case, both on the Gram route (long side sharded), every method.
 def _rank_cut_grads(case):
@@ -781,8 +832,13 @@ def _rank_cut_grads(case):
     return out
 
 
-RANK_CUT_CASES = ["kappa1e6:float32", "kappa2e6:float32", "rank-deficient:float32", "kappa1e8:float64",
-                  "rank-deficient:float64"]
+RANK_CUT_CASES = [
+    "kappa1e6:float32",
+    "kappa2e6:float32",
+    "rank-deficient:float32",
+    "kappa1e8:float64",
+    "rank-deficient:float64",
+]
 RANK_CUT_METHODS = ("svd", "eigh", "auto", "gram")
 
 
@@ -820,13 +876,20 @@ def _check_rank_cut_case(mesh, case):
             got = rel_err(opt.state[p]["momentum_buffer"].full_tensor(), want)
             what = f"{case}, method {method}, {tuple(gr.shape)} Shard({i})"
             assert single <= tol, f"{what}: single-process IsoLoCo differs from reference.py by {single:.3g}"
-            assert got <= tol, (f"{what}: the DTensor Gram route differs from reference.py by {got:.3g} "
-                                f"(single-process: {single:.3g}; {st.gram_exact} exact, {st.gram_iterated} iterated)")
+            assert got <= tol, (
+                f"{what}: the DTensor Gram route differs from reference.py by {got:.3g} "
+                f"(single-process: {single:.3g}; {st.gram_exact} exact, {st.gram_iterated} iterated)"
+            )
         if case.startswith("rank-deficient") or dtype == torch.float64 or method != "gram":
             # what A₀ cannot resolve went to the exact path (eigh at κ ≥ 1e5, rank deficiency, float64 ≥ 1e3)
             assert st.gram_exact == 2 and st.gram_iterated == 0, (case, method, st)
 
 
+for _case in RANK_CUT_CASES:
+    RANK_CUT.add(_case.replace(":", "-"), functools.partial(_check_rank_cut_case, case=_case))
+
+
+@RANK_CUT
 def _check_exact_path_failures(mesh, rank):
     """A failure on one rank around the Gram route's exact path: that rank flags nothing (its A₀
     results are gone) or packs nothing, yet joins the agreed all-gather; every rank raises
@@ -834,12 +897,15 @@ def _check_exact_path_failures(mesh, rank):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     grads = _rank_cut_grads("rank-deficient:float32")
-    params = [nn.Parameter(distribute_tensor(torch.ones_like(gr), mesh, [Shard(d)], src_data_rank=None))
-              for d, gr in enumerate(grads)]
+    params = [
+        nn.Parameter(distribute_tensor(torch.ones_like(gr), mesh, [Shard(d)], src_data_rank=None))
+        for d, gr in enumerate(grads)
+    ]
     opt = IsoLoCo(params, lr=1.0, momentum=0.5)
     opt.dtensor_route = "gram"
-    for k, name in enumerate(("gram_route._gram_results", "collectives._gather_pack", "collectives._gather_unpack",
-                              "routes._flatten_whole")):
+    for k, name in enumerate(
+        ("gram_route._gram_results", "collectives._gather_pack", "collectives._gather_unpack", "routes._flatten_whole")
+    ):
         who = k % 2
         for d, (p, gr) in enumerate(zip(params, grads)):
             p.grad = distribute_tensor(gr, mesh, [Shard(d)], src_data_rank=None)
@@ -850,45 +916,15 @@ def _check_exact_path_failures(mesh, rank):
     assert opt.dtensor_stats.gram_exact == 2, opt.dtensor_stats
 
 
-def _body_rank_cut(rank, world, tmpdir):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from tests.test_distributed import _record
-
-    mesh = init_device_mesh("cpu", (world,))
-    for case in RANK_CUT_CASES:
-        _record(tmpdir, rank, case.replace(":", "-"), _check_rank_cut_case, mesh, case)
-    _record(tmpdir, rank, "exact-path-failures", _check_exact_path_failures, mesh, rank)
-
-
-@pytest.fixture(scope="module")
-def rank_cut_group(tmp_path_factory):
-    """One spawned group of 2 ranks runs every rank-cut case; (folder, error of the spawn)."""
-    tmp = tmp_path_factory.mktemp("rankcut")
-    try:
-        _spawn(_body_rank_cut, 2, tmp)
-    except BaseException as e:  # noqa: BLE001 — each case then says what it lacks
-        return tmp, f"{type(e).__name__}: {e}"
-    return tmp, None
-
-
-def _rank_cut_reported(rank_cut_group, name):
-    tmp, spawn_error = rank_cut_group
-    for rank in range(2):
-        f = tmp / f"check-{name}-rank{rank}"
-        assert f.exists(), f"rank {rank} did not report {name!r}: {spawn_error}"
-        assert f.read_text() == "ok", f"rank {rank}:\n{f.read_text()}"
-
-
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.replace(":", "-")) for c in RANK_CUT_CASES])
-def test_gram_route_rank_cut_matches_reference(rank_cut_group, case):
+def test_gram_route_rank_cut_matches_reference(dtensor_groups, case):
     """Gram-route matrices (2 gloo ranks, both orientations) that A₀ cannot resolve — κ 1e6 and
     2e6 in float32, rank-deficient, float64 at κ 1e8 — give reference.py's result for svd, eigh,
     auto and gram, as single-process IsoLoCo does (the exact path), not an older rank cut's."""
-    _rank_cut_reported(rank_cut_group, case.replace(":", "-"))
+    dtensor_groups[2].assert_ok(case.replace(":", "-"))
 
 
-def test_gram_route_exact_path_failure_on_one_rank(rank_cut_group):
+def test_gram_route_exact_path_failure_on_one_rank(dtensor_groups):
     """A failure on one rank before or inside the Gram route's exact path fails every rank quickly,
     nothing changed (the failed rank still joins the agreed all-gather)."""
-    _rank_cut_reported(rank_cut_group, "exact-path-failures")
+    dtensor_groups[2].assert_ok("exact_path_failures")

@@ -8,12 +8,15 @@ float32 (the compute dtype) and only the param is rounded to its dtype, once per
 - the params agree to their dtype's update tolerance (an element whose update differs in its last
   float32 bits may round to the neighbouring half-precision value);
 - every 2-D param moved.
-gloo on 127.0.0.1, 2 ranks (1-D mesh, HSDP 1×2, process group); 4 ranks (HSDP 2×2) are opt-in.
+gloo on 127.0.0.1 (tests/spawn.py), 2 ranks (1-D mesh, HSDP 1×2, process group); 4 ranks (HSDP
+2×2, 1-D mesh) run by default (ISOLOCO_SKIP_4_RANKS=1 skips them). Each check, per dtype, is its
+own test.
 """
+
 from __future__ import annotations
 
 import copy
-import os
+import functools
 import time
 
 import pytest
@@ -26,7 +29,7 @@ from isoloco_kernels import IsoLoCo, iso_merge_
 from isoloco_kernels.distributed import DistributedStepError, ShardedIsoLoCo, sharded_iso_merge_
 from isoloco_kernels.distributed import dtensor as DT
 from tests.helpers import TOL, rel_err
-from tests.test_distributed import PG_TIMEOUT_S, _spawn
+from tests.spawn import PG_TIMEOUT_S, Checks, groups, params
 from tests.test_dtensor import TOL_FP32, TinyLlama, _pseudo_grad
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
@@ -82,9 +85,14 @@ def _run_dtensor(model, ref, opt, ref_opt, dtype, what, steps=2):
         opt.step()
         ref_opt.step()
     _compare_half(
-        [p.full_tensor() for p in model.parameters()], [r.detach() for r in ref.parameters()],
+        [p.full_tensor() for p in model.parameters()],
+        [r.detach() for r in ref.parameters()],
         [opt.state[p]["momentum_buffer"].full_tensor() for p in model.parameters()],
-        [ref_opt.state[r]["momentum_buffer"] for r in ref.parameters()], starts, dtype, what)
+        [ref_opt.state[r]["momentum_buffer"] for r in ref.parameters()],
+        starts,
+        dtype,
+        what,
+    )
     for p in model.parameters():
         buf = opt.state[p]["momentum_buffer"]
         assert buf.placements == p.placements and buf.to_local().shape == p.to_local().shape, what
@@ -128,8 +136,9 @@ def _check_tp_routes(mesh, dtype):
         _run_dtensor(mlp, ref, opt, ref_opt, dtype, f"TP {dtype} route {route}")
 
 
-def _check_general_mesh(mesh, dtype, what):
+def _check_general_mesh(hsdp, dtype):
     """A mesh with two dimensions (HSDP): the general full_tensor() path."""
+    mesh, what = hsdp, "HSDP " + "x".join(map(str, hsdp.shape))
     model, ref = _half_fsdp_llama(mesh, dtype)
     opt = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8, method="svd")
     ref_opt = IsoLoCo(ref.parameters(), lr=1.8, momentum=0.8, method="svd")
@@ -157,8 +166,11 @@ def _check_overflow(mesh, rank, dtype):
         opt.dtensor_route = route
         before = lin.weight.to_local().clone()
         t0 = time.monotonic()
-        with pytest.raises(DistributedStepError, match=r"ResultOverflowError: IsoLoCo: param_groups\[0\]\['params'\]\[0\] "
-                                                       r"\(shape \(101, 16\)\).*overflows the param's dtype torch.float16"):
+        with pytest.raises(
+            DistributedStepError,
+            match=r"ResultOverflowError: IsoLoCo: param_groups\[0\]\['params'\]\[0\] "
+            r"\(shape \(101, 16\)\).*overflows the param's dtype torch.float16",
+        ):
             opt.step()
         assert time.monotonic() - t0 < PG_TIMEOUT_S / 3
         assert torch.equal(lin.weight.to_local(), before) and not opt.state, f"overflow, route {route}: changed"
@@ -188,17 +200,25 @@ def _check_sharded_optimizer(rank, world, dtype):
     opt = ShardedIsoLoCo(params, lr=1.8, momentum=0.8)
     ref_opt = IsoLoCo(ref, lr=1.8, momentum=0.8)
     for s in range(2):
-        grads = [[_pseudo_grad(tuple(p.shape), 100 * s + 10 * i + r).to(dtype) for r in range(world)]
-                 for i, p in enumerate(params)]
+        grads = [
+            [_pseudo_grad(tuple(p.shape), 100 * s + 10 * i + r).to(dtype) for r in range(world)]
+            for i, p in enumerate(params)
+        ]
         for p, r, gs in zip(params, ref, grads):
             p.grad = gs[rank].clone()
             r.grad = (sum(g.float() for g in gs) / world).to(dtype)  # the mean, rounded once
         opt.step()
         ref_opt.step()
     mine = set(opt.mine)
-    _compare_half([p.detach() for p in params], [r.detach() for r in ref],
-                  [opt.state[p]["momentum_buffer"] if i in mine else None for i, p in enumerate(params)],
-                  [ref_opt.state[r]["momentum_buffer"] for r in ref], starts, dtype, f"ShardedIsoLoCo {dtype}")
+    _compare_half(
+        [p.detach() for p in params],
+        [r.detach() for r in ref],
+        [opt.state[p]["momentum_buffer"] if i in mine else None for i, p in enumerate(params)],
+        [ref_opt.state[r]["momentum_buffer"] for r in ref],
+        starts,
+        dtype,
+        f"ShardedIsoLoCo {dtype}",
+    )
 
 
 def _check_process_group(dtype):
@@ -214,9 +234,15 @@ def _check_process_group(dtype):
             r.grad = p.grad.clone()
         opt.step()
         ref_opt.step()
-    _compare_half([p.detach() for p in params], [r.detach() for r in ref],
-                  [opt.state[p]["momentum_buffer"] for p in params],
-                  [ref_opt.state[r]["momentum_buffer"] for r in ref], starts, dtype, f"process_group {dtype}")
+    _compare_half(
+        [p.detach() for p in params],
+        [r.detach() for r in ref],
+        [opt.state[p]["momentum_buffer"] for p in params],
+        [ref_opt.state[r]["momentum_buffer"] for r in ref],
+        starts,
+        dtype,
+        f"process_group {dtype}",
+    )
 
 
 def _check_sharded_merge(dtype):
@@ -234,41 +260,34 @@ def _check_sharded_merge(dtype):
         assert e <= TOL[("update", dtype)], f"sharded_iso_merge_ {dtype}: bucket {i} differs by {e:.3g}"
 
 
-def _body_two_ranks(rank, world, tmpdir):
+TWO, FOUR = Checks(), Checks()
+for _dtype in HALF:
+    _name = str(_dtype).removeprefix("torch.")
+    for _fn in (
+        _check_fsdp_routes,
+        _check_tp_routes,
+        _check_general_mesh,
+        _check_overflow,
+        _check_sharded_optimizer,
+        _check_process_group,
+        _check_sharded_merge,
+    ):
+        TWO.add(f"{_fn.__name__.removeprefix('_check_')}-{_name}", functools.partial(_fn, dtype=_dtype))
+    for _fn in (_check_general_mesh, _check_fsdp_routes):
+        FOUR.add(f"{_fn.__name__.removeprefix('_check_')}-{_name}", functools.partial(_fn, dtype=_dtype))
+
+
+def _body(rank, world, tmpdir):
     from torch.distributed.device_mesh import init_device_mesh
 
+    hsdp = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
     mesh = init_device_mesh("cpu", (world,))
-    hsdp = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
-    for dtype in HALF:
-        _check_fsdp_routes(mesh, dtype)
-        _check_tp_routes(mesh, dtype)
-        _check_general_mesh(hsdp, dtype, "HSDP 1x2")
-        _check_overflow(mesh, rank, dtype)
-        _check_sharded_optimizer(rank, world, dtype)
-        _check_process_group(dtype)
-        _check_sharded_merge(dtype)
+    (TWO if world == 2 else FOUR).run(tmpdir, rank, rank=rank, world=world, mesh=mesh, hsdp=hsdp)
 
 
-def _body_four_ranks(rank, world, tmpdir):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    mesh = init_device_mesh("cpu", (world,))
-    for dtype in HALF:
-        _check_general_mesh(hsdp, dtype, "HSDP 2x2")
-        _check_fsdp_routes(mesh, dtype)
+half_groups = groups(_body, 2, 4, deadline_s=400)  # one spawned group each of 2 and 4 ranks
 
 
-def test_half_precision_two_ranks(tmp_path):
-    _spawn(_body_two_ranks, 2, tmp_path)
-
-
-@pytest.mark.skipif(
-    os.environ.get("ISOLOCO_SKIP_4_RANKS") == "1",
-    reason="ISOLOCO_SKIP_4_RANKS=1 (4 spawned ranks)",
-)
-def test_half_precision_four_ranks(tmp_path, monkeypatch):
-    import tests.test_distributed as td
-
-    monkeypatch.setattr(td, "DEADLINE_S", 400)
-    _spawn(_body_four_ranks, 4, tmp_path)
+@pytest.mark.parametrize("world, name", params({2: TWO, 4: FOUR}))
+def test_half_precision(half_groups, world, name):
+    half_groups[world].assert_ok(name)

@@ -1,5 +1,6 @@
 """IsoLoCo, the outer optimizer: against reference.isoloco_step_ref (float64), against
 torch.optim.SGD with iso=False, SGD-shaped state dicts, all-or-nothing steps, and a DiLoCo loop."""
+
 from __future__ import annotations
 
 import copy
@@ -407,8 +408,7 @@ def test_cuda_matches_reference(dtype):
     opt = ik.IsoLoCo([{"params": ps[:6]}, {"params": ps[6:], "lr": 0.4, "iso": False}], method="svd")
     for step in range(2):
         grads = [
-            [g.cuda() for g in _grads(gr["params"], seed=200 + 10 * step + k)]
-            for k, gr in enumerate(opt.param_groups)
+            [g.cuda() for g in _grads(gr["params"], seed=200 + 10 * step + k)] for k, gr in enumerate(opt.param_groups)
         ]
         _check_step(opt, opt.param_groups, grads, dtype)
 
@@ -436,3 +436,48 @@ def test_infinite_lr_and_nonfinite_momentum_are_refused():
         opt.step()
     after = (w, b, opt.state[w]["momentum_buffer"], opt.state[b]["momentum_buffer"])
     assert all(torch.equal(x.detach().view(torch.int32), y.detach().view(torch.int32)) for x, y in zip(before, after))
+
+
+def test_bucket_flatten_batches_by_shape_reuses_its_plan_and_names_an_overflow():
+    """outer.bucket_flatten, the one bucket-and-flatten of IsoLoCo, ShardedIsoLoCo and the DTensor
+    routes: transposed twins share a bucket, each result is iso() of its tensor in its own
+    orientation, the plan is kept while the shapes hold, and an overflowing result is named."""
+    from isoloco_kernels._validate import ResultOverflowError
+    from isoloco_kernels.outer import bucket_flatten
+
+    g = torch.Generator().manual_seed(4)
+    mats = [torch.randn(5, 3, generator=g), torch.randn(3, 5, generator=g), torch.randn(4, 4, generator=g)]
+    plan, views = bucket_flatten(mats, "svd", ["a", "b", "c"])
+    assert len(plan.buckets) == 2  # 5×3 and 3×5 together
+    for v, m in zip(views, mats):
+        assert v.shape == m.shape and rel_err(v, iso_flatten_ref(m)) <= TOL[("exact", torch.float32)]
+    again, _ = bucket_flatten([m * 2 for m in mats], "svd", ["a", "b", "c"], plan)
+    assert again is plan
+    seen = []
+    _, views = bucket_flatten(mats, "svd", ["a", "b", "c"], plan, merge=lambda bufs: seen.append(len(bufs)))
+    assert seen == [2] and torch.equal(views[2], mats[2])  # the merge given ran instead, on the packed buffers
+    assert bucket_flatten([], "svd", [], plan) == (plan, [])
+
+    def overflow(bufs):
+        raise ResultOverflowError("bucket 1: matrix 0 does not fit", matrix=0, bucket=1)
+
+    with pytest.raises(ResultOverflowError, match=r"^c: the Iso-C result of its grad does not fit torch.float32"):
+        bucket_flatten(mats, "svd", ["a", "b", "c"], merge=overflow)
+
+
+def test_outer_defaults_checks_in_order_for_both_optimizers():
+    """outer.outer_defaults: one constructor check for IsoLoCo and ShardedIsoLoCo (lr, momentum,
+    then SGD's keys, then method, then iso)."""
+    from isoloco_kernels.outer import SGD_KEYS, outer_defaults
+
+    assert outer_defaults("X", 1.0, 0.5, True, "auto") == dict(lr=1.0, momentum=0.5, iso=True, **SGD_KEYS)
+    with pytest.raises(ValueError, match="X: invalid learning rate"):
+        outer_defaults("X", -1.0, 0.5, "no", "bogus")
+    with pytest.raises(ValueError, match="method must be one of"):
+        outer_defaults("X", 1.0, 0.5, "no", "bogus")
+    with pytest.raises(ValueError, match="X: iso must be a bool"):
+        outer_defaults("X", 1.0, 0.5, "no", "auto")
+    with pytest.raises(ValueError, match="nesterov=False"):
+        ik.IsoLoCo([nn.Parameter(torch.randn(3, 3))], nesterov=False, method="bogus")
+    with pytest.raises(ValueError, match="iso must be a bool"):
+        ik.IsoLoCo([nn.Parameter(torch.randn(3, 3))], iso=1)

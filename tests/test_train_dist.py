@@ -1,13 +1,13 @@
 """The training loop under torchrun: two real gloo ranks on 127.0.0.1 give the single-process
 simulation's held-out losses (replicated and sharded outer step), and bad launches are refused
 before training."""
+
 from __future__ import annotations
 
 import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 
@@ -19,9 +19,25 @@ from isoloco_kernels.train.cli import main
 from isoloco_kernels.train.dist import Launch, check_outer, launched_by_torchrun
 
 from .helpers import TOL
+from .spawn import free_port
 
-FLAGS = ["-H", "2", "-R", "2", "--batch", "2", "--seq-len", "16", "--eval-windows", "8",
-         "--max-bytes", "200000", "--quiet", "--seed", "3"]
+FLAGS = [
+    "-H",
+    "2",
+    "-R",
+    "2",
+    "--batch",
+    "2",
+    "--seq-len",
+    "16",
+    "--eval-windows",
+    "8",
+    "--max-bytes",
+    "200000",
+    "--quiet",
+    "--seed",
+    "3",
+]
 OUTER_MODES = ["diloco", "isoloco", "isoloco-sgd", "avg"]
 LAUNCH_TIMEOUT_S = 240
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
@@ -37,20 +53,28 @@ def data_file(tmp_path_factory):
     return path
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(args: list[str], out) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "isoloco_kernels.train", *args, "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "isoloco_kernels.train",
+        *args,
+        "--out",
+        str(out),
+    ]
     # its own session, so a hung launch is killed with its workers, not just the torchrun agent
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -66,8 +90,10 @@ def simulation(data_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("sim")
     n = torch.get_num_threads()
     try:
-        assert main(["--mode", "all", "-K", "2", "--threads", "1", "--data", str(data_file), *FLAGS,
-                     "--out", str(out)]) == 0
+        assert (
+            main(["--mode", "all", "-K", "2", "--threads", "1", "--data", str(data_file), *FLAGS, "--out", str(out)])
+            == 0
+        )
     finally:
         torch.set_num_threads(n)
     return json.loads((out / "results.json").read_text())
@@ -145,12 +171,18 @@ def test_cli_refuses_before_training(monkeypatch, tmp_path, data_file, capsys):
         monkeypatch.delenv(k, raising=False)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
-        main(["--mode", "isoloco", "--outer", "sharded", "-K", "2", "--data", str(data_file), *FLAGS,
-              "--out", str(out)])
+        main(
+            ["--mode", "isoloco", "--outer", "sharded", "-K", "2", "--data", str(data_file), *FLAGS, "--out", str(out)]
+        )
     assert e.value.code == 2 and "needs one process per worker" in capsys.readouterr().err
     # as rank 0 of a 2-rank torchrun launch asking for 3 workers (refused before joining the group)
-    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": "1"}.items():
+    for k, v in {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(SystemExit) as e:
         main(["--mode", "diloco", "-K", "3", "--data", str(data_file), *FLAGS, "--out", str(out)])

@@ -12,6 +12,7 @@
 - `dtensor.py`: `IsoLoCo.step` on DTensor params (FSDP2, tensor parallel): checks and the router;
   `routes.py` and `gram_route.py`: its routes.
 """
+
 from .agree import DistributedStepError
 from .collectives import average_
 from .merge import sharded_iso_merge_

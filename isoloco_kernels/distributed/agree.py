@@ -15,6 +15,7 @@ step protocol every entry point runs on them (check → agree → compute → ag
 under `attempt`, one `settle` per agreement. Every tensor the package hands to a collective of a
 group lives on `comm_device(group)`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,9 +34,24 @@ import torch.distributed as dist
 # fine, calling raises in group_info).
 all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 
-__all__ = ["Agreement", "DistributedStepError", "agree", "agree_on_mesh", "agreed_init", "all_gather_single",
-           "check_on_comm_device", "comm_device", "describe", "error_text", "fingerprint", "gather_objects",
-           "group_info", "largest_mesh", "optimizer_settings", "renamed_keyword"]
+__all__ = [
+    "Agreement",
+    "DistributedStepError",
+    "agree",
+    "agree_on_mesh",
+    "agreed_init",
+    "all_gather_single",
+    "check_on_comm_device",
+    "comm_device",
+    "describe",
+    "error_text",
+    "fingerprint",
+    "gather_objects",
+    "group_info",
+    "largest_mesh",
+    "optimizer_settings",
+    "renamed_keyword",
+]
 
 
 class DistributedStepError(RuntimeError):
@@ -85,8 +101,7 @@ def fingerprint(obj) -> int:
 
 def describe(tensors) -> tuple:
     """What the ranks must agree on for a list of tensors: shape and dtype of each, in order."""
-    return tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
-                 for t in tensors)
+    return tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__ for t in tensors)
 
 
 def _setting(v: Any) -> str:
@@ -151,8 +166,10 @@ def _by_value(values: list, names: list) -> str:
     groups: dict[str, list] = {}
     for v, name in zip(values, names):
         groups.setdefault(v, []).append(name)
-    return ", ".join(f"{v if len(v) <= 200 else v[:200] + '…'} on rank{'s' if len(rs) > 1 else ''} "
-                     f"{', '.join(map(str, rs))}" for v, rs in groups.items())
+    return ", ".join(
+        f"{v if len(v) <= 200 else v[:200] + '…'} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+        for v, rs in groups.items()
+    )
 
 
 def _differences(settings: list, names: list) -> str:
@@ -176,8 +193,9 @@ def _settings_fp(fp: Optional[int], settings: Optional[dict]) -> int:
     return fingerprint((fp or 0, sorted(settings.items())))
 
 
-def _raise(what: str, world: int, failed: list, texts: list, settings: list, prints: list, mismatch: str,
-           names=None) -> None:
+def _raise(
+    what: str, world: int, failed: list, texts: list, settings: list, prints: list, mismatch: str, names=None
+) -> None:
     names = names or list(range(world))
     if failed:
         head = f"{what} failed on {len(failed)} of {world} ranks"
@@ -185,13 +203,23 @@ def _raise(what: str, world: int, failed: list, texts: list, settings: list, pri
     else:
         diff = _differences(settings, names)
         head = f"{what}: " + ("the ranks' settings differ" if diff else mismatch)
-        detail = diff or ("fingerprints " + _by_value([f"{p:#x}" for p in prints], names)
-                          + "; every rank must pass the same tensor shapes and dtypes in the same order")
+        detail = diff or (
+            "fingerprints "
+            + _by_value([f"{p:#x}" for p in prints], names)
+            + "; every rank must pass the same tensor shapes and dtypes in the same order"
+        )
     raise DistributedStepError(f"{head}, nothing was changed on any rank: {detail}")
 
 
-def agree(error: Optional[str], group, what: str, *, fp: Optional[int] = None,
-          mismatch: str = "the ranks passed different tensors", settings: Optional[dict] = None) -> None:
+def agree(
+    error: Optional[str],
+    group,
+    what: str,
+    *,
+    fp: Optional[int] = None,
+    mismatch: str = "the ranks passed different tensors",
+    settings: Optional[dict] = None,
+) -> None:
     """Every rank learns whether any rank failed, and whether the fingerprints (`fp` and the
     named `settings`) match; all raise DistributedStepError if not.
 
@@ -202,8 +230,9 @@ def agree(error: Optional[str], group, what: str, *, fp: Optional[int] = None,
     _, world = group_info(group)
     device = comm_device(group)
     check = fp is not None or bool(settings)
-    mine = torch.tensor([int(error is not None), _settings_fp(fp, settings) if check else 0],
-                        dtype=torch.int64, device=device)
+    mine = torch.tensor(
+        [int(error is not None), _settings_fp(fp, settings) if check else 0], dtype=torch.int64, device=device
+    )
     every = torch.empty(2 * world, dtype=torch.int64, device=device)
     all_gather_single(every, mine, group=group)
     flags, prints = every.view(world, 2).cpu().unbind(1)
@@ -214,9 +243,14 @@ def agree(error: Optional[str], group, what: str, *, fp: Optional[int] = None,
     _raise(what, world, failed, [t for t, _ in got], [s for _, s in got], prints.tolist(), mismatch)
 
 
-def agree_on_mesh(error: Optional[str], mesh, what: str, fp: int = 0,
-                  mismatch: str = "the ranks hold different sets of grads (shapes, placements or dtypes)",
-                  settings: Optional[dict] = None) -> None:
+def agree_on_mesh(
+    error: Optional[str],
+    mesh,
+    what: str,
+    fp: int = 0,
+    mismatch: str = "the ranks hold different sets of grads (shapes, placements or dtypes)",
+    settings: Optional[dict] = None,
+) -> None:
     """`agree` over every rank of a DeviceMesh: one all-reduce per mesh dimension of a [2·size]
     int64 vector (on the mesh groups' `comm_device`) holding this rank's failure flag and
     fingerprint (`fp` and the named `settings`) at its own slot (the sum over the dimensions fills
@@ -253,8 +287,7 @@ class Agreement:
     settle). `alone`: a group of one rank, where attempt raises at once and settle has nothing to do.
     """
 
-    def __init__(self, what: str, group=None, mesh=None, *, alone: bool = False,
-                 mismatch: Optional[str] = None):
+    def __init__(self, what: str, group=None, mesh=None, *, alone: bool = False, mismatch: Optional[str] = None):
         self.what, self.group, self.mesh, self.alone, self.mismatch = what, group, mesh, alone, mismatch
         self.error: Optional[BaseException] = None
 
@@ -349,6 +382,7 @@ def agreed_init(where: str, settings: Callable[[Any], dict]):
     (neither: no agreement): a rank whose __init__ raised raises its own exception after the
     agreement, the others DistributedStepError naming it; settings that differ between ranks
     (`settings(self)`) raise DistributedStepError on every rank, naming them."""
+
     def deco(init):
         @functools.wraps(init)
         def wrapper(self, *args, **kwargs):

@@ -1,7 +1,7 @@
 """Chunked, pipelined collectives for the sharded outer step and `average_`; the DTensor step's
 padded all-gather and owner all-to-alls of matrix shards.
 
-Every helper moves data in chunks of about `bucket_bytes` with at most two asynchronous
+Every helper moves data in chunks of about `chunk_bytes` with at most two asynchronous
 collectives in flight (`InFlight`), so extra memory is a few chunks, never a copy of the model.
 Every buffer handed to a collective lives on the group's `comm_device` (NCCL's rule: CUDA only);
 tensors handed over in place (params broadcast into) were checked to live there by the caller.
@@ -9,6 +9,7 @@ Means are summed in the compute dtype (`reduce_dtype`: float32 for float16 and b
 rounded to the tensors' dtype once, after the division: a float16 sum that overflows where the
 mean fits gives the mean, and a bfloat16 mean over many ranks is rounded once, not per addition.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -18,20 +19,21 @@ import torch
 import torch.distributed as dist
 
 from .._validate import check_all_finite, check_writable, compute_dtype
-from .agree import Agreement, all_gather_single, comm_device, describe, fingerprint, group_info
+from .agree import Agreement, all_gather_single, comm_device, describe, fingerprint, group_info, renamed_keyword
 from .plan import ShardPlan, owned_views, plan_shards
 
-__all__ = ["BUCKET_BYTES", "average_"]
+__all__ = ["CHUNK_BYTES", "BUCKET_BYTES", "average_"]
 
 #: Default size of one communication chunk (all ranks' pieces together), as DDP's 25 MB buckets.
-BUCKET_BYTES = 25 * 1024 * 1024
+CHUNK_BYTES = 25 * 1024 * 1024
+BUCKET_BYTES = CHUNK_BYTES  # its old name
 
 # torch 2.14 renamed the single-tensor reduce-scatter; older releases only have the old name.
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
 
 
 def check_chunk_bytes(value, where: str) -> None:
-    """A communication chunk size must be a positive int (`where`: e.g. "average_: bucket_bytes")."""
+    """A communication chunk size must be a positive int (`where`: e.g. "average_: chunk_bytes")."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{where} must be a positive int, got {value!r}")
 
@@ -83,18 +85,19 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def average_(
-    tensors: Iterable[torch.Tensor], group=None, *, bucket_bytes: int = BUCKET_BYTES
+    tensors: Iterable[torch.Tensor], group=None, *, chunk_bytes: int = CHUNK_BYTES, **old
 ) -> list[torch.Tensor]:
-    """All-reduce-mean a list of tensors in place over `group`, in buckets of about bucket_bytes.
+    """All-reduce-mean a list of tensors in place over `group`, in chunks of about chunk_bytes.
 
-    Tensors are packed per (device, dtype) end to end into flat buckets (a tensor larger than a
-    bucket is split), and up to two buckets' all-reduces are in flight at once, so extra memory is
-    two buckets. Call it on every rank with the same shapes and dtypes in the same order (the
-    DiLoCo pseudo-gradient average), with the same bucket_bytes. float16 and bfloat16 tensors
+    Tensors are packed per (device, dtype) end to end into flat chunks (a tensor larger than a
+    chunk is split), and up to two chunks' all-reduces are in flight at once, so extra memory is
+    two chunks. Call it on every rank with the same shapes and dtypes in the same order (the
+    DiLoCo pseudo-gradient average), with the same chunk_bytes. float16 and bfloat16 tensors
     are summed in float32 buffers and get the float32 mean rounded once to their dtype. Tensors off the group's
     communication device (`agree.comm_device`) travel through buffers on it. Returns the tensors
-    as a list.
+    as a list. `bucket_bytes=` is the old name of chunk_bytes (deprecated).
     """
+    chunk_bytes = renamed_keyword(old, "bucket_bytes", "chunk_bytes", chunk_bytes, CHUNK_BYTES, "average_")
     tensors = list(tensors)
     _, world = group_info(group)
     ag = Agreement("average_", group, alone=world == 1)
@@ -103,7 +106,7 @@ def average_(
         return tensors
     # Agree before the first all-reduce: a rank with bad input, or ranks passing different shapes,
     # dtypes or chunk sizes (gloo would abort the process on a size mismatch), fail on every rank.
-    ag.settle(fingerprint(describe(tensors)), {"bucket_bytes": repr(bucket_bytes)})
+    ag.settle(fingerprint(describe(tensors)), {"chunk_bytes": repr(chunk_bytes)})
     device = comm_device(group)
     by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -116,7 +119,7 @@ def average_(
             entries.append((i, total))
             total += tensors[i].numel()
         rdt = reduce_dtype(dtype)  # summed in float32 for 2-byte dtypes, rounded back once
-        per = max(1, bucket_bytes // rdt.itemsize)
+        per = max(1, chunk_bytes // rdt.itemsize)
         bufs = [torch.empty(min(per, total), dtype=rdt, device=device) for _ in range(3)]
         flight = InFlight(2)
         for k, (a, b) in enumerate(_chunks(total, per)):
@@ -149,7 +152,7 @@ def _check_average(tensors) -> None:
     check_all_finite(tensors, names)  # NaN/Inf would spread to every rank
 
 
-def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, bucket_bytes) -> torch.Tensor:
+def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, chunk_bytes) -> torch.Tensor:
     """This rank's segment of the mean over ranks of the sharded tensors of one dtype.
 
     src(i) is tensor i's flat local pseudo-gradient, or None (sent as zeros). Chunk k covers
@@ -165,7 +168,7 @@ def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, bucket_bytes) 
         return own
     rdt = reduce_dtype(dtype)
     wide = rdt != dtype  # reduce into float32 chunks, then round each chunk's mean into `own`
-    per = max(1, bucket_bytes // (world * rdt.itemsize))
+    per = max(1, chunk_bytes // (world * rdt.itemsize))
     sends = [torch.empty(world * min(per, seg), dtype=rdt, device=device) for _ in range(3)]
     outs = [torch.empty(min(per, seg), dtype=rdt, device=device) for _ in range(3)] if wide else None
     flight = InFlight(2)
@@ -189,13 +192,13 @@ def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, bucket_bytes) 
     return own if wide else own.div_(world)
 
 
-def all_gather_segments(plan: ShardPlan, dtype, own, dst, rank, group, bucket_bytes) -> None:
+def all_gather_segments(plan: ShardPlan, dtype, own, dst, rank, group, chunk_bytes) -> None:
     """Every rank's segment of one dtype, scattered into dst(i) (tensor i's flat destination)."""
     per_rank, seg = plan.layout(dtype)
     world = plan.world_size
     if seg == 0:
         return
-    per = max(1, bucket_bytes // (world * own.element_size()))
+    per = max(1, chunk_bytes // (world * own.element_size()))
     bufs = [torch.empty(world * min(per, seg), dtype=dtype, device=comm_device(group)) for _ in range(3)]
     flight = InFlight(2)
     for k, (a, b) in enumerate(_chunks(seg, per)):
@@ -211,7 +214,7 @@ def all_gather_segments(plan: ShardPlan, dtype, own, dst, rank, group, bucket_by
     flight.drain()
 
 
-def reduce_to_owner(src, numel, dtype, owner, rank, group, bucket_bytes) -> Optional[torch.Tensor]:
+def reduce_to_owner(src, numel, dtype, owner, rank, group, chunk_bytes) -> Optional[torch.Tensor]:
     """Mean over ranks of one flat tensor, delivered to `owner` only (returned there, else None).
 
     src: this rank's flat values, or None (sent as zeros). Sent in chunks through a scratch buffer
@@ -224,7 +227,7 @@ def reduce_to_owner(src, numel, dtype, owner, rank, group, bucket_bytes) -> Opti
     dst = dist.get_global_rank(group, owner) if group is not None else owner
     rdt = reduce_dtype(dtype)
     wide = rdt != dtype
-    per = max(1, bucket_bytes // rdt.itemsize)
+    per = max(1, chunk_bytes // rdt.itemsize)
     out = torch.empty(numel, dtype=dtype, device=device) if rank == owner else None
     scratch = rank != owner or wide  # the owner reduces straight into `out` when no rounding follows
     bufs = [torch.empty(min(per, numel), dtype=rdt, device=device) for _ in range(3)] if scratch else None
@@ -247,29 +250,29 @@ def reduce_to_owner(src, numel, dtype, owner, rank, group, bucket_bytes) -> Opti
     return out if wide else out.div_(world)
 
 
-def broadcast_from_owner(flat: torch.Tensor, owner: int, group, bucket_bytes) -> None:
+def broadcast_from_owner(flat: torch.Tensor, owner: int, group, chunk_bytes) -> None:
     """flat (contiguous) ← the owner's flat, in chunks, in place on every rank."""
     src = dist.get_global_rank(group, owner) if group is not None else owner
-    per = max(1, bucket_bytes // flat.element_size())
+    per = max(1, chunk_bytes // flat.element_size())
     flight = InFlight(2)
     for a, b in _chunks(flat.numel(), per):
         flight.add(dist.broadcast(flat[a:b], src=src, group=group, async_op=True), lambda: None)
     flight.drain()
 
 
-def broadcast_into(t: torch.Tensor, owner: int, group, bucket_bytes) -> None:
+def broadcast_into(t: torch.Tensor, owner: int, group, chunk_bytes) -> None:
     """t ← the owner's t (t on the group's communication device; non-contiguous t through a
     flat copy there)."""
     if t.is_contiguous():
-        broadcast_from_owner(t.view(-1), owner, group, bucket_bytes)
+        broadcast_from_owner(t.view(-1), owner, group, chunk_bytes)
         return
     flat = torch.empty(t.numel(), dtype=t.dtype, device=comm_device(group))
     flat.copy_(t.reshape(-1))
-    broadcast_from_owner(flat, owner, group, bucket_bytes)
+    broadcast_from_owner(flat, owner, group, chunk_bytes)
     t.copy_(flat.view(t.shape))
 
 
-def scatter_into(plan, dtype, own, tensors, rank, group, bucket_bytes) -> None:
+def scatter_into(plan, dtype, own, tensors, rank, group, chunk_bytes) -> None:
     """All-gather every rank's segment of one dtype into `tensors` (non-contiguous ones via a copy)."""
     flats = {}
 
@@ -282,7 +285,7 @@ def scatter_into(plan, dtype, own, tensors, rank, group, bucket_bytes) -> None:
         for i, v in owned_views(plan, dtype, own, rank).items():
             tensors[i].copy_(v)
         return
-    all_gather_segments(plan, dtype, own, dst, rank, group, bucket_bytes)
+    all_gather_segments(plan, dtype, own, dst, rank, group, chunk_bytes)
     for i, f in flats.items():
         if not tensors[i].is_contiguous():
             tensors[i].copy_(f.view(tensors[i].shape))
@@ -349,8 +352,9 @@ class OwnerSplits:
         self.world, self.me = world, me
         self.owners = plan_shards([lay.shape for lay in self.layouts], world, solo_above=None).owners
         self.mine = [j for j, o in enumerate(self.owners) if o == me]
-        self.out_send = [sum(lay.numel(me) for lay, o in zip(self.layouts, self.owners) if o == r)
-                         for r in range(world)]
+        self.out_send = [
+            sum(lay.numel(me) for lay, o in zip(self.layouts, self.owners) if o == r) for r in range(world)
+        ]
         self.out_recv = [sum(self.layouts[j].numel(r) for j in self.mine) for r in range(world)]
 
 
@@ -364,8 +368,9 @@ def owner_collect(group, dtype, splits: OwnerSplits, shards, devices, attempt):
 def owner_return(group, dtype, splits: OwnerSplits, results: dict, devices, attempt):
     """Back: each owner's results `results` ({j: whole matrix}, in `dtype`) to every rank, in pieces.
     ({j: this rank's piece} for every matrix, or None once local work failed; elements sent)."""
-    recv, sent = _owner_all_to_all(group, dtype, splits.out_recv, splits.out_send, attempt, _owner_pack_results,
-                                   splits, results)
+    recv, sent = _owner_all_to_all(
+        group, dtype, splits.out_recv, splits.out_send, attempt, _owner_pack_results, splits, results
+    )
     return attempt(_owner_receive, splits, recv, devices), sent
 
 

@@ -14,6 +14,7 @@ still joins each one, so the failure reaches every rank, never a hang. Every buf
 collective is made on the mesh group's `agree.comm_device`; results move to the local shards'
 device. Contract and measurements: README "IsoLoCo with FSDP2 / torchtitan + torchft".
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -127,14 +128,20 @@ def check_loaded_state(opt, state_dict, where: str) -> None:
         other = next((q for q, lp in near if _shares_elements(lb, lp.detach())), None)
         if other is not None:
             whose = "its own param" if other == pid else f"param {other}"
-            raise ValueError(f"{name} shares memory with {whose}; a momentum buffer needs its own memory "
-                             "(pass a copy, e.g. buf.clone()); nothing was loaded")
+            raise ValueError(
+                f"{name} shares memory with {whose}; a momentum buffer needs its own memory "
+                "(pass a copy, e.g. buf.clone()); nothing was loaded"
+            )
         if not is_dtensor(b):
             continue
         if not is_dtensor(p):
             raise TypeError(f"{name} is a DTensor but its param is a plain tensor; nothing was loaded")
-        if (b.device_mesh != p.device_mesh or tuple(b.placements) != tuple(p.placements)
-                or b.shape != p.shape or lb.shape != local(p).shape):
+        if (
+            b.device_mesh != p.device_mesh
+            or tuple(b.placements) != tuple(p.placements)
+            or b.shape != p.shape
+            or lb.shape != local(p).shape
+        ):
             raise ValueError(
                 f"{name} is a DTensor of shape {tuple(b.shape)} (local {tuple(lb.shape)}) with placements "
                 f"{b.placements} on {b.device_mesh}; its param has shape {tuple(p.shape)} (local "
@@ -164,8 +171,10 @@ def _check_grad(p, g, name: str) -> None:
             f"param has placements {p.placements} on its mesh (set p.grad with the param's placements)"
         )
     if local(g).shape != local(p).shape:
-        raise ValueError(f"IsoLoCo: {name}: local grad shard {tuple(local(g).shape)} differs from the param's "
-                         f"{tuple(local(p).shape)}")
+        raise ValueError(
+            f"IsoLoCo: {name}: local grad shard {tuple(local(g).shape)} differs from the param's "
+            f"{tuple(local(p).shape)}"
+        )
     if p.device_mesh.ndim == 1 and p.ndim >= 1 and p.placements[0].is_shard():
         dim, me = p.placements[0].dim, p.device_mesh.get_local_rank()
         want = shard_sizes(p.shape[dim], p.device_mesh.size())[me][1]
@@ -186,19 +195,24 @@ def _reshard_momentum(opt) -> None:
                 from torch.distributed.tensor import distribute_tensor
 
                 opt.state[p]["momentum_buffer"] = distribute_tensor(
-                    buf.detach(), p.device_mesh, p.placements, src_data_rank=None)
+                    buf.detach(), p.device_mesh, p.placements, src_data_rank=None
+                )
             elif is_dtensor(buf) and tuple(buf.placements) != tuple(p.placements):
-                raise ValueError(f"IsoLoCo: a momentum_buffer has placements {buf.placements}, its param "
-                                 f"{p.placements}")
+                raise ValueError(
+                    f"IsoLoCo: a momentum_buffer has placements {buf.placements}, its param {p.placements}"
+                )
 
 
 def _collect_entries(opt) -> list[Entry]:
     """Every param with a grad, checked locally (`outer.collect` plus the DTensor layout)."""
     _reshard_momentum(opt)
     rank = dist.get_rank()
-    return collect(opt, "IsoLoCo.step",
-                   lambda gi, pi, p: f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) on rank {rank}",
-                   _check_grad)
+    return collect(
+        opt,
+        "IsoLoCo.step",
+        lambda gi, pi, p: f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) on rank {rank}",
+        _check_grad,
+    )
 
 
 def step_(opt, failed: Optional[BaseException] = None) -> None:
@@ -235,8 +249,13 @@ def _checked(opt, failed, mode):
 def _prepare_nesterov(opt, entries: list[Entry], updates: dict[int, torch.Tensor]):
     """Nesterov on the local shards (`outer.prepare_nesterov`: DTensor momentum, checked for
     overflow, nothing written until the returned function runs)."""
-    return prepare_nesterov(opt, [(e.p, updates.get(k, local(e.g)), e.group["lr"], e.group["momentum"],
-                                   f"IsoLoCo: {e.name}") for k, e in enumerate(entries)])
+    return prepare_nesterov(
+        opt,
+        [
+            (e.p, updates.get(k, local(e.g)), e.group["lr"], e.group["momentum"], f"IsoLoCo: {e.name}")
+            for k, e in enumerate(entries)
+        ],
+    )
 
 
 class _Routes:
@@ -268,7 +287,9 @@ class _Routes:
                 by[r].setdefault(g.device_mesh if r == "gram" else (g.device_mesh, g.dtype), []).append(k)
         self.gram = [(mesh, ks, [min(entries[k].p.shape) for k in ks]) for mesh, ks in by["gram"].items()]
         self.gather = [(key, ks, GatherSegments([self.layouts[k] for k in ks])) for key, ks in by["gather"].items()]
-        self.owner = [(key, ks, OwnerSplits([self.layouts[k] for k in ks], [entries[k].name for k in ks]))
-                      for key, ks in by["owner"].items()]
+        self.owner = [
+            (key, ks, OwnerSplits([self.layouts[k] for k in ks], [entries[k].name for k in ks]))
+            for key, ks in by["owner"].items()
+        ]
         self.general = [k for k, r in self.routes.items() if r == "general"]
         self.local = [k for k, r in self.routes.items() if r == "local"]

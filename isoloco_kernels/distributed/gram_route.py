@@ -7,6 +7,7 @@ runs gram.py's iteration on it (method "gram", or "auto" resolving to it) or flo
 cannot resolve (the iteration's checks or eigh's resolution fail) is left to the exact path
 (routes.py); the ranks agree on which by one small all-reduce of flags (`agree_exact`).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -72,7 +73,7 @@ def _gram_results(entries, layouts, ks, ds, ys, buf: torch.Tensor, method: str, 
         how = _gram_method(method, d, n, local(g).device, g.dtype)
         by.setdefault((d, n, g.dtype, how), []).append((k, ys[k], a0))
     out = {}
-    for (d, n, dtype, how), its in by.items():
+    for (_, n, dtype, how), its in by.items():
         a = torch.stack([a0 for _, _, a0 in its])
         check_all_finite([a], ["Gram matrix"])
         served = _gram_iterate(its, a, n, dtype, stats) if how == "gram" else _gram_eigh(its, a, n, dtype)
@@ -82,7 +83,7 @@ def _gram_results(entries, layouts, ks, ds, ys, buf: torch.Tensor, method: str, 
 
 
 def _gram_method(method: str, d: int, n: int, device, dtype) -> str:
-    """"gram" when the optimizer's method runs the Gram-space iteration on a d×n matrix (method
+    """ "gram" when the optimizer's method runs the Gram-space iteration on a d×n matrix (method
     "gram", or "auto" resolving to it for this shape and device), else "eigh"."""
     if method == "gram":
         return "gram"

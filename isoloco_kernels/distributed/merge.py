@@ -3,6 +3,7 @@
 For codebases that all-reduce pseudo-gradients themselves (torchft, OpenDiLoCo): each rank
 Iso-C-flattens the matrices `plan_shards` gives it and the results are all-gathered.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -13,7 +14,7 @@ from .._validate import check_all_finite, check_matrix_tensor, check_writable
 from ..flatten import check_method
 from ..ops import iso_merge_unchecked_
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, renamed_keyword
-from .collectives import BUCKET_BYTES, broadcast_into, check_chunk_bytes, scatter_into
+from .collectives import CHUNK_BYTES, broadcast_into, check_chunk_bytes, scatter_into
 from .plan import plan_shards
 
 __all__ = ["sharded_iso_merge_"]
@@ -26,7 +27,7 @@ def sharded_iso_merge_(
     group=None,
     *,
     method: str = "auto",
-    chunk_bytes: int = BUCKET_BYTES,
+    chunk_bytes: int = CHUNK_BYTES,
     solo_above: Optional[float] = 1.0,
     **old,
 ) -> list[torch.Tensor]:
@@ -42,16 +43,23 @@ def sharded_iso_merge_(
     chunk_bytes or solo_above raise DistributedStepError on every rank (naming the ranks and what
     differs) and no bucket changes. `bucket_bytes=` is the old name of chunk_bytes (deprecated).
     """
-    chunk_bytes = renamed_keyword(old, "bucket_bytes", "chunk_bytes", chunk_bytes, BUCKET_BYTES, "sharded_iso_merge_")
+    chunk_bytes = renamed_keyword(old, "bucket_bytes", "chunk_bytes", chunk_bytes, CHUNK_BYTES, "sharded_iso_merge_")
     buckets = list(buckets)
     rank, world = group_info(group)
     ag = Agreement("sharded_iso_merge_", group, mismatch=PLAN_MISMATCH)
     # every check inside: a rank that refuses its arguments must still reach the agreement
     units, plan = ag.attempt(_plan, buckets, rank, world, group, method, chunk_bytes, solo_above) or ([], None)
     # the settings that change which collectives run (plan, chunk size) or what is written (method)
-    ag.settle(settings=None if plan is None else {
-        "method": repr(method), "chunk_bytes": repr(chunk_bytes), "solo_above": repr(solo_above),
-        "shard plan (bucket shapes and dtypes)": f"{plan.fingerprint:#x}"})
+    ag.settle(
+        settings=None
+        if plan is None
+        else {
+            "method": repr(method),
+            "chunk_bytes": repr(chunk_bytes),
+            "solo_above": repr(solo_above),
+            "shard plan (bucket shapes and dtypes)": f"{plan.fingerprint:#x}",
+        }
+    )
     device = comm_device(group)
 
     def unit(u: int) -> torch.Tensor:
@@ -105,7 +113,9 @@ def _plan(buckets, rank, world, group, method, chunk_bytes, solo_above):
         check_on_comm_device(buckets, [f"sharded_iso_merge_: {n}" for n in names], group)
     units = [(k, j) for k, b in enumerate(buckets) for j in (range(b.shape[0]) if b.ndim == 3 else (None,))]
     plan = plan_shards(
-        [buckets[k].shape[-2:] for k, _ in units], world, dtypes=[buckets[k].dtype for k, _ in units],
+        [buckets[k].shape[-2:] for k, _ in units],
+        world,
+        dtypes=[buckets[k].dtype for k, _ in units],
         solo_above=solo_above,
     )
     check_writable(buckets, names)

@@ -10,6 +10,7 @@ its owner, broadcast back) so it pads nobody's segment.
 `ShardLayout`: how one DTensor matrix is split over a 1-D mesh (its shard dim, every rank's piece
 in torch.chunk sizes, this rank's piece of a whole), built once per matrix and step.
 """
+
 from __future__ import annotations
 
 import hashlib

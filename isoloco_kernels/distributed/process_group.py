@@ -6,6 +6,7 @@ Every rank checks its grads, the ranks agree (failures, hyper-parameters, the gr
 once more before any rank writes: a failure on one rank raises DistributedStepError on every rank
 with nothing changed.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -25,7 +26,7 @@ def step_(opt, group, failed: Optional[BaseException] = None) -> None:
     if not entries:
         return
     iso = opt._iso_updates(entries)  # sharded_iso_merge_ agrees around the flatten itself
-    apply = ag.attempt(opt._prepare_update, entries, iso)
+    apply = ag.attempt(opt._prepare_nesterov, entries, iso)
     ag.settle()
     apply()
 
@@ -33,4 +34,4 @@ def step_(opt, group, failed: Optional[BaseException] = None) -> None:
 def _checked(opt, failed):
     if failed is not None:
         raise failed
-    return opt._gather()
+    return opt._collect_grads()

@@ -13,16 +13,15 @@ planned before the step's first agreement (dtensor.py's `_Routes`) and issued in
 every rank; the local work between them runs under the step's `Agreement.attempt`, so a rank whose
 work failed still joins each one with buffers of the planned size.
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from .._validate import ResultOverflowError, check_all_finite, compute_dtype
-from ..buckets import BucketPlan
-from ..ops import iso_merge_unchecked_
-from ..outer import Entry, local
+from .._validate import check_all_finite, compute_dtype
+from ..outer import Entry, bucket_flatten, local
 from .collectives import GatherSegments, all_gather_shards, owner_collect, owner_return
 from .gram_route import agree_exact, gram_route
 from .plan import ShardLayout
@@ -31,7 +30,7 @@ __all__ = ["Stats", "gram_bytes", "iso_updates", "owner_bytes", "route_for"]
 
 
 def route_for(shape, dim: Optional[int], world: int, elem_size: int, mode: str = "auto") -> str:
-    """"local", "gram", "owner" or "gather" for an m×n matrix sharded along `dim` (None: replicated)
+    """ "local", "gram", "owner" or "gather" for an m×n matrix sharded along `dim` (None: replicated)
     on a 1-D mesh of `world` ranks: "auto" takes the Gram where the shard is the long side and its
     all-reduce sends fewer bytes per rank than the owner route, else the owner route."""
     if world == 1 or dim is None:
@@ -72,8 +71,10 @@ class Stats:
         self.gram_exact = 0  # Gram-route matrices no A₀ served: all-gathered and flattened by svd
 
     def __repr__(self):
-        return (f"Stats(gram={self.gram_elements}, gather={self.gather_elements}, "
-                f"owner={self.owner_elements}, full={self.full_tensor_elements})")
+        return (
+            f"Stats(gram={self.gram_elements}, gather={self.gather_elements}, "
+            f"owner={self.owner_elements}, full={self.full_tensor_elements})"
+        )
 
 
 def iso_updates(method: str, entries: list[Entry], routes, ag, stats: Stats) -> dict[int, torch.Tensor]:
@@ -97,14 +98,15 @@ def iso_updates(method: str, entries: list[Entry], routes, ag, stats: Stats) -> 
             out[k] = ag.attempt(_my_shard, entries[k], lay.get(k), results[k])
 
     # gather route: one padded all-gather per (mesh, dtype)
-    for (mesh, dtype), ks, segs in routes.gather:
+    for (mesh, _), ks, segs in routes.gather:
         full.update(_gather_whole(mesh, entries, lay, ks, ag, stats, segs))
 
     # owner route, out: each rank's shards to the matrix's owner, one all-to-all per (mesh, dtype)
     owned: dict[int, torch.Tensor] = {}  # whole matrices this rank flattens for the others
     for (mesh, dtype), ks, splits in routes.owner:
-        got, sent = owner_collect(mesh.get_group(0), dtype, splits, [local(entries[k].g) for k in ks],
-                                  _devices(entries, ks), ag.attempt)
+        got, sent = owner_collect(
+            mesh.get_group(0), dtype, splits, [local(entries[k].g) for k in ks], _devices(entries, ks), ag.attempt
+        )
         stats.owner_elements += sent
         owned.update({ks[j]: t for j, t in (got or {}).items()})
 
@@ -124,8 +126,14 @@ def iso_updates(method: str, entries: list[Entry], routes, ag, stats: Stats) -> 
 
     # owner route, back: each owner sends every rank its piece of the results, in their compute dtype
     for (mesh, dtype), ks, splits in routes.owner:
-        mine, sent = owner_return(mesh.get_group(0), compute_dtype(dtype), splits,
-                                  {j: results.get(k) for j, k in enumerate(ks)}, _devices(entries, ks), ag.attempt)
+        mine, sent = owner_return(
+            mesh.get_group(0),
+            compute_dtype(dtype),
+            splits,
+            {j: results.get(k) for j, k in enumerate(ks)},
+            _devices(entries, ks),
+            ag.attempt,
+        )
         stats.owner_elements += sent
         out.update({ks[j]: t for j, t in (mine or {}).items()})
     return out
@@ -135,8 +143,9 @@ def _devices(entries, ks) -> list[torch.device]:
     return [local(entries[k].g).device for k in ks]
 
 
-def _gather_whole(mesh, entries: list[Entry], layouts, ks: list[int], ag, stats,
-                  segs: Optional[GatherSegments] = None) -> dict[int, torch.Tensor]:
+def _gather_whole(
+    mesh, entries: list[Entry], layouts, ks: list[int], ag, stats, segs: Optional[GatherSegments] = None
+) -> dict[int, torch.Tensor]:
     """Whole matrices of the entries `ks` (all 1-D-mesh Shard) on every rank, on their shards'
     device: one padded all-gather per grad dtype (the gather route's, and the Gram route's exact
     path). `segs`: the planned segments, for `ks` of one dtype. Empty once local work failed."""
@@ -146,8 +155,9 @@ def _gather_whole(mesh, entries: list[Entry], layouts, ks: list[int], ag, stats,
         by.setdefault(entries[k].g.dtype, []).append(k)
     for dtype, dks in by.items():
         s = segs if segs is not None else GatherSegments([layouts[k] for k in dks])
-        got, n = all_gather_shards(mesh.get_group(0), dtype, s, [local(entries[k].g) for k in dks],
-                                   _devices(entries, dks), ag.attempt)
+        got, n = all_gather_shards(
+            mesh.get_group(0), dtype, s, [local(entries[k].g) for k in dks], _devices(entries, dks), ag.attempt
+        )
         stats.gather_elements += n
         if got is not None:
             out.update(zip(dks, got))
@@ -155,22 +165,13 @@ def _gather_whole(mesh, entries: list[Entry], layouts, ks: list[int], ag, stats,
 
 
 def _flatten_whole(entries: list[Entry], whole: dict[int, torch.Tensor], method: str) -> dict[int, torch.Tensor]:
-    """iso() of whole matrices, batched by shape in their compute dtype (`BucketPlan`): entry
-    index → result view. A result that does not fit its dtype is named by its param."""
-    if not whole:
-        return {}
+    """iso() of whole matrices, batched by shape in their compute dtype (`outer.bucket_flatten`):
+    entry index → result view. A result that does not fit its dtype is named by its param."""
     ks = list(whole)
     mats = [whole[k] for k in ks]
-    plan = BucketPlan(mats)
-    buffers = plan.pack(mats)
     check_all_finite(mats, [f"IsoLoCo: {entries[k].name}: the whole grad" for k in ks])
-    try:
-        iso_merge_unchecked_(buffers, method)
-    except ResultOverflowError as e:
-        b = plan.buckets[e.bucket]
-        raise ResultOverflowError(f"IsoLoCo: {entries[ks[b.members[e.matrix]]].name}: the Iso-C result of its "
-                                  f"grad does not fit {b.dtype}; nothing was changed") from None
-    return dict(zip(ks, plan.views()))
+    _, views = bucket_flatten(mats, method, [f"IsoLoCo: {entries[k].name}" for k in ks])
+    return dict(zip(ks, views))
 
 
 def _my_shard(entry: Entry, layout: Optional[ShardLayout], whole: torch.Tensor) -> torch.Tensor:

@@ -7,20 +7,34 @@
 The bytes of one all-reduce; each Iso-C runs once in the group; momentum lives on the owner.
 All-or-nothing across ranks (agree.py). README "Distributed" has the contract.
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from ..buckets import BucketPlan
-from ..flatten import check_method
-from ..ops import iso_merge_unchecked_
 from .._validate import check_all_finite
-from ..outer import SGD_KEYS, check_group, check_hyper, check_param_dtypes, collect, load_sgd_state, prepare_nesterov
+from ..buckets import BucketPlan
+from ..outer import (
+    bucket_flatten,
+    check_group,
+    check_param_dtypes,
+    collect,
+    load_sgd_state,
+    outer_defaults,
+    prepare_nesterov,
+)
 from .agree import Agreement, check_on_comm_device, group_info, optimizer_settings, renamed_keyword
-from .collectives import (BUCKET_BYTES, broadcast_into, check_chunk_bytes, flat_view, reduce_scatter_mean,
-                          reduce_to_owner, scatter_into)
+from .collectives import (
+    CHUNK_BYTES,
+    broadcast_into,
+    check_chunk_bytes,
+    flat_view,
+    reduce_scatter_mean,
+    reduce_to_owner,
+    scatter_into,
+)
 from .merge import PLAN_MISMATCH
 from .plan import owned_views, plan_shards
 
@@ -47,13 +61,14 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     If any rank finds bad input (missing grad, wrong shape or dtype, NaN/Inf, a failed flatten),
     every rank raises DistributedStepError and no param or buffer changes on any rank. The ranks
     also agree on their settings, at construction and before every step: each group's
-    hyper-parameters, `method`, `bucket_bytes`, `solo_above` and the shard plan; a setting that
+    hyper-parameters, `method`, `chunk_bytes`, `solo_above` and the shard plan; a setting that
     differs on some rank raises DistributedStepError everywhere, naming it and which ranks hold
     which value. A rank whose constructor arguments are refused raises its own error, the others
     DistributedStepError naming it. Params must live on the group's communication device
     (`agree.comm_device`: CUDA for NCCL, the CPU for gloo). Param groups are fixed at construction
     (`add_param_group` afterwards is refused). `process_group`: the group (None: the default
-    group), as for IsoLoCo; `group=` is its old name (deprecated).
+    group), as for IsoLoCo; `group=` is its old name (deprecated). `chunk_bytes`: the size of one
+    communication chunk; `bucket_bytes=` is its old name (deprecated).
     """
 
     def __init__(
@@ -65,11 +80,26 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         iso: bool = True,
         method: str = "auto",
         process_group=None,
-        bucket_bytes: int = BUCKET_BYTES,
+        chunk_bytes: int = CHUNK_BYTES,
         solo_above: Optional[float] = 1.0,
         **old,
     ):
-        process_group = renamed_keyword(old, "group", "process_group", process_group, None, "ShardedIsoLoCo")
+        process_group = renamed_keyword(
+            {k: v for k, v in old.items() if k != "bucket_bytes"},
+            "group",
+            "process_group",
+            process_group,
+            None,
+            "ShardedIsoLoCo",
+        )
+        chunk_bytes = renamed_keyword(
+            {k: v for k, v in old.items() if k == "bucket_bytes"},
+            "bucket_bytes",
+            "chunk_bytes",
+            chunk_bytes,
+            CHUNK_BYTES,
+            "ShardedIsoLoCo",
+        )
         self.process_group = process_group
         self.rank, self.world_size = group_info(process_group)
         self._built = False
@@ -77,7 +107,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         # refused raises its error after the agreement, the others DistributedStepError naming it;
         # settings that differ between ranks raise DistributedStepError everywhere, naming them.
         ag = Agreement("ShardedIsoLoCo()", process_group, alone=self.world_size == 1, mismatch=PLAN_MISMATCH)
-        ag.attempt(self._build, params, lr, momentum, iso, method, bucket_bytes, solo_above)
+        ag.attempt(self._build, params, lr, momentum, iso, method, chunk_bytes, solo_above)
         ag.settle(settings=ag.attempt(self._settings), own_error=True)
         self._built = True
 
@@ -86,24 +116,31 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         """The process group (the old name of `process_group`)."""
         return self.process_group
 
-    def _build(self, params, lr, momentum, iso, method, bucket_bytes, solo_above) -> None:
-        check_hyper(lr, momentum, "ShardedIsoLoCo")
-        check_method(method)
-        if not isinstance(iso, bool):
-            raise ValueError(f"ShardedIsoLoCo: iso must be a bool, got {iso!r}")
-        check_chunk_bytes(bucket_bytes, "ShardedIsoLoCo: bucket_bytes")
-        super().__init__(params, dict(lr=lr, momentum=momentum, iso=iso, **SGD_KEYS))
+    @property
+    def bucket_bytes(self) -> int:
+        """The communication chunk size (the old name of `chunk_bytes`)."""
+        return self.chunk_bytes
+
+    @bucket_bytes.setter
+    def bucket_bytes(self, value: int) -> None:
+        self.chunk_bytes = value
+
+    def _build(self, params, lr, momentum, iso, method, chunk_bytes, solo_above) -> None:
+        defaults = outer_defaults("ShardedIsoLoCo", lr, momentum, iso, method)
+        check_chunk_bytes(chunk_bytes, "ShardedIsoLoCo: chunk_bytes")
+        super().__init__(params, defaults)
         for k, g in enumerate(self.param_groups):
             check_group(g, f"ShardedIsoLoCo: param group {k}")
         self._buckets: Optional[BucketPlan] = None  # batched Iso-C of my matrices, reused across steps
-        self.method, self.bucket_bytes, self.solo_above = method, bucket_bytes, solo_above
+        self.method, self.chunk_bytes, self.solo_above = method, chunk_bytes, solo_above
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._index = {p: i for i, p in enumerate(self._params)}
         self._group_of = [k for k, g in enumerate(self.param_groups) for _ in g["params"]]
         check_param_dtypes(self._params, "ShardedIsoLoCo")
         if self.world_size > 1:  # the collectives carry the params' own memory (broadcasts)
-            check_on_comm_device(self._params, [f"ShardedIsoLoCo: param {i}" for i in range(len(self._params))],
-                                 self.process_group)
+            check_on_comm_device(
+                self._params, [f"ShardedIsoLoCo: param {i}" for i in range(len(self._params))], self.process_group
+            )
         for i, p in enumerate(self._params):
             if p.device != self._params[0].device:
                 raise ValueError(
@@ -111,7 +148,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                     "one device per rank"
                 )
         self.plan = plan_shards(
-            [p.shape for p in self._params], self.world_size,
+            [p.shape for p in self._params],
+            self.world_size,
             dtypes=[p.dtype for p in self._params],
             iso=[self.param_groups[k]["iso"] and p.ndim == 2 for k, p in zip(self._group_of, self._params)],
             solo_above=solo_above,
@@ -122,8 +160,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         """What every rank must share for the step to run the same collectives and write the same
         values: each group's hyper-parameters, the method, the chunk size and the shard plan."""
         plan = {"shard plan (shapes, dtypes, iso, solo_above)": f"{self.plan.fingerprint:#x}"}
-        return optimizer_settings(self, method=self.method, bucket_bytes=self.bucket_bytes,
-                                  solo_above=self.solo_above, **plan)
+        return optimizer_settings(
+            self, method=self.method, chunk_bytes=self.chunk_bytes, solo_above=self.solo_above, **plan
+        )
 
     def add_param_group(self, param_group: dict) -> None:
         """Only while constructing: the shard plan (which rank steps which param and keeps its
@@ -155,7 +194,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                 loss = ag.attempt(closure)
         grads = ag.attempt(self._check)
         # Agree before the first collective: bad input, or settings that differ between ranks (lr,
-        # method, bucket_bytes, … changed on one rank since construction), stop every rank here.
+        # method, chunk_bytes, … changed on one rank since construction), stop every rank here.
         ag.settle(settings=ag.attempt(self._settings))
         segments, means = self._reduce(grads)
         write = ag.attempt(self._compute, means)
@@ -167,6 +206,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     def _check(self) -> list[torch.Tensor]:
         """Every rank's pseudo-gradients, checked (every param needs one: all are reduced and
         written), with the held momentum (`outer.collect`)."""
+
         def check(p, g, name):
             if g.shape != p.shape or g.device != p.device:
                 raise ValueError(f"{name}: grad has shape {tuple(g.shape)} on {g.device}, the param is on {p.device}")
@@ -183,15 +223,16 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         segments, means = {}, {}
         for dt in plan.sharded_dtypes:
             if self.world_size > 1:
-                own = reduce_scatter_mean(plan, dt, lambda i: flat[i], rank, self.process_group, self.bucket_bytes)
+                own = reduce_scatter_mean(plan, dt, lambda i: flat[i], rank, self.process_group, self.chunk_bytes)
             else:
                 own = self._own_single(dt, flat)
             segments[dt] = own
             means.update(owned_views(plan, dt, own, rank))
         for i in sorted(plan.solo):
             p = self._params[i]
-            mean = reduce_to_owner(flat[i], p.numel(), p.dtype, plan.owners[i], rank, self.process_group,
-                                   self.bucket_bytes)
+            mean = reduce_to_owner(
+                flat[i], p.numel(), p.dtype, plan.owners[i], rank, self.process_group, self.chunk_bytes
+            )
             if mean is not None:
                 means[i] = mean.view(p.shape)
         return segments, means
@@ -202,12 +243,20 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         idx = sorted(means)
         check_all_finite([means[i] for i in idx], [f"mean pseudo-gradient of param {i}" for i in idx])
         updates = dict(means)
-        updates.update(self._iso_c(means))
-        return prepare_nesterov(self, [
-            (self._params[i], updates[i], self.param_groups[self._group_of[i]]["lr"],
-             self.param_groups[self._group_of[i]]["momentum"],
-             f"param {i} (shape {tuple(self._params[i].shape)}) on rank {self.rank}") for i in idx
-        ])
+        updates.update(self._iso_updates(means))
+        return prepare_nesterov(
+            self,
+            [
+                (
+                    self._params[i],
+                    updates[i],
+                    self.param_groups[self._group_of[i]]["lr"],
+                    self.param_groups[self._group_of[i]]["momentum"],
+                    f"param {i} (shape {tuple(self._params[i].shape)}) on rank {self.rank}",
+                )
+                for i in idx
+            ],
+        )
 
     def _all_gather_params(self, segments: dict) -> None:
         """Every rank gets every updated param: segments all-gathered, solo tensors broadcast."""
@@ -216,24 +265,21 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             for i, v in owned_views(plan, dt, own, rank).items():
                 v.copy_(self._params[i])
             if self.world_size > 1:
-                scatter_into(plan, dt, own, [p.data for p in self._params], rank, self.process_group, self.bucket_bytes)
+                scatter_into(plan, dt, own, [p.data for p in self._params], rank, self.process_group, self.chunk_bytes)
         for i in sorted(plan.solo):
-            broadcast_into(self._params[i].data, plan.owners[i], self.process_group, self.bucket_bytes)
+            broadcast_into(self._params[i].data, plan.owners[i], self.process_group, self.chunk_bytes)
 
-    def _iso_c(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    def _iso_updates(self, means: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Iso-C of my 2-D mean pseudo-gradients in iso groups, batched by shape as IsoLoCo does
-        (buckets.BucketPlan, transposed twins together): param index → result view."""
+        (`outer.bucket_flatten`, the buffers kept for the next step): param index → result view."""
         idx = [
-            i for i in sorted(updates)
-            if updates[i].ndim == 2 and updates[i].numel() and self.param_groups[self._group_of[i]]["iso"]
+            i
+            for i in sorted(means)
+            if means[i].ndim == 2 and means[i].numel() and self.param_groups[self._group_of[i]]["iso"]
         ]
-        if not idx:
-            return {}
-        views = [updates[i] for i in idx]
-        if self._buckets is None or not self._buckets.matches(views):
-            self._buckets = BucketPlan(views)
-        iso_merge_unchecked_(self._buckets.pack(views), self.method)  # checked by the caller
-        return dict(zip(idx, self._buckets.views()))
+        names = [f"ShardedIsoLoCo: {self._name(0, 0, self._params[i])}" for i in idx]
+        self._buckets, views = bucket_flatten([means[i] for i in idx], self.method, names, self._buckets)  # checked
+        return dict(zip(idx, views))
 
     def _own_single(self, dtype, flat) -> torch.Tensor:
         """World size 1: my segment is just my grads, copied (the grads stay untouched)."""

@@ -57,18 +57,18 @@ class DistComm(Comm):
     """
 
     def __init__(self, workers: int, rank: int, outer: str = "replicated", group=None):
-        from ..distributed.collectives import BUCKET_BYTES
+        from ..distributed.collectives import CHUNK_BYTES
 
         if outer not in OUTER_PLACEMENTS:
             raise ValueError(f"outer must be one of {OUTER_PLACEMENTS}, got {outer!r}")
         super().__init__(workers)
         self.local_workers = [rank]
-        self.rank, self.outer, self.group, self.bucket_bytes = rank, outer, group, BUCKET_BYTES
+        self.rank, self.outer, self.group, self.chunk_bytes = rank, outer, group, CHUNK_BYTES
 
     def average_(self, tensors: Sequence[torch.Tensor]) -> None:
         from ..distributed import average_
 
-        average_(tensors, self.group, bucket_bytes=self.bucket_bytes)
+        average_(tensors, self.group, chunk_bytes=self.chunk_bytes)
 
     def outer_optimizer(self, mode: str, params, cfg: TrainConfig) -> torch.optim.Optimizer:
         if self.outer == "replicated":
@@ -83,7 +83,7 @@ class DistComm(Comm):
             iso=mode not in SGD_MODES,
             method=cfg.iso_method,
             process_group=self.group,
-            bucket_bytes=self.bucket_bytes,
+            chunk_bytes=self.chunk_bytes,
         )
 
     def pseudo_gradients_(self, delta: Sequence[torch.Tensor]) -> None:
