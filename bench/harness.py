@@ -356,3 +356,10 @@ def peak_extra_memory(fn: Callable[[], object], device: torch.device | str) -> t
     if not ok or rss0 is None or hwm is None:
         return t, {"peak_extra_bytes": None, "mem_method": "unavailable (/proc/self/clear_refs)"}
     return t, {"peak_extra_bytes": float(max(hwm - rss0, 0) * 1024), "mem_method": "cpu peak RSS estimate"}
+
+
+def describe(benchmark, kind: str, impl: str, set_name: str, spec, device, dtype: str, **extra) -> None:
+    """What one benchmark case measured, in its JSON record (read by bench/report.py)."""
+    benchmark.extra_info.update(
+        kind=kind, impl=impl, set=set_name, set_note=spec.note, device=device.type, dtype=dtype, **extra
+    )

@@ -31,7 +31,6 @@ import multiprocessing as std_mp
 import os
 import socket
 import time
-from datetime import timedelta
 
 import pytest
 import torch
@@ -87,20 +86,13 @@ class _Counter:
 
 
 def _worker(rank: int, world: int, port: int, conn) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
     from isoloco_kernels import IsoLoCo
     from isoloco_kernels import distributed as D
+    from tests.spawn import init_gloo
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=REPLY_TIMEOUT_S),
-    )
+    init_gloo(rank, world, port, REPLY_TIMEOUT_S)
     counter = _Counter(world)
     state = {}
     while True:

@@ -189,13 +189,14 @@ def test_flatten(benchmark, impl, set_name, device, dtype, bench_seconds, bench_
         first_s=first_s,
         may_compile=device.type == "cuda" and not all(r in EXACT for r in resolved),
     )
-    benchmark.extra_info.update(
-        kind="flatten",
-        impl=impl,
-        set=set_name,
-        set_note=spec.note,
-        device=device.type,
-        dtype=dtype,
+    harness.describe(
+        benchmark,
+        "flatten",
+        impl,
+        set_name,
+        spec,
+        device,
+        dtype,
         buckets=[list(s) for s in shapes],
         resolved=resolved,
         n_matrices=sum(b for b, _, _ in shapes),

@@ -185,13 +185,14 @@ def test_nesterov(benchmark, impl, set_name, device, bench_seconds, ceilings):
     )
     for p in st["ps"]:
         p.grad = None
-    benchmark.extra_info.update(
-        kind="nesterov",
-        impl=impl,
-        set=set_name,
-        set_note=spec.note,
-        device=device.type,
-        dtype="fp32",
+    harness.describe(
+        benchmark,
+        "nesterov",
+        impl,
+        set_name,
+        spec,
+        device,
+        "fp32",
         n_tensors=len(st["ps"]),
         n_params=n,
         bytes=nbytes,
@@ -344,13 +345,14 @@ def test_outer_step(benchmark, impl, set_name, device, bench_seconds, ceilings):
         first_s=first_s,
         may_compile=device.type == "cuda" and not set(resolved) <= EXACT,
     )
-    benchmark.extra_info.update(
-        kind="outer_step",
-        impl=impl,
-        set=set_name,
-        set_note=spec.note,
-        device=device.type,
-        dtype="fp32",
+    harness.describe(
+        benchmark,
+        "outer_step",
+        impl,
+        set_name,
+        spec,
+        device,
+        "fp32",
         resolved=resolved,
         buckets=[list(s) for s in shapes2d],
         n_params=n,

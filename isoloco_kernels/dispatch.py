@@ -180,21 +180,14 @@ def _cuda_chain(op: str, on_cuda, runs, triton_supports, torch_name: str) -> lis
     ]
 
 
+_ISO_SCALE_RUNS = (_csrc_iso_scale, _cupy_iso_scale, _triton_iso_scale, _torch_iso_scale)
+_NESTEROV_RUNS = (_csrc_nesterov, _cupy_nesterov, _triton_nesterov, _torch_nesterov)
+
 TABLES: dict[tuple[str, str], list[Candidate]] = {
-    ("iso_scale_", "cuda"): _cuda_chain(
-        "iso_scale_",
-        _on_cuda,
-        (_csrc_iso_scale, _cupy_iso_scale, _triton_iso_scale, _torch_iso_scale),
-        _triton_iso_scale_supports,
-        "torch",
-    ),
+    ("iso_scale_", "cuda"): _cuda_chain("iso_scale_", _on_cuda, _ISO_SCALE_RUNS, _triton_iso_scale_supports, "torch"),
     ("iso_scale_", "cpu"): [Candidate("torch", lambda: OK, _always, _torch_iso_scale)],
     ("nesterov_outer_", "cuda"): _cuda_chain(
-        "nesterov_outer_",
-        _params_on_cuda,
-        (_csrc_nesterov, _cupy_nesterov, _triton_nesterov, _torch_nesterov),
-        _triton_nesterov_supports,
-        "torch (foreach)",
+        "nesterov_outer_", _params_on_cuda, _NESTEROV_RUNS, _triton_nesterov_supports, "torch (foreach)"
     ),
     ("nesterov_outer_", "cpu"): [Candidate("torch (fused SGD kernel / foreach)", lambda: OK, _always, _torch_nesterov)],
     # the GEMM provider of the polar iteration: run(x) names it for polar.py (its `gemm`)

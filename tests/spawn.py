@@ -40,16 +40,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, body, tmpdir, pg_timeout_s):
+def init_gloo(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """This spawned rank's gloo process group over loopback, one torch thread."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=pg_timeout_s),
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
     )
+
+
+def _entry(rank, world, port, body, tmpdir, pg_timeout_s):
+    init_gloo(rank, world, port, pg_timeout_s)
     body(rank, world, tmpdir)
     finished(tmpdir, rank)
     os._exit(0)  # skip process-group teardown: a check may have left a peer gone

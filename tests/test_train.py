@@ -21,25 +21,7 @@ from isoloco_kernels.train.model import ByteLM, ModelConfig
 from .helpers import TOL, rel_err
 
 SMALL = dict(model="tiny", seq_len=16, workers=2, inner_steps=3, rounds=2, batch=2, warmup=1, eval_windows=8)
-CLI_SMALL = [
-    "-K",
-    "2",
-    "-H",
-    "2",
-    "-R",
-    "2",
-    "--batch",
-    "2",
-    "--seq-len",
-    "16",
-    "--eval-windows",
-    "8",
-    "--max-bytes",
-    "60000",
-    "--quiet",
-    "--threads",
-    "1",
-]
+CLI_SMALL = "-K 2 -H 2 -R 2 --batch 2 --seq-len 16 --eval-windows 8 --max-bytes 60000 --quiet --threads 1".split()
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small computations (tests/conftest.py)
@@ -249,17 +231,8 @@ def test_cli_end_to_end(tmp_path, capsys):
 
 def test_cli_sweep_and_outer_lr_override(tmp_path):
     out = tmp_path / "sweep"
-    args = CLI_SMALL + [
-        "--out",
-        str(out),
-        "--mode",
-        "diloco,isoloco",
-        "--sweep",
-        "workers=1,3",
-        "--outer-lr",
-        "isoloco=1.2",
-        "--tie-embeddings",
-    ]
+    args = [*CLI_SMALL, "--out", str(out)] + "--mode diloco,isoloco --sweep workers=1,3 --outer-lr isoloco=1.2".split()
+    args.append("--tie-embeddings")
     assert main(args) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["sweep"]["param"] == "workers" and res["sweep"]["values"] == [1, 3]
@@ -418,18 +391,8 @@ def test_init_choices_differ_in_scale():
 
 def test_cli_saves_pseudo_gradients_and_records_divergence(tmp_path):
     out, cap = tmp_path / "run", tmp_path / "cap"
-    args = CLI_SMALL + [
-        "--out",
-        str(out),
-        "--mode",
-        "ddp,isoloco,avg",
-        "--save-pseudo-gradients",
-        str(cap),
-        "--save-rounds",
-        "all",
-        "--save-dtype",
-        "float16",
-    ]
+    args = [*CLI_SMALL, "--out", str(out), "--save-pseudo-gradients", str(cap)]
+    args += "--mode ddp,isoloco,avg --save-rounds all --save-dtype float16".split()
     assert main(args) == 0
     res = json.loads((out / "results.json").read_text())
     assert "divergence" not in res["modes"]["ddp"]

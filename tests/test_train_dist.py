@@ -21,23 +21,7 @@ from isoloco_kernels.train.dist import Launch, check_outer, launched_by_torchrun
 from .helpers import TOL
 from .spawn import free_port
 
-FLAGS = [
-    "-H",
-    "2",
-    "-R",
-    "2",
-    "--batch",
-    "2",
-    "--seq-len",
-    "16",
-    "--eval-windows",
-    "8",
-    "--max-bytes",
-    "200000",
-    "--quiet",
-    "--seed",
-    "3",
-]
+FLAGS = "-H 2 -R 2 --batch 2 --seq-len 16 --eval-windows 8 --max-bytes 200000 --quiet --seed 3".split()
 OUTER_MODES = ["diloco", "isoloco", "isoloco-sgd", "avg"]
 LAUNCH_TIMEOUT_S = 240
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
