@@ -19,19 +19,22 @@ MU="--cells 4:30 --inner muon"
 LRH="--cells 4:30 --inner-lr 6e-3"
 LRL="--cells 4:30 --inner-lr 1.5e-3"
 WIDE="--cells 4:30 --model tiny-wide"
+BASE="--cells 4:30"  # v1/v2's regime (batch 4 × 64, AdamW 3e-3), scored as v3 scores, DiLoCo's μ tuned too
 # 1. seed-0 grids at K 4, H 30: (a) batch 16 × 64, (e) Muon inner steps (MuLoCo vs Muon-inner IsoLoCo),
-#    (b) inner AdamW lr 6e-3 and 1.5e-3 (v1/v2: 3e-3), (g) d 256 (~4× the block weights)
+#    (b) inner AdamW lr 6e-3 and 1.5e-3 (v1/v2: 3e-3), (g) d 256 (~4× the block weights), and v1/v2's own cell
 $R $A16 --seeds 0 --lrs $DL,$IL,isoloco=4.2,ddp=- --out $O/v3_batch.jsonl
 $R $MU --seeds 0 --lrs $DL,$IL,isoloco=1.2,ddp=- --out $O/v3_muon.jsonl
 $R $LRH --seeds 0 --lrs $DL,$IL,ddp=- --out $O/v3_innerlr.jsonl
 $R $LRL --seeds 0 --lrs $DL,$IL,isoloco=4.2,ddp=- --out $O/v3_innerlr.jsonl
 $R $WIDE --seeds 0 --lrs $DL,$IL,ddp=- --out $O/v3_wide.jsonl
+$R $BASE --seeds 0 --lrs $DL,$IL,ddp=- --out $O/v3_base.jsonl
 # 2. seeds 1 and 2 of each method's best config there
 $R $A16 --seeds 1,2 --lrs $BEST --out $O/v3_batch.jsonl
 $R $MU --seeds 1,2 --lrs $BEST --out $O/v3_muon.jsonl
 $R $LRH --seeds 1,2 --lrs $BEST --out $O/v3_innerlr.jsonl
 $R $LRL --seeds 1,2 --lrs $BEST --out $O/v3_innerlr.jsonl
 $R $WIDE --seeds 1,2 --lrs $BEST --out $O/v3_wide.jsonl
+$R $BASE --seeds 1,2 --lrs $BEST --out $O/v3_base.jsonl
 # 3. the costlier cells' seed-0 grids: (a) batch 16 × 128 and K 8, (e) Muon at K 16, (d) H 100 at
 #    R 10, (f) BPE-8192 at K 8 past v2's edges, (c) K 32 and 64, (d) H 300 at R 10
 $R --cells 4:30 --batch 16 --seq-len 128 --seeds 0 --lrs $DL,$IL,ddp=- --out $O/v3_batch.jsonl
