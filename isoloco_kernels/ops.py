@@ -7,7 +7,7 @@
         float64 for float64 x), shape x.shape[:-2].
     isoloco::nesterov_outer_(Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor[] updates,
                              float lr, float momentum, Tensor? scales) -> ()
-        buf ← μ·buf + s·u ; p ← p − lr·(s·u + μ·buf), s = scales[i] (1 when scales is None).
+        reference.nesterov_ref's step with s·u for u, s = scales[i] (1 when scales is None).
 
 Every implementation registered here checks its arguments and the finiteness rule (below: one
 check per op, the same on every device) and then runs what `dispatch.select` picks: on CUDA the compiled extension's kernels

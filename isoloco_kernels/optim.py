@@ -3,7 +3,7 @@
 A drop-in for `torch.optim.SGD(lr, momentum, nesterov=True)`: write the averaged pseudo-gradient
 (global − local) into `p.grad`, call `step()`. Per param with a grad Δ (reference.isoloco_step_ref):
 
-    M = iso(Δ) for 2-D params of iso groups, else Δ;   buf ← μ·buf + M;   p ← p − lr·(M + μ·buf)
+    M = iso(Δ) for 2-D params of iso groups, else Δ; then the Nesterov step of reference.nesterov_ref on M
 
 The 2-D grads are packed into one [B, m, n] buffer per shape and flattened (`outer.bucket_flatten`),
 and one fused `nesterov_outer_` call per (device, lr, momentum) applies the update. State is SGD's; checks,

@@ -1,7 +1,7 @@
 """`ShardedIsoLoCo`: the IsoLoCo outer step over a process group, each tensor stepped by one rank.
 
     reduce-scatter Δ_k → each rank receives mean(Δ) of the tensors it owns (plan.py)
-    owner:  M = iso(mean Δ) (2-D, iso on) or mean Δ;  buf ← μ·buf + M;  θ ← θ − lr·(M + μ·buf)
+    owner:  M = iso(mean Δ) (2-D, iso on) or mean Δ; reference.nesterov_ref's step on M
     all-gather θ        → every rank holds the whole updated θ
 
 The bytes of one all-reduce; each Iso-C runs once in the group; momentum lives on the owner.
@@ -47,8 +47,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     Use it like the replicated outer optimizer, on every rank: set p.data to the global weights
     (equal on all ranks) and p.grad to this rank's pseudo-gradient θ − θ_k (NOT yet averaged), then
     `step()`. The step averages the pseudo-gradients itself (reduce-scatter), and each rank applies
-    M = iso(mean Δ) (2-D params, iso on) or mean Δ, then Nesterov (buf ← μ·buf + M;
-    θ ← θ − lr·(M + μ·buf)), to the params it owns; an all-gather gives every rank the new θ. The
+    M = iso(mean Δ) (2-D params, iso on) or mean Δ, then Nesterov (reference.nesterov_ref), to the
+    params it owns; an all-gather gives every rank the new θ. The
     result is the replicated IsoLoCo step on the averaged pseudo-gradients.
 
     Momentum is kept only by the owner, so state_dict()
