@@ -28,6 +28,12 @@ $R $LRH --seeds 0 --lrs $DL,$IL,ddp=- --out $O/v3_innerlr.jsonl
 $R $LRL --seeds 0 --lrs $DL,$IL,isoloco=4.2,ddp=- --out $O/v3_innerlr.jsonl
 $R $WIDE --seeds 0 --lrs $DL,$IL,ddp=- --out $O/v3_wide.jsonl
 $R $BASE --seeds 0 --lrs $DL,$IL,ddp=- --out $O/v3_base.jsonl
+# 1b. one point past each seed-0 optimum that sat on its grid's edge (at its μ)
+$R $A16 --seeds 0 --lrs diloco=1.4@0.5 --out $O/v3_batch.jsonl
+$R $LRL --seeds 0 --lrs diloco=0.5@0.5,isoloco=5.6 --out $O/v3_innerlr.jsonl
+$R $LRH --seeds 0 --lrs diloco=0.7@0 --out $O/v3_innerlr.jsonl
+$R $WIDE --seeds 0 --lrs diloco=0.7@0,isoloco=4.2 --out $O/v3_wide.jsonl
+$R $BASE --seeds 0 --lrs diloco=0.7@0,isoloco=1.2 --out $O/v3_base.jsonl
 # 2. seeds 1 and 2 of each method's best config there
 $R $A16 --seeds 1,2 --lrs $BEST --out $O/v3_batch.jsonl
 $R $MU --seeds 1,2 --lrs $BEST --out $O/v3_muon.jsonl
