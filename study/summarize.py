@@ -613,12 +613,12 @@ def main() -> None:
     )
     v3_recs = [r for r in recs if r.get("study") == "v3"]
     if v3_recs:
-        from v3 import markdown_grids, markdown_v3, plot_v3, summarize_v3  # study/ is on sys.path: a script
+        from v3 import markdown_by_question, markdown_grids, plot_v3, summarize_v3  # study/ is on sys.path
 
         v3 = summarize_v3(v3_recs, paired_bootstrap_ci)
         (HERE / "summary_v3.json").write_text(json.dumps(v3, indent=1))
         plot_v3(v3, HERE / "study_v3.png")
-        print("\n<!-- v3 -->\n" + markdown_v3(v3) + "\n\n" + markdown_grids(v3))
+        print("\n<!-- v3 -->\n" + markdown_by_question(v3) + "\n\n" + markdown_grids(v3))
         print(f"\n{len(v3_recs)} v3 runs, {sum(r.get('cpu_s', 0.0) for r in v3_recs) / 60:.1f} CPU-min")
 
 

@@ -106,36 +106,75 @@ def summarize_v3(recs: list[dict], paired_ci) -> dict:
         row: dict = {"cell": dict(zip(CELL_KEYS + SETTING_KEYS, cell))}
         for mode, grid in sorted(methods.items()):
             row[mode] = best_config(grid)
-        iso, dl = row.get("isoloco"), row.get("diloco")
-        if iso and dl:
-            seeds = sorted(
-                s
-                for s in set(iso["test"]) & set(dl["test"])
-                if iso["test"][s] is not None and dl["test"][s] is not None
-            )
-            if seeds:
-                a, b = [iso["test"][s] for s in seeds], [dl["test"][s] for s in seeds]
-                mean, lo, hi = paired_ci(a, b)
-                row["gap"] = {
-                    "seeds": seeds,
-                    "per_seed": [x - y for x, y in zip(a, b)],
-                    "mean": mean,
-                    "lo": lo,
-                    "hi": hi,
-                }
+        # DiLoCo tuned over its lr only, at its released μ 0.9 (what v1/v2 tuned)
+        released = {c: runs for c, runs in methods.get("diloco", {}).items() if c[1] == 0.9}
+        row["diloco_mu0.9"] = best_config(released)
+        for key, other in (("gap", "diloco"), ("gap_mu0.9", "diloco_mu0.9")):
+            gap = _paired_gap(row.get("isoloco"), row.get(other), paired_ci)
+            if gap is not None:
+                row[key] = gap
         out[cell_label(cell)] = row
     return out
+
+
+def _paired_gap(a: dict | None, b: dict | None, paired_ci) -> dict | None:
+    """a − b on the test split over the seeds both have, with its bootstrap interval."""
+    if not a or not b:
+        return None
+    seeds = sorted(s for s in set(a["test"]) & set(b["test"]) if a["test"][s] is not None and b["test"][s] is not None)
+    if not seeds:
+        return None
+    x, y = [a["test"][s] for s in seeds], [b["test"][s] for s in seeds]
+    mean, lo, hi = paired_ci(x, y)
+    return {"seeds": seeds, "per_seed": [u - v for u, v in zip(x, y)], "mean": mean, "lo": lo, "hi": hi}
 
 
 def _fmt(x, spec="+.3f"):
     return "—" if x is None or x != x else format(x, spec)
 
 
+# v1/v2's regime; every other cell moves one knob away from it (the question it answers)
+BASE = {"workers": 4, "inner_steps": 30, "vocab": 256, "init": "gpt2", "batch": 4, "seq_len": 64,
+        "inner": "adamw", "inner_lr": 3e-3, "model": "tiny"}  # fmt: skip
+QUESTIONS = [  # (title, the cell fields that question varies)
+    ("(a) Bigger batches", ("batch", "seq_len")),
+    ("(b) Another inner lr", ("inner_lr",)),
+    ("(c) More workers", ("workers",)),
+    ("(d) Longer rounds (H) at R = 10", ("inner_steps",)),
+    ("(e) Muon inner steps (MuLoCo vs Muon-inner IsoLoCo)", ("inner",)),
+    ("(f) A BPE-8192 vocabulary", ("vocab",)),
+    ("(g) A wider model (d 256)", ("model",)),
+]
+
+
+def question_of(cell: dict) -> str | None:
+    """The question a cell answers: the first whose fields differ from BASE ("base" for BASE itself;
+    None for a cell that moves several knobs of different questions at once, e.g. K 8 at batch 16)."""
+    moved = {k for k, v in BASE.items() if cell.get(k) != v}
+    if not moved:
+        return "base"
+    for title, fields in QUESTIONS:
+        if moved <= set(fields) | {"workers"} and moved & set(fields):
+            return title
+    return None
+
+
+def markdown_by_question(s: dict) -> str:
+    """One table per question, v1/v2's regime (tuned the v3 way) as each table's first row."""
+    base = {k: r for k, r in s.items() if question_of(r["cell"]) == "base"}
+    out = []
+    for title, _ in QUESTIONS + [("Other cells", ())]:
+        rows = {k: r for k, r in s.items() if (question_of(r["cell"]) or "Other cells") == title}
+        if rows:
+            out.append(f"**{title}**\n\n" + markdown_v3({**base, **rows}))
+    return "\n\n".join(out)
+
+
 def markdown_v3(s: dict) -> str:
     lines = [
         "| cell | DDP (test) | DiLoCo best (lr @ μ) | DiLoCo (test) | IsoLoCo best (lr @ μ) | IsoLoCo (test) "
-        "| IsoLoCo − DiLoCo, test [95 % CI] (per seed) |",
-        "|---|---|---|---|---|---|---|",
+        "| IsoLoCo − DiLoCo, test [95 % CI] (per seed) | − DiLoCo tuned at μ 0.9 only |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, row in s.items():
 
@@ -151,18 +190,17 @@ def markdown_v3(s: dict) -> str:
         ddp = row.get("ddp")
         ddp_test = [v for v in ddp["test"].values() if v is not None] if ddp else []
         (dw, dt), (iw, it) = best("diloco"), best("isoloco")
-        g = row.get("gap")
-        gap = (
-            "—"
-            if not g
-            else (
-                f"{_fmt(g['mean'])} [{_fmt(g['lo'])}, {_fmt(g['hi'])}] ("
-                + ", ".join(_fmt(x) for x in g["per_seed"])
-                + ")"
-            )
-        )
-        lines.append(f"| {label} | {_fmt(_mean(ddp_test), '.3f')} | {dw} | {dt} | {iw} | {it} | {gap} |")
+        gap = _gap_text(row.get("gap"), per_seed=True)
+        g09 = _gap_text(row.get("gap_mu0.9"), per_seed=False)
+        lines.append(f"| {label} | {_fmt(_mean(ddp_test), '.3f')} | {dw} | {dt} | {iw} | {it} | {gap} | {g09} |")
     return "\n".join(lines)
+
+
+def _gap_text(g: dict | None, per_seed: bool) -> str:
+    if not g:
+        return "—"
+    text = f"{_fmt(g['mean'])} [{_fmt(g['lo'])}, {_fmt(g['hi'])}]"
+    return text + (" (" + ", ".join(_fmt(x) for x in g["per_seed"]) + ")" if per_seed else "")
 
 
 def markdown_grids(s: dict) -> str:
