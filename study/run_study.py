@@ -105,14 +105,36 @@ def finished(folder: Path) -> set:
     return {run_key(r) for f in folder.glob("*.jsonl") for r in read_jsonl(f)}
 
 
+def claim_name(k: tuple) -> str:
+    name = "_".join(map(str, k))
+    if len(name) > 150:  # v3 keys carry their settings: a digest keeps the file name short
+        name = "_".join(map(str, k[:-1])) + "_" + hashlib.sha1(repr(k[-1]).encode()).hexdigest()[:16]
+    return name
+
+
+def wait_for_grids(folder: Path, cells, limit_s: float = 3600.0, poll_s: float = 20.0) -> bool:
+    """Block while another process still runs a seed-0 (grid) job with these cells' K and H: a
+    `best:` job picks its configs from the finished grid, not from part of it. A claim left by a
+    killed run waits out limit_s (then False)."""
+    t0 = time.time()
+    prefixes = tuple(f"0_{K}_{H}_" for K, H in cells)
+    while True:
+        done = {claim_name(k) for k in finished(folder) if k[0] == 0}
+        busy = [c.name for c in (folder / ".claims").glob("0_*") if c.name.startswith(prefixes) and c.name not in done]
+        if not busy:
+            return True
+        if time.time() - t0 > limit_s:
+            return False
+        print(f"waiting for {len(busy)} grid job(s) in flight before picking the best configs", flush=True)
+        time.sleep(poll_s)
+
+
 def claim(folder: Path, k: tuple) -> bool:
     """True if this process may run job k (no other process has claimed it)."""
     d = folder / ".claims"
     d.mkdir(exist_ok=True)
     try:
-        name = "_".join(map(str, k))
-        if len(name) > 150:  # v3 keys carry their settings: a digest keeps the file name short
-            name = "_".join(map(str, k[:-1])) + "_" + hashlib.sha1(repr(k[-1]).encode()).hexdigest()[:16]
+        name = claim_name(k)
         os.close(os.open(d / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         return True
     except FileExistsError:
@@ -192,6 +214,7 @@ def main() -> None:
             p.error("--lrs best:MODES picks from study v3's grids: add --part v3")
         from v3 import best_jobs
 
+        wait_for_grids(out.parent, cells)
         recs = [r for f in sorted(out.parent.glob("*.jsonl")) for r in read_jsonl(f)]
         mu0 = {m: mu for m, (_, mu) in OUTER_DEFAULTS.items()}
         setting = tuple(v3[k] for k in ("batch", "seq_len", "inner", "inner_lr", "model"))

@@ -34,27 +34,32 @@ $R $LRL --seeds 0 --lrs diloco=0.5@0.5,isoloco=5.6 --out $O/v3_innerlr.jsonl
 $R $LRH --seeds 0 --lrs diloco=0.7@0 --out $O/v3_innerlr.jsonl
 $R $WIDE --seeds 0 --lrs diloco=0.7@0,isoloco=4.2 --out $O/v3_wide.jsonl
 $R $BASE --seeds 0 --lrs diloco=0.7@0,isoloco=1.2 --out $O/v3_base.jsonl
-# 2. seeds 1 and 2 of each method's best config there
+$R $BASE --seeds 0 --lrs diloco=0.5@0,isoloco=4.2 --out $O/v3_base.jsonl
+$R $MU --seeds 0 --lrs diloco=1.4@0.5 --out $O/v3_muon.jsonl
+# 2. seeds 1 and 2 of each method's best config there (a `best:` job waits for grid jobs in flight)
 $R $A16 --seeds 1,2 --lrs $BEST --out $O/v3_batch.jsonl
 $R $MU --seeds 1,2 --lrs $BEST --out $O/v3_muon.jsonl
 $R $LRH --seeds 1,2 --lrs $BEST --out $O/v3_innerlr.jsonl
 $R $LRL --seeds 1,2 --lrs $BEST --out $O/v3_innerlr.jsonl
 $R $WIDE --seeds 1,2 --lrs $BEST --out $O/v3_wide.jsonl
 $R $BASE --seeds 1,2 --lrs $BEST --out $O/v3_base.jsonl
-# 3. the costlier cells' seed-0 grids: (a) batch 16 × 128 and K 8, (e) Muon at K 16, (d) H 100 at
-#    R 10, (f) BPE-8192 at K 8 past v2's edges, (c) K 32 and 64, (d) H 300 at R 10
-$R --cells 4:30 --batch 16 --seq-len 128 --seeds 0 --lrs $DL,$IL,ddp=- --out $O/v3_batch.jsonl
-$R --cells 8:30 --batch 16 --seeds 0 --lrs $DL,$IL,isoloco=4.2,ddp=- --out $O/v3_batch.jsonl
-$R --cells 16:30 --inner muon --seeds 0 --lrs $DL,$IL,isoloco=4.2,ddp=- --out $O/v3_muon.jsonl
-$R --cells 4:100 --steps 1000 --seeds 0 --lrs $DL,$IL,ddp=- --out $O/v3_h.jsonl
-$R --cells 8:30 --vocab 8192 --seeds 0 --lrs diloco=0.175,diloco=0.35,diloco=0.7,diloco=1.0@0,diloco=1.4@0,isoloco=2.4,isoloco=3.2,isoloco=4.2,isoloco=5.6,ddp=- --out $O/v3_bpe.jsonl
-$R --cells 32:30 --seeds 0 --lrs diloco=0.35,diloco=0.7,diloco=1.0@0,diloco=1.4@0,isoloco=2.4,isoloco=3.2,isoloco=4.2,isoloco=5.6 --out $O/v3_k.jsonl
-$R --cells 4:300 --steps 3000 --seeds 0 --lrs diloco=0.7,diloco=1.0,diloco=1.4@0,isoloco=1.8,isoloco=2.4 --out $O/v3_h.jsonl
-$R --cells 64:30 --seeds 0 --lrs diloco=0.35,diloco=0.7,diloco=1.4@0,isoloco=3.2,isoloco=4.2,isoloco=5.6 --out $O/v3_k.jsonl
-# 4. seeds 1 and 2 of their best configs
-$R --cells 4:30 --batch 16 --seq-len 128 --seeds 1,2 --lrs $BEST --out $O/v3_batch.jsonl
-$R --cells 8:30 --batch 16 --seeds 1,2 --lrs $BEST --out $O/v3_batch.jsonl
-$R --cells 16:30 --inner muon --seeds 1,2 --lrs $BEST --out $O/v3_muon.jsonl
-$R --cells 4:100 --steps 1000 --seeds 1,2 --lrs $BEST --out $O/v3_h.jsonl
-$R --cells 8:30 --vocab 8192 --seeds 1,2 --lrs $BEST --out $O/v3_bpe.jsonl
-$R --cells 32:30 --seeds 1,2 --lrs $BEST --out $O/v3_k.jsonl
+# 3. the costlier cells, most asked-about first, each its seed-0 grid (trimmed to the region the
+#    cheap cells' optima fall in) then seeds 1 and 2 of its best configs: (e) Muon at K 16, (a) K 8
+#    at batch 16, (c) K 32, (d) H 100 at R 10, (a) batch 16 × 128, (f) BPE-8192 at K 8 past v2's
+#    edges, (d) H 300 at R 10, (c) K 64. A plan stopped early leaves whole cells, not half ones.
+DLS=diloco=0.35,diloco=0.7,diloco=1.0@0.5,diloco=0.7@0.5,diloco=1.0@0,diloco=1.4@0
+cell() {  # cell ARGS... -- LRS OUT: the seed-0 grid, then the best configs on seeds 1 and 2
+  local args=() lrs out
+  while [ "$1" != "--" ]; do args+=("$1"); shift; done
+  lrs=$2 out=$3
+  $R "${args[@]}" --seeds 0 --lrs "$lrs" --out "$out"
+  $R "${args[@]}" --seeds 1,2 --lrs $BEST --out "$out"
+}
+cell --cells 16:30 --inner muon -- $DLS,diloco=1.4@0.5,isoloco=1.8,isoloco=2.4,isoloco=3.2,ddp=- $O/v3_muon.jsonl
+cell --cells 8:30 --batch 16 -- $DLS,isoloco=2.4,isoloco=3.2,isoloco=4.2,ddp=- $O/v3_batch.jsonl
+cell --cells 32:30 -- $DLS,isoloco=3.2,isoloco=4.2,isoloco=5.6,ddp=- $O/v3_k.jsonl
+cell --cells 4:100 --steps 1000 -- $DLS,isoloco=1.8,isoloco=2.4,isoloco=3.2,ddp=- $O/v3_h.jsonl
+cell --cells 4:30 --batch 16 --seq-len 128 -- $DLS,isoloco=1.8,isoloco=2.4,isoloco=3.2,ddp=- $O/v3_batch.jsonl
+cell --cells 8:30 --vocab 8192 -- diloco=0.175,diloco=0.35,diloco=0.7@0.5,diloco=1.0@0,isoloco=2.4,isoloco=3.2,isoloco=4.2,ddp=- $O/v3_bpe.jsonl
+cell --cells 4:300 --steps 3000 -- diloco=0.7,diloco=1.0@0.5,diloco=1.4@0,isoloco=1.8,isoloco=2.4,ddp=- $O/v3_h.jsonl
+cell --cells 64:30 -- diloco=0.35,diloco=0.7@0.5,diloco=1.4@0,isoloco=3.2,isoloco=4.2,isoloco=5.6,ddp=- $O/v3_k.jsonl

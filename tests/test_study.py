@@ -47,6 +47,17 @@ def test_parse_lrs_reads_lr_and_momentum(run_study):
     assert run_study.parse_lrs("diloco=1.4@0") == [("diloco", 1.4, 0.0)]
 
 
+def test_best_jobs_wait_for_the_cells_grid_jobs_in_flight(run_study, tmp_path):
+    claims = tmp_path / ".claims"
+    claims.mkdir()
+    (claims / "0_8_30_diloco_0.7_v3_gpt2_256_10_halves_1024_0123456789abcdef").touch()  # another cell
+    (claims / "1_4_30_diloco_0.7_v3_gpt2_256_10_halves_1024_0123456789abcdef").touch()  # a later seed
+    assert run_study.wait_for_grids(tmp_path, [(4, 30)], limit_s=0, poll_s=0)
+    (claims / "0_4_30_isoloco_2.4_v3_gpt2_256_10_halves_1024_0123456789abcdef").touch()  # this cell's grid
+    assert not run_study.wait_for_grids(tmp_path, [(4, 30)], limit_s=0, poll_s=0)
+    assert not run_study.wait_for_grids(tmp_path, [(8, 30)], limit_s=0, poll_s=0)
+
+
 def test_v3_records_are_told_apart_by_their_settings():
     key = _study_module("summarize").run_key
     base = dict(
