@@ -73,24 +73,19 @@ def _one_dtype(dtype: str, flops: Callable[[int, int], float]) -> Callable[[int,
     return lambda k, r: {dtype: flops(k, r)}
 
 
+def _polar(mode: str) -> Method:
+    """Polar Express in `mode` ("fp32" or "bf16" GEMMs); it hands what it cannot certify to gram."""
+    run = functools.partial(polar.flatten_polar_, mode=mode)
+    flops = functools.partial(polar.polar_work, mode=mode)
+    return Method(run=run, flops=flops, checks_finite=True, stats=polar.RECORDER, fallback="gram")
+
+
 METHODS = Registry(
     auto=Method(run=_run_auto, resolve=lambda x3: _resolve_auto(x3)),
     svd=Method(run=exact.flatten_svd_, flops=_one_dtype("fp64", exact.svd_flops), exact=True),
     eigh=Method(run=exact.flatten_eigh_, flops=_one_dtype("fp64", exact.eigh_flops), exact=True),
-    polar=Method(
-        run=functools.partial(polar.flatten_polar_, mode="fp32"),
-        flops=functools.partial(polar.polar_work, mode="fp32"),
-        checks_finite=True,
-        stats=polar.RECORDER,
-        fallback="gram",
-    ),
-    polar_bf16=Method(
-        run=functools.partial(polar.flatten_polar_, mode="bf16"),
-        flops=functools.partial(polar.polar_work, mode="bf16"),
-        checks_finite=True,
-        stats=polar.RECORDER,
-        fallback="gram",
-    ),
+    polar=_polar("fp32"),
+    polar_bf16=_polar("bf16"),
     gram=Method(
         run=gram.flatten_gram_,
         flops=_one_dtype("fp64", gram.gram_flops),

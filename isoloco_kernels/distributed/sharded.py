@@ -14,17 +14,9 @@ from typing import Optional
 
 import torch
 
+from .. import outer
 from .._validate import check_all_finite
 from ..buckets import BucketPlan
-from ..outer import (
-    bucket_flatten,
-    check_group,
-    check_param_dtypes,
-    collect,
-    load_sgd_state,
-    outer_defaults,
-    prepare_nesterov,
-)
 from .agree import Agreement, check_on_comm_device, group_info, optimizer_settings, renamed_keyword
 from .collectives import (
     CHUNK_BYTES,
@@ -126,17 +118,17 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         self.chunk_bytes = value
 
     def _build(self, params, lr, momentum, iso, method, chunk_bytes, solo_above) -> None:
-        defaults = outer_defaults("ShardedIsoLoCo", lr, momentum, iso, method)
+        defaults = outer.outer_defaults("ShardedIsoLoCo", lr, momentum, iso, method)
         check_chunk_bytes(chunk_bytes, "ShardedIsoLoCo: chunk_bytes")
         super().__init__(params, defaults)
         for k, g in enumerate(self.param_groups):
-            check_group(g, f"ShardedIsoLoCo: param group {k}")
+            outer.check_group(g, f"ShardedIsoLoCo: param group {k}")
         self._buckets: Optional[BucketPlan] = None  # batched Iso-C of my matrices, reused across steps
         self.method, self.chunk_bytes, self.solo_above = method, chunk_bytes, solo_above
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._index = {p: i for i, p in enumerate(self._params)}
         self._group_of = [k for k, g in enumerate(self.param_groups) for _ in g["params"]]
-        check_param_dtypes(self._params, "ShardedIsoLoCo")
+        outer.check_param_dtypes(self._params, "ShardedIsoLoCo")
         if self.world_size > 1:  # the collectives carry the params' own memory (broadcasts)
             check_on_comm_device(
                 self._params, [f"ShardedIsoLoCo: param {i}" for i in range(len(self._params))], self.process_group
@@ -211,7 +203,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             if g.shape != p.shape or g.device != p.device:
                 raise ValueError(f"{name}: grad has shape {tuple(g.shape)} on {g.device}, the param is on {p.device}")
 
-        entries = collect(self, "ShardedIsoLoCo.step", self._name, check, require_grads=True)
+        entries = outer.collect(self, "ShardedIsoLoCo.step", self._name, check, require_grads=True)
         return [e.g for e in entries]
 
     def _reduce(self, grads) -> tuple[dict, dict[int, torch.Tensor]]:
@@ -244,7 +236,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         check_all_finite([means[i] for i in idx], [f"mean pseudo-gradient of param {i}" for i in idx])
         updates = dict(means)
         updates.update(self._iso_updates(means))
-        return prepare_nesterov(
+        return outer.prepare_nesterov(
             self,
             [
                 (
@@ -278,7 +270,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             if means[i].ndim == 2 and means[i].numel() and self.param_groups[self._group_of[i]]["iso"]
         ]
         names = [f"ShardedIsoLoCo: {self._name(0, 0, self._params[i])}" for i in idx]
-        self._buckets, views = bucket_flatten([means[i] for i in idx], self.method, names, self._buckets)  # checked
+        self._buckets, views = outer.bucket_flatten(
+            [means[i] for i in idx], self.method, names, self._buckets
+        )  # checked
         return dict(zip(idx, views))
 
     def _own_single(self, dtype, flat) -> torch.Tensor:
@@ -325,4 +319,4 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             raise ValueError(
                 f"{where}: the state holds momentum for params {extra[:8]} that rank {self.rank} does not own"
             )
-        load_sgd_state(self, rest, where, super().load_state_dict)
+        outer.load_sgd_state(self, rest, where, super().load_state_dict)

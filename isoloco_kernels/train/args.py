@@ -128,20 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--inner-lr", type=float, default=d.inner_lr, help="inner peak lr (AdamW's, and Muon's)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="inner warmup steps")
-    p.add_argument(
-        "--outer-lr",
-        type=_parse_outer_lr,
-        default=None,
-        help="outer lr for every outer mode, or MODE=LR,... "
-        + ", ".join(f"{m} {lr}" for m, (lr, _) in OUTER_DEFAULTS.items()),
+    per_mode = (  # flag, parser, what it sets, its index in OUTER_DEFAULTS' (lr, μ)
+        ("--outer-lr", _parse_outer_lr, "outer lr for every outer mode, or MODE=LR,...", 0),
+        ("--outer-momentum", _parse_outer_momentum, "outer Nesterov momentum, or MODE=MU,... (0 ≤ μ < 1)", 1),
     )
-    p.add_argument(
-        "--outer-momentum",
-        type=_parse_outer_momentum,
-        default=None,
-        help="outer Nesterov momentum for every outer mode, or MODE=MU,... (0 ≤ μ < 1); defaults "
-        + ", ".join(f"{m} {mu}" for m, (_, mu) in OUTER_DEFAULTS.items()),
-    )
+    for flag, parse, what, i in per_mode:
+        defaults = ", ".join(f"{m} {v[i]}" for m, v in OUTER_DEFAULTS.items())
+        p.add_argument(flag, type=parse, default=None, help=f"{what}; defaults {defaults}")
     p.add_argument("--iso-method", default=d.iso_method, help="IsoLoCo flatten method (auto, svd, eigh, polar, ...)")
     p.add_argument(
         "--iso-skip",
