@@ -197,3 +197,6 @@ def test_v3_tunes_on_selection_reports_test_and_marks_edges(v3):
     assert row["gap"]["seeds"] == [0, 1]
     assert row["gap"]["per_seed"] == pytest.approx([2.32 - 2.70, 2.321 - 2.71])
     assert "0.7 @ 0.9" in v3.markdown_v3(s) and "(edge)" in v3.markdown_v3(s)
+    d = row["gap"]["per_seed"]  # the t interval: mean ± 12.706 · sd / √2 for two pairs
+    half = 12.706 * abs(d[0] - d[1]) / 2**0.5 / 2**0.5
+    assert (row["gap"]["t_lo"], row["gap"]["t_hi"]) == pytest.approx((sum(d) / 2 - half, sum(d) / 2 + half))
