@@ -161,6 +161,7 @@ QUESTIONS = [  # (title, the cell fields that question varies)
     ("(e) Muon inner steps (MuLoCo vs Muon-inner IsoLoCo)", ("inner",)),
     ("(f) A BPE-8192 vocabulary", ("vocab",)),
     ("(g) A wider model (d 256)", ("model",)),
+    ("(h) PyTorch's default init (position table N(0, 0.02))", ("init",)),
 ]
 
 

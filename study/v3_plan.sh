@@ -43,6 +43,11 @@ $R $LRH --seeds 1,2 --lrs $BEST --out $O/v3_innerlr.jsonl
 $R $LRL --seeds 1,2 --lrs $BEST --out $O/v3_innerlr.jsonl
 $R $WIDE --seeds 1,2 --lrs $BEST --out $O/v3_wide.jsonl
 $R $BASE --seeds 1,2 --lrs $BEST --out $O/v3_base.jsonl
+# 2b. (h) PyTorch's default init with a GPT-style position table N(0, 0.02) (v2's "torch" drew it N(0, 1)):
+#    grid, then the best configs on seeds 1 and 2
+TI="--cells 4:30 --init torch"
+$R $TI --seeds 0 --lrs $DL,$IL,isoloco=4.2,ddp=- --out $O/v3_init.jsonl
+$R $TI --seeds 1,2 --lrs $BEST --out $O/v3_init.jsonl
 # 3. the costlier cells, most asked-about first, each its seed-0 grid (trimmed to the region the
 #    cheap cells' optima fall in) then seeds 1 and 2 of its best configs: (e) Muon at K 16, (a) K 8
 #    at batch 16, (c) K 32, (d) H 100 at R 10, (a) batch 16 × 128, (f) BPE-8192 at K 8 past v2's
