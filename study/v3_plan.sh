@@ -47,6 +47,7 @@ $R $BASE --seeds 1,2 --lrs $BEST --out $O/v3_base.jsonl
 #    grid, then the best configs on seeds 1 and 2
 TI="--cells 4:30 --init torch"
 $R $TI --seeds 0 --lrs $DL,$IL,isoloco=4.2,ddp=- --out $O/v3_init.jsonl
+$R $TI --seeds 0 --lrs diloco=0.5@0.5,diloco=0.35@0.5 --out $O/v3_init.jsonl  # past DiLoCo's edge (0.7 @ 0.5)
 $R $TI --seeds 1,2 --lrs $BEST --out $O/v3_init.jsonl
 # 3. the costlier cells, most asked-about first, each its seed-0 grid (trimmed to the region the
 #    cheap cells' optima fall in) then seeds 1 and 2 of its best configs: (e) Muon at K 16, (a) K 8
