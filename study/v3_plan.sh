@@ -63,7 +63,9 @@ cell() {  # cell ARGS... -- LRS OUT: the seed-0 grid, then the best configs on s
 }
 cell --cells 16:30 --inner muon -- $DLS,diloco=1.4@0.5,isoloco=1.8,isoloco=2.4,isoloco=3.2,ddp=- $O/v3_muon.jsonl
 cell --cells 8:30 --batch 16 -- $DLS,isoloco=2.4,isoloco=3.2,isoloco=4.2,ddp=- $O/v3_batch.jsonl
+cell --cells 8:30 --batch 16 -- diloco=1.4@0.5 $O/v3_batch.jsonl  # past DiLoCo's edge
 cell --cells 4:100 --steps 1000 -- $DLS,isoloco=1.8,isoloco=2.4,isoloco=3.2,ddp=- $O/v3_h.jsonl
+cell --cells 4:100 --steps 1000 -- diloco=2.0@0 $O/v3_h.jsonl  # past DiLoCo's edge
 cell --cells 32:30 -- $DLS,isoloco=3.2,isoloco=4.2,isoloco=5.6,ddp=- $O/v3_k.jsonl
 cell --cells 4:30 --batch 16 --seq-len 128 -- $DLS,isoloco=1.8,isoloco=2.4,isoloco=3.2,ddp=- $O/v3_batch.jsonl
 cell --cells 8:30 --vocab 8192 -- diloco=0.175,diloco=0.35,diloco=0.7@0.5,diloco=1.0@0,isoloco=2.4,isoloco=3.2,isoloco=4.2,ddp=- $O/v3_bpe.jsonl
