@@ -191,7 +191,7 @@ def markdown_by_question(s: dict) -> str:
 def markdown_v3(s: dict) -> str:
     lines = [
         "| cell | DDP (test) | DiLoCo best (lr @ μ) | DiLoCo (test) | IsoLoCo best (lr @ μ) | IsoLoCo (test) "
-        "| IsoLoCo − DiLoCo, test (per seed) | 95 % CI: bootstrap; t | − DiLoCo tuned at μ 0.9 only |",
+        "| IsoLoCo − DiLoCo, test (per seed) | 95 % CI: bootstrap; t | IsoLoCo − DiLoCo tuned at μ 0.9 only |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for label, row in s.items():
