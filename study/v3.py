@@ -232,24 +232,44 @@ def markdown_grids(s: dict) -> str:
     return "\n".join(lines)
 
 
+def short_label(cell: dict) -> str:
+    """What a cell moves away from BASE, in a few words ("v1/v2 cell" for BASE itself)."""
+    words = {
+        "workers": f"K {cell['workers']}",
+        "inner_steps": f"H {cell['inner_steps']}",
+        "batch": f"batch {cell['batch']}×{cell['seq_len']}",
+        "seq_len": f"batch {cell['batch']}×{cell['seq_len']}",
+        "inner_lr": f"AdamW lr {cell['inner_lr']:g}",
+        "inner": cell["inner"].capitalize() + " inner",
+        "model": f"model {cell['model']}",
+        "init": f"init {cell['init']}",
+        "vocab": f"BPE {cell['vocab']}",
+    }
+    moved = dict.fromkeys(words[k] for k, v in BASE.items() if cell.get(k) != v)  # ordered, no repeats
+    return ", ".join(moved) or "v1/v2 cell"
+
+
 def plot_v3(s: dict, path) -> None:
-    """IsoLoCo − DiLoCo (test split, each tuned) per cell with its interval and the per-seed points."""
+    """IsoLoCo − DiLoCo (test split, each tuned) per cell: the t interval (thin), the bootstrap one
+    (thick), the mean and the per-seed points; cells with one seed show the point alone."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [(label, row["gap"]) for label, row in s.items() if row.get("gap")]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * max(len(rows), 2) + 1.2))
+    rows = sorted(
+        ((short_label(row["cell"]), row["gap"]) for row in s.values() if row.get("gap")), key=lambda r: r[1]["mean"]
+    )
+    fig, ax = plt.subplots(figsize=(7, 0.4 * max(len(rows), 2) + 1.4))
     for i, (_, g) in enumerate(rows):
-        lo, hi = (g["lo"], g["hi"]) if g["lo"] == g["lo"] else (g["mean"], g["mean"])
-        ax.plot([lo, hi], [i, i], color="tab:blue", lw=3, alpha=0.5)
+        if g["lo"] == g["lo"]:  # not NaN: two seeds or more
+            ax.plot([g["t_lo"], g["t_hi"]], [i, i], color="tab:blue", lw=1)
+            ax.plot([g["lo"], g["hi"]], [i, i], color="tab:blue", lw=4, alpha=0.5)
         ax.plot(g["per_seed"], [i] * len(g["per_seed"]), "k.", ms=5)
         ax.plot([g["mean"]], [i], "o", color="tab:blue")
     ax.axvline(0, color="grey", lw=1)
-    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=7)
-    ax.set_xlabel("IsoLoCo − DiLoCo, held-out test loss (nats/byte); each tuned on the selection split")
-    ax.set_title("Study v3: the gap per regime (bar: 95 % bootstrap CI; dots: seeds)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+    ax.set_xlabel("IsoLoCo − DiLoCo, test split (nats/byte); each tuned on the selection split")
+    ax.set_title("Study v3: the gap per regime (thin: 95 % t; thick: bootstrap; dots: seeds)", fontsize=9)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
