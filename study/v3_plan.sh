@@ -51,7 +51,7 @@ $R $TI --seeds 0 --lrs diloco=0.5@0.5,diloco=0.35@0.5 --out $O/v3_init.jsonl  # 
 $R $TI --seeds 1,2 --lrs $BEST --out $O/v3_init.jsonl
 # 3. the costlier cells, most asked-about first, each its seed-0 grid (trimmed to the region the
 #    cheap cells' optima fall in) then seeds 1 and 2 of its best configs: (e) Muon at K 16, (a) K 8
-#    at batch 16, (d) H 100 at R 10, (c) K 32, (a) batch 16 × 128, (f) BPE-8192 at K 8 past v2's
+#    at batch 16, (d) H 100 at R 10, (c) K 32, (a) batch 16 × 128 at K 4 and 8, (f) BPE-8192 at K 8 past v2's
 #    edges, (d) H 300 at R 10, (c) K 64. A plan stopped early leaves whole cells, not half ones.
 DLS=diloco=0.35,diloco=0.7,diloco=1.0@0.5,diloco=0.7@0.5,diloco=1.0@0,diloco=1.4@0
 cell() {  # cell ARGS... -- LRS OUT: the seed-0 grid, then the best configs on seeds 1 and 2
@@ -70,6 +70,7 @@ cell --cells 32:30 -- $DLS,isoloco=3.2,isoloco=4.2,isoloco=5.6,ddp=- $O/v3_k.jso
 cell --cells 32:30 -- diloco=2.0@0 $O/v3_k.jsonl  # past DiLoCo's edge
 cell --cells 4:30 --batch 16 --seq-len 128 -- $DLS,isoloco=1.8,isoloco=2.4,isoloco=3.2,ddp=- $O/v3_batch.jsonl
 cell --cells 4:30 --batch 16 --seq-len 128 -- diloco=1.4@0.5,isoloco=4.2 $O/v3_batch.jsonl  # past both edges
+cell --cells 8:30 --batch 16 --seq-len 128 -- $DLS,isoloco=2.4,isoloco=3.2,isoloco=4.2,ddp=- $O/v3_batch.jsonl
 cell --cells 8:30 --vocab 8192 -- diloco=0.175,diloco=0.35,diloco=0.7@0.5,diloco=1.0@0,isoloco=2.4,isoloco=3.2,isoloco=4.2,ddp=- $O/v3_bpe.jsonl
 cell --cells 4:300 --steps 3000 -- diloco=0.7,diloco=1.0@0.5,diloco=1.4@0,isoloco=1.8,isoloco=2.4,ddp=- $O/v3_h.jsonl
 cell --cells 64:30 -- diloco=0.35,diloco=0.7@0.5,diloco=1.4@0,isoloco=3.2,isoloco=4.2,isoloco=5.6,ddp=- $O/v3_k.jsonl
