@@ -214,7 +214,10 @@ def main() -> None:
             p.error("--lrs best:MODES picks from study v3's grids: add --part v3")
         from v3 import best_jobs
 
-        wait_for_grids(out.parent, cells)
+        if not wait_for_grids(out.parent, cells):
+            print(
+                "warning: grid jobs still claimed after an hour (a killed run's claim?): picking from the grid as it is"
+            )
         recs = [r for f in sorted(out.parent.glob("*.jsonl")) for r in read_jsonl(f)]
         mu0 = {m: mu for m, (_, mu) in OUTER_DEFAULTS.items()}
         setting = tuple(v3[k] for k in ("batch", "seq_len", "inner", "inner_lr", "model"))

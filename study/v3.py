@@ -141,7 +141,7 @@ def t_interval(d: list[float]) -> tuple[float, float]:
     n = len(d)
     if n < 2:
         return float("nan"), float("nan")
-    half = (_T975[n - 2] if n - 2 < len(_T975) else 1.96) * statistics.stdev(d) / n**0.5
+    half = _T975[min(n - 2, len(_T975) - 1)] * statistics.stdev(d) / n**0.5  # beyond 9 df: 9 df's, a bit wide
     m = statistics.fmean(d)
     return m - half, m + half
 
