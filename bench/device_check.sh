@@ -14,6 +14,7 @@
 #
 #   bash bench/device_check.sh              # from anywhere; runs in the repository root
 #   BUDGET_S=300 bash bench/device_check.sh # a tighter wall-clock budget (default 470 s)
+#   TEST_S=170 bash bench/device_check.sh   # seconds for the CUDA tests (default 150, or 80 when short)
 #   bash bench/device_check.sh --dry-run    # (or DRY_RUN=1) end to end on a CPU machine: builds
 #                                           # nothing (uses the extension if built), collects the
 #                                           # CUDA tests only, runs CPU stand-ins of the rest
@@ -81,7 +82,7 @@ if [ "$DRY_RUN" = 1 ]; then
     timeout 120 "$PY" -m pytest tests -q -p no:cacheprovider -m cuda --collect-only -o addopts="" | tail -3
     TEST_RC=$?
 else
-    TEST_S=$(( $(left) > 360 ? 150 : 80 ))
+    TEST_S=${TEST_S:-$(( $(left) > 360 ? 150 : 80 ))}
     timeout -s INT -k 10 "$TEST_S" "$PY" -m pytest tests -q -p no:cacheprovider -m cuda -o addopts="" \
         -rs --durations=5 2>&1 | tee "$RES/$NAME.tests.log" | tail -60
     TEST_RC=$?
