@@ -105,6 +105,8 @@ def pytest_configure(config):
 @pytest.hookimpl(trylast=True)  # after pytest-benchmark's tables: the last thing printed
 def pytest_terminal_summary(terminalreporter, config):
     path = getattr(config.option, "benchmark_json", None)
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        path = path.name  # some pytest-benchmark versions hand --benchmark-json over as an open file
     if not path or not getattr(config.option, "benchmark_only", False):
         return
     mode = "full" if _full(config) else "quick (--bench-full for every set and case)"

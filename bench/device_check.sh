@@ -10,7 +10,7 @@
 #      llama-1b bucket sets until the budget ends;
 #   6. a short table, printed last.
 # Everything goes under $OUT (default bench/results): <date>-<device>.{log,tests.log,json,md},
-# fsdp2.json.
+# <date>-<device>-fsdp2.json.
 #
 #   bash bench/device_check.sh              # from anywhere; runs in the repository root
 #   BUDGET_S=300 bash bench/device_check.sh # a tighter wall-clock budget (default 470 s)
@@ -123,7 +123,7 @@ for shape in shapes:
 EOF
 
 step "FSDP2 outer step, world size 1 ($( [ "$DRY_RUN" = 1 ] && echo gloo on the CPU || echo NCCL on the GPU ))"
-timeout -k 10 "$(cap 90 60)" "$PY" bench/fsdp2_step.py $FSDP_ARGS --json "$RES/fsdp2.json" 2>&1 \
+timeout -k 10 "$(cap 90 60)" "$PY" bench/fsdp2_step.py $FSDP_ARGS --json "$RES/$NAME-fsdp2.json" 2>&1 \
     | grep -v -i "numpy" || echo "fsdp2 step failed or timed out"
 
 step "benchmarks ($(( $(left) - 25 )) s left for them)"
@@ -160,6 +160,6 @@ if [ -n "$JSONS" ]; then
 else
     echo "no benchmark JSON was written"
 fi
-[ -s "$RES/fsdp2.json" ] && { cat "$RES/fsdp2.json"; echo; }
-echo "files: $(ls "$RES"/"$NAME"* "$RES"/fsdp2.json 2>/dev/null | tr '\n' ' ')"
+[ -s "$RES/$NAME-fsdp2.json" ] && { cat "$RES/$NAME-fsdp2.json"; echo; }
+echo "files: $(ls "$RES"/"$NAME"* 2>/dev/null | tr '\n' ' ')"
 echo "total $(( $(date +%s) - START )) s (budget $BUDGET_S s); build $BUILD_RC, tests $TEST_RC"

@@ -167,18 +167,22 @@ def test_iso_scale_misaligned_storage_uses_the_scalar_path(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_iso_scale_is_deterministic_and_aliasing_safe(backend):
+def test_iso_scale_is_deterministic_and_refuses_aliasing(backend):
     _need(backend)
     gen = torch.Generator().manual_seed(2)
     x0, q = _pair((2, 513, 257), gen, torch.float32)
     s1 = ISO_SCALE[backend](x0.clone(), q)
     s2 = ISO_SCALE[backend](x0.clone(), q)
     assert torch.equal(s1, s2)  # fixed reduction order: bit-identical
-    x = x0.clone()
-    s = ISO_SCALE[backend](x, x)  # q aliasing x: s̄ = ‖x‖²/r0, x ← s̄·x
-    want_x, want_s = _iso_scale_ref(x0, x0)
-    assert rel_err(s, want_s) <= TOL[("iso_scale", torch.float32)]
-    assert rel_err(x, want_x) <= TOL[("iso_scale", torch.float32)]
+    # q overlapping x (x itself, or a view of x's storage shifted by one element): refused before
+    # any kernel runs, nothing written
+    store = torch.empty(1 + x0.numel(), device=DEV)
+    x = store[1:].view(x0.shape)
+    x.copy_(x0)
+    for q_alias in (x, store[:-1].view(x0.shape)):
+        with pytest.raises(RuntimeError, match="q shares memory with x"):
+            ISO_SCALE[backend](x, q_alias)
+        assert torch.equal(x, x0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -400,14 +404,19 @@ def test_reduce_overhead_compile_skips_cuda_graphs_for_the_nesterov_op():
     torch._dynamo.reset()
     counters.clear()
     p, b, u = (torch.randn(1000, device=DEV) for _ in range(3))
-    p0, b0 = p.clone(), b.clone()
 
     @torch.compile(mode="reduce-overhead", fullgraph=True)
     def step(p, b, u):
         torch.ops.isoloco.nesterov_outer_([p], [b], [u * 2], 0.5, 0.9, None)
 
-    step(p, b, u)
-    torch.cuda.synchronize()
-    assert counters["inductor"]["cudagraph_skips"] >= 1
-    want_p, want_b = nesterov_ref(p0, b0, u * 2, 0.5, 0.9, 1.0)
-    assert rel_err(p, want_p) <= TOL[("update", torch.float32)] and rel_err(b, want_b) <= TOL[("update", torch.float32)]
+    for _ in range(3):  # the first calls record, the later ones replay what was recorded
+        want_p, want_b = nesterov_ref(p, b, u * 2, 0.5, 0.9, 1.0)
+        step(p, b, u)
+        torch.cuda.synchronize()
+        tol = TOL[("update", torch.float32)]
+        assert rel_err(p, want_p) <= tol and rel_err(b, want_b) <= tol
+    # Kept out of every CUDA graph: inductor either skips CUDA graphs for the whole graph, or (graph
+    # partition, the default since torch 2.9) cuts it into a captured partition (u * 2) and one run
+    # eagerly (the op). Without the tag the graph is one captured partition and neither count moves.
+    skipped, parts = counters["inductor"]["cudagraph_skips"], counters["inductor"]["cudagraph_partitions"]
+    assert skipped >= 1 or parts >= 2, (skipped, parts)

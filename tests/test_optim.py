@@ -56,7 +56,7 @@ def _check_step(opt, groups, grads, dtype, family="exact"):
             assert buf.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
             if dtype in (torch.float32, torch.float64):
                 # the step itself is compared, so the param's own magnitude cannot hide an error
-                err = rel_err(p.detach().double() - p0.double(), rp - p0.double())
+                err = rel_err(p.detach().to("cpu", torch.float64) - p0.double(), rp - p0.double())
                 assert err <= TOL[(family, dtype)], (i, tuple(p.shape), err)
             else:
                 assert rel_err(p, rp) <= TOL[("update", dtype)], (i, tuple(p.shape))
