@@ -33,6 +33,7 @@ study/v3_plan.sh:
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import os
@@ -112,15 +113,29 @@ def claim_name(k: tuple) -> str:
     return name
 
 
-def wait_for_grids(folder: Path, cells, limit_s: float = 3600.0, poll_s: float = 20.0) -> bool:
-    """Block while another process still runs a seed-0 (grid) job with these cells' K and H: a
-    `best:` job picks its configs from the finished grid, not from part of it. A claim left by a
-    killed run waits out limit_s (then False)."""
+def cell_of(k: tuple) -> tuple:
+    """The cell a run key belongs to: everything but seed, mode, outer lr and μ."""
+    seed, K, H, mode, lr, study, init, vocab, rounds, split, windows, v3 = k
+    return (K, H, study, init, vocab, rounds, split, windows, tuple(kv for kv in v3 or () if kv[0] != "mu"))
+
+
+def wait_for_grids(folder: Path, cells: set, limit_s: float = 3600.0, poll_s: float = 20.0) -> bool:
+    """Block while another process still runs a seed-0 (grid) job of one of these cells (`cell_of`
+    values): a `best:` job picks its configs from the finished grid, not from part of it. A claim
+    holds its run key; an empty one (written before claims held keys) counts when its K and H
+    match. A claim left by a killed run waits out limit_s (then False)."""
     t0 = time.time()
-    prefixes = tuple(f"0_{K}_{H}_" for K, H in cells)
+    prefixes = tuple(f"0_{c[0]}_{c[1]}_" for c in cells)
+
+    def ours(claim_file: Path) -> bool:
+        text = claim_file.read_text().strip()
+        if not text:
+            return claim_file.name.startswith(prefixes)
+        return cell_of(ast.literal_eval(text)) in cells
+
     while True:
         done = {claim_name(k) for k in finished(folder) if k[0] == 0}
-        busy = [c.name for c in (folder / ".claims").glob("0_*") if c.name.startswith(prefixes) and c.name not in done]
+        busy = [c.name for c in (folder / ".claims").glob("0_*") if c.name not in done and ours(c)]
         if not busy:
             return True
         if time.time() - t0 > limit_s:
@@ -130,15 +145,16 @@ def wait_for_grids(folder: Path, cells, limit_s: float = 3600.0, poll_s: float =
 
 
 def claim(folder: Path, k: tuple) -> bool:
-    """True if this process may run job k (no other process has claimed it)."""
+    """True if this process may run job k (no other process has claimed it); the claim holds k."""
     d = folder / ".claims"
     d.mkdir(exist_ok=True)
     try:
-        name = claim_name(k)
-        os.close(os.open(d / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
+        fd = os.open(d / claim_name(k), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return False
+    with os.fdopen(fd, "w") as f:
+        f.write(repr(k))
+    return True
 
 
 def main() -> None:
@@ -209,12 +225,32 @@ def main() -> None:
     if a.lrs and not best:  # extend the grid where its best point sits on an edge
         todo = [(K, H, m, lr, mu) for K, H in cells for m, lr, mu in parse_lrs(a.lrs)]
     todo = [(K, H, mode, lr, mu, init, seed) for init in inits for K, H, mode, lr, mu in todo for seed in seeds]
+
+    def key_of(seed, K, H, mode, lr, init, settings) -> tuple:
+        return run_key(
+            {
+                "seed": seed,
+                "workers": K,
+                "inner_steps": H,
+                "mode": mode,
+                "outer_lr": lr,
+                "study": study,
+                "init": init,
+                "vocab": a.vocab,
+                "rounds": a.steps // H,
+                "eval_split": "halves",
+                "eval_windows": a.eval_windows,
+                "v3": settings,
+            }
+        )
+
     if best:  # each method's best config so far in the cell, on more seeds
         if v3 is None:
             p.error("--lrs best:MODES picks from study v3's grids: add --part v3")
         from v3 import best_jobs
 
-        if not wait_for_grids(out.parent, cells):
+        grid_cells = {cell_of(key_of(0, K, H, "", None, init, {**v3, "mu": None})) for init in inits for K, H in cells}
+        if not wait_for_grids(out.parent, grid_cells):
             print(
                 "warning: grid jobs still claimed after an hour (a killed run's claim?): picking from the grid as it is"
             )
@@ -237,22 +273,7 @@ def main() -> None:
         if rounds < 1:
             p.error(f"--steps {a.steps} is less than one round at H = {H}")
         settings = None if v3 is None else {**v3, "mu": mu}
-        k = run_key(
-            {
-                "seed": seed,
-                "workers": K,
-                "inner_steps": H,
-                "mode": mode,
-                "outer_lr": lr,
-                "study": study,
-                "init": init,
-                "vocab": a.vocab,
-                "rounds": rounds,
-                "eval_split": "halves",
-                "eval_windows": a.eval_windows,
-                "v3": settings,
-            }
-        )
+        k = key_of(seed, K, H, mode, lr, init, settings)
         if k in finished(out.parent) or not claim(out.parent, k):
             continue
         run, fields = VARIANTS.get(mode, (mode, {}))

@@ -47,15 +47,24 @@ def test_parse_lrs_reads_lr_and_momentum(run_study):
     assert run_study.parse_lrs("diloco=1.4@0") == [("diloco", 1.4, 0.0)]
 
 
-def test_best_jobs_wait_for_the_cells_grid_jobs_in_flight(run_study, tmp_path):
-    claims = tmp_path / ".claims"
-    claims.mkdir()
-    (claims / "0_8_30_diloco_0.7_v3_gpt2_256_10_halves_1024_0123456789abcdef").touch()  # another cell
-    (claims / "1_4_30_diloco_0.7_v3_gpt2_256_10_halves_1024_0123456789abcdef").touch()  # a later seed
-    assert run_study.wait_for_grids(tmp_path, [(4, 30)], limit_s=0, poll_s=0)
-    (claims / "0_4_30_isoloco_2.4_v3_gpt2_256_10_halves_1024_0123456789abcdef").touch()  # this cell's grid
-    assert not run_study.wait_for_grids(tmp_path, [(4, 30)], limit_s=0, poll_s=0)
-    assert not run_study.wait_for_grids(tmp_path, [(8, 30)], limit_s=0, poll_s=0)
+def test_best_jobs_wait_for_their_own_cells_grid_jobs_in_flight(run_study, tmp_path):
+    def key(seed, K=4, vocab=256, batch=4, mu=None):
+        return (seed, K, 30, "diloco", 0.7, "v3", "gpt2", vocab, 10, "halves", 1024, (("batch", batch), ("mu", mu)))
+
+    cell = {run_study.cell_of(key(0))}
+    # seed-0 claims of other cells (another K; the same K and H with another vocab or batch), a later seed
+    for k in (key(0, K=8), key(0, vocab=8192), key(0, batch=16), key(1)):
+        assert run_study.claim(tmp_path, k)
+    assert not run_study.claim(tmp_path, key(1))  # claimed once only
+    assert run_study.wait_for_grids(tmp_path, cell, limit_s=0, poll_s=0)
+    assert run_study.claim(tmp_path, key(0, mu=0.5))  # this cell's grid, at another μ: in flight
+    assert not run_study.wait_for_grids(tmp_path, cell, limit_s=0, poll_s=0)
+    record = dict(zip(("seed", "workers", "inner_steps", "mode", "outer_lr", "study", "init", "vocab"), key(0)))
+    record.update(rounds=10, eval_split="halves", eval_windows=1024, v3={"batch": 4, "mu": 0.5})
+    (tmp_path / "v3_x.jsonl").write_text(json.dumps(record) + "\n")  # ... now finished
+    assert run_study.wait_for_grids(tmp_path, cell, limit_s=0, poll_s=0)
+    (tmp_path / ".claims" / "0_4_30_isoloco_2.4_v3_gpt2_256_10_halves_1024_0123456789abcdef").touch()  # keyless
+    assert not run_study.wait_for_grids(tmp_path, cell, limit_s=0, poll_s=0)  # counted by its K and H
 
 
 def test_v3_records_are_told_apart_by_their_settings():
