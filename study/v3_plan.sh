@@ -73,5 +73,6 @@ cell --cells 4:30 --batch 16 --seq-len 128 -- diloco=1.4@0.5,isoloco=4.2 $O/v3_b
 cell --cells 8:30 --batch 16 --seq-len 128 -- $DLS,isoloco=2.4,isoloco=3.2,isoloco=4.2,ddp=- $O/v3_batch.jsonl
 cell --cells 8:30 --batch 16 --seq-len 128 -- diloco=1.4@0.5 $O/v3_batch.jsonl  # past DiLoCo's edge
 cell --cells 8:30 --vocab 8192 -- diloco=0.175,diloco=0.35,diloco=0.7@0.5,diloco=1.0@0,isoloco=2.4,isoloco=3.2,isoloco=4.2,ddp=- $O/v3_bpe.jsonl
+cell --cells 8:30 --vocab 8192 -- diloco=0.5@0.5,diloco=1.0@0.5,diloco=1.4@0,isoloco=1.8 $O/v3_bpe.jsonl  # past the edges
 cell --cells 4:300 --steps 3000 -- diloco=0.7,diloco=1.0@0.5,diloco=1.4@0,isoloco=1.8,isoloco=2.4,ddp=- $O/v3_h.jsonl
 cell --cells 64:30 -- diloco=0.35,diloco=0.7@0.5,diloco=1.4@0,isoloco=3.2,isoloco=4.2,isoloco=5.6,ddp=- $O/v3_k.jsonl
