@@ -52,7 +52,7 @@ $R $TI --seeds 1,2 --lrs $BEST --out $O/v3_init.jsonl
 # 3. the costlier cells, most asked-about first, each its seed-0 grid (trimmed to the region the
 #    cheap cells' optima fall in) then seeds 1 and 2 of its best configs: (e) Muon at K 16, (a) K 8
 #    at batch 16, (d) H 100 at R 10, (c) K 32, (a) batch 16 × 128 at K 4 and 8, (f) BPE-8192 at K 8 past v2's
-#    edges, (d) H 300 at R 10, (c) K 64. A plan stopped early leaves whole cells, not half ones.
+#    edges, (d) H 300 at R 10, (a) batch 32 × 64 at K 4, (c) K 64. A plan stopped early leaves whole cells, not half ones.
 DLS=diloco=0.35,diloco=0.7,diloco=1.0@0.5,diloco=0.7@0.5,diloco=1.0@0,diloco=1.4@0
 cell() {  # cell ARGS... -- LRS OUT: the seed-0 grid, then the best configs on seeds 1 and 2
   local args=() lrs out
@@ -74,5 +74,7 @@ cell --cells 8:30 --batch 16 --seq-len 128 -- $DLS,isoloco=2.4,isoloco=3.2,isolo
 cell --cells 8:30 --batch 16 --seq-len 128 -- diloco=1.4@0.5 $O/v3_batch.jsonl  # past DiLoCo's edge
 cell --cells 8:30 --vocab 8192 -- diloco=0.175,diloco=0.35,diloco=0.7@0.5,diloco=1.0@0,isoloco=2.4,isoloco=3.2,isoloco=4.2,ddp=- $O/v3_bpe.jsonl
 cell --cells 8:30 --vocab 8192 -- diloco=0.5@0.5,diloco=1.0@0.5,diloco=1.4@0,isoloco=1.8 $O/v3_bpe.jsonl  # past the edges
-cell --cells 4:300 --steps 3000 -- diloco=0.7,diloco=1.0@0.5,diloco=1.4@0,isoloco=1.8,isoloco=2.4,ddp=- $O/v3_h.jsonl
+cell --cells 4:300 --steps 3000 -- diloco=0.7,diloco=1.0@0.5,diloco=1.0@0,diloco=1.4@0,diloco=2.0@0,isoloco=1.8,isoloco=2.4,isoloco=3.2,ddp=- $O/v3_h.jsonl
+# (a) the tokens of 16 × 128 at 64-byte sequences: sequence length or tokens per step?
+cell --cells 4:30 --batch 32 -- $DLS,isoloco=1.8,isoloco=2.4,isoloco=3.2,ddp=- $O/v3_batch.jsonl
 cell --cells 64:30 -- diloco=0.35,diloco=0.7@0.5,diloco=1.4@0,isoloco=3.2,isoloco=4.2,isoloco=5.6,ddp=- $O/v3_k.jsonl
