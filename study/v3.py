@@ -16,6 +16,7 @@ import statistics
 from collections import defaultdict
 
 CELL_KEYS = ("workers", "inner_steps", "rounds", "vocab", "init")
+ABLATIONS = {"isoloco-noemb": "IsoLoCo with the embedding and head unflattened"}  # run_study.VARIANTS
 SETTING_KEYS = ("batch", "seq_len", "inner", "inner_lr", "model")
 
 
@@ -113,6 +114,10 @@ def summarize_v3(recs: list[dict], paired_ci) -> dict:
             gap = _paired_gap(row.get("isoloco"), row.get(other), paired_ci)
             if gap is not None:
                 row[key] = gap
+        for mode in ABLATIONS:  # what leaving matrices unflattened costs: the ablation − IsoLoCo, each tuned
+            gap = _paired_gap(row.get(mode), row.get("isoloco"), paired_ci)
+            if gap is not None:
+                row[f"gap_{mode}"] = gap
         out[cell_label(cell)] = row
     return out
 
@@ -178,14 +183,29 @@ def question_of(cell: dict) -> str | None:
 
 
 def markdown_by_question(s: dict) -> str:
-    """One table per question, v1/v2's regime (tuned the v3 way) as each table's first row."""
+    """One table per question, v1/v2's regime (tuned the v3 way) as each table's first row; then the
+    ablations of a question's cells, one line each."""
     base = {k: r for k, r in s.items() if question_of(r["cell"]) == "base"}
     out = []
     for title, _ in QUESTIONS + [("Other cells", ())]:
         rows = {k: r for k, r in s.items() if (question_of(r["cell"]) or "Other cells") == title}
         if rows:
-            out.append(f"**{title}**\n\n" + markdown_v3({**base, **rows}))
+            out.append(f"**{title}**\n\n" + markdown_v3({**base, **rows}) + markdown_ablations(rows))
     return "\n\n".join(out)
+
+
+def markdown_ablations(s: dict) -> str:
+    lines = []
+    for label, row in s.items():
+        for mode, what in ABLATIONS.items():
+            g, b = row.get(f"gap_{mode}"), row.get(mode)
+            if g:
+                lines.append(
+                    f"- {label}: {what} (`{mode}`, best lr {b['lr']:g}{' (edge)' if b['edge'] else ''}) − IsoLoCo, "
+                    f"test: {_fmt(g['mean'])} (" + ", ".join(_fmt(x) for x in g["per_seed"]) + f"); 95 % t "
+                    f"[{_fmt(g['t_lo'])}, {_fmt(g['t_hi'])}]"
+                )
+    return "\n\n" + "\n".join(lines) if lines else ""
 
 
 def markdown_v3(s: dict) -> str:
@@ -220,7 +240,7 @@ def markdown_grids(s: dict) -> str:
     """Every config's mean selection / test loss, per cell and method (the tuning behind the table)."""
     lines = []
     for label, row in s.items():
-        for mode in ("diloco", "isoloco"):
+        for mode in ("diloco", "isoloco", *ABLATIONS):
             b = row.get(mode)
             if not b:
                 continue

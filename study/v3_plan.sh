@@ -74,6 +74,9 @@ cell --cells 8:30 --batch 16 --seq-len 128 -- $DLS,isoloco=2.4,isoloco=3.2,isolo
 cell --cells 8:30 --batch 16 --seq-len 128 -- diloco=1.4@0.5 $O/v3_batch.jsonl  # past DiLoCo's edge
 cell --cells 8:30 --vocab 8192 -- diloco=0.175,diloco=0.35,diloco=0.7@0.5,diloco=1.0@0,isoloco=2.4,isoloco=3.2,isoloco=4.2,ddp=- $O/v3_bpe.jsonl
 cell --cells 8:30 --vocab 8192 -- diloco=0.5@0.5,diloco=1.0@0.5,diloco=1.4@0,isoloco=1.8 $O/v3_bpe.jsonl  # past the edges
+# (f) v2's ablation under BPE (embedding and head unflattened) on a grid past v2's edge (2.4)
+$R --cells 8:30 --vocab 8192 --seeds 0 --lrs isoloco-noemb=1.8,isoloco-noemb=2.4,isoloco-noemb=3.2,isoloco-noemb=4.2 --out $O/v3_bpe.jsonl
+$R --cells 8:30 --vocab 8192 --seeds 1,2 --lrs best:isoloco-noemb --out $O/v3_bpe.jsonl
 cell --cells 4:300 --steps 3000 -- diloco=0.7,diloco=0.7@0.5,diloco=1.0@0.5,diloco=1.4@0.5,diloco=1.0@0,diloco=1.4@0,diloco=2.0@0,isoloco=1.2,isoloco=1.8,isoloco=2.4,isoloco=3.2,ddp=- $O/v3_h.jsonl
 # (a) the tokens of 16 × 128 at 64-byte sequences: sequence length or tokens per step?
 cell --cells 4:30 --batch 32 -- $DLS,isoloco=1.8,isoloco=2.4,isoloco=3.2,ddp=- $O/v3_batch.jsonl

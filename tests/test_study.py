@@ -209,3 +209,19 @@ def test_v3_tunes_on_selection_reports_test_and_marks_edges(v3):
     d = row["gap"]["per_seed"]  # the t interval: mean ± 12.706 · sd / √2 for two pairs
     half = 12.706 * abs(d[0] - d[1]) / 2**0.5 / 2**0.5
     assert (row["gap"]["t_lo"], row["gap"]["t_hi"]) == pytest.approx((sum(d) / 2 - half, sum(d) / 2 + half))
+
+
+def test_v3_reports_an_ablation_against_isoloco_each_tuned(v3):
+    paired_bootstrap_ci = _study_module("summarize").paired_bootstrap_ci
+    recs = [_rec("isoloco", lr, 0.8, s, 2.3 - lr / 10, 2.0 + s / 100) for lr in (1.8, 2.4) for s in (0, 1)]
+    # the ablation's best (selection) is its lr 3.2, inside its grid; its test losses are 0.1 and 0.12 worse
+    recs += [_rec("isoloco-noemb", lr, 0.8, 0, 2.5 + abs(lr - 3.2), 2.1) for lr in (2.4, 3.2, 4.2)]
+    recs += [_rec("isoloco-noemb", 3.2, 0.8, 1, 2.5, 2.13)]
+    s = v3.summarize_v3(recs, paired_bootstrap_ci)
+    (row,) = s.values()
+    assert (row["isoloco-noemb"]["lr"], row["isoloco-noemb"]["edge"]) == (3.2, False)
+    g = row["gap_isoloco-noemb"]  # ablation − IsoLoCo, paired per seed
+    assert g["seeds"] == [0, 1] and g["per_seed"] == pytest.approx([0.1, 0.12])
+    text = v3.markdown_by_question(s)
+    assert "`isoloco-noemb`, best lr 3.2) − IsoLoCo, test: +0.110 (+0.100, +0.120)" in text
+    assert "isoloco-noemb (lr @ μ" in v3.markdown_grids(s)
