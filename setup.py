@@ -117,6 +117,10 @@ def _decide() -> tuple[dict | None, str]:
 
 TRAIN_EXTRA = ["tqdm", "matplotlib", "tokenizers>=0.15"]
 
+# The torch range CI tests: .ci/run installs exactly this lower bound. (The H200 checks ran torch 2.11,
+# installed with --no-deps; CI does not test it, so it is not declared.)
+TORCH_REQUIREMENT = "torch>=2.14.1"
+
 
 def cupy_wheel() -> str:
     """The CuPy wheel for the `cupy` extra: cupy-cuda<major>x of the build environment's torch
@@ -210,9 +214,30 @@ setup(
     name="isoloco_kernels",
     version="0.1.0",
     description="Fast Iso-C merging and the IsoLoCo outer optimizer for DiLoCo-style training",
+    long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="BSD-3-Clause",
+    license_files=["LICENSE"],
+    author="the isoloco_kernels developers",
+    keywords=["pytorch", "diloco", "model merging", "iso-c", "distributed training", "optimizer"],
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Science/Research",
+        "Intended Audience :: Developers",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Environment :: GPU :: NVIDIA CUDA",
+        "Typing :: Typed",
+    ],
     packages=find_packages(include=["isoloco_kernels", "isoloco_kernels.*"]),
+    package_data={"isoloco_kernels": ["py.typed"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "numpy"],
+    install_requires=[TORCH_REQUIREMENT, "numpy"],
     extras_require={
         # the reference training loop (python -m isoloco_kernels.train): progress bars, plots, BPE
         "train": TRAIN_EXTRA,
@@ -225,6 +250,8 @@ setup(
         # lint and format (pyproject.toml's [tool.ruff]); pinned: formatting may change between releases
         "lint": ["ruff==0.17.6"],
         "examples": ["torchft", "torchtitan", "hivemind"],  # examples/: torchtitan's DiLoCo setup, hivemind peers
+        # the documentation site (mkdocs.yml; CI builds it with --strict)
+        "docs": ["mkdocs==1.6.1"],
     },
     ext_modules=[CMakeExtension("isoloco_kernels._C")] if TOOLS is not None else [],
     cmdclass={"build_ext": BuildCMake, "build_py": BuildPy},

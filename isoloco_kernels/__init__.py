@@ -1,13 +1,20 @@
 """isoloco_kernels: fast Iso-C merging and the IsoLoCo outer optimizer for DiLoCo-style training."""
 
-from .distributed import ShardedIsoLoCo, average_, sharded_iso_merge_
+from ._validate import ResultOverflowError
+from .distributed import DistributedStepError, ShardedIsoLoCo, average_, sharded_iso_merge_
+from .gram import GramFallbackWarning
+from .iteration_stats import FlattenFallbackWarning
 from .ops import backends, iso_flatten, iso_merge_
 from .optim import IsoLoCo
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DistributedStepError",
+    "FlattenFallbackWarning",
+    "GramFallbackWarning",
     "IsoLoCo",
+    "ResultOverflowError",
     "ShardedIsoLoCo",
     "average_",
     "backends",

@@ -14,8 +14,7 @@ optimizer" has the contract.
 
 from __future__ import annotations
 
-import numbers
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -33,7 +32,12 @@ from .outer import (
     load_sgd_state,
     outer_defaults,
     prepare_nesterov,
+    sgd_keywords,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["IsoLoCo", "sgd_keywords"]
 
@@ -45,68 +49,6 @@ def _name(gi: int, pi: int, p: torch.Tensor) -> str:
 def _check_plain(p: torch.Tensor, g: torch.Tensor, name: str) -> None:
     if g.shape != p.shape or g.device != p.device:
         raise ValueError(f"IsoLoCo: {name}: grad has shape {tuple(g.shape)} on {g.device}, param is on {p.device}")
-
-
-def _flag(value, key: str, where: str, allow_none: bool = False) -> None:
-    if not (isinstance(value, bool) or (allow_none and value is None)):
-        raise TypeError(f"{where}: {key} must be a bool{' or None' if allow_none else ''}, got {value!r}")
-
-
-def sgd_keywords(
-    where: str,
-    dampening=0,
-    weight_decay=0,
-    nesterov=True,
-    maximize=False,
-    foreach=None,
-    differentiable=False,
-    fused=None,
-) -> dict:
-    """torch.optim.SGD's keywords, checked against what IsoLoCo does: the group entries to store.
-
-    Honoured with SGD's meaning: nesterov=True, dampening=0, weight_decay=0, maximize=False (the
-    update SGD(nesterov=True) applies), foreach/fused None, False or True (how SGD runs its loop;
-    IsoLoCo always batches its update, so they change nothing and are kept in the group as given).
-    Anything else raises a ValueError that says what to use instead (a TypeError for a wrong type)."""
-    for key, v in (("dampening", dampening), ("weight_decay", weight_decay)):
-        if isinstance(v, bool) or not isinstance(v, (numbers.Real, torch.Tensor)):
-            raise TypeError(f"{where}: {key} must be a real number, got {v!r}")
-    _flag(nesterov, "nesterov", where)
-    _flag(maximize, "maximize", where)
-    _flag(differentiable, "differentiable", where)
-    _flag(foreach, "foreach", where, allow_none=True)
-    _flag(fused, "fused", where, allow_none=True)
-    if not nesterov:
-        raise ValueError(
-            f"{where}: nesterov=False, but IsoLoCo's momentum is Nesterov's (DiLoCo's outer step); "
-            "pass nesterov=True or leave it out (for heavy-ball momentum without Iso-C use torch.optim.SGD)"
-        )
-    if float(dampening) != 0:
-        raise ValueError(
-            f"{where}: dampening={float(dampening)!r}, but Nesterov momentum has no dampening "
-            "(torch.optim.SGD refuses it too); use dampening=0"
-        )
-    if float(weight_decay) != 0:
-        raise ValueError(
-            f"{where}: weight_decay={float(weight_decay)!r}, but IsoLoCo's outer step has no weight "
-            "decay; use weight_decay=0 and decay the weights in the inner optimizer (e.g. AdamW's weight_decay)"
-        )
-    if maximize:
-        raise ValueError(
-            f"{where}: maximize=True is not supported; use maximize=False and write the pseudo-gradient "
-            "(global − local) into p.grad, negated if the objective is to be maximized"
-        )
-    if differentiable:
-        raise ValueError(
-            f"{where}: differentiable=True is not supported: the Iso-C flatten and the update run in "
-            "place outside autograd; use differentiable=False"
-        )
-    if foreach and fused:
-        raise ValueError(
-            f"{where}: foreach=True and fused=True cannot be set together (as for torch.optim.SGD); "
-            "set one of them, or neither"
-        )
-    return {**SGD_KEYS, "foreach": foreach, "fused": fused}
 
 
 class IsoLoCo(torch.optim.Optimizer):
@@ -123,15 +65,19 @@ class IsoLoCo(torch.optim.Optimizer):
         iso: flatten 2-D pseudo-gradients with Iso-C; False gives SGD(nesterov=True).
         method: flatten method ("auto", "svd", "eigh", "polar", "polar_bf16", "gram"; see `iso_merge_`);
             kept on the optimizer, not in the state dict.
-        process_group: a torch.distributed group whose ranks all hold the same, already averaged
-            grads (torchft, OpenDiLoCo): the flatten work is split across its ranks and the
-            results all-gathered. None (default): this process flattens everything.
+        process_group: a torch.distributed group whose ranks all hold the same, ALREADY AVERAGED
+            grads (torchft, OpenDiLoCo, or after `average_`): the flatten work is split across its
+            ranks and the results all-gathered. None (default): this process flattens everything.
+            Grads not yet averaged (each rank its own pseudo-gradient) belong to `ShardedIsoLoCo`.
+        dtensor_route: for DTensor params on a 1-D mesh, how a sharded matrix is flattened:
+            "auto" (default: by bytes per rank), "gram", "owner" or "gather"; also settable as
+            `opt.dtensor_route` (checked when set).
     """
 
     @agreed_init("IsoLoCo()", lambda opt: opt._settings())
     def __init__(
         self,
-        params,
+        params: ParamsT,
         lr: float = 1.8,
         momentum: float = 0.8,
         dampening: float = 0,
@@ -144,7 +90,8 @@ class IsoLoCo(torch.optim.Optimizer):
         fused: Optional[bool] = None,
         iso: bool = True,
         method: str = "auto",
-        process_group=None,
+        process_group: Optional[ProcessGroup] = None,
+        dtensor_route: str = "auto",
     ):
         defaults = outer_defaults(
             "IsoLoCo",
@@ -157,6 +104,7 @@ class IsoLoCo(torch.optim.Optimizer):
             ),
         )
         self.method = method
+        self.dtensor_route = dtensor_route
         # Set when p.grad is already averaged and equal on every rank of this group (torchft,
         # OpenDiLoCo): each rank flattens only its share of the matrices (sharded_iso_merge_).
         self.process_group = process_group
@@ -168,15 +116,27 @@ class IsoLoCo(torch.optim.Optimizer):
         return self._process_group
 
     @process_group.setter
-    def process_group(self, group) -> None:
+    def process_group(self, group: Optional[ProcessGroup]) -> None:
         self._process_group = group
         self._group_dropped = False
+
+    @property
+    def dtensor_route(self) -> str:
+        """How DTensor matrices on a 1-D mesh are flattened: "auto", "gram", "owner" or "gather"."""
+        return self._dtensor_route
+
+    @dtensor_route.setter
+    def dtensor_route(self, route: str) -> None:
+        if not isinstance(route, str) or route not in dtensor.ROUTES:
+            raise ValueError(f"IsoLoCo: dtensor_route must be one of {dtensor.ROUTES}, got {route!r}")
+        self._dtensor_route = route
 
     # -- copies: deepcopy and pickle keep `method`, rebuild the plan, drop the process group --
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["method"] = self.method
+        state["dtensor_route"] = self.dtensor_route
         state["group_dropped"] = self._process_group is not None or getattr(self, "_group_dropped", False)
         return state
 
@@ -186,11 +146,13 @@ class IsoLoCo(torch.optim.Optimizer):
         state = dict(state)
         copied = "method" in state
         method = state.pop("method", None)
+        route = state.pop("dtensor_route", "auto")
         dropped = state.pop("group_dropped", False)
         super().__setstate__(state)
         self._plan = None  # rebuilt on the next step
         if copied:
             self.method = method
+            self.dtensor_route = route
             self._process_group = None  # a process group cannot be copied or pickled
             self._group_dropped = dropped
 
@@ -289,7 +251,7 @@ class IsoLoCo(torch.optim.Optimizer):
             ],
         )
 
-    def step(self, closure: Optional[Callable[[], float]] = None):
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One outer step from the `.grad` of each param (params without a grad are skipped).
         closure: re-evaluates the model and returns the loss, as for torch.optim.SGD."""
         loss, failed = None, None

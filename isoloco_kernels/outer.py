@@ -43,6 +43,7 @@ __all__ = [
     "local",
     "outer_defaults",
     "prepare_nesterov",
+    "sgd_keywords",
 ]
 
 #: SGD's group keys at the values that make SGD(nesterov=True) the update IsoLoCo applies.
@@ -115,6 +116,68 @@ def outer_defaults(
     if not isinstance(iso, bool):
         raise ValueError(f"{where}: iso must be a bool, got {iso!r}")
     return dict(lr=lr, momentum=momentum, iso=iso, **keys)
+
+
+def _flag(value, key: str, where: str, allow_none: bool = False) -> None:
+    if not (isinstance(value, bool) or (allow_none and value is None)):
+        raise TypeError(f"{where}: {key} must be a bool{' or None' if allow_none else ''}, got {value!r}")
+
+
+def sgd_keywords(
+    where: str,
+    dampening=0,
+    weight_decay=0,
+    nesterov=True,
+    maximize=False,
+    foreach=None,
+    differentiable=False,
+    fused=None,
+) -> dict:
+    """torch.optim.SGD's keywords, checked against what IsoLoCo does: the group entries to store.
+
+    Honoured with SGD's meaning: nesterov=True, dampening=0, weight_decay=0, maximize=False (the
+    update SGD(nesterov=True) applies), foreach/fused None, False or True (how SGD runs its loop;
+    IsoLoCo always batches its update, so they change nothing and are kept in the group as given).
+    Anything else raises a ValueError that says what to use instead (a TypeError for a wrong type)."""
+    for key, v in (("dampening", dampening), ("weight_decay", weight_decay)):
+        if isinstance(v, bool) or not isinstance(v, (numbers.Real, torch.Tensor)):
+            raise TypeError(f"{where}: {key} must be a real number, got {v!r}")
+    _flag(nesterov, "nesterov", where)
+    _flag(maximize, "maximize", where)
+    _flag(differentiable, "differentiable", where)
+    _flag(foreach, "foreach", where, allow_none=True)
+    _flag(fused, "fused", where, allow_none=True)
+    if not nesterov:
+        raise ValueError(
+            f"{where}: nesterov=False, but IsoLoCo's momentum is Nesterov's (DiLoCo's outer step); "
+            "pass nesterov=True or leave it out (for heavy-ball momentum without Iso-C use torch.optim.SGD)"
+        )
+    if float(dampening) != 0:
+        raise ValueError(
+            f"{where}: dampening={float(dampening)!r}, but Nesterov momentum has no dampening "
+            "(torch.optim.SGD refuses it too); use dampening=0"
+        )
+    if float(weight_decay) != 0:
+        raise ValueError(
+            f"{where}: weight_decay={float(weight_decay)!r}, but IsoLoCo's outer step has no weight "
+            "decay; use weight_decay=0 and decay the weights in the inner optimizer (e.g. AdamW's weight_decay)"
+        )
+    if maximize:
+        raise ValueError(
+            f"{where}: maximize=True is not supported; use maximize=False and write the pseudo-gradient "
+            "(global − local) into p.grad, negated if the objective is to be maximized"
+        )
+    if differentiable:
+        raise ValueError(
+            f"{where}: differentiable=True is not supported: the Iso-C flatten and the update run in "
+            "place outside autograd; use differentiable=False"
+        )
+    if foreach and fused:
+        raise ValueError(
+            f"{where}: foreach=True and fused=True cannot be set together (as for torch.optim.SGD); "
+            "set one of them, or neither"
+        )
+    return {**SGD_KEYS, "foreach": foreach, "fused": fused}
 
 
 def check_param_dtypes(params: Sequence[torch.Tensor], where: str) -> None:

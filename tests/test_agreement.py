@@ -325,7 +325,6 @@ for _kind, _init, _step in (
 _common = str(D.collectives.CHUNK_BYTES)
 CASES["sharded_init_chunk_bytes"] = _sharded_init({"chunk_bytes": 4096}, "chunk_bytes", _common, "4096")
 CASES["sharded_step_chunk_bytes"] = _sharded_step({"chunk_bytes": 64}, "chunk_bytes", _common, "64")
-CASES["sharded_step_bucket_bytes"] = _sharded_step({"bucket_bytes": 64}, "chunk_bytes", _common, "64")  # old name
 CASES["sharded_init_solo_above"] = _sharded_init({"solo_above": None}, "solo_above", "1.0", "None")
 CASES["dtensor_step_route"] = _dtensor_step({"dtensor_route": "gather"}, "dtensor_route", "'auto'", "'gather'")
 

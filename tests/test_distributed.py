@@ -170,6 +170,56 @@ def _check_process_group_splits_the_flatten(group, tmpdir):
 
 
 @_pair_check
+def _check_process_group_refuses_grads_not_yet_averaged(group, tmpdir):
+    """IsoLoCo(process_group=...) expects grads already averaged: each rank's own pseudo-gradient
+    (different on each rank) raises DistributedStepError on every rank naming the fix, nothing
+    changed; the same grads averaged step; ShardedIsoLoCo takes the not-yet-averaged ones."""
+    rank, world = dist.get_rank(group), 2
+    params = _model(SHAPES_2, torch.float32)
+    before = [p.clone() for p in params]
+    opt = IsoLoCo(params, lr=LR, momentum=MU, process_group=group)
+    own = _pseudo_grads(SHAPES_2, torch.float32, rank, 0)
+    for p, g in zip(params, own):
+        p.grad = g.clone()
+    with pytest.raises(D.DistributedStepError, match=r"differs between ranks.*ALREADY AVERAGED.*ShardedIsoLoCo"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) and not opt.state, "changed on refusal"
+    D.average_([p.grad for p in params], process_group=group)
+    opt.step()  # now equal on every rank
+    want = _isoloco_steps(SHAPES_2, torch.float32, world, 1, LR, MU)
+    assert all(rel_err(p, w) <= 1e-6 for p, w in zip(params, want)), "averaged grads: not IsoLoCo's step"
+    sharded_params = [b.clone() for b in before]
+    sharded = D.ShardedIsoLoCo(sharded_params, lr=LR, momentum=MU, process_group=group)
+    for p, g in zip(sharded_params, own):
+        p.grad = g.clone()
+    sharded.step()
+    assert all(rel_err(p, w) <= 1e-5 for p, w in zip(sharded_params, want)), "ShardedIsoLoCo on own grads"
+
+
+@_pair_check
+def _check_sharded_takes_sgd_keywords(group, tmpdir):
+    """ShardedIsoLoCo takes torch.optim.SGD's keywords in SGD's positions, as IsoLoCo does: the
+    values meaning IsoLoCo's update are accepted (a partial written for SGD works), the others are
+    refused with IsoLoCo's message, on every rank."""
+    from functools import partial
+
+    params = _model(SHAPES_2, torch.float32)
+    opt = partial(D.ShardedIsoLoCo, lr=0.7, momentum=0.9, nesterov=True, foreach=True)(params, process_group=group)
+    assert opt.param_groups[0]["nesterov"] is True and opt.param_groups[0]["foreach"] is True
+    positional = D.ShardedIsoLoCo(params, 0.7, 0.9, 0, 0, True, process_group=group)
+    assert positional.defaults == opt.defaults | {"foreach": None}
+    for bad, match in (
+        ({"nesterov": False}, "nesterov=False"),
+        ({"weight_decay": 0.1}, "weight_decay=0.1"),
+        ({"maximize": True}, "maximize=True"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            D.ShardedIsoLoCo(params, process_group=group, **bad)
+    with pytest.raises(ValueError, match="ShardedIsoLoCo: param group 1: dampening"):
+        D.ShardedIsoLoCo([{"params": params[:1]}, {"params": params[1:], "dampening": 0.5}], process_group=group)
+
+
+@_pair_check
 def _check_state_dict_resume(group, tmpdir):
     rank, world, lr, mu = dist.get_rank(group), 2, LR, MU
     # state_dict save, fresh optimizer, load, resume: same trajectory as running straight through
@@ -282,14 +332,16 @@ def _check_sharded_iso_merge_equals_iso_merge(group, tmpdir):
 
 @_pair_check
 def _check_old_keyword_names_warn(group, tmpdir):
-    """ShardedIsoLoCo(group=, bucket_bytes=), sharded_iso_merge_(bucket_bytes=) and
-    average_(bucket_bytes=) still work, with a DeprecationWarning naming the new keyword; both names
-    at once are refused."""
+    """The old names the 0.1 README promised still work, with a DeprecationWarning naming the new
+    keyword: `group=` on every distributed entry point (ShardedIsoLoCo, sharded_iso_merge_,
+    average_) and sharded_iso_merge_(bucket_bytes=); both names at once are refused. The aliases it
+    never promised (ShardedIsoLoCo(bucket_bytes=), average_(bucket_bytes=), the `group` and
+    `bucket_bytes` attributes) are gone: unknown keywords."""
     rank = dist.get_rank(group)
     params = _model(SHAPES_2, torch.float32)
-    with pytest.warns(DeprecationWarning, match=r"group= is deprecated, pass process_group="):
+    with pytest.warns(DeprecationWarning, match=r"ShardedIsoLoCo: group= is deprecated, pass process_group="):
         old = D.ShardedIsoLoCo(params, group=group)
-    assert old.process_group is group and old.group is group and old.world_size == 2
+    assert old.process_group is group and old.world_size == 2 and not hasattr(old, "group")
     new_params = _model(SHAPES_2, torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
@@ -299,36 +351,40 @@ def _check_old_keyword_names_warn(group, tmpdir):
     assert all(torch.equal(a, b) for a, b in zip(params, new_params))
     with pytest.raises(TypeError, match="pass process_group= only"):
         D.ShardedIsoLoCo(params, group=group, process_group=group)
-    with pytest.warns(DeprecationWarning, match=r"ShardedIsoLoCo: bucket_bytes= is deprecated, pass chunk_bytes="):
-        old = D.ShardedIsoLoCo(params, group=group, bucket_bytes=640)
-    assert old.chunk_bytes == old.bucket_bytes == 640 and old.process_group is group
-    old.bucket_bytes = 320  # the old attribute name sets the new one
-    assert old.chunk_bytes == 320
-    with pytest.raises(TypeError, match="pass chunk_bytes= only"):
-        D.ShardedIsoLoCo(params, process_group=group, bucket_bytes=64, chunk_bytes=32)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_bytes'"):
+        D.ShardedIsoLoCo(params, process_group=group, bucket_bytes=640)
     with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_size'"):
         D.ShardedIsoLoCo(params, process_group=group, bucket_size=64)
     bk = [torch.randn(2, 6, 5, generator=torch.Generator().manual_seed(1)), torch.randn(9, 4)]
-    got = [b.clone() for b in bk]
-    with pytest.warns(DeprecationWarning, match=r"bucket_bytes= is deprecated, pass chunk_bytes="):
-        D.sharded_iso_merge_(got, group, bucket_bytes=64)
     want = [b.clone() for b in bk]
-    D.sharded_iso_merge_(want, group, chunk_bytes=64)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    D.sharded_iso_merge_(want, process_group=group, chunk_bytes=64)
+    for old_kw, match in (
+        ({"bucket_bytes": 64}, r"sharded_iso_merge_: bucket_bytes= is deprecated, pass chunk_bytes="),
+        ({"group": group, "chunk_bytes": 64}, r"sharded_iso_merge_: group= is deprecated, pass process_group="),
+        ({"group": group, "bucket_bytes": 64}, r"is deprecated"),
+    ):
+        got = [b.clone() for b in bk]
+        with pytest.warns(DeprecationWarning, match=match):
+            D.sharded_iso_merge_(got, **({} if "group" in old_kw else {"process_group": group}), **old_kw)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), old_kw
     with pytest.raises(TypeError, match="pass chunk_bytes= only"):
         D.sharded_iso_merge_(bk, group, bucket_bytes=64, chunk_bytes=32)
+    with pytest.raises(TypeError, match="pass process_group= only"):
+        D.sharded_iso_merge_(bk, group, group=group)
     with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_size'"):
         D.sharded_iso_merge_(bk, group, bucket_size=64)
     xs = [torch.randn(5, 3, generator=torch.Generator().manual_seed(2 + rank)), torch.randn(11)]
     got, want = [x.clone() for x in xs], [x.clone() for x in xs]
-    with pytest.warns(DeprecationWarning, match=r"average_: bucket_bytes= is deprecated, pass chunk_bytes="):
-        D.average_(got, group, bucket_bytes=24)
+    with pytest.warns(DeprecationWarning, match=r"average_: group= is deprecated, pass process_group="):
+        D.average_(got, group=group, chunk_bytes=24)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
-        D.average_(want, group, chunk_bytes=24)
+        D.average_(want, process_group=group, chunk_bytes=24)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    with pytest.raises(TypeError, match="pass chunk_bytes= only"):
-        D.average_(xs, group, bucket_bytes=24, chunk_bytes=24)
+    with pytest.raises(TypeError, match="pass process_group= only"):
+        D.average_(xs, group, group=group)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_bytes'"):
+        D.average_(xs, group, bucket_bytes=24)
 
 
 @_pair_check

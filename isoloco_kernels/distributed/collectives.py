@@ -13,7 +13,7 @@ mean fits gives the mean, and a bfloat16 mean over many ranks is rounded once, n
 from __future__ import annotations
 
 import numbers
-from typing import Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,9 @@ import torch.distributed as dist
 from .._validate import check_all_finite, check_writable, compute_dtype
 from .agree import Agreement, all_gather_single, comm_device, describe, fingerprint, group_info, renamed_keyword
 from .plan import ShardPlan, owned_views, plan_shards
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["CHUNK_BYTES", "BUCKET_BYTES", "average_"]
 
@@ -85,9 +88,15 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def average_(
-    tensors: Iterable[torch.Tensor], group=None, *, chunk_bytes: int = CHUNK_BYTES, **old
+    tensors: Iterable[torch.Tensor],
+    process_group: Optional[ProcessGroup] = None,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    **old: Any,
 ) -> list[torch.Tensor]:
-    """All-reduce-mean a list of tensors in place over `group`, in chunks of about chunk_bytes.
+    """All-reduce-mean a list of tensors in place over `process_group` (None: the default group), in
+    chunks of about chunk_bytes: DiLoCo's pseudo-gradient average, after which the grads are
+    "already averaged" (what `IsoLoCo(process_group=...)` and `sharded_iso_merge_` expect).
 
     Tensors are packed per (device, dtype) end to end into flat chunks (a tensor larger than a
     chunk is split), and up to two chunks' all-reduces are in flight at once, so extra memory is
@@ -95,9 +104,9 @@ def average_(
     DiLoCo pseudo-gradient average), with the same chunk_bytes. float16 and bfloat16 tensors
     are summed in float32 buffers and get the float32 mean rounded once to their dtype. Tensors off the group's
     communication device (`agree.comm_device`) travel through buffers on it. Returns the tensors
-    as a list. `bucket_bytes=` is the old name of chunk_bytes (deprecated).
+    as a list. `group=` is the old name of process_group (DeprecationWarning).
     """
-    chunk_bytes = renamed_keyword(old, "bucket_bytes", "chunk_bytes", chunk_bytes, CHUNK_BYTES, "average_")
+    group = renamed_keyword(old, "group", "process_group", process_group, None, "average_")
     tensors = list(tensors)
     _, world = group_info(group)
     ag = Agreement("average_", group, alone=world == 1)

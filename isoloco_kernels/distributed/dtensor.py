@@ -220,7 +220,7 @@ def step_(opt, failed: Optional[BaseException] = None) -> None:
 
     failed: what the closure raised on this rank; it reaches every rank as a DistributedStepError."""
     ag = Agreement("IsoLoCo.step", mesh=_agreement_mesh(opt))
-    mode = getattr(opt, "dtensor_route", "auto")
+    mode = opt.dtensor_route  # checked when set (IsoLoCo.dtensor_route)
     entries, routes, fp, settings = ag.attempt(_checked, opt, failed, mode) or ([], None, 0, None)
     ag.settle(fp, settings)  # everything that can fail on one rank came before this first collective
     if not entries:

@@ -6,7 +6,7 @@ Iso-C-flattens the matrices `plan_shards` gives it and the results are all-gathe
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
@@ -17,6 +17,9 @@ from .agree import Agreement, check_on_comm_device, comm_device, group_info, ren
 from .collectives import CHUNK_BYTES, broadcast_into, check_chunk_bytes, scatter_into
 from .plan import plan_shards
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["sharded_iso_merge_"]
 
 PLAN_MISMATCH = "the ranks built different shard plans"
@@ -24,14 +27,14 @@ PLAN_MISMATCH = "the ranks built different shard plans"
 
 def sharded_iso_merge_(
     buckets: Iterable[torch.Tensor],
-    group=None,
+    process_group: Optional[ProcessGroup] = None,
     *,
     method: str = "auto",
     chunk_bytes: int = CHUNK_BYTES,
     solo_above: Optional[float] = 1.0,
-    **old,
+    **old: Any,
 ) -> list[torch.Tensor]:
-    """`iso_merge_` for buckets that are already equal on every rank, with the work split.
+    """`iso_merge_` for buckets that are already averaged (equal on every rank), with the work split.
 
     The unit of work is one matrix (a [B, m, n] bucket is B units), so a few large buckets still
     spread over many ranks. Each rank flattens the matrices `plan_shards` gives it, batched per
@@ -41,9 +44,16 @@ def sharded_iso_merge_(
     All-or-nothing across the group: bad input on any rank (method, type, dtype, shape, NaN/Inf,
     buckets off the group's communication device) or ranks passing different shapes, method,
     chunk_bytes or solo_above raise DistributedStepError on every rank (naming the ranks and what
-    differs) and no bucket changes. `bucket_bytes=` is the old name of chunk_bytes (deprecated).
+    differs) and no bucket changes. `process_group`: the group (None: the default group); `group=`
+    is its old name and `bucket_bytes=` the old name of chunk_bytes (both still accepted, with a
+    DeprecationWarning).
     """
-    chunk_bytes = renamed_keyword(old, "bucket_bytes", "chunk_bytes", chunk_bytes, CHUNK_BYTES, "sharded_iso_merge_")
+    where = "sharded_iso_merge_"
+    group = renamed_keyword(
+        {k: v for k, v in old.items() if k != "bucket_bytes"}, "group", "process_group", process_group, None, where
+    )
+    old_chunk = {k: v for k, v in old.items() if k == "bucket_bytes"}
+    chunk_bytes = renamed_keyword(old_chunk, "bucket_bytes", "chunk_bytes", chunk_bytes, CHUNK_BYTES, where)
     buckets = list(buckets)
     rank, world = group_info(group)
     ag = Agreement("sharded_iso_merge_", group, mismatch=PLAN_MISMATCH)

@@ -1,19 +1,27 @@
 """`IsoLoCo.step` over a process group whose ranks hold the same, already averaged grads
 (`IsoLoCo(process_group=...)`: torchft, OpenDiLoCo), beside dtensor.py's step for DTensor params.
 
-Every rank checks its grads, the ranks agree (failures, hyper-parameters, the grads' shapes),
-`sharded_iso_merge_` splits the flatten over the group (agreeing around it), and the ranks agree
+Every rank checks its grads, the ranks agree (failures, hyper-parameters, the grads' shapes), the
+grads are checked to be equal on every rank (`check_averaged`: per-grad norm and sum, one small
+all-gather; grads not yet averaged belong to ShardedIsoLoCo), `sharded_iso_merge_` splits the flatten over the group (agreeing around it), and the ranks agree
 once more before any rank writes: a failure on one rank raises DistributedStepError on every rank
 with nothing changed.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
-from .agree import Agreement
+import torch
 
-__all__ = ["step_"]
+from .agree import Agreement, DistributedStepError, all_gather_single, comm_device, group_info
+
+__all__ = ["check_averaged", "step_"]
+
+#: How far a grad's norm or sum may differ between ranks (relative) and still count as averaged:
+#: all-reduce results are equal on every rank, or differ in their last bits.
+AVERAGED_RTOL = 1e-4
 
 
 def step_(opt, group, failed: Optional[BaseException] = None) -> None:
@@ -25,6 +33,7 @@ def step_(opt, group, failed: Optional[BaseException] = None) -> None:
     ag.settle(settings=ag.attempt(opt._settings, [e.g for e in entries]))
     if not entries:
         return
+    check_averaged([e.g for e in entries], [e.name for e in entries], group)
     iso = opt._iso_updates(entries)  # sharded_iso_merge_ agrees around the flatten itself
     apply = ag.attempt(opt._prepare_nesterov, entries, iso)
     ag.settle()
@@ -35,3 +44,32 @@ def _checked(opt, failed):
     if failed is not None:
         raise failed
     return opt._collect_grads()
+
+
+def check_averaged(grads: list, names: list, group) -> None:
+    """Refuse grads that differ between the ranks of `group`, on every rank alike (each rank sees
+    every rank's numbers): IsoLoCo(process_group=...) expects grads already averaged. Compares each
+    grad's norm and sum (float64, one all-gather of 2 numbers per grad); equal tensors pass, and
+    different pseudo-gradients of different workers do not in practice."""
+    _, world = group_info(group)
+    if world == 1 or not grads:
+        return
+    device = comm_device(group)
+    mine = torch.empty(2 * len(grads), dtype=torch.float64, device=device)
+    mine[0::2] = torch.stack([g.detach().double().norm().to(device) for g in grads])
+    mine[1::2] = torch.stack([g.detach().double().sum().to(device) for g in grads])
+    every = torch.empty(world * mine.numel(), dtype=torch.float64, device=device)
+    all_gather_single(every, mine, group=group)
+    rows = every.view(world, len(grads), 2).cpu().tolist()
+    for i, name in enumerate(names):
+        norms = [rows[r][i][0] for r in range(world)]
+        sums = [rows[r][i][1] for r in range(world)]
+        scale = max(norms) * math.sqrt(max(grads[i].numel(), 1))
+        if max(norms) - min(norms) > AVERAGED_RTOL * max(norms) or max(sums) - min(sums) > AVERAGED_RTOL * scale:
+            by_rank = ", ".join(f"rank {r}: norm {norms[r]:.6g}" for r in range(world))
+            raise DistributedStepError(
+                f"IsoLoCo.step over a process group: {name}: the grad differs between ranks ({by_rank}); "
+                "IsoLoCo(process_group=...) expects grads ALREADY AVERAGED, equal on every rank (as torchft and "
+                "OpenDiLoCo write them). Average them first (isoloco_kernels.average_), or hand each rank's own "
+                "pseudo-gradient to ShardedIsoLoCo, which averages them itself; nothing was changed"
+            )

@@ -10,7 +10,7 @@ All-or-nothing across ranks (agree.py). README "Distributed" has the contract.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -30,23 +30,30 @@ from .collectives import (
 from .merge import PLAN_MISMATCH
 from .plan import owned_views, plan_shards
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.optim.optimizer import ParamsT
+
 __all__ = ["ShardedIsoLoCo"]
 
 
 class ShardedIsoLoCo(torch.optim.Optimizer):
     """IsoLoCo's outer step for DiLoCo over a process group, each tensor's work done by one rank.
 
-    Use it like the replicated outer optimizer, on every rank: set p.data to the global weights
-    (equal on all ranks) and p.grad to this rank's pseudo-gradient θ − θ_k (NOT yet averaged), then
-    `step()`. The step averages the pseudo-gradients itself (reduce-scatter), and each rank applies
+    Grads NOT yet averaged: on every rank set p.data to the global weights (equal on all ranks) and
+    p.grad to this rank's own pseudo-gradient θ − θ_k, then `step()` (already averaged grads give
+    the same result, but pay for an average nobody needed; for those use
+    `IsoLoCo(process_group=...)`). The step averages the pseudo-gradients itself (reduce-scatter), and each rank applies
     M = iso(mean Δ) (2-D params, iso on) or mean Δ, then Nesterov (reference.nesterov_ref), to the
     params it owns; an all-gather gives every rank the new θ. The
     result is the replicated IsoLoCo step on the averaged pseudo-gradients.
 
     Momentum is kept only by the owner, so state_dict()
     is per rank; it carries the plan's fingerprint and rank, and load_state_dict refuses a state
-    saved under a different plan or by a different rank. param_groups are IsoLoCo's (SGD's keys plus
-    iso); half-precision params keep float32 momentum, as in IsoLoCo. The mean of float16 and
+    saved under a different plan or by a different rank. The arguments are IsoLoCo's, SGD's
+    keywords (dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused) in SGD's
+    positions with the same checks, so `partial(ShardedIsoLoCo, lr=..., momentum=..., nesterov=True)`
+    works where `partial(IsoLoCo, ...)` does; param_groups are IsoLoCo's (SGD's keys plus iso); half-precision params keep float32 momentum, as in IsoLoCo. The mean of float16 and
     bfloat16 pseudo-gradients is summed in float32 and rounded to their dtype once (a float16 sum
     may overflow where the mean fits).
 
@@ -59,38 +66,40 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     DistributedStepError naming it. Params must live on the group's communication device
     (`agree.comm_device`: CUDA for NCCL, the CPU for gloo). Param groups are fixed at construction
     (`add_param_group` afterwards is refused). `process_group`: the group (None: the default
-    group), as for IsoLoCo; `group=` is its old name (deprecated). `chunk_bytes`: the size of one
-    communication chunk; `bucket_bytes=` is its old name (deprecated).
+    group), as for IsoLoCo; `group=` is its old name (DeprecationWarning). `chunk_bytes`: the size
+    of one communication chunk.
     """
 
     def __init__(
         self,
-        params,
+        params: ParamsT,
         lr: float = 1.8,
         momentum: float = 0.8,
+        dampening: float = 0,
+        weight_decay: float = 0,
+        nesterov: bool = True,
         *,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
         iso: bool = True,
         method: str = "auto",
-        process_group=None,
+        process_group: Optional[ProcessGroup] = None,
         chunk_bytes: int = CHUNK_BYTES,
         solo_above: Optional[float] = 1.0,
-        **old,
+        **old: Any,
     ):
-        process_group = renamed_keyword(
-            {k: v for k, v in old.items() if k != "bucket_bytes"},
-            "group",
-            "process_group",
-            process_group,
-            None,
-            "ShardedIsoLoCo",
-        )
-        chunk_bytes = renamed_keyword(
-            {k: v for k, v in old.items() if k == "bucket_bytes"},
-            "bucket_bytes",
-            "chunk_bytes",
-            chunk_bytes,
-            CHUNK_BYTES,
-            "ShardedIsoLoCo",
+        # group= was this keyword's first name (deprecated; the README promised it keeps working)
+        process_group = renamed_keyword(old, "group", "process_group", process_group, None, "ShardedIsoLoCo")
+        sgd = dict(
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            foreach=foreach,
+            differentiable=differentiable,
+            fused=fused,
         )
         self.process_group = process_group
         self.rank, self.world_size = group_info(process_group)
@@ -99,30 +108,20 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         # refused raises its error after the agreement, the others DistributedStepError naming it;
         # settings that differ between ranks raise DistributedStepError everywhere, naming them.
         ag = Agreement("ShardedIsoLoCo()", process_group, alone=self.world_size == 1, mismatch=PLAN_MISMATCH)
-        ag.attempt(self._build, params, lr, momentum, iso, method, chunk_bytes, solo_above)
+        ag.attempt(self._build, params, lr, momentum, sgd, iso, method, chunk_bytes, solo_above)
         ag.settle(settings=ag.attempt(self._settings), own_error=True)
         self._built = True
 
-    @property
-    def group(self):
-        """The process group (the old name of `process_group`)."""
-        return self.process_group
-
-    @property
-    def bucket_bytes(self) -> int:
-        """The communication chunk size (the old name of `chunk_bytes`)."""
-        return self.chunk_bytes
-
-    @bucket_bytes.setter
-    def bucket_bytes(self, value: int) -> None:
-        self.chunk_bytes = value
-
-    def _build(self, params, lr, momentum, iso, method, chunk_bytes, solo_above) -> None:
-        defaults = outer.outer_defaults("ShardedIsoLoCo", lr, momentum, iso, method)
+    def _build(self, params, lr, momentum, sgd, iso, method, chunk_bytes, solo_above) -> None:
+        defaults = outer.outer_defaults(
+            "ShardedIsoLoCo", lr, momentum, iso, method, lambda: outer.sgd_keywords("ShardedIsoLoCo", **sgd)
+        )
         check_chunk_bytes(chunk_bytes, "ShardedIsoLoCo: chunk_bytes")
         super().__init__(params, defaults)
         for k, g in enumerate(self.param_groups):
-            outer.check_group(g, f"ShardedIsoLoCo: param group {k}")
+            where = f"ShardedIsoLoCo: param group {k}"
+            outer.sgd_keywords(where, **{key: g[key] for key in outer.SGD_KEYS})
+            outer.check_group(g, where)
         self._buckets: Optional[BucketPlan] = None  # batched Iso-C of my matrices, reused across steps
         self.method, self.chunk_bytes, self.solo_above = method, chunk_bytes, solo_above
         self._params = [p for g in self.param_groups for p in g["params"]]
