@@ -1,0 +1,196 @@
+"""The README and the package agree: every name in its API table exists with the keywords and defaults it
+shows, those keywords work, its code runs, its links resolve, its two commands are the ones a newcomer
+runs; and the files a library is adopted by (LICENSE, CHANGELOG.md, py.typed, the declared torch range)."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import importlib.util
+import inspect
+import os
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import isoloco_kernels as ik
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+
+TWO_COMMANDS = """```bash
+# 1. the main job: DDP vs DiLoCo vs IsoLoCo on the built-in corpus (K=8 workers, H=30 inner steps, 12 rounds)
+pip install -e ".[train]" && python -m isoloco_kernels.train
+
+# 2. the tests
+pip install -e ".[test]" && python -m pytest tests -q
+```"""
+
+
+def _section(title: str) -> str:
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", README, re.M | re.S)
+    assert m, f"README has no section {title!r}"
+    return m.group(1)
+
+
+def _api_rows() -> list[str]:
+    """The first cell of each row of the README's API table, split into its entries."""
+    cells = re.findall(r"^\| `(.+?)` \|", _section("API at a glance"), re.M)
+    return [e for cell in cells for e in cell.split("`, `")]
+
+
+def _resolve(path: str):
+    obj = ik
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _documented_calls() -> list[tuple[str, object, list[str], dict]]:
+    """(entry, the callable, positional names, keyword -> evaluated default) of every API row with a call."""
+    out = []
+    for entry in _api_rows():
+        m = re.fullmatch(r"([\w.]+)\((.*)\)", entry)
+        if not m:
+            continue
+        call = ast.parse(f"f({m.group(2)})", mode="eval").body
+        pos = [a.id for a in call.args]
+        kw = {k.arg: eval(compile(ast.Expression(k.value), "README", "eval"), {}) for k in call.keywords}
+        out.append((entry, _resolve(m.group(1)), pos, kw))
+    return out
+
+
+def test_readme_is_at_most_200_lines_with_the_sections_in_order():
+    assert len(README.splitlines()) <= 200
+    order = ["Install", "Two commands", "Quick start (CPU)", "Drop into your DiLoCo stack", "Performance"]
+    order += ["API at a glance", "Distributed in brief", "Guarantees", "The study", "Tests and contributing"]
+    at = [README.index(f"\n## {t}\n") for t in order]
+    assert at == sorted(at), order
+
+
+def test_the_two_commands_are_verbatim():
+    """The newcomer check runs these two lines as they stand: they must not drift."""
+    assert TWO_COMMANDS in README
+
+
+def test_every_api_name_exists_and_is_exported():
+    rows = _api_rows()
+    assert len(rows) >= 18, rows
+    for entry in rows:
+        name = re.match(r"[\w.]+", entry).group(0)
+        obj = _resolve(name)  # AttributeError names what the README promises and the package lacks
+        top = name.split(".")[0]
+        assert top in ik.__all__, f"{top} is in the README's API table but not in isoloco_kernels.__all__"
+        assert obj is not None
+    for name in ik.__all__:
+        assert name == "__version__" or any(re.match(rf"{name}\b", e) for e in rows), f"{name} missing from README"
+
+
+def test_every_documented_keyword_and_default_is_the_signature():
+    calls = _documented_calls()
+    assert {e.split("(")[0] for e, *_ in calls} >= {"IsoLoCo", "ShardedIsoLoCo", "iso_flatten", "average_"}
+    for entry, fn, pos, kw in calls:
+        params = inspect.signature(fn).parameters
+        for name in pos + list(kw):
+            assert name in params, f"README: {entry}: {fn.__qualname__} has no parameter {name!r}"
+        for name, default in kw.items():
+            assert params[name].default == default, (
+                f"README: {entry}: {name}={default!r}, code: {params[name].default!r}"
+            )
+
+
+def test_documented_keywords_work():
+    """Called with the README's keywords (the single-process entry points; the distributed ones run them
+    in tests/test_distributed.py): nothing raises, nothing warns."""
+    calls = {e.split("(")[0]: kw for e, _, _, kw in _documented_calls()}
+    x = torch.randn(3, 6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = ik.iso_flatten(x, **calls["iso_flatten"])
+        ik.iso_merge_([x], **calls["iso_merge_"])
+        assert torch.allclose(x, y)
+        p = nn.Parameter(torch.randn(6, 4))
+        opt = ik.IsoLoCo([p], **calls["IsoLoCo"])
+        p.grad = torch.randn(6, 4)
+        assert opt.step(**calls["IsoLoCo.step"]) is None
+        opt.load_state_dict(opt.state_dict())
+        assert set(ik.backends()) >= {"cuda_extension"}
+
+
+def test_the_error_classes_are_the_ones_raised():
+    assert ik.ResultOverflowError is sys.modules["isoloco_kernels._validate"].ResultOverflowError
+    assert issubclass(ik.ResultOverflowError, ValueError) and issubclass(ik.DistributedStepError, RuntimeError)
+    assert issubclass(ik.GramFallbackWarning, ik.FlattenFallbackWarning)
+    p = torch.randn(4, 3)
+    p.grad = torch.randn(4, 3)
+    with pytest.raises(ik.ResultOverflowError, match="overflows"):  # the update is beyond float32
+        ik.IsoLoCo([p], lr=1e39).step()
+
+
+def test_dtensor_route_is_checked_when_set():
+    p = nn.Parameter(torch.randn(4, 3))
+    opt = ik.IsoLoCo([p], dtensor_route="gram")
+    assert opt.dtensor_route == "gram"
+    with pytest.raises(ValueError, match=r"dtensor_route must be one of .*'gatherr'"):
+        opt.dtensor_route = "gatherr"
+    assert opt.dtensor_route == "gram"  # unchanged
+    with pytest.raises(ValueError, match="dtensor_route must be one of"):
+        ik.IsoLoCo([p], dtensor_route="Gram")
+    assert copy.deepcopy(opt).dtensor_route == "gram"
+
+
+def test_quick_start_code_runs():
+    """The README's Python blocks, the DiLoCo loop shortened to one round: what a user pastes runs."""
+    blocks = re.findall(r"```python\n(.*?)```", _section("Quick start (CPU)"), re.S)
+    assert len(blocks) == 2
+    exec(compile(blocks[0], "README quick start 1", "exec"), {})
+    loop = blocks[1].replace("for rnd in range(10):", "for rnd in range(1):")
+    assert loop != blocks[1]
+    exec(compile(loop, "README quick start 2", "exec"), {})
+
+
+def test_relative_links_resolve():
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README):
+        if not target.startswith("http"):
+            assert os.path.exists(os.path.join(ROOT, target)), f"README links to missing {target}"
+
+
+def test_adoption_files_and_the_declared_torch_range():
+    for path in ("LICENSE", "CHANGELOG.md", "isoloco_kernels/py.typed", "mkdocs.yml", "docs/index.md"):
+        assert os.path.isfile(os.path.join(ROOT, path)), path
+    setup = open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read()
+    declared = re.search(r'TORCH_REQUIREMENT = "torch>=([\d.]+)"', setup).group(1)
+    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    assert f'"torch=={declared}"' in ci, "CI must test the lower bound setup.py declares"
+    assert f"torch {declared}" in README and "BSD 3-Clause" in open(os.path.join(ROOT, "LICENSE")).read()
+    assert 'license="BSD-3-Clause"' in setup
+
+
+def test_public_signatures_are_typed():
+    for fn in (ik.IsoLoCo.__init__, ik.ShardedIsoLoCo.__init__, ik.IsoLoCo.step, ik.average_, ik.sharded_iso_merge_):
+        ann = inspect.get_annotations(fn)
+        for name in ("params", "process_group", "closure"):
+            if name in inspect.signature(fn).parameters:
+                assert name in ann, f"{fn.__qualname__}: {name} has no type hint"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mkdocs") is None or shutil.which("mkdocs") is None,
+    reason="mkdocs is not installed (pip install -e '.[docs]'); CI builds the site itself",
+)
+def test_docs_build_strict(tmp_path):
+    """The documentation site builds with every link and anchor resolving (--strict: a warning fails)."""
+    proc = subprocess.run(
+        ["mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
