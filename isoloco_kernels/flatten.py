@@ -7,7 +7,9 @@ a failure leaves the input untouched.
 
 Methods: "svd" and "eigh" (exact.py), "polar" (polar.py: matmul-only Polar Express iteration in
 the compute dtype, residual-checked, exact fallback for the matrices that miss the check),
-"polar_bf16" (the same with bfloat16 GEMMs in all but the last steps; ~1e-2 relative error), "gram"
+"polar_bf16" (the same with bfloat16 GEMMs in all but the last steps; ~1e-2 relative error at
+condition number ≤ 1e2 only), "fast" (fast.py: the training grade, float32-accurate steps first and
+bfloat16 after, its flat spectrum certified per matrix, "polar" for the rest), "gram"
 (gram.py: the Polar Express iteration on the small Gram matrix in float64, exact to condition number
 ~1e5 for float32 input; residual-checked, SVD for the matrices that miss) and "auto" (see
 `resolve_method`). A new method: its module, one line in `METHODS`, one tolerance row in
@@ -24,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import exact, gram, polar
+from . import exact, fast, gram, polar
 from .iteration_stats import Recorder
 
 #: The key of `Method.flops` for GEMMs in the input's compute dtype (float32; float64 for float64).
@@ -92,6 +94,9 @@ METHODS = Registry(
         checks_finite=True,
         stats=gram.RECORDER,
         fallback="svd",
+    ),
+    fast=Method(
+        run=fast.flatten_fast_, flops=fast.fast_work, checks_finite=True, stats=fast.RECORDER, fallback="polar"
     ),
 )
 

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from . import iteration_stats
+from . import iteration_stats, tf32
 from ._validate import check_result_fits, compute_dtype, pow2_scale
 from .iteration_stats import FlattenFallbackWarning, FlattenStats, Recorder
 
@@ -40,6 +40,11 @@ ELL = 2.5e-5  # smallest scaled singular value the schedule covers: 1e-4 / (6553
 STEPS = 10  # 9 reach 2e-4, the 10th reaches round-off (needed by the residual check)
 CHECK_TOL = 5e-4  # flag a matrix when |r − ‖X‖_F²| > CHECK_TOL·√r (relative error bound of X)
 BF16_FP32_STEPS = 2  # "polar_bf16": all steps but the last two run their GEMMs in bfloat16
+# "polar_bf16" certifies rank first (`full_rank`): a singular value below RANK_FLOOR·σ_max is a
+# null direction of the input for its bfloat16 steps (float32 rounding leaves ≤ ~1·eps32·σ_max
+# there; reference.py cuts at ~4.8e-7) which they would lift to 1: such matrices go to the fallback.
+RANK_FLOOR = 1e-6
+TF32X3 = "tf32x3"  # a GEMM mode of `polar_factor`: float32 through three TF32 GEMMs (tf32.py)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,15 +149,19 @@ def polar_factor(
     gemm: str | None = None,
     steps=None,
     backend: str | None = None,
+    observe=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Q, residual) for a [B, m, n] batch: Q ≈ U_r V_rᵀ in the compute dtype (float32, or float64
     for float64 input), residual[b] = |r − ‖Q_b‖_F²| / √r (see the module docstring; 0 for r = 0).
 
-    gemm_dtypes: one dtype per step for the GEMM operands (default: the compute dtype throughout);
+    gemm_dtypes: one per step for the GEMM operands: a dtype, or TF32X3 ("tf32x3": float32
+    operands through three TF32 GEMMs, tf32.py); default: the compute dtype throughout;
     gemm: the GEMM provider, "torch" (default: the dispatch table's "polar_gemm" choice, which is
     torch); backend: its deprecated old name;
     steps: an object with gram / square / step like `TorchSteps`, overriding gemm (the
-    accuracy benchmark passes one that rounds GEMM operands to TF32).
+    accuracy benchmark passes one that rounds GEMM operands to TF32);
+    observe: called as observe(t, X) with the compute-dtype iterate after step t (wide
+    orientation, σ_max ≤ 1 scaling), for checks between steps ("fast" certifies its spectrum so).
     """
     gemm = _gemm_name(gemm, backend)
     if x3.ndim != 3:
@@ -176,21 +185,32 @@ def polar_factor(
     x = x / torch.where(amax > 0, amax, 1)
     fro = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     x = x / torch.where(fro > 0, fro, 1)
-    g = gemm_dtypes[0]
-    a_mat = ops.gram(x.to(g))
-    a2 = ops.square(a_mat)
+
+    def pick(g):  # (operand dtype, step pieces) of one step's GEMM choice
+        if isinstance(g, str):
+            if g != TF32X3 or cd != torch.float32:
+                raise ValueError(f"polar_factor: GEMM mode {g!r} needs float32 compute (only {TF32X3!r})")
+            return cd, tf32.Tf32x3Steps
+        return g, ops
+
+    g, sops = pick(gemm_dtypes[0])
+    a_mat = sops.gram(x.to(g))
+    a2 = sops.square(a_mat)
     s2 = torch.linalg.vector_norm(a2.to(cd), dim=(-2, -1), keepdim=True).sqrt()  # ≥ σ_max²
     s2 = torch.where(s2 > 0, s2, 1)
     x = x / s2.sqrt()
     a_mat = (a_mat / s2.to(a_mat.dtype)).to(g)
     a2 = (a2 / (s2 * s2).to(a2.dtype)).to(g)
 
-    for t, ((a, b, c), g) in enumerate(zip(coeffs, gemm_dtypes)):
+    for t, ((a, b, c), mode) in enumerate(zip(coeffs, gemm_dtypes)):
+        g, sops = pick(mode)
         xg = x.to(g)
         if t > 0:
-            a_mat = ops.gram(xg)
+            a_mat = sops.gram(xg)
             a2 = None
-        x = ops.step(xg, a_mat, a2, a, b, c).to(cd)
+        x = sops.step(xg, a_mat, a2, a, b, c).to(cd)
+        if observe is not None:
+            observe(t, x)
 
     fro2 = x.square().sum((-2, -1), dtype=torch.float64)
     resid = (rank - fro2).abs() / rank.clamp_min(1).sqrt()
@@ -284,36 +304,102 @@ def _exact_flatten(sub: torch.Tensor) -> None:
     gram.flatten_gram_(sub)
 
 
+def precise_mode(x: torch.Tensor) -> str | torch.dtype:
+    """The GEMM mode of polar's float32-accurate steps for x: TF32X3 for float32 compute on a
+    CUDA device with TF32 tensor cores (compute capability ≥ 8.0: A100, H100, H200, …), else the
+    compute dtype (IEEE float32 without TF32; float64 for float64 input; the CPU's BLAS)."""
+    cd = compute_dtype(x.dtype)
+    if cd == torch.float32 and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 8:
+        return TF32X3
+    return cd
+
+
+MODES = ("fp32", "tf32x3", "bf16")
+
+
+def _gemm_modes(x3: torch.Tensor, mode: str):
+    """polar_factor's gemm_dtypes for a flatten mode (`flatten_polar_`)."""
+    if mode not in MODES:
+        raise ValueError(f"flatten_polar_: mode must be one of {MODES}, got {mode!r}")
+    cd = compute_dtype(x3.dtype)
+    if mode == "fp32":
+        return (precise_mode(x3),) * len(COEFFS)
+    if mode == "tf32x3":
+        return ((TF32X3 if cd == torch.float32 else cd),) * len(COEFFS)
+    k = max(len(COEFFS) - BF16_FP32_STEPS, 0)
+    return (torch.bfloat16,) * k + (cd,) * (len(COEFFS) - k)
+
+
+def certify(x: torch.Tensor, floor: float) -> torch.Tensor:
+    """[B] bool: every singular value of the [B, r, k] matrices x (r ≤ k) off their zero rows is
+    ≥ `floor` (Cholesky of x xᵀ − floor²·I in float64, zero rows' diagonal set to 1). False for
+    a rank-deficient x (zero rows aside) and for x with a singular value below the floor."""
+    x64 = x.to(torch.float64)
+    gram = torch.matmul(x64, x64.mT)
+    zero_rows = (x == 0).all(-1)
+    gram.diagonal(dim1=-2, dim2=-1).add_(zero_rows.to(torch.float64) - floor * floor)
+    _, info = torch.linalg.cholesky_ex(gram)
+    return info == 0
+
+
+def full_rank(x3: torch.Tensor) -> torch.Tensor:
+    """[B] bool: each matrix of the [B, m, n] batch has σ_min ≥ RANK_FLOOR·σ_max off its zero
+    lines (`certify` on the short-side Gram matrix, float64; zero columns of the long side count
+    as rank loss only when they leave fewer columns than rows)."""
+    x = x3.mT if x3.shape[-2] > x3.shape[-1] else x3
+    x = x.to(torch.float64)
+    amax = x.abs().amax((-2, -1), keepdim=True)
+    x = x / torch.where(amax > 0, amax, 1)
+    fro = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    x = x / torch.where(fro > 0, fro, 1)  # σ_max ∈ [1/√r, 1]
+    return certify(x, RANK_FLOOR / max(x.shape[-2], 1) ** 0.5)
+
+
 def flatten_polar_(
     x3: torch.Tensor, *, mode: str = "fp32", gemm: str | None = None, backend: str | None = None
 ) -> None:
     """In place Iso-C of a [B, m, n] batch through the polar iteration; all-or-nothing.
 
-    mode "fp32": GEMMs in the compute dtype (float32, float64 for float64 input).
+    mode "fp32": float32-accurate GEMMs: on CUDA devices with TF32 tensor cores as 3xTF32
+    (tf32.py, `precise_mode`), elsewhere in the compute dtype (float64 for float64 input).
+    mode "tf32x3": 3xTF32 on every device (on the CPU emulated: what the GPU computes, for tests).
     mode "bf16": GEMMs in bfloat16 except the last `BF16_FP32_STEPS` steps (tensor-core speed).
     Rounding X to bfloat16 moves its small singular directions by ~2^-8·σ_max, so the error grows
     with the condition number: ~1e-2 at cond 1e2, O(1) at cond 1e4 (bench/results/
     polar_accuracy.md); the residual check sees singular values, not directions, and does not
-    catch that. Use it only for well-conditioned updates.
-    Matrices that fail the residual check are recomputed exactly, with a FlattenFallbackWarning.
+    catch that. Use it only for well-conditioned updates ("fast" is the training grade).
+    Matrices that fail the residual check (and, in mode "bf16", the rank certificate `full_rank`:
+    its bfloat16 steps would fill a null space) are recomputed exactly, with a
+    FlattenFallbackWarning.
     gemm: the GEMM provider (`polar_factor`); backend: its deprecated old name.
+    """
+    gemm = _gemm_name(gemm, backend)
+    gd = _gemm_modes(x3, mode)
+    with ieee_fp32_matmul(x3.is_cuda and compute_dtype(x3.dtype) == torch.float32):
+        q, resid = polar_factor(x3, gemm_dtypes=gd, gemm=gemm)
+    fail = ~(resid <= CHECK_TOL)  # NaN counts as failed
+    if mode == "bf16":
+        fail |= ~full_rank(x3)
+    flagged = fail.nonzero().flatten()
+    finish_flatten_(x3, q, flagged, _exact_flatten, "polar")
+    RECORDER.finish(
+        x3.shape,
+        flagged.tolist(),
+        float(resid.max()) if x3.shape[0] else 0.0,
+        why="condition number ≫ 1e4 or rank-deficient",  # polar_bf16's rank certificate too
+        by="exactly",
+    )
+
+
+def finish_flatten_(x3: torch.Tensor, q: torch.Tensor, flagged: torch.Tensor, fallback, name: str) -> None:
+    """The epilogue of the iterative flattens: x3 ← (⟨Δ, Q⟩ / r0)·Q, with the `flagged` matrices
+    recomputed by `fallback` (an in-place flatten of a [b, m, n] compute-dtype batch); all-or-nothing.
+
     Δ is scaled by a power of two near its largest entry for the scale s̄ (exact, Iso-C is
     homogeneous), so finite input never overflows there; a result that does not fit x3's dtype
     raises ResultOverflowError naming the matrix. Either way x3 is then untouched.
     """
-    if mode not in ("fp32", "bf16"):
-        raise ValueError(f"flatten_polar_: mode must be 'fp32' or 'bf16', got {mode!r}")
-    gemm = _gemm_name(gemm, backend)
-    nb = x3.shape[0]
     cd = compute_dtype(x3.dtype)
-    gd = None
-    if mode == "bf16":
-        k = max(len(COEFFS) - BF16_FP32_STEPS, 0)
-        gd = (torch.bfloat16,) * k + (cd,) * (len(COEFFS) - k)
-    with ieee_fp32_matmul(x3.is_cuda and cd == torch.float32):
-        q, resid = polar_factor(x3, gemm_dtypes=gd, gemm=gemm)
-    # Iso-C is homogeneous: s̄ = ⟨Δ, Q⟩ / r0 is formed on Δ / scale (a power of two near amax, so
-    # exact) and the result multiplied back: no overflow for any finite Δ whose result fits.
     scale = pow2_scale(x3, cd)[:, None, None]
     if x3.shape[-2] > x3.shape[-1]:
         # Tall: q is the transpose of the iteration's contiguous [B, n, m] result. Run the
@@ -326,27 +412,18 @@ def flatten_polar_(
     else:
         out = x3.to(cd, copy=True).div_(scale)
         sbar = torch.ops.isoloco.iso_scale_(out, q)
-    flagged = (~(resid <= CHECK_TOL)).nonzero().flatten()  # NaN counts as failed
     # Non-finite s̄ can only come from a non-finite Δ here (inputs are checked finite by callers).
     bad = (~torch.isfinite(sbar)).nonzero().flatten()
     if bad.numel():
         i = int(bad[0])
         raise ValueError(
-            f"iso_flatten_ (polar): matrix {i} gave a non-finite scale s̄ = {float(sbar[i])} "
+            f"iso_flatten_ ({name}): matrix {i} gave a non-finite scale s̄ = {float(sbar[i])} "
             f"(|Δ| up to {float(x3[i].abs().max())}: Δ is not finite); nothing was written"
         )
     if flagged.numel():
         sub = x3[flagged].to(cd).div_(scale[flagged])
-        _exact_flatten(sub)
+        fallback(sub)
         out[flagged] = sub
     out.mul_(scale)
-    check_result_fits(out, x3.dtype, "iso_flatten_ (polar)")
+    check_result_fits(out, x3.dtype, f"iso_flatten_ ({name})")
     x3.copy_(out)
-
-    RECORDER.finish(
-        x3.shape,
-        flagged.tolist(),
-        float(resid.max()) if nb else 0.0,
-        why="condition number ≫ 1e4 or rank-deficient",
-        by="exactly",
-    )

@@ -34,6 +34,10 @@ TOL_ROWS = {
     "polar": (3e-11, 1e-3, 3e-3, 1.2e-2),
     # polar_bf16 on well-conditioned inputs (cond ≤ 1e2); it is not accurate beyond (polar.py).
     "polar_bf16": (4e-2, 4e-2, 4e-2, 4e-2),
+    # fast (training grade, fast.py): its contract is a flat spectrum (FLATNESS) and this error
+    # at condition number ≤ 1e2, then COND_BANDS; bfloat16 GEMMs after float32-accurate steps
+    # (measured 0.008–0.035 at κ ≤ 1e3 and on the captured pseudo-gradients).
+    "fast": (5e-2, 5e-2, 5e-2, 5e-2),
     # gram (float64 Gram-space iteration): the result rounded to the input dtype (float32: ~2.5e-8
     # measured, ×8 margin) plus the Gram matrix's conditioning: A₀ = X Xᵀ holds the small σ² to
     # eps64·κ² relative, so the error grows as κ² (PER_COND2; measured at κ 1e5, flat tails:
@@ -54,6 +58,13 @@ PER_COND2 = {"gram": 4 * 2.0**-52}
 # result (polar_bf16 rounds X to bfloat16, which moves its small directions unseen by the residual
 # check: a rank-one float32 matrix comes back O(1) wrong). Absent: every condition number.
 COND_LIMIT = {"polar_bf16": 1e2}
+# A method's allowance by condition number band, replacing its row beyond κ 1e2: (κ up to, error).
+# fast: 0.15 up to κ 1e3, then 0.3 (what training tolerates: the captured pseudo-gradients reach
+# κ ~1e5; a pilot trained as well as the exact flatten with ~0.25 there).
+COND_BANDS = {"fast": ((1e3, 0.15), (float("inf"), 0.3))}
+# Largest |σ_i(out) / s̄ − 1| over the directions outside reference.py's rank cut, per method that
+# promises a flat spectrum rather than a small error (exact methods: their error bounds it).
+FLATNESS = {"fast": 0.1, "polar_bf16": 0.1}
 
 
 class _Table(Mapping):
@@ -78,7 +89,32 @@ TOL = _Table()
 
 def method_tol(method: str, dtype: torch.dtype, cond: float = 1.0) -> float:
     """Allowed relative error of flatten method `method` on `dtype` input of condition number `cond`."""
-    return TOL[(method, dtype)] + PER_COND2.get(method, 0.0) * cond**2
+    base = TOL[(method, dtype)]
+    if cond > 1e2:
+        for upto, tol in COND_BANDS.get(method, ()):
+            if cond <= upto:
+                base = max(base, tol)
+                break
+    return base + PER_COND2.get(method, 0.0) * cond**2
+
+
+def flatness(out: torch.Tensor, x: torch.Tensor) -> float:
+    """The largest |σ_i(out) / s̄ − 1| over the singular directions of x outside reference.py's
+    rank cut (s̄ = mean of x's singular values, all r0 of them), worst matrix of the batch; and 0
+    when every direction is cut. Also checks that out has no singular value above the cut where
+    x has none: a filled null space counts as a deviation of σ(out) / s̄ there."""
+    from isoloco_kernels.reference import rank_tol
+
+    x64 = x.detach().to("cpu", torch.float64)
+    x64 = x64 if x64.ndim == 3 else x64.unsqueeze(0)
+    o64 = out.detach().to("cpu", torch.float64).reshape(x64.shape)
+    m, n = x64.shape[-2:]
+    sx = torch.linalg.svdvals(x64)
+    so = torch.linalg.svdvals(o64)
+    keep = sx > rank_tol(m, n, x.dtype) * sx[..., :1]
+    sbar = (sx.sum(-1, keepdim=True) / min(m, n)).clamp_min(torch.finfo(torch.float64).tiny)
+    dev = torch.where(keep, (so / sbar - 1).abs(), so / sbar)  # cut directions must stay ~0
+    return float(dev.max()) if dev.numel() else 0.0
 
 
 def gram_tol(dtype: torch.dtype, cond: float) -> float:

@@ -1,0 +1,119 @@
+"""3xTF32 GEMMs: float32 products on TF32 tensor cores at about float32 accuracy.
+
+Each float32 operand is split into a TF32 head and a tail, x = hi + lo with hi = x rounded to
+TF32 (10 explicit mantissa bits) and lo = x − hi (exact in float32); then
+
+    x·y ≈ hi_x·hi_y + hi_x·lo_y + lo_x·hi_y
+
+three TF32 GEMMs with float32 accumulation (the lo·lo term, ~2^-22 relative, is dropped). The
+relative error of a product is ~2^-21 against float32's ~2^-24: close enough that the polar
+iteration's float32 contract holds (tests/test_tf32.py), at up to 353 / 3 ≈ 118 TFLOP/s on an H200
+against 50.8 for float32 without tensor cores (bench/results/2026-12-04-NVIDIA-H200.md).
+
+On CUDA the three GEMMs run with TF32 switched on for their duration (`tf32_matmul`). On the CPU,
+where torch has no TF32, the same numerics are emulated: every GEMM operand is rounded to TF32
+first (`round_tf32`), so CPU tests see what the tensor cores compute (accumulation order aside).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["round_tf32", "mm_tf32x3", "mm_tf32", "tf32_matmul", "Tf32x3Steps"]
+
+_DROP = 13  # float32 has 23 explicit mantissa bits, TF32 10
+
+
+def round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """x (float32) rounded to the nearest TF32 value (ties away from zero), kept as float32.
+
+    Works on the bit pattern: add half of the dropped part's range, clear the 13 low mantissa
+    bits. Finite values that would round past float32's largest TF32 value, and Inf/NaN, are
+    left as they are (the callers check finiteness before)."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"round_tf32: expected float32, got {x.dtype}")
+    bits = x.contiguous().view(torch.int32)
+    rounded = (bits + (1 << (_DROP - 1))) & ~((1 << _DROP) - 1)
+    exp_all_ones = (bits & 0x7F800000) == 0x7F800000
+    overflow = (rounded & 0x7F800000) == 0x7F800000
+    out = torch.where(exp_all_ones | overflow, bits, rounded)
+    return out.view(torch.float32).view(x.shape)
+
+
+@contextlib.contextmanager
+def tf32_matmul(on: bool = True):
+    """TF32 float32 GEMMs on CUDA inside (cuBLAS), every setting restored after; a no-op when
+    `on` is false. The switch is process-global, as torch's setting is."""
+    if not on:
+        yield
+        return
+    new_api = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:  # new and legacy API disagree: only the new one describes the state
+        legacy = None
+    saved = torch.backends.cuda.matmul.fp32_precision if new_api else None
+    try:
+        if legacy is not None:
+            torch.set_float32_matmul_precision("high")
+        if new_api:
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
+        yield
+    finally:
+        if legacy is not None:
+            torch.set_float32_matmul_precision(legacy)
+        if saved is not None:
+            torch.backends.cuda.matmul.fp32_precision = saved
+
+
+def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    hi = round_tf32(x)
+    return hi, x - hi
+
+
+def _tf32_operand(x: torch.Tensor) -> torch.Tensor:
+    """What a TF32 GEMM reads of x: on CUDA x itself (the tensor cores round it), on the CPU
+    x rounded to TF32 (the emulation)."""
+    return x if x.is_cuda else round_tf32(x)
+
+
+def mm_tf32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with both operands read as TF32 (one GEMM): ~1e-3 relative error. For tests and the
+    accuracy study; no flatten method runs its GEMMs this way."""
+    with tf32_matmul(a.is_cuda):
+        return torch.matmul(_tf32_operand(a), _tf32_operand(b))
+
+
+def mm_tf32x3(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (float32, batched as torch.matmul) through three TF32 GEMMs (module docstring)."""
+    if a.dtype != torch.float32 or b.dtype != torch.float32:
+        raise TypeError(f"mm_tf32x3: expected float32 operands, got {a.dtype} and {b.dtype}")
+    a_hi, a_lo = _split(a)
+    b_hi, b_lo = _split(b)
+    with tf32_matmul(a.is_cuda):
+        out = torch.matmul(a_hi, b_hi)
+        out += torch.matmul(a_hi, _tf32_operand(b_lo))
+        out += torch.matmul(_tf32_operand(a_lo), b_hi)
+    return out
+
+
+class Tf32x3Steps:
+    """The polar iteration's step pieces (polar.TorchSteps' interface) on 3xTF32 GEMMs."""
+
+    @staticmethod
+    def gram(x: torch.Tensor) -> torch.Tensor:
+        return mm_tf32x3(x, x.mT)
+
+    @staticmethod
+    def square(a: torch.Tensor) -> torch.Tensor:
+        return mm_tf32x3(a, a)
+
+    @staticmethod
+    def step(x, a_mat, a2, a: float, b: float, c: float) -> torch.Tensor:
+        """a·X + (b·A + c·A²)·X; A² is formed here unless given."""
+        if a2 is None:
+            a2 = mm_tf32x3(a_mat, a_mat)
+        bm = b * a_mat + c * a2
+        return mm_tf32x3(bm, x).add_(x, alpha=a)

@@ -1,0 +1,172 @@
+"""method="fast", the training grade (isoloco_kernels/fast.py): a flat spectrum on every input, its
+error bands by condition number, the rank certificate and its fallback, on the CPU with the GPU's
+numerics (the precise steps as emulated 3xTF32, the rest bfloat16). The registry-wide contract
+(shapes, dtypes, views, zeros, bad input, entry points) runs in tests/test_methods.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import isoloco_kernels as ik
+from isoloco_kernels import fast, polar
+from isoloco_kernels.iteration_stats import FlattenFallbackWarning
+from isoloco_kernels.reference import iso_flatten_ref
+from tests.helpers import (
+    FLATNESS,
+    captured_pseudo_gradients,
+    cond,
+    flatness,
+    gen,
+    method_tol,
+    rel_err,
+    spectrum,
+    with_spectrum,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PRECISE = [pytest.param(None, id="native"), pytest.param(polar.TF32X3, id="tf32x3")]
+
+
+def _fast(x: torch.Tensor, precise=None) -> tuple[torch.Tensor, tuple]:
+    """(result, indices the certificate sent to the fallback) of fast on a copy of x."""
+    y = x.clone()
+    fast.reset_stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FlattenFallbackWarning)
+        fast.flatten_fast_(y if y.ndim == 3 else y.unsqueeze(0), precise=precise)
+    return y, fast.last_stats().last_recomputed
+
+
+SPECTRA = [("geometric", 1e2), ("geometric", 1e3), ("lowrank_noise", 1e3), ("geometric", 1e4), ("lowrank_noise", 1e4)]
+
+
+@pytest.mark.parametrize("precise", PRECISE)
+@pytest.mark.parametrize("kind,kappa", SPECTRA)
+@pytest.mark.parametrize("shape", [(2, 48, 130), (1, 130, 48), (2, 64, 64)])
+def test_flat_spectrum_and_error_band_on_conditioned_spectra(kind, kappa, shape, precise):
+    b, m, n = shape
+    x = with_spectrum(b, m, n, spectrum(kind, min(m, n), kappa), gen((kind, kappa, shape))).float()
+    out, recomputed = _fast(x, precise)
+    assert recomputed == ()  # κ ≤ 1e4 is inside the certified range: no fallback
+    assert flatness(out, x) <= FLATNESS["fast"]
+    assert rel_err(out, iso_flatten_ref(x)) <= method_tol("fast", x.dtype, kappa)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_every_dtype_keeps_the_contract(dtype):
+    x = with_spectrum(3, 40, 96, spectrum("geometric", 40, 1e2), gen(("dtype", str(dtype)))).to(dtype)
+    out, _ = _fast(x)
+    assert out.dtype == dtype
+    assert flatness(out, x) <= FLATNESS["fast"] + (2e-2 if dtype in (torch.float16, torch.bfloat16) else 0)
+    assert rel_err(out, iso_flatten_ref(x)) <= method_tol("fast", dtype, cond(x))
+
+
+def test_captured_pseudo_gradients():
+    """Every committed real pseudo-gradient (bench/data/captured: condition numbers to ~1e5): flat
+    and within 0.3 (measured ≤ 1e-2), with the precise steps as the GPU runs them (3xTF32)."""
+    for name, d in captured_pseudo_gradients():
+        out, _ = _fast(d, polar.TF32X3)
+        out = out.reshape(d.shape)
+        assert flatness(out, d) <= FLATNESS["fast"], name
+        assert rel_err(out, iso_flatten_ref(d)) <= method_tol("fast", d.dtype, 1e5), name
+
+
+def test_the_issues_rank3_matrix_keeps_its_null_space_empty():
+    """A rank-3 512 × 128 product: bfloat16 steps would lift the null space's round-off to 1
+    (polar_bf16 returned a relative error of 6.5 here before it certified rank). fast's certificate
+    sends it to polar, which hands it on to the exact path: the reference result, null space zero."""
+    g = gen("rank3-512x128")
+    x = (torch.randn(1, 512, 3, generator=g) @ torch.randn(1, 3, 128, generator=g)).contiguous()
+    for method in ("fast", "polar_bf16"):
+        with pytest.warns(FlattenFallbackWarning, match=r"1 of 1 matrices of shape \(512, 128\)"):
+            out = ik.iso_flatten(x, method=method)
+        assert rel_err(out, iso_flatten_ref(x)) <= 1e-5, method
+        s = torch.linalg.svdvals(out[0].double())
+        assert s[3:].max() <= 1e-5 * s[0], method  # the null directions stay (numerically) zero
+
+
+@pytest.mark.parametrize("kappa", [1e6, 1e7])
+def test_beyond_the_certified_range_falls_back_and_stays_flat(kappa):
+    x = with_spectrum(2, 32, 90, spectrum("geometric", 32, kappa), gen(("beyond", kappa))).float()
+    out, recomputed = _fast(x)
+    assert recomputed == (0, 1)
+    assert flatness(out, x) <= 1e-3  # the fallback is float32-accurate
+    assert rel_err(out, iso_flatten_ref(x)) <= 1e-3
+
+
+def test_only_the_uncertified_matrices_fall_back():
+    ok = with_spectrum(3, 24, 60, spectrum("geometric", 24, 1e2), gen("mixed-ok")).float()
+    ok[1] = with_spectrum(1, 24, 60, spectrum("geometric", 24, 1e7), gen("mixed-bad"))[0].float()
+    out, recomputed = _fast(ok)
+    assert recomputed == (1,)
+    assert flatness(out, ok) <= FLATNESS["fast"]
+
+
+def test_the_certificate_reads_singular_values():
+    """polar.certify against svdvals: true exactly when σ_min ≥ floor (zero rows masked)."""
+    g = gen("certify")
+    for floor in (1e-3, 1e-2, 0.1):
+        x = torch.randn(16, 8, 20, generator=g, dtype=torch.float64) * torch.logspace(-3, 0, 16)[:, None, None]
+        smin = torch.linalg.svdvals(x)[:, -1]
+        want = smin >= floor
+        clear = ((smin / floor).log().abs() > 1e-6).nonzero().flatten()  # not on the boundary
+        assert torch.equal(polar.certify(x, floor)[clear], want[clear])
+    z = torch.randn(1, 6, 20, generator=g)
+    z[0, 2] = 0  # a zero row is not a null direction of the flatten (it stays zero exactly)
+    assert bool(polar.certify(z, 1e-3)[0])
+    z[0, 4] = z[0, 0]  # a repeated row is
+    assert not bool(polar.certify(z, 1e-3)[0])
+
+
+def test_the_precision_placement_is_what_keeps_the_contract():
+    """The same schedule with every step in bfloat16 misses the κ 1e3 band (the small directions
+    are rounded away before they are lifted), and the certificate alone cannot see that: this is
+    what the float32-accurate first steps buy, and what the band test above would catch."""
+    x = with_spectrum(2, 64, 160, spectrum("lowrank_noise", 64, 1e3), gen("placement")).float()
+    q, _ = polar.polar_factor(x, gemm_dtypes=(torch.bfloat16,) * polar.STEPS)
+    sbar = (x.double() * q.double()).sum((-2, -1), keepdim=True) / 64
+    assert rel_err(sbar * q.double(), iso_flatten_ref(x)) > method_tol("fast", x.dtype, 1e3)
+    out, _ = _fast(x)
+    assert rel_err(out, iso_flatten_ref(x)) <= method_tol("fast", x.dtype, 1e3)
+
+
+def test_lift_floor_follows_the_schedule():
+    """The certified floor is LIFT_FLOOR × where the precise steps take ELL, and a singular value
+    that starts at LIFT_FLOOR·ELL still ends within 0.5 % of 1 in exact arithmetic."""
+    s = torch.tensor(polar.ELL * fast.LIFT_FLOOR, dtype=torch.float64)
+    for t, (a, b, c) in enumerate(polar.COEFFS):
+        s = a * s + b * s**3 + c * s**5
+        if t == fast.PRECISE_STEPS - 1:
+            assert float(s) == pytest.approx(fast.lift_floor(), rel=1e-3)
+    assert abs(float(s) - 1) <= 5e-3
+
+
+def test_work_model_counts_every_gemm_dtype():
+    w = fast.fast_work(4096, 1024)
+    assert w["compute"] == polar.polar_flops(4096, 1024, fast.PRECISE_STEPS)
+    assert w["bf16"] == polar.polar_flops(4096, 1024, polar.STEPS - fast.PRECISE_STEPS)
+    assert w["fp64"] == 2.0 * 4096 * 1024**2 + 1024**3 / 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_contract_holds_on_tensor_cores():
+    """The same bands on the GPU, where the precise steps run as 3xTF32 and the rest in bfloat16
+    on tensor cores: conditioned spectra, the captured pseudo-gradients, the rank-3 fallback."""
+    for kind, kappa in SPECTRA:
+        x = with_spectrum(2, 96, 300, spectrum(kind, 96, kappa), gen(("cuda", kind, kappa))).float().cuda()
+        out, recomputed = _fast(x)
+        assert recomputed == () and out.is_cuda
+        assert flatness(out, x) <= FLATNESS["fast"], (kind, kappa)
+        assert rel_err(out, iso_flatten_ref(x)) <= method_tol("fast", x.dtype, kappa), (kind, kappa)
+    for name, d in captured_pseudo_gradients():
+        out, _ = _fast(d.cuda())
+        assert flatness(out.reshape(d.shape), d) <= FLATNESS["fast"], name
+        assert rel_err(out.reshape(d.shape), iso_flatten_ref(d)) <= method_tol("fast", d.dtype, 1e5), name
+    g = gen("cuda-rank3")
+    r3 = (torch.randn(1, 512, 3, generator=g) @ torch.randn(1, 3, 128, generator=g)).cuda()
+    out, recomputed = _fast(r3)
+    assert recomputed == (0,) and rel_err(out, iso_flatten_ref(r3)) <= 1e-5
