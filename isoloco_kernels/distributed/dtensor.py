@@ -12,7 +12,7 @@ and before the writes); the collectives are planned before the first agreement (
 Gram route's exact path from its agreed flags) and a rank whose local work fails between them
 still joins each one, so the failure reaches every rank, never a hang. Every buffer handed to a
 collective is made on the mesh group's `agree.comm_device`; results move to the local shards'
-device. Contract and measurements: README "IsoLoCo with FSDP2 / torchtitan + torchft".
+device. Contract and measurements: docs/distributed.md, "IsoLoCo with FSDP2 / torchtitan + torchft".
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
     all-gather θ        → every rank holds the whole updated θ
 
 The bytes of one all-reduce; each Iso-C runs once in the group; momentum lives on the owner.
-All-or-nothing across ranks (agree.py). README "Distributed" has the contract.
+All-or-nothing across ranks (agree.py). docs/distributed.md has the contract.
 """
 
 from __future__ import annotations
