@@ -173,7 +173,14 @@ def test_adoption_files_and_the_declared_torch_range():
 
 
 def test_public_signatures_are_typed():
-    for fn in (ik.IsoLoCo.__init__, ik.ShardedIsoLoCo.__init__, ik.IsoLoCo.step, ik.average_, ik.sharded_iso_merge_):
+    for fn in (
+        ik.IsoLoCo.__init__,
+        ik.ShardedIsoLoCo.__init__,
+        ik.IsoLoCo.step,
+        ik.ShardedIsoLoCo.step,
+        ik.average_,
+        ik.sharded_iso_merge_,
+    ):
         ann = inspect.get_annotations(fn)
         for name in ("params", "process_group", "closure"):
             if name in inspect.signature(fn).parameters:

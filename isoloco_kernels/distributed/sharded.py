@@ -10,7 +10,7 @@ All-or-nothing across ranks (agree.py). docs/distributed.md has the contract.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -177,7 +177,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     # -- the step: check → agree → reduce → compute → agree → write → gather ----------------------
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         ag = Agreement("ShardedIsoLoCo.step", self.process_group)
         loss = None
         if closure is not None:  # a closure that raises on one rank must still reach the agreement
