@@ -37,19 +37,24 @@ def test_torch_compile_of_a_function_calling_iso_merge_():
     xs = [_rand((3, 7, 5), torch.float32, 15), _rand((4, 4), torch.float32, 16)]
     eager = outer([x.clone() for x in xs])
     compiled = torch.compile(outer)([x.clone() for x in xs])
-    for a, b in zip(eager, compiled):
-        assert rel_err(b, a) <= 1e-6
+    for a, b, x in zip(eager, compiled, xs):
+        assert torch.equal(b, a)  # the same kernels, the same digits
+        assert rel_err(b, 2 * iso_flatten_ref(x)) <= TOL[("svd", torch.float32)]
 
 
 def test_op_compiles_fullgraph():
     def f(x):
         torch.ops.isoloco.iso_flatten_(x, "svd")
-        return x.sum()
+        return x * 2
 
     x = _rand((2, 6, 4), torch.float32, 17)
-    got = torch.compile(f, fullgraph=True)(x.clone())
-    want = iso_flatten_ref(x).sum()
-    assert abs(got.item() - want.item()) <= 1e-4 * (1 + abs(want.item()))
+    y = x.clone()
+    got = torch.compile(f, fullgraph=True)(y)
+    eager = x.clone()
+    torch.ops.isoloco.iso_flatten_(eager, "svd")
+    assert torch.equal(y, eager)  # flattened in place, as eager does
+    assert torch.equal(got, 2 * eager)
+    assert rel_err(y, iso_flatten_ref(x)) <= TOL[("svd", torch.float32)]
 
 
 @pytest.mark.parametrize("method", ["svd", "eigh"])
@@ -59,7 +64,9 @@ def test_tall_well_conditioned_keeps_every_direction(method):
     g = torch.Generator().manual_seed(21)
     x = with_spectrum(2, 2048, 32, spectrum("geometric", 32, cond=1e4), g).float()
     out = ik.iso_flatten(x, method=method)
-    assert rel_err(out, iso_flatten_ref(x)) <= 1e-3  # fp32 SVD at cond 1e4: eps·cond-limited
+    # each method's float32 row (measured 2.5e-8 for both: the result's rounding); an SVD or Gram
+    # matrix in float32 would be eps32·κ-limited here (≥ 1e-4)
+    assert rel_err(out, iso_flatten_ref(x)) <= TOL[(method, torch.float32)]
 
 
 def test_auto_is_exact_for_ill_conditioned_float64():
