@@ -58,10 +58,11 @@ def lift_floor(steps: int = PRECISE_STEPS) -> float:
 
 
 def fast_work(k: int, r: int) -> dict[str, float]:
-    """Modelled FLOPs of one r×k matrix (r ≤ k) per GEMM dtype: the precise steps ("compute"; 3xTF32
-    on a tensor-core GPU), the bfloat16 steps, and the certificate's float64 Gram and Cholesky."""
+    """Modelled FLOPs of one r×k matrix (r ≤ k) per GEMM unit: the precise steps ("tf32x3", as a
+    tensor-core GPU runs them; the CPU runs them in float32), the bfloat16 steps, and the
+    certificate's float64 Gram and Cholesky."""
     return {
-        "compute": polar.polar_flops(k, r, PRECISE_STEPS),
+        polar.TF32X3: polar.polar_flops(k, r, PRECISE_STEPS),
         "bf16": polar.polar_flops(k, r, polar.STEPS - PRECISE_STEPS),
         "fp64": 2.0 * k * r * r + r**3 / 3.0,
     }

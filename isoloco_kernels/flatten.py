@@ -9,7 +9,8 @@ Methods: "svd" and "eigh" (exact.py), "polar" (polar.py: matmul-only Polar Expre
 the compute dtype, residual-checked, exact fallback for the matrices that miss the check),
 "polar_bf16" (the same with bfloat16 GEMMs in all but the last steps; ~1e-2 relative error at
 condition number ≤ 1e2 only), "fast" (fast.py: the training grade, float32-accurate steps first and
-bfloat16 after, its flat spectrum certified per matrix, "polar" for the rest), "gram"
+bfloat16 after, its flat spectrum certified per matrix, "polar" for the rest), "polar_tf32x3"
+(polar with its float32 GEMMs as 3xTF32 on tensor cores, polar's contract), "gram"
 (gram.py: the Polar Express iteration on the small Gram matrix in float64, exact to condition number
 ~1e5 for float32 input; residual-checked, SVD for the matrices that miss) and "auto" (see
 `resolve_method`). A new method: its module, one line in `METHODS`, one tolerance row in
@@ -39,7 +40,7 @@ class Method:
 
     run: the in-place flatten of a [B, m, n] view (all-or-nothing; input checked by the op).
     flops: (k, r) -> {GEMM dtype: modelled FLOPs} of one r×k matrix (r ≤ k); dtypes "fp64",
-        "bf16" or COMPUTE; None where the work is not modelled ("auto": it depends on the shape).
+        "bf16", "tf32x3" (float32 through three TF32 GEMMs) or COMPUTE; None where the work is not modelled ("auto": it depends on the shape).
     exact: a direct factorisation (LAPACK / cuSOLVER): reference.py's result at every condition
         number, computed in float64 whatever the input dtype; no iteration, no residual check
         (eigh hands what its Gram matrix cannot resolve to svd itself).
@@ -76,7 +77,8 @@ def _one_dtype(dtype: str, flops: Callable[[int, int], float]) -> Callable[[int,
 
 
 def _polar(mode: str) -> Method:
-    """Polar Express in `mode` ("fp32" or "bf16" GEMMs); it hands what it cannot certify to gram."""
+    """Polar Express in `mode` ("fp32", "tf32x3" or "bf16" GEMMs); it hands what it cannot certify
+    to gram."""
     run = functools.partial(polar.flatten_polar_, mode=mode)
     flops = functools.partial(polar.polar_work, mode=mode)
     return Method(run=run, flops=flops, checks_finite=True, stats=polar.RECORDER, fallback="gram")
@@ -88,6 +90,7 @@ METHODS = Registry(
     eigh=Method(run=exact.flatten_eigh_, flops=_one_dtype("fp64", exact.eigh_flops), exact=True),
     polar=_polar("fp32"),
     polar_bf16=_polar("bf16"),
+    polar_tf32x3=_polar("tf32x3"),
     gram=Method(
         run=gram.flatten_gram_,
         flops=_one_dtype("fp64", gram.gram_flops),

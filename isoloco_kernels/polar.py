@@ -94,9 +94,13 @@ def polar_flops(k: int, r: int, steps: int = STEPS) -> float:
 
 def polar_work(k: int, r: int, mode: str = "fp32") -> dict[str, float]:
     """Modelled FLOPs of one r×k matrix per GEMM dtype: "compute" (the input's compute dtype) for
-    every step of mode "fp32"; mode "bf16" runs all but the last `BF16_FP32_STEPS` in "bf16"."""
+    every step of mode "fp32"; "tf32x3" for every step of mode "tf32x3" (three TF32 GEMMs per
+    product, counted once: the unit's ceiling is a third of TF32's); mode "bf16" runs all but the
+    last `BF16_FP32_STEPS` in "bf16"."""
     if mode == "fp32":
         return {"compute": polar_flops(k, r)}
+    if mode == "tf32x3":
+        return {TF32X3: polar_flops(k, r)}
     hi = min(BF16_FP32_STEPS, STEPS)
     return {"bf16": polar_flops(k, r, STEPS - hi), "compute": polar_flops(k, r, hi)}
 
@@ -305,7 +309,7 @@ def _exact_flatten(sub: torch.Tensor) -> None:
 
 
 def precise_mode(x: torch.Tensor) -> str | torch.dtype:
-    """The GEMM mode of polar's float32-accurate steps for x: TF32X3 for float32 compute on a
+    """The GEMM mode of "fast"'s float32-accurate steps for x: TF32X3 for float32 compute on a
     CUDA device with TF32 tensor cores (compute capability ≥ 8.0: A100, H100, H200, …), else the
     compute dtype (IEEE float32 without TF32; float64 for float64 input; the CPU's BLAS)."""
     cd = compute_dtype(x.dtype)
@@ -323,7 +327,7 @@ def _gemm_modes(x3: torch.Tensor, mode: str):
         raise ValueError(f"flatten_polar_: mode must be one of {MODES}, got {mode!r}")
     cd = compute_dtype(x3.dtype)
     if mode == "fp32":
-        return (precise_mode(x3),) * len(COEFFS)
+        return (cd,) * len(COEFFS)
     if mode == "tf32x3":
         return ((TF32X3 if cd == torch.float32 else cd),) * len(COEFFS)
     k = max(len(COEFFS) - BF16_FP32_STEPS, 0)
@@ -360,9 +364,10 @@ def flatten_polar_(
 ) -> None:
     """In place Iso-C of a [B, m, n] batch through the polar iteration; all-or-nothing.
 
-    mode "fp32": float32-accurate GEMMs: on CUDA devices with TF32 tensor cores as 3xTF32
-    (tf32.py, `precise_mode`), elsewhere in the compute dtype (float64 for float64 input).
-    mode "tf32x3": 3xTF32 on every device (on the CPU emulated: what the GPU computes, for tests).
+    mode "fp32": GEMMs in the compute dtype (IEEE float32, float64 for float64 input).
+    mode "tf32x3": float32 input's GEMMs as 3xTF32 (tf32.py: tensor cores at about float32
+    accuracy; on the CPU emulated, what the GPU computes); float64 input stays float64. The method
+    "polar_tf32x3": a candidate exact grade, not yet what "auto" runs (unmeasured on a GPU).
     mode "bf16": GEMMs in bfloat16 except the last `BF16_FP32_STEPS` steps (tensor-core speed).
     Rounding X to bfloat16 moves its small singular directions by ~2^-8·σ_max, so the error grows
     with the condition number: ~1e-2 at cond 1e2, O(1) at cond 1e4 (bench/results/

@@ -147,7 +147,7 @@ def test_lift_floor_follows_the_schedule():
 
 def test_work_model_counts_every_gemm_dtype():
     w = fast.fast_work(4096, 1024)
-    assert w["compute"] == polar.polar_flops(4096, 1024, fast.PRECISE_STEPS)
+    assert w[polar.TF32X3] == polar.polar_flops(4096, 1024, fast.PRECISE_STEPS)
     assert w["bf16"] == polar.polar_flops(4096, 1024, polar.STEPS - fast.PRECISE_STEPS)
     assert w["fp64"] == 2.0 * 4096 * 1024**2 + 1024**3 / 3
 

@@ -343,7 +343,8 @@ def test_unknown_method_is_refused_everywhere():
         lambda: ik.IsoLoCo([torch.nn.Parameter(x)], method="qr"),
     ):
         with pytest.raises(
-            ValueError, match=r"method must be one of \('auto', 'svd', 'eigh', 'polar', 'polar_bf16', 'gram', 'fast'"
+            ValueError,
+            match=r"method must be one of \('auto', 'svd', 'eigh', 'polar', 'polar_bf16', 'polar_tf32x3', 'gram', 'fast'",
         ):
             call()
     assert torch.equal(x, keep)
@@ -354,10 +355,18 @@ def test_unknown_method_is_refused_everywhere():
 
 
 def test_registry_reads_as_the_tuple_of_names_it_was():
-    assert tuple(METHODS) == ("auto", "svd", "eigh", "polar", "polar_bf16", "gram", "fast")
+    assert tuple(METHODS) == ("auto", "svd", "eigh", "polar", "polar_bf16", "polar_tf32x3", "gram", "fast")
     assert repr(METHODS) == repr(tuple(METHODS)) and "gram" in METHODS and "qr" not in METHODS
-    assert tuple(m for m in METHODS if m != "auto") == ("svd", "eigh", "polar", "polar_bf16", "gram", "fast")
-    assert ik.backends()["methods"] == "svd, eigh, polar, polar_bf16, gram, fast"
+    assert tuple(m for m in METHODS if m != "auto") == (
+        "svd",
+        "eigh",
+        "polar",
+        "polar_bf16",
+        "polar_tf32x3",
+        "gram",
+        "fast",
+    )
+    assert ik.backends()["methods"] == "svd, eigh, polar, polar_bf16, polar_tf32x3, gram, fast"
 
 
 def test_registry_facts_hold_together():
@@ -368,7 +377,7 @@ def test_registry_facts_hold_together():
             assert m.flops is None and m.stats is None
             continue
         work = m.flops(4096, 512)
-        assert work and set(work) <= {"fp64", "bf16", flatten.COMPUTE} and min(work.values()) > 0, name
+        assert work and set(work) <= {"fp64", "bf16", "tf32x3", flatten.COMPUTE} and min(work.values()) > 0, name
         if m.exact:
             assert m.stats is None and m.fallback is None and not m.checks_finite, name
         if m.stats is not None:
