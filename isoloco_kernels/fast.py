@@ -64,7 +64,7 @@ def fast_work(k: int, r: int) -> dict[str, float]:
     return {
         polar.TF32X3: polar.polar_flops(k, r, PRECISE_STEPS),
         "bf16": polar.polar_flops(k, r, polar.STEPS - PRECISE_STEPS),
-        "fp64": 2.0 * k * r * r + r**3 / 3.0,
+        "fp64": polar.certificate_flops(k, r),
     }
 
 

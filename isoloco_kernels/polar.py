@@ -96,13 +96,18 @@ def polar_work(k: int, r: int, mode: str = "fp32") -> dict[str, float]:
     """Modelled FLOPs of one r×k matrix per GEMM dtype: "compute" (the input's compute dtype) for
     every step of mode "fp32"; "tf32x3" for every step of mode "tf32x3" (three TF32 GEMMs per
     product, counted once: the unit's ceiling is a third of TF32's); mode "bf16" runs all but the
-    last `BF16_FP32_STEPS` in "bf16"."""
+    last `BF16_FP32_STEPS` in "bf16", and its rank certificate in "fp64"."""
     if mode == "fp32":
         return {"compute": polar_flops(k, r)}
     if mode == "tf32x3":
         return {TF32X3: polar_flops(k, r)}
     hi = min(BF16_FP32_STEPS, STEPS)
-    return {"bf16": polar_flops(k, r, STEPS - hi), "compute": polar_flops(k, r, hi)}
+    return {"bf16": polar_flops(k, r, STEPS - hi), "compute": polar_flops(k, r, hi), "fp64": certificate_flops(k, r)}
+
+
+def certificate_flops(k: int, r: int) -> float:
+    """Modelled float64 FLOPs of `certify` on one r×k matrix: its Gram matrix and Cholesky."""
+    return 2.0 * k * r * r + r**3 / 3.0
 
 
 # ----------------------------------------------------------------------------------------------

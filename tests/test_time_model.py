@@ -1,0 +1,58 @@
+"""bench/time_model.py: the calibration reproduces the run it was fitted on, every candidate is
+priced from the registry's own work models, and the committed table is what the script prints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import time_model as tm
+from isoloco_kernels import flatten, polar
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run():
+    return tm.load_run(tm.RUN)
+
+
+def test_fitted_efficiencies_are_fractions_of_the_ceilings(run):
+    eff = tm.fit_efficiency(run)
+    assert set(eff) == {"fp32", "fp64", "bf16", "tf32x3"}
+    assert all(0.05 < e <= 1.0 for e in eff.values()), eff
+
+
+@pytest.mark.parametrize("candidate", ["polar", "gram", "auto", "polar_bf16 as run"])
+def test_calibration_reproduces_the_run_it_was_fitted_on(run, candidate):
+    """One efficiency per GEMM unit, fitted over both sets, predicts each measured median within
+    15 % (the spread between the two sets' own efficiencies)."""
+    ceil, eff = tm.ceilings_of(run), tm.fit_efficiency(run)
+    medians = tm._medians(run)
+    impl = tm.MEASURED_NAMES[candidate]
+    for set_name in ("llama-178m", "llama-1b"):
+        t, flops = tm.predict(candidate, set_name, ceil, eff)
+        assert abs(t / medians[(impl, set_name)]["median_s"] - 1) < 0.15, (candidate, set_name)
+        if candidate != "polar_bf16 as run":  # the run recorded the FLOPs its model counted
+            assert sum(flops.values()) == pytest.approx(sum(medians[(impl, set_name)]["flops"].values()), rel=1e-9)
+
+
+def test_candidates_are_priced_from_the_registry(run):
+    ceil, eff = tm.ceilings_of(run), tm.fit_efficiency(run)
+    _, flops = tm.predict("fast", "llama-178m", ceil, eff)
+    want: dict = {}
+    for b, m, n in tm.bucket_shapes([s for _, s in tm.decoder_weight_shapes(tm.SETS["llama-178m"])]):
+        for u, f in flatten.flops_per_dtype("fast", max(m, n), min(m, n), "fp32").items():
+            want[u] = want.get(u, 0.0) + b * f
+    assert flops == pytest.approx(want)
+    assert set(flops) == {polar.TF32X3, "bf16", "fp64"}
+    # more work on a slower unit never predicts less time
+    t_fast, _ = tm.predict("fast", "llama-1b", ceil, eff)
+    t_bf16, _ = tm.predict("bf16 only", "llama-1b", ceil, eff)
+    assert t_fast > t_bf16
+
+
+def test_the_committed_table_is_what_the_script_prints(run):
+    committed = (ROOT / "bench" / "results" / "time_model.md").read_text()
+    assert tm.table(run) in committed, "regenerate: python bench/time_model.py --out bench/results/time_model.md"
