@@ -9,7 +9,7 @@ import torch
 
 import isoloco_kernels as ik
 from isoloco_kernels.reference import iso_flatten_ref
-from tests.helpers import TOL, rel_err, spectrum, with_spectrum
+from tests.helpers import TOL, method_tol, rel_err, spectrum, with_spectrum
 
 
 def _rand(shape, dtype, seed):
@@ -64,9 +64,9 @@ def test_tall_well_conditioned_keeps_every_direction(method):
     g = torch.Generator().manual_seed(21)
     x = with_spectrum(2, 2048, 32, spectrum("geometric", 32, cond=1e4), g).float()
     out = ik.iso_flatten(x, method=method)
-    # each method's float32 row (measured 2.5e-8 for both: the result's rounding); an SVD or Gram
-    # matrix in float32 would be eps32·κ-limited here (≥ 1e-4)
-    assert rel_err(out, iso_flatten_ref(x)) <= TOL[(method, torch.float32)]
+    # each method's float32 row at κ 1e4 (measured 2.5e-8 for both: the result's rounding); an SVD
+    # or Gram matrix in float32 would be eps32·κ-limited here (≥ 1e-4)
+    assert rel_err(out, iso_flatten_ref(x)) <= method_tol(method, torch.float32, 1e4)
 
 
 def test_auto_is_exact_for_ill_conditioned_float64():

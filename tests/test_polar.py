@@ -17,7 +17,8 @@ from isoloco_kernels.flatten import resolve_method
 from isoloco_kernels.gram import GramFallbackWarning
 from isoloco_kernels.iteration_stats import FlattenFallbackWarning
 from isoloco_kernels.reference import iso_flatten_ref
-from tests.helpers import DTYPES, TOL, gen, rel_err, reset_tf32, spectrum, with_spectrum
+from tests.helpers import DTYPES, TOL, gen, method_tol, rel_err, reset_tf32, spectrum, with_spectrum
+from tests.helpers import cond as condition_number
 
 
 def _gen(key) -> torch.Generator:
@@ -166,8 +167,9 @@ ODD_SHAPES = [(1, 9), (9, 1), (1, 1), (7, 7), (13, 5), (5, 13), (3, 6, 4), (4, 5
 
 def test_float64_is_iterated_in_float64():
     x = with_spectrum(2, 30, 50, spectrum("geometric", 30, cond=1e4), _gen(5))
-    # float64 GEMMs reach far below the fp32 contract; the residual check still passes
-    assert rel_err(_flatten_quiet(x), iso_flatten_ref(x)) <= 1e-8
+    # float64 GEMMs leave only the schedule's own error (measured 2.6e-12; float32 GEMMs: ~1e-6);
+    # the residual check still passes
+    assert rel_err(_flatten_quiet(x), iso_flatten_ref(x)) <= TOL[("polar", torch.float64)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,10 +221,13 @@ def test_polar_bf16_on_well_conditioned_input(dtype):
 
 
 @pytest.mark.parametrize("shape", [(4, 16, 16), (2, 16, 96), (2, 96, 16), (1, 40, 40)], ids=str)
-def test_auto_on_cpu_is_an_exact_method_within_1e_4(shape):
+def test_auto_on_cpu_is_an_exact_method_at_its_row(shape):
     x = torch.randn(shape, generator=_gen(12))
-    assert resolve_method("auto", x) in ("svd", "eigh")
-    assert rel_err(ik.iso_flatten(x, method="auto"), iso_flatten_ref(x)) <= 1e-4
+    served = resolve_method("auto", x)
+    assert served in ("svd", "eigh")
+    # the float64 result rounded to float32: measured 2.5e-8 (a float32 factorization: ≥ 3e-7)
+    tol = method_tol(served, torch.float32, condition_number(x))
+    assert rel_err(ik.iso_flatten(x, method="auto"), iso_flatten_ref(x)) <= tol
 
 
 def test_polar_rejects_unknown_mode_and_gemm():
