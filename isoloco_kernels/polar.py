@@ -44,6 +44,7 @@ BF16_FP32_STEPS = 2  # "polar_bf16": all steps but the last two run their GEMMs 
 # null direction of the input for its bfloat16 steps (float32 rounding leaves ≤ ~1·eps32·σ_max
 # there; reference.py cuts at ~4.8e-7) which they would lift to 1: such matrices go to the fallback.
 RANK_FLOOR = 1e-6
+CERTIFY_BLOCK_BYTES = 256 << 20  # `certify`'s float64 scratch for a slice of the iterate
 TF32X3 = "tf32x3"  # a GEMM mode of `polar_factor`: float32 through three TF32 GEMMs (tf32.py)
 
 
@@ -343,8 +344,14 @@ def certify(x: torch.Tensor, floor: float) -> torch.Tensor:
     """[B] bool: every singular value of the [B, r, k] matrices x (r ≤ k) off their zero rows is
     ≥ `floor` (Cholesky of x xᵀ − floor²·I in float64, zero rows' diagonal set to 1). False for
     a rank-deficient x (zero rows aside) and for x with a singular value below the floor."""
-    x64 = x.to(torch.float64)
-    gram = torch.matmul(x64, x64.mT)
+    b, r, k = x.shape
+    # The float64 Gram matrix summed over column blocks: a block of at most CERTIFY_BLOCK_BYTES
+    # in float64 at a time, never a float64 copy of x.
+    step = max(1, CERTIFY_BLOCK_BYTES // (8 * max(b * r, 1)))
+    gram = torch.zeros(b, r, r, dtype=torch.float64, device=x.device)
+    for j in range(0, k, step):
+        xb = x[..., j : j + step].to(torch.float64)
+        gram.baddbmm_(xb, xb.mT)
     zero_rows = (x == 0).all(-1)
     gram.diagonal(dim1=-2, dim2=-1).add_(zero_rows.to(torch.float64) - floor * floor)
     _, info = torch.linalg.cholesky_ex(gram)
