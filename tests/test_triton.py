@@ -262,9 +262,10 @@ def test_iso_scale(tk, dtype, shape):
     sbar = iso.iso_scale_triton(poisoned, q, block=64, max_splits=3)  # several splits per matrix
     assert sbar.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert sbar.shape == x.shape[:-2]
-    assert rel_err(sbar, want_sbar) <= TOL[("exact", torch.float32)]
-    assert rel_err(poisoned, want_sbar[..., None, None] * q.double()) <= TOL[("exact", dtype)]
-    assert rel_err(poisoned, iso_flatten_ref(x)) <= TOL[("exact", dtype)] * 2
+    # the kernel's row (measured: float32 ≤ 9e-8, float64 ≤ 3e-16); vs the reference Q is rounded too
+    assert rel_err(sbar, want_sbar) <= TOL[("iso_scale", sbar.dtype)]
+    assert rel_err(poisoned, want_sbar[..., None, None] * q.double()) <= TOL[("iso_scale", dtype)]
+    assert rel_err(poisoned, iso_flatten_ref(x)) <= TOL[("iso_scale", dtype)] * 2
 
 
 @needs_kernels
@@ -276,7 +277,7 @@ def test_iso_scale_strided_in_place(tk):
     q = q.float().to(dev)
     want = iso_flatten_ref(view)
     iso.iso_scale_triton(view, q, block=32, max_splits=4)
-    assert rel_err(base.transpose(-1, -2), want) <= TOL[("exact", torch.float32)]
+    assert rel_err(base.transpose(-1, -2), want) <= TOL[("iso_scale", torch.float32)]
 
 
 @needs_kernels
@@ -292,8 +293,8 @@ def test_iso_scale_flat_and_strided_paths_agree(tk, layout):
     assert iso.splits_for(2, 24 * 50, 32) == triton.cdiv(24 * 50, 32)
     sbar = iso.iso_scale_triton(x, q, block=32)
     want = (x0.double() * q0.double()).sum((-2, -1)) / 24
-    assert rel_err(sbar, want) <= TOL[("exact", torch.float32)]
-    assert rel_err(x, want[:, None, None] * q0.double()) <= TOL[("exact", torch.float32)]
+    assert rel_err(sbar, want) <= TOL[("iso_scale", torch.float32)]
+    assert rel_err(x, want[:, None, None] * q0.double()) <= TOL[("iso_scale", torch.float32)]
 
 
 def test_iso_scale_splits_fill_the_gpu_for_few_huge_matrices():
@@ -319,7 +320,7 @@ def test_iso_scale_dispatch_takes_triton_where_it_runs_and_torch_last():
     for c in (chosen, dispatch.TABLES[("iso_scale_", "cuda")][-1]):
         y = x.clone()
         sbar = c.run(y, q.float())
-        assert sbar.shape == (2,) and rel_err(y, want) <= TOL[("exact", torch.float32)], c.name
+        assert sbar.shape == (2,) and rel_err(y, want) <= TOL[("iso_scale", torch.float32)], c.name
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -350,7 +351,7 @@ def test_kernels_on_the_second_gpu():
     q = polar_ref(x.double())[0].float().to(dev)
     y = x.clone()
     iso_scale.iso_scale_triton(y, q)
-    assert rel_err(y, iso_flatten_ref(x.double())) < TOL[("polar", torch.float32)]
+    assert rel_err(y, iso_flatten_ref(x.double())) <= TOL[("iso_scale", torch.float32)]  # Q exact: no polar error
     ps = [torch.zeros(5, device=dev), torch.zeros(3, device="cuda:0")]
     bs = [torch.zeros_like(p) for p in ps]
     us = [torch.ones_like(p) for p in ps]
@@ -379,4 +380,4 @@ def test_batches_beyond_the_grid_axis_cap_run_in_chunks(tk, monkeypatch):
     q = polar_ref(x.double())[0].float().to(dev)
     y = x.clone()
     iso_scale.iso_scale_triton(y, q)
-    assert rel_err(y, iso_flatten_ref(x.double())) < TOL[("polar", torch.float32)]
+    assert rel_err(y, iso_flatten_ref(x.double())) <= TOL[("iso_scale", torch.float32)]  # Q exact (measured 4.8e-8)
