@@ -60,15 +60,20 @@ def check_all_finite(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> N
 
 def amaxes(tensors: Sequence[torch.Tensor]) -> list[float]:
     """Largest |entry| of each tensor (0 for an empty one; NaN when it holds a NaN, Inf when it
-    holds an Inf): one fused pass and one host sync per (device, dtype)."""
+    holds an Inf): one fused `_foreach_norm` pass per (device, dtype) and one host sync per device."""
     out = [0.0] * len(tensors)
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         if t.numel():
             groups.setdefault((t.device, t.dtype), []).append(i)
-    for idx in groups.values():
+    per_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+    for (device, _), idx in groups.items():
         norms = torch._foreach_norm([tensors[i] for i in idx], float("inf"))
-        for i, v in zip(idx, torch.stack(norms).tolist()):
+        order, parts = per_device.setdefault(device, ([], []))
+        order += idx
+        parts.append(torch.stack(norms).to(torch.float64))  # float64 holds every dtype's max exactly
+    for order, parts in per_device.values():
+        for i, v in zip(order, torch.cat(parts).tolist()):
             out[i] = v
     return out
 

@@ -35,6 +35,7 @@ from ._validate import (
     is_fake,
     read_write_overlaps,
 )
+from .buckets import chunk_rows, flatten_chunked_
 from .flatten import check_method, iso_flatten_impl
 from .nesterov import update_compute_dtype
 
@@ -257,12 +258,18 @@ def _nesterov_aside(p, b, u, lr: float, mu: float, s: float, name: str, i: int):
     return out
 
 
-def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales, names=None) -> Callable[[], None]:
+def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales, names=None, amax=None) -> Callable[[], None]:
     """Every check of nesterov_outer_ (arguments, written tensors, updates aliasing them, the
     finiteness rule) and the float64 update of the tensors whose compute-dtype update could
     overflow, before any write;
     returns the function that writes. names[i] names tensor i in errors (default
-    "nesterov_outer_: tensor i"). One fused pass and one host sync per (device, dtype)."""
+    "nesterov_outer_: tensor i"). One fused pass and one host sync per device.
+
+    amax: for callers that already know them (the optimizers: outer.py), a finite upper bound
+    on the largest |entry| of each of params, bufs, updates (3n entries, that order; None where
+    unknown): those tensors are not read here. A tensor whose bound is too loose to show its
+    update fits is read once more (its exact largest entry) before it is sent to the float64 path.
+    The returned function's `amax` attribute holds the values used (bounds or exact)."""
     params, bufs, updates = list(params), list(bufs), list(updates)
     lr, momentum = float(lr), float(momentum)
     check_nesterov_args(params, bufs, updates, lr, momentum, scales)
@@ -271,16 +278,35 @@ def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales, names=N
     n = len(params)
     names = names or [f"nesterov_outer_: tensor {i}" for i in range(n)]
     tensors = [*params, *bufs, *updates]
-    amax = amaxes(tensors)
-    check_amax_finite(tensors, amax, [f"{nm}: {w}" for w in ("param", "momentum buffer", "update") for nm in names])
+    labels = [f"{nm}: {w}" for w in ("param", "momentum buffer", "update") for nm in names]
+    known = [None] * (3 * n) if amax is None else list(amax)
+    if len(known) != 3 * n:
+        raise ValueError(f"nesterov_outer_: amax must have 3 entries per tensor ({3 * n}), got {len(known)}")
+    read = [j for j in range(3 * n) if known[j] is None]
+    got = amaxes([tensors[j] for j in read])
+    check_amax_finite([tensors[j] for j in read], got, [labels[j] for j in read])
+    for j, v in zip(read, got):
+        known[j] = v
+    amax = known
     s = [1.0] * n if scales is None else scales.tolist()
     for i, v in enumerate(s):
         if not math.isfinite(v):
             raise ValueError(f"{names[i]}: scales[{i}] is {v}; scales must be finite; nothing was written")
+
+    def fits(i: int) -> bool:
+        return _nesterov_fits(params[i], bufs[i], amax[i], amax[n + i], abs(s[i]) * amax[2 * n + i], lr, momentum)
+
+    # bounds too loose to show the update fits: the exact largest entries decide (one more pass)
+    loose = [j for i in range(n) if not fits(i) for j in (i, n + i, 2 * n + i) if j not in read]
+    if loose:
+        exact = amaxes([tensors[j] for j in loose])
+        check_amax_finite([tensors[j] for j in loose], exact, [labels[j] for j in loose])
+        for j, v in zip(loose, exact):
+            amax[j] = v
     aside = {
         i: _nesterov_aside(params[i], bufs[i], updates[i], lr, momentum, s[i], names[i], i)
         for i in range(n)
-        if not _nesterov_fits(params[i], bufs[i], amax[i], amax[n + i], abs(s[i]) * amax[2 * n + i], lr, momentum)
+        if not fits(i)
     }
     rest = [i for i in range(n) if i not in aside]
     if len(rest) == n:
@@ -296,6 +322,7 @@ def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales, names=N
             params[i].copy_(p_new)
             bufs[i].copy_(b_new)
 
+    apply.amax = amax
     return apply
 
 
@@ -333,9 +360,11 @@ def iso_merge_(buckets: Sequence[torch.Tensor], *, method: str = "auto") -> list
     and every bucket stays bit-identical. Every finite input whose Iso-C result fits its dtype
     gets it (each matrix is scaled by a power of two first); a result that does not fit raises
     ResultOverflowError (a ValueError) naming bucket and matrix, with nothing written.
-    All or nothing across buckets: with several non-empty buckets, all but the largest are
-    flattened into scratch copies first (memory: those buckets once more), the largest in place,
-    and the copies are written back only once every bucket succeeded.
+    All or nothing across buckets: all but the last slice of the largest bucket are flattened
+    into scratch copies first, that slice in place, and the copies are written back only once
+    every bucket succeeded. Memory beside the buckets: those copies (less than the buckets) and
+    one slice's scratch, within `buckets.workspace_bytes()` (2 GiB by default; each method's
+    scratch per matrix is modelled in `buckets.WORKSPACE_MODEL`) unless one matrix alone needs more.
     Zero-size buckets pass through; buckets may live on different devices. Fake tensors
     (FakeTensorMode, tracing) get the metadata checks and the op's fake impl.
 
@@ -361,12 +390,29 @@ def iso_merge_(buckets: Sequence[torch.Tensor], *, method: str = "auto") -> list
     last = max(todo, key=lambda i: buckets[i].numel(), default=None)
     aside = {i: buckets[i].clone() for i in todo if i != last}
     for i, c in aside.items():
-        iso_merge_unchecked_([c], method, first=i)
-    if last is not None:
-        iso_merge_unchecked_([buckets[last]], method, first=last)
+        _flatten_bucket_(c, method, i)
+    if last is not None:  # its last slice in place, the slices before it aside
+        x3 = buckets[last] if buckets[last].ndim == 3 else buckets[last].unsqueeze(0)
+        cut = (x3.shape[0] - 1) // chunk_rows(method, x3) * chunk_rows(method, x3)
+        head = x3[:cut].clone()
+        _flatten_bucket_(head, method, last)
+        _flatten_bucket_(x3[cut:], method, last, offset=cut)
+        x3[:cut].copy_(head)
     for i, c in aside.items():
         buckets[i].copy_(c)
     return buckets
+
+
+def _flatten_bucket_(x: torch.Tensor, method: str, i: int, offset: int = 0) -> None:
+    """Bucket i (checked) flattened in place in slices of bounded scratch (`buckets.flatten_chunked_`);
+    a result that does not fit names bucket i and the matrix (offset: x's first matrix in the bucket)."""
+    try:
+        flatten_chunked_(x, method)
+    except ResultOverflowError as e:
+        j = None if e.matrix is None else e.matrix + offset
+        raise ResultOverflowError(
+            f"bucket {i}: {str(e).replace(f'matrix {e.matrix}', f'matrix {j}', 1)}", matrix=j, bucket=i
+        ) from None
 
 
 def iso_merge_unchecked_(buckets: Sequence[torch.Tensor], method: str, *, first: int = 0, index=None) -> None:

@@ -30,6 +30,7 @@ from .outer import (
     check_param_dtypes,
     collect,
     load_sgd_state,
+    nesterov_rows,
     outer_defaults,
     prepare_nesterov,
     sgd_keywords,
@@ -243,13 +244,7 @@ class IsoLoCo(torch.optim.Optimizer):
 
     def _prepare_nesterov(self, entries: list[Entry], iso: dict[int, torch.Tensor]) -> Callable[[], None]:
         """The Nesterov update, checked and ready to write (`outer.prepare_nesterov`)."""
-        return prepare_nesterov(
-            self,
-            [
-                (e.p, iso.get(k, e.g), e.group["lr"], e.group["momentum"], f"IsoLoCo: {e.name}")
-                for k, e in enumerate(entries)
-            ],
-        )
+        return prepare_nesterov(self, nesterov_rows(entries, iso, "IsoLoCo: "))
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One outer step from the `.grad` of each param (params without a grad are skipped).

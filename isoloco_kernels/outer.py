@@ -6,12 +6,30 @@ check before any write (`collect`), constructor defaults (`outer_defaults`), Iso
 matrices batched by shape (`bucket_flatten`), momentum buffers (`prepare_nesterov`: made on first
 use in the compute dtype, joined to the state only once written), SGD-shaped state (`SGD_KEYS`,
 `check_state_dict`, `restore_half_momentum`). The update rule is `reference.isoloco_step_ref`.
+
+The trust boundary of a step (what is checked where; everything before the first write):
+- grads: read once by `collect` (their largest entries: NaN/Inf refused by name), in the same
+  fused pass and host sync as the params'. The Iso-C results are bounded from those numbers
+  (`iso_bound`) and refused by the flatten itself when they do not fit their dtype.
+- params: read once by `collect`, every step (writes through `.data` or from outside torch do not
+  show in a tensor's version counter, so nothing the step did before vouches for them).
+- momentum buffers: read by `collect` when loaded, replaced, or written in place by torch since
+  this optimizer last wrote them (version counter and identity); otherwise the bound recorded at
+  that write (μ·|buf| + |u|, with slack for rounding) stands in for a read. Writes that bypass the
+  version counter (`buf.data`, DLPack, CUDA kernels of other libraries) are outside the boundary.
+- the Nesterov update: `ops.prepare_nesterov_outer_` gets those numbers and reads no tensor
+  unless a bound is too loose to show the update fits (then the exact largest entries decide, and
+  the float64 path where they still do not); the update then reads p, buf, u and writes p, buf once.
+So one host sync decides the step's verdict on its input (one per device), and the flatten's own
+checks decide on its results; the bucket buffers are not checked again (they hold checked grads).
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -20,15 +38,17 @@ import torch
 from ._validate import (
     SUPPORTED_DTYPES,
     ResultOverflowError,
+    amaxes,
     check_all_finite,
+    check_amax_finite,
     check_writable,
     compute_dtype,
     overflow_limit,
     read_write_overlaps,
 )
-from .buckets import BucketPlan
+from .buckets import BucketPlan, flatten_chunked_
 from .flatten import check_method
-from .ops import iso_merge_unchecked_, prepare_nesterov_outer_
+from .ops import prepare_nesterov_outer_
 
 __all__ = [
     "SGD_KEYS",
@@ -40,7 +60,9 @@ __all__ = [
     "collect",
     "is_dtensor",
     "load_sgd_state",
+    "iso_bound",
     "local",
+    "nesterov_rows",
     "outer_defaults",
     "prepare_nesterov",
     "sgd_keywords",
@@ -199,6 +221,11 @@ class Entry:
     g: torch.Tensor
     group: dict
     name: str
+    #: largest |entry| of the grad, the param and the held momentum buffer (local shards; None:
+    #: no held buffer), from `collect`'s one pass; the buffer's may be a bound (`_trusted_bound`)
+    amax_g: float = 0.0
+    amax_p: float = 0.0
+    amax_b: Optional[float] = None
 
     @property
     def iso(self) -> bool:
@@ -233,14 +260,17 @@ def collect(
     name: Callable[[int, int, torch.Tensor], str],
     check: Optional[Callable[[torch.Tensor, torch.Tensor, str], None]] = None,
     require_grads: bool = False,
+    check_params: bool = True,
 ) -> list[Entry]:
     """Every param with a grad, checked before the step writes anything.
 
     Checked: each group (`check_group`); each grad dense, of a supported dtype, and what `check`
     adds for the optimizer (shape, device, placements); the grads and the held momentum buffers
     finite (`check_all_finite`), the buffers shaped like their params (`buffer_problem`); every
-    param and held buffer writable; a grad sharing memory with any of those is copied first.
-    `name(gi, pi, p)` names a param in errors; `require_grads`:
+    param and held buffer writable; a grad sharing memory with any of those is copied first;
+    with `check_params`, the params finite (one pass: `amaxes` over grads, params and the held
+    buffers not trusted, one host sync per device; each entry keeps its largest entries for the
+    Nesterov bounds, `nesterov_rows`). `name(gi, pi, p)` names a param in errors; `require_grads`:
     a param without a grad is an error (the sharded step needs every rank's grads)."""
     entries: list[Entry] = []
     for gi, group in enumerate(opt.param_groups):
@@ -264,17 +294,35 @@ def collect(
             if check is not None:
                 check(p, g, n)
             entries.append(Entry(gi, pi, p, g, group, n))
-    check_all_finite([local(e.g) for e in entries], [f"{where}: {e.name} grad" for e in entries])
     held = [(e, opt.state[e.p].get("momentum_buffer")) for e in entries if e.p in opt.state]
     held = [(e, b) for e, b in held if b is not None]
-    for e, b in held:
-        why = buffer_problem(b, e.p)
-        if why:
-            raise ValueError(f"{where}: {e.name} momentum_buffer {why}")
+    problems = [(e, why) for e, b in held if (why := buffer_problem(b, e.p))]
+    # One pass over what must be read (every grad, every param, each held buffer this optimizer
+    # did not write itself since: `_trusted_bound`), one host sync: the step's verdict on its input.
+    trusted = {} if problems else {id(e): _trusted_bound(opt, b) for e, b in held}
+    unread = [(e, b) for e, b in held if trusted.get(id(e)) is None]
+    grads, params = [local(e.g) for e in entries], [local(e.p) for e in entries]
+    reads = grads + (params if check_params else []) + ([] if problems else [local(b) for _, b in unread])
+    amax = amaxes(reads)
+    n = len(entries)
+    check_amax_finite(grads, amax[:n], [f"{where}: {e.name} grad" for e in entries])
+    for e, why in problems:
+        raise ValueError(f"{where}: {e.name} momentum_buffer {why}")
+    for k, e in enumerate(entries):
+        e.amax_g = amax[k]
+        e.amax_p = amax[n + k] if check_params else float("nan")
+    rest = amax[2 * n if check_params else n :]
+    check_amax_finite([local(b) for _, b in unread], rest, [f"{where}: {e.name} momentum_buffer" for e, _ in unread])
+    for (e, _), v in zip(unread, rest):
+        e.amax_b = v
+    for e, _ in held:
+        if trusted.get(id(e)) is not None:
+            e.amax_b = trusted[id(e)]
     bnames = [f"{where}: {e.name} momentum_buffer" for e, _ in held]
-    check_all_finite([local(b) for _, b in held], bnames)
     written = [local(e.p) for e in entries] + [local(b) for _, b in held]
     check_writable(written, [f"{where}: {e.name}" for e in entries] + bnames)
+    if check_params:
+        check_amax_finite(params, [e.amax_p for e in entries], [f"{where}: {e.name}: param" for e in entries])
     # a grad sharing memory with a param or buffer the step writes (another param, a loaded
     # buffer) would be read half-updated: the step reads a copy of it instead
     for k in sorted({r for r, _ in read_write_overlaps([local(e.g) for e in entries], written)}):
@@ -283,6 +331,18 @@ def collect(
 
 
 # -- Iso-C of the step's matrices, batched by shape ---------------------------------------------
+
+
+def iso_merge_unchecked_(buffers: Sequence[torch.Tensor], method: str) -> None:
+    """`bucket_flatten`'s flatten of its buffers, packed from grads already checked finite (so no
+    second check): each buffer in slices whose scratch stays within `buckets.workspace_bytes()`
+    (`buckets.flatten_chunked_`). A result that does not fit raises ResultOverflowError with the
+    bucket and matrix set."""
+    for i, b in enumerate(buffers):
+        try:
+            flatten_chunked_(b, method)
+        except ResultOverflowError as e:
+            raise ResultOverflowError(f"bucket {i}: {e}", matrix=e.matrix, bucket=i) from None
 
 
 def bucket_flatten(
@@ -294,7 +354,8 @@ def bucket_flatten(
 ) -> tuple[Optional[BucketPlan], list[torch.Tensor]]:
     """Iso-C of 2-D tensors (already checked by the caller), batched by shape: packed into the
     [B, m, n] buffers of a `BucketPlan` (`plan`, reused while it matches the tensors, else a new
-    one), flattened in place by `merge(buffers)` (default: `iso_merge_unchecked_` with `method`).
+    one), flattened in place by `merge(buffers)` (default: `method` on each buffer in slices whose
+    scratch stays within `buckets.workspace_bytes()`, `buckets.flatten_chunked_`).
     Returns (the plan, to keep for the next step; each tensor's result as a view in its own
     orientation). A result that does not fit its bucket's dtype raises ResultOverflowError naming
     its tensor by `names`."""
@@ -321,35 +382,97 @@ def bucket_flatten(
 # -- the Nesterov half of the step --------------------------------------------------------------
 
 
+#: Slack on a recorded bound: the kernels round buf' = μ·buf + u once or twice (relative 2⁻⁸ in
+#: bfloat16, the coarsest dtype a buffer may have), so 1 % covers every rounding of the bound.
+_BOUND_SLACK = 1.01
+
+
+def _trusted_bound(opt: torch.optim.Optimizer, buf: torch.Tensor) -> Optional[float]:
+    """A bound on |buf| recorded when this optimizer last wrote `buf` (`prepare_nesterov`), if
+    nothing wrote buf since: the same tensor object at the same version counter. None otherwise
+    (a loaded or replaced buffer, or one written in place by torch since)."""
+    rec = getattr(opt, "_outer_bounds", {}).get(id(buf))
+    if rec is None or rec[0]() is not buf or rec[1] != local(buf)._version:
+        return None
+    return rec[2]
+
+
+def _record_bounds(opt: torch.optim.Optimizer, written: list[tuple[torch.Tensor, float]]) -> None:
+    """After the writes: for each (buffer, bound on its new entries), the bound and the buffer's
+    version counter now. The table holds weak references, so it never keeps a buffer alive."""
+    table = {k: v for k, v in getattr(opt, "_outer_bounds", {}).items() if v[0]() is not None}
+    for buf, bound in written:
+        table[id(buf)] = (weakref.ref(buf), local(buf)._version, bound)
+    opt.__dict__["_outer_bounds"] = table
+
+
+def iso_bound(e: Entry) -> Optional[float]:
+    """A bound on the largest entry of iso(Δ) for an entry whose whole grad Δ is local: s̄·|Q_ij|
+    ≤ σ_max ≤ √(m·n)·max|Δ| (|Q_ij| ≤ 1 for a partial isometry), doubled for the iterative
+    methods' approximate Q. None for a DTensor shard (its whole matrix's largest entry is not
+    known here)."""
+    if is_dtensor(e.g) or not math.isfinite(e.amax_g):
+        return None
+    m, n = e.g.shape
+    return 2.0 * math.sqrt(m * n) * e.amax_g
+
+
+def nesterov_rows(entries: Sequence[Entry], updates: dict, prefix: str) -> list[tuple]:
+    """The rows of `prepare_nesterov` for `collect`'s entries: entry k's update is updates[k]
+    (an Iso-C result) or its own grad, with the bounds `collect` found (params, held buffers,
+    grads; `iso_bound` for the Iso-C results), so the Nesterov pass reads nothing else."""
+    rows = []
+    for k, e in enumerate(entries):
+        if k in updates:
+            u, au = updates[k], iso_bound(e)
+        else:
+            u, au = local(e.g), e.amax_g
+        ap = e.amax_p if math.isfinite(e.amax_p) else None
+        rows.append((e.p, u, e.group["lr"], e.group["momentum"], f"{prefix}{e.name}", (ap, e.amax_b, au)))
+    return rows
+
+
 def prepare_nesterov(opt: torch.optim.Optimizer, rows) -> Callable[[], None]:
     """Everything but the writes of the Nesterov update. rows: (param, update, lr, momentum, name)
-    with the update shaped like the param's local tensor. Momentum buffers are made where missing
-    (zeros in the compute dtype, a DTensor for a DTensor param); one fused `nesterov_outer_` call per
-    (device, lr, momentum), each checked by the op's finiteness rule (`ops.prepare_nesterov_outer_`).
-    Returns the function that writes; new buffers join the state only after it ran, so a failure
-    cannot leave half-made state behind."""
-    calls: dict[tuple, tuple[list, list, list, list]] = {}
+    with the update shaped like the param's local tensor, optionally a 6th item (amax of the
+    param, of its held buffer, of the update: bounds already known, None where not; `nesterov_rows`).
+    Momentum buffers are made where missing (zeros in the compute dtype, a DTensor for a DTensor
+    param); one fused `nesterov_outer_` call per (device, lr, momentum), each checked by the op's
+    finiteness rule (`ops.prepare_nesterov_outer_`), reading only the tensors whose bound is not
+    known. Returns the function that writes; new buffers join the state only after it ran, so a
+    failure cannot leave half-made state behind. After the writes each buffer's bound is recorded
+    (`_trusted_bound`): the next step need not read a buffer nothing else wrote."""
+    calls: dict[tuple, tuple[list, list, list, list, list]] = {}
     fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for p, u, lr, momentum, name in rows:
+    for row in rows:
+        p, u, lr, momentum, name = row[:5]
+        ap, ab, au = row[5] if len(row) > 5 else (None, None, None)
         buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
         if buf is None:
             buf = torch.zeros_like(p, dtype=compute_dtype(p.dtype))
             fresh.append((p, buf))
-        ps, bs, us, names = calls.setdefault((local(p).device, float(lr), float(momentum)), ([], [], [], []))
+            ab = 0.0
+        ps, bs, us, names, known = calls.setdefault((local(p).device, float(lr), float(momentum)), ([], [], [], [], []))
         ps.append(local(p))
-        bs.append(local(buf))
+        bs.append(buf)
         us.append(u)
         names.append(name)
-    applies = [
-        prepare_nesterov_outer_(ps, bs, us, lr, mu, None, names=names)
-        for (_, lr, mu), (ps, bs, us, names) in calls.items()
-    ]
+        known.append((ap, ab, au))
+    applies = []
+    for (_, lr, mu), (ps, bs, us, names, known) in calls.items():
+        amax = [k[0] for k in known] + [k[1] for k in known] + [k[2] for k in known]
+        fn = prepare_nesterov_outer_(ps, [local(b) for b in bs], us, lr, mu, None, names=names, amax=amax)
+        applies.append((fn, bs, mu))
 
     def apply() -> None:
-        for fn in applies:
+        written = []
+        for fn, bs, mu in applies:
             fn()
+            n = len(bs)
+            written += [(b, _BOUND_SLACK * (mu * fn.amax[n + i] + fn.amax[2 * n + i])) for i, b in enumerate(bs)]
         for p, buf in fresh:
             opt.state[p]["momentum_buffer"] = buf
+        _record_bounds(opt, written)
 
     return apply
 
