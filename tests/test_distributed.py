@@ -620,7 +620,8 @@ def _check_sharded_huge_or_overflowing_grads(rank, world):
     opt.step()
     ref_p, _ = isoloco_step_ref(before, [torch.zeros_like(p) for p in before], grads, 1.8, 0.8)
     for p, r in zip(params, ref_p):
-        assert torch.isfinite(p).all() and rel_err(p, r) < 1e-4
+        # float64 svd/eigh, then the float32 update (IsoLoCo's step: measured ≤ 5e-8)
+        assert torch.isfinite(p).all() and rel_err(p, r) <= TOL[("update", torch.float32)]
     params = _model(SHAPES_2, torch.float32)
     opt = D.ShardedIsoLoCo(params, lr=1.8, momentum=0.8)
     for p in params:
