@@ -56,14 +56,16 @@ def check_averaged(grads: list, names: list, group) -> None:
         return
     device = comm_device(group)
     mine = torch.empty(2 * len(grads), dtype=torch.float64, device=device)
-    mine[0::2] = torch.stack([g.detach().double().norm().to(device) for g in grads])
-    mine[1::2] = torch.stack([g.detach().double().sum().to(device) for g in grads])
+    mine[0::2] = torch.stack([_norm(g).to(device) for g in grads])
+    mine[1::2] = torch.stack([g.detach().sum(dtype=torch.float64).to(device) for g in grads])
     every = torch.empty(world * mine.numel(), dtype=torch.float64, device=device)
     all_gather_single(every, mine, group=group)
     rows = every.view(world, len(grads), 2).cpu().tolist()
     for i, name in enumerate(names):
         norms = [rows[r][i][0] for r in range(world)]
         sums = [rows[r][i][1] for r in range(world)]
+        if not math.isfinite(max(norms)):  # a finite grad whose norm overflows: the sums still compare
+            norms = [0.0] * world
         scale = max(norms) * math.sqrt(max(grads[i].numel(), 1))
         if max(norms) - min(norms) > AVERAGED_RTOL * max(norms) or max(sums) - min(sums) > AVERAGED_RTOL * scale:
             by_rank = ", ".join(f"rank {r}: norm {norms[r]:.6g}" for r in range(world))
@@ -73,3 +75,9 @@ def check_averaged(grads: list, names: list, group) -> None:
                 "OpenDiLoCo write them). Average them first (isoloco_kernels.average_), or hand each rank's own "
                 "pseudo-gradient to ShardedIsoLoCo, which averages them itself; nothing was changed"
             )
+
+
+def _norm(g: torch.Tensor) -> torch.Tensor:
+    """‖g‖ as a float64 scalar, without a float64 copy of g (float16/bfloat16 through a float32 one)."""
+    g = g.detach()
+    return (g if g.dtype in (torch.float32, torch.float64) else g.float()).norm().double()
