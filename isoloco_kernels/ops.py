@@ -70,7 +70,7 @@ _ext.load()  # registers the csrc_* CUDA kernels, if the extension was built
 
 # ----------------------------------------------------------------------------------------------
 # The finiteness rule: one for every op, checked here, so it is the same on every backend
-# (README "Guarantees"):
+# (docs/guarantees.md):
 #   1. Every tensor an op reads, and lr and momentum, is finite: a NaN or Inf raises ValueError
 #      naming the operand (and matrix), before anything is written.
 #   2. What an op writes or returns is its result rounded to the output dtype, never an overflow of

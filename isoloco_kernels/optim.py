@@ -8,8 +8,8 @@ A drop-in for `torch.optim.SGD(lr, momentum, nesterov=True)`: write the averaged
 The 2-D grads are packed into one [B, m, n] buffer per shape and flattened (`outer.bucket_flatten`),
 and one fused `nesterov_outer_` call per (device, lr, momentum) applies the update. State is SGD's; checks,
 buffers and state handling are the shared core (outer.py); DTensor params step in
-distributed/dtensor.py, over a process group in distributed/process_group.py. README "The outer
-optimizer" has the contract.
+distributed/dtensor.py, over a process group in distributed/process_group.py. docs/drop-in.md ("The outer
+optimizer") has the contract.
 """
 
 from __future__ import annotations
