@@ -28,6 +28,16 @@ the end (`--eval-every` rounds between scores), and records its settings under "
 study/v3_plan.sh:
 
     python study/run_study.py --part v3 --cells 4:30 --batch 16 --seeds 0 --lrs diloco=0.7,isoloco=1.8 --out study/results/v3_batch.jsonl
+
+Study v4 (`--part v4`): v3's settings and scoring, with IsoLoCo's flatten method as one more setting
+(`--iso-method`, a comma list: any method of the library's registry or a study-only one of flattens.py,
+registered for this process). Its records carry "study": "v4", "iso_method" and the method inside the
+settings under "v3" (so the run keys of two methods differ), and the fallback counts of the
+residual-checked methods. `--spectra FILE` also captures the averaged Δ of the seed-0 "svd" run in the
+first, middle and last round and appends each method's relative error against reference.py and its
+flatness on every matrix to FILE (one line per round); the plan is study/v4_plan.sh:
+
+    python study/run_study.py --part v4 --cells 4:30 --seeds 0,1,2 --lrs isoloco=3.2 --iso-method svd,fast --out study/results/v4_base.jsonl
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,7 +65,7 @@ DEFAULTS = [("diloco", 0.7), ("isoloco", 1.8)]
 NEIGHBOURS = [("diloco", 1.0), ("isoloco", 2.4), ("diloco", 0.5), ("isoloco", 1.2)]
 
 
-PARTS = ("all", "defaults", "grid", "extra", "v2", "v3")
+PARTS = ("all", "defaults", "grid", "extra", "v2", "v3", "v4")
 # study methods that are a loop mode with other settings: name -> (mode, TrainConfig fields)
 VARIANTS = {  # the embedding and head unflattened, at IsoLoCo's outer lr or with DiLoCo's tuned step (lr 0.35, μ 0.9)
     "isoloco-noemb": ("isoloco", {"iso_skip": ("tok.", "head.")}),
@@ -157,6 +168,38 @@ def claim(folder: Path, k: tuple) -> bool:
     return True
 
 
+def capture_rounds(into: dict, rounds: set):
+    """A run_mode capture callback keeping a float32 copy of the averaged Δ of the 2-D parameters in
+    these (1-based) rounds: into[round] = {name: Δ}."""
+
+    def capture(r: int, names, mean_delta) -> None:
+        if r in rounds:
+            into[r] = {n: d.detach().to("cpu", torch.float32).clone() for n, d in zip(names, mean_delta) if d.ndim == 2}
+
+    return capture
+
+
+def write_spectra(path: Path, key: tuple, captured: dict, methods: list[str], rounds: int) -> None:
+    """One line per captured round: per matrix its shape, σ₁/σ_min and σ₁/σ̄, and per method its
+    relative Frobenius error against reference.py and its flatness (flattens.error_and_flatness)."""
+    import flattens
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for rnd, deltas in sorted(captured.items()):
+        mats = {}
+        for name, d in deltas.items():
+            s = torch.linalg.svdvals(d.to(torch.float64))
+            mats[name] = {
+                "shape": list(d.shape),
+                "cond": float(s[0] / s[-1]) if s[-1] > 0 else None,
+                "top_over_mean": float(s[0] / s.mean()) if s.mean() > 0 else None,
+                "methods": {m: list(flattens.error_and_flatness(m, d)) for m in methods},
+            }
+        line = {"key": repr(key), "round": rnd, "rounds": rounds, "matrices": mats}
+        with path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seeds", required=True, help="comma list, e.g. 0,1")
@@ -191,15 +234,34 @@ def main() -> None:
     p.add_argument(
         "--eval-every", type=int, default=None, help="v3: rounds between held-out scores (default: only the last round)"
     )
+    p.add_argument("--iso-method", default=None, help="v4: comma list of IsoLoCo flatten methods (library or study)")
+    p.add_argument("--spectra", default=None, help="v4: JSONL for the error and flatness of every method on Δ")
     a = p.parse_args()
-    study = a.part if a.part in ("v2", "v3") else "v1"
+    study = a.part if a.part in ("v2", "v3", "v4") else "v1"
+    iso_methods = [None]
+    if study == "v4":
+        import flattens  # study/ is on sys.path
+
+        names = flattens.register()
+        from isoloco_kernels.flatten import METHODS
+        from isoloco_kernels.iteration_stats import FlattenFallbackWarning
+
+        iso_methods = [m for m in (a.iso_method or "").split(",") if m]
+        if not iso_methods or any(m not in METHODS for m in iso_methods):
+            p.error(f"--part v4 needs --iso-method, a comma list of {tuple(METHODS)}")
+        warnings.simplefilter("ignore", FlattenFallbackWarning)  # the records count the fallbacks
+        spectra_methods = [m for m in METHODS if m not in ("auto", "eigh", "gram")] + [
+            m for m in names if m not in METHODS
+        ]
+    elif a.iso_method or a.spectra:
+        p.error("--iso-method and --spectra are study v4 settings: add --part v4")
     inits = [x for x in a.init.split(",") if x]
     if study == "v1" and (inits != ["gpt2"] or a.vocab != 256 or a.steps != STEPS_PER_WORKER):
         p.error("--init, --vocab and --steps are study v2/v3 settings: add --part v2 or v3")
     v3 = None
-    if study == "v3":
+    if study in ("v3", "v4"):
         if not a.lrs:
-            p.error("--part v3 runs the jobs that --lrs names")
+            p.error(f"--part {study} runs the jobs that --lrs names")
         v3 = {
             "batch": a.batch,
             "seq_len": a.seq_len,
@@ -210,8 +272,10 @@ def main() -> None:
         }  # rounds ≤ steps: the last only
     elif (a.batch, a.seq_len, a.inner_lr, a.inner, a.model, a.eval_every) != (4, 64, 3e-3, "adamw", "tiny", None):
         p.error(
-            "--batch, --seq-len, --inner-lr, --inner, --model and --eval-every are study v3 settings: add --part v3"
+            "--batch, --seq-len, --inner-lr, --inner, --model and --eval-every are study v3 settings: add --part v3 or v4"
         )
+    if a.spectra and Path(a.spectra).resolve().parent == Path(a.out).resolve().parent:
+        p.error("--spectra must not sit beside --out: that folder's *.jsonl files are run records")
     torch.set_num_threads(1)  # one core per study process
     torch.use_deterministic_algorithms(True)
     out = Path(a.out)
@@ -220,11 +284,20 @@ def main() -> None:
     cells = CELLS if a.cells is None else [tuple(int(x) for x in c.split(":")) for c in a.cells.split(",")]
     corpus = load_corpus()
     cache = out.parent / ".tokenizers"  # BPE tokenizers, trained once on the training split
-    todo = [(K, H, m, lr, None) for K, H, m, lr in jobs(cells, a.part if study != "v3" else "defaults")]
+    todo = [(K, H, m, lr, None) for K, H, m, lr in jobs(cells, a.part if study not in ("v3", "v4") else "defaults")]
     best = (a.lrs or "").startswith("best:")
     if a.lrs and not best:  # extend the grid where its best point sits on an edge
         todo = [(K, H, m, lr, mu) for K, H in cells for m, lr, mu in parse_lrs(a.lrs)]
-    todo = [(K, H, mode, lr, mu, init, seed) for init in inits for K, H, mode, lr, mu in todo for seed in seeds]
+    if study == "v4" and (best or any(m not in ("isoloco", "isoloco-sgd") for _, _, m, _, _ in todo)):
+        p.error("--part v4 runs the Iso-C modes (isoloco, isoloco-sgd) at the outer lrs --lrs names")
+    # v4: each method on every seed before the next method (the plan lists the methods by priority)
+    todo = [
+        (K, H, mode, lr, mu, init, seed, im)
+        for init in inits
+        for K, H, mode, lr, mu in todo
+        for im in iso_methods
+        for seed in seeds
+    ]
 
     def key_of(seed, K, H, mode, lr, init, settings) -> tuple:
         return run_key(
@@ -245,7 +318,7 @@ def main() -> None:
         )
 
     if best:  # each method's best config so far in the cell, on more seeds
-        if v3 is None:
+        if study != "v3":
             p.error("--lrs best:MODES picks from study v3's grids: add --part v3")
         from v3 import best_jobs
 
@@ -258,7 +331,7 @@ def main() -> None:
         mu0 = {m: mu for m, (_, mu) in OUTER_DEFAULTS.items()}
         setting = tuple(v3[k] for k in ("batch", "seq_len", "inner", "inner_lr", "model"))
         todo = [
-            (K, H, mode, lr, mu, init, seed)
+            (K, H, mode, lr, mu, init, seed, None)
             for init in inits
             for K, H in cells
             for mode, lr, mu in best_jobs(
@@ -268,11 +341,13 @@ def main() -> None:
         ]
     if study == "v2":  # the paired DiLoCo / IsoLoCo runs of every init first, seed by seed; then the rest
         todo.sort(key=lambda j: (j[2] not in ("diloco", "isoloco"), j[6]))
-    for K, H, mode, lr, mu, init, seed in todo:
+    for K, H, mode, lr, mu, init, seed, iso_method in todo:
         rounds = a.steps // H
         if rounds < 1:
             p.error(f"--steps {a.steps} is less than one round at H = {H}")
         settings = None if v3 is None else {**v3, "mu": mu}
+        if iso_method is not None:
+            settings["iso_method"] = iso_method
         k = key_of(seed, K, H, mode, lr, init, settings)
         if k in finished(out.parent) or not claim(out.parent, k):
             continue
@@ -294,8 +369,16 @@ def main() -> None:
             cfg = replace(cfg, outer_lr={run: lr})
         if mu is not None:
             cfg = replace(cfg, outer_momentum={run: mu})
+        capture, captured = None, {}
+        if iso_method is not None:
+            cfg = replace(cfg, iso_method=iso_method)
+            stats = METHODS[iso_method].stats
+            if stats is not None:
+                stats.reset()
+            if a.spectra and seed == 0 and iso_method == "svd":
+                capture = capture_rounds(captured, {1, (rounds + 1) // 2, rounds})
         t0, c0 = time.perf_counter(), time.process_time()
-        r = run_mode(run, Setup(cfg, corpus, cache_dir=cache))
+        r = run_mode(run, Setup(cfg, corpus, cache_dir=cache), capture=capture)
         r.update(
             mode=mode,
             seed=seed,
@@ -308,15 +391,22 @@ def main() -> None:
             cpu_s=time.process_time() - c0,
             wall_s=time.perf_counter() - t0,
         )
-        if study in ("v2", "v3"):
+        if study in ("v2", "v3", "v4"):
             r.update(study=study, init=init, vocab=a.vocab)
         if settings is not None:
             r["v3"] = settings
+        if iso_method is not None:
+            r.update(study="v4", iso_method=iso_method)
+            if stats is not None:
+                last = stats.last()
+                r["flatten_stats"] = {"matrices": last.matrices, "recomputed": last.recomputed}
         with out.open("a") as f:
             f.write(json.dumps(r) + "\n")
+        if captured:
+            write_spectra(Path(a.spectra), k, captured, spectra_methods, rounds)
         fl = "diverged" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
         print(
-            f"seed {seed} K={K} H={H} {mode} lr={lr} μ={mu} {init} vocab {a.vocab} {v3 or ''}: final {fl}  "
+            f"seed {seed} K={K} H={H} {mode} lr={lr} μ={mu} {init} vocab {a.vocab} {settings or ''}: final {fl}  "
             f"({r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s cpu)",
             flush=True,
         )

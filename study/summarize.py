@@ -620,6 +620,18 @@ def main() -> None:
         plot_v3(v3, HERE / "study_v3.png")
         print("\n<!-- v3 -->\n" + markdown_by_question(v3) + "\n\n" + markdown_grids(v3))
         print(f"\n{len(v3_recs)} v3 runs, {sum(r.get('cpu_s', 0.0) for r in v3_recs) / 60:.1f} CPU-min")
+    v4_recs = [r for r in recs if r.get("study") == "v4"]
+    if v4_recs:
+        from v4 import markdown_v4, markdown_verdict, plot_v4, summarize_v4, verdict  # study/ is on sys.path
+
+        spectra_file = HERE / "results" / "spectra" / "v4_spectra.jsonl"
+        spectra = read_jsonl(spectra_file) if spectra_file.exists() else []
+        v4 = summarize_v4(recs, spectra)
+        v = verdict(v4)
+        (HERE / "summary_v4.json").write_text(json.dumps({"cells": v4, "verdict": v}, indent=1))
+        plot_v4(v4, HERE / "study_v4.png")
+        print("\n<!-- v4 -->\n" + markdown_v4(v4) + "\n\n" + markdown_verdict(v, v4))
+        print(f"\n{len(v4_recs)} v4 runs, {sum(r.get('cpu_s', 0.0) for r in v4_recs) / 60:.1f} CPU-min")
 
 
 if __name__ == "__main__":
