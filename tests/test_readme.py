@@ -123,6 +123,13 @@ def test_documented_keywords_work():
         assert set(ik.backends()) >= {"cuda_extension"}
 
 
+def test_the_readme_names_every_flatten_method():
+    from isoloco_kernels.flatten import METHODS
+
+    line = re.search(r"^Methods: (.*?)\(\[docs/methods.md\]", _section("API at a glance"), re.M | re.S).group(1)
+    assert set(re.findall(r'`"(\w+)"`', line)) == set(METHODS), "README's method list differs from flatten.METHODS"
+
+
 def test_the_error_classes_are_the_ones_raised():
     assert ik.ResultOverflowError is sys.modules["isoloco_kernels._validate"].ResultOverflowError
     assert issubclass(ik.ResultOverflowError, ValueError) and issubclass(ik.DistributedStepError, RuntimeError)
