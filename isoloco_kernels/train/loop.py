@@ -26,6 +26,7 @@ global weights at the start of each worker's turn. The only cross-worker communi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Callable, Sequence
@@ -231,6 +232,28 @@ class Setup:
         return c.workers * c.inner_steps * c.batch * self.mcfg.seq_len
 
 
+class _Clock:
+    """Seconds spent in named parts of a run (synced on CUDA, so queued work is counted where it runs)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = {"eval": 0.0, "outer": 0.0}
+
+    @contextlib.contextmanager
+    def time(self, part: str):
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[part] += time.perf_counter() - t0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
 def _inner_step(model, opt, x, y, scale, lr, cfg, comm=None) -> torch.Tensor:
     for g in opt.param_groups:
         g["lr"] = lr
@@ -281,8 +304,10 @@ def run_mode(
     out = {"mode": mode}
     if mode != "ddp":
         out["outer_lr"], out["outer_momentum"] = cfg.outer(mode)
+    clock = _Clock(setup.device)
     t0 = time.perf_counter()
     done = 0
+    trained = 0  # tokens the inner steps trained on (every worker's)
     try:
         if mode == "ddp":
             opt = inner_optimizer(model, cfg)
@@ -294,9 +319,11 @@ def run_mode(
                 loss = _inner_step(model, opt, torch.cat(xs), torch.cat(ys), len(local), lr, cfg, comm)
                 _check_finite(loss, f"ddp step {step}")
                 done += len(local)
+                trained += sum(x.numel() for x in xs)
                 if (step + 1) % H == 0 and _scored((step + 1) // H, cfg):
-                    losses.append(setup.evaluate(model))
-                    test_losses.append(setup.evaluate_test(model))
+                    with clock.time("eval"):
+                        losses.append(setup.evaluate(model))
+                        test_losses.append(setup.evaluate_test(model))
                     tokens.append((step + 1) // H * setup.tokens_per_round())
                     _check_finite(torch.tensor(losses[-1]), f"ddp held-out after step {step + 1}")
                 if progress:
@@ -324,6 +351,7 @@ def run_mode(
                         loss = _inner_step(work, inner[k], x, y, 1.0, lr, cfg)
                         _check_finite(loss, f"{mode} round {r} worker {k} inner step {h}")
                         done += 1
+                        trained += x.numel()
                         if progress:
                             progress(done, losses[-1])
                     with torch.no_grad():  # Δ_k = global − local, summed over this process's workers
@@ -340,17 +368,26 @@ def run_mode(
                         capture(r + 1, names, mean_delta)
                 for p, d in zip(params, delta):
                     p.grad = d
-                outer.step()
-                outer.zero_grad(set_to_none=True)
+                with clock.time("outer"):
+                    outer.step()
+                    outer.zero_grad(set_to_none=True)
                 if not _scored(r + 1, cfg):
                     continue
-                losses.append(setup.evaluate(model))
-                test_losses.append(setup.evaluate_test(model))
+                with clock.time("eval"):
+                    losses.append(setup.evaluate(model))
+                    test_losses.append(setup.evaluate_test(model))
                 tokens.append((r + 1) * setup.tokens_per_round())
                 _check_finite(torch.tensor(losses[-1]), f"{mode} held-out after round {r + 1}")
     except Diverged as e:
         out["diverged"] = str(e)
     out["wall_s"] = time.perf_counter() - t0
+    # training time: the wall less the held-out evaluations (they are not part of a round)
+    train_s = max(out["wall_s"] - clock.seconds["eval"], 1e-9)
+    out["train_s"] = train_s
+    out["tokens_per_s"] = trained / train_s
+    if mode != "ddp":
+        out["outer_step_s"] = clock.seconds["outer"]
+        out["outer_share"] = clock.seconds["outer"] / train_s  # of the rounds' time
     out["tokens"] = tokens
     out["heldout_loss"] = losses  # the selection split
     out["final_loss"] = None if "diverged" in out else losses[-1]
