@@ -7,8 +7,8 @@ shard) per rank, an all-reduce of P bytes 2·(W−1)/W·P. The owner route sends
 grad's element size b and the results back in the compute dtype's, r = max(b, 4) (float32 for
 float16/bfloat16 grads): (W−1)/W²·(b + r)·m·n per rank on average. The route rule and the two
 byte counts it weighs are the package's (`isoloco_kernels.distributed.routes`: `route_for`,
-`gram_bytes`, `owner_bytes`); the all-gather's count and the per-model totals are here
-(`gather_bytes`, `wire_bytes`). tests/test_dtensor.py checks that the collectives the step issues
+`gram_bytes`, `owner_bytes`, `gather_bytes`); the per-model totals are here
+(`wire_bytes`). tests/test_dtensor.py checks that the collectives the step issues
 carry exactly the element counts these formulas assume.
 
     python -m bench.dtensor_bytes > bench/results/<date>-dtensor-bytes.md
@@ -17,8 +17,7 @@ carry exactly the element counts these formulas assume.
 from __future__ import annotations
 
 from bench.shapes import SETS, ModelSpec, decoder_weight_shapes
-from isoloco_kernels.distributed.plan import shard_sizes
-from isoloco_kernels.distributed.routes import gram_bytes, owner_bytes, route_for
+from isoloco_kernels.distributed.routes import gather_bytes, gram_bytes, owner_bytes, route_for
 
 WORLDS = (2, 4, 8)
 DTYPES = ((4, "float32"), (2, "bfloat16"))
@@ -27,12 +26,6 @@ LLAMA_8B = ModelSpec("llama-8b", vocab=128256, hidden=4096, layers=32, ffn=14336
 # NVLink 4 on an 8×H200 HGX board: 900 GB/s per GPU, both directions together (data sheet), so
 # 450 GB/s each way. Ring collectives at the full link rate, no latency: a lower bound on time.
 NVLINK_BYTES_PER_S = 450e9
-
-
-def gather_bytes(shape, dim: int, world: int, elem_size: int) -> float:
-    """Bytes one rank sends in a ring all-gather of the matrix (segments padded to the largest shard)."""
-    longest = max(s for _, s in shard_sizes(shape[dim], world))
-    return (world - 1) * longest * shape[1 - dim] * elem_size
 
 
 def wire_bytes(shapes, world: int, elem_size: int = 4, mode: str = "auto", dim: int = 0) -> dict[str, float]:
@@ -78,7 +71,7 @@ def per_rank(spec: ModelSpec, world: int, elem: int) -> dict[str, float]:
         out["owner"] += owner_bytes(sh, 0, world, elem)
         out["gram_long"] += gr if route_for(sh, 0, world, elem, "gram") == "gram" else ag
         auto = route_for(sh, 0, world, elem, "auto")
-        out["auto"] += gr if auto == "gram" else owner_bytes(sh, 0, world, elem)
+        out["auto"] += {"gram": gr, "gather": ag}.get(auto, owner_bytes(sh, 0, world, elem))
         out["n_gram"] += auto == "gram"
         out["n_mat"] += 1
     return out
@@ -130,7 +123,9 @@ def _reading(specs) -> list[str]:
     if owner_more:
         lines.append(
             f"Where W·b < b + r ({', '.join(owner_more)}) the owner route sends *more* than the all-gather; "
-            "auto still takes it (the rule weighs Gram against owner only)."
+            "auto takes it even so: it weighs the bytes over the link with the flatten's work "
+            "(`routes.route_seconds`), which the owner route does once and the all-gather on every rank, "
+            "and that work outweighs the bytes saved for every matrix with both sides above 2."
         )
     lines.append(
         "The auto rule takes the Gram for the embedding and LM head "

@@ -99,12 +99,22 @@ def _kernels(device: int, header: str, names: tuple[str, ...]):
         return tuple(mod.get_function(n) for n in names)
 
 
+def external_stream(cupy, stream, device: int):
+    """CuPy's handle on a torch CUDA stream: `cupy.cuda.Stream.from_external` over the stream's
+    `__cuda_stream__` protocol where both have it (CuPy 14 deprecates `ExternalStream`, and warns
+    at every use), else `cupy.cuda.ExternalStream(pointer, device)` (older CuPy or torch)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, device)
+
+
 def _launch(fn, device: int, blocks: int, args: tuple) -> None:
     import cupy
 
     stream = torch.cuda.current_stream(device)
     with cupy.cuda.Device(device):
-        fn((blocks,), (BLOCK,), args, stream=cupy.cuda.ExternalStream(stream.cuda_stream, device))
+        fn((blocks,), (BLOCK,), args, stream=external_stream(cupy, stream, device))
 
 
 def _ptr(t: torch.Tensor) -> np.uint64:

@@ -7,21 +7,12 @@ matrices batched by shape (`bucket_flatten`), momentum buffers (`prepare_nestero
 use in the compute dtype, joined to the state only once written), SGD-shaped state (`SGD_KEYS`,
 `check_state_dict`, `restore_half_momentum`). The update rule is `reference.isoloco_step_ref`.
 
-The trust boundary of a step (what is checked where; everything before the first write):
-- grads: read once by `collect` (their largest entries: NaN/Inf refused by name), in the same
-  fused pass and host sync as the params'. The Iso-C results are bounded from those numbers
-  (`iso_bound`) and refused by the flatten itself when they do not fit their dtype.
-- params: read once by `collect`, every step (writes through `.data` or from outside torch do not
-  show in a tensor's version counter, so nothing the step did before vouches for them).
-- momentum buffers: read by `collect` when loaded, replaced, or written in place by torch since
-  this optimizer last wrote them (version counter and identity); otherwise the bound recorded at
-  that write (μ·|buf| + |u|, with slack for rounding) stands in for a read. Writes that bypass the
-  version counter (`buf.data`, DLPack, CUDA kernels of other libraries) are outside the boundary.
-- the Nesterov update: `ops.prepare_nesterov_outer_` gets those numbers and reads no tensor
-  unless a bound is too loose to show the update fits (then the exact largest entries decide, and
-  the float64 path where they still do not); the update then reads p, buf, u and writes p, buf once.
-So one host sync decides the step's verdict on its input (one per device), and the flatten's own
-checks decide on its results; the bucket buffers are not checked again (they hold checked grads).
+The trust boundary of a step (docs/guarantees.md): `collect` reads every grad and param once,
+in one fused pass with one host sync per device, and a held momentum buffer only when something
+other than this optimizer wrote it since its last step (identity and version counter; otherwise
+the bound recorded at that write stands in); the Nesterov update gets those numbers and reads p,
+buf and u only to update them. Writes that bypass the version counter (`buf.data`, DLPack, other
+libraries' kernels) are outside the boundary; params are read every step for that reason.
 """
 
 from __future__ import annotations
@@ -439,7 +430,8 @@ def prepare_nesterov(opt: torch.optim.Optimizer, rows) -> Callable[[], None]:
     Momentum buffers are made where missing (zeros in the compute dtype, a DTensor for a DTensor
     param); one fused `nesterov_outer_` call per (device, lr, momentum), each checked by the op's
     finiteness rule (`ops.prepare_nesterov_outer_`), reading only the tensors whose bound is not
-    known. Returns the function that writes; new buffers join the state only after it ran, so a
+    known (a held buffer's bound, when not given, is the one recorded at this optimizer's last
+    write of it, if nothing wrote it since). Returns the function that writes; new buffers join the state only after it ran, so a
     failure cannot leave half-made state behind. After the writes each buffer's bound is recorded
     (`_trusted_bound`): the next step need not read a buffer nothing else wrote."""
     calls: dict[tuple, tuple[list, list, list, list, list]] = {}
@@ -452,6 +444,8 @@ def prepare_nesterov(opt: torch.optim.Optimizer, rows) -> Callable[[], None]:
             buf = torch.zeros_like(p, dtype=compute_dtype(p.dtype))
             fresh.append((p, buf))
             ab = 0.0
+        elif ab is None:
+            ab = _trusted_bound(opt, buf)
         ps, bs, us, names, known = calls.setdefault((local(p).device, float(lr), float(momentum)), ([], [], [], [], []))
         ps.append(local(p))
         bs.append(buf)

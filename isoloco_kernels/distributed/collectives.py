@@ -322,12 +322,32 @@ class GatherSegments:
         self.longest = max(seg)
 
 
-def all_gather_shards(group, dtype, segs: GatherSegments, shards, devices, attempt):
+def comm_buffer(numel: int, dtype: torch.dtype, device, zero: bool) -> torch.Tensor:
+    """A buffer a DTensor route's collective sends from (`zero`: padding and a failed rank's part
+    stay zeros) or receives into. Every such buffer comes from here, allocated before the ranks
+    agree that every one of them has its buffers (`gather_buffers`, `owner_buffers`): a rank that
+    cannot allocate one must not be the only rank missing from the collective."""
+    return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
+
+
+def gather_buffers(group, dtype, segs: GatherSegments) -> tuple[torch.Tensor, torch.Tensor]:
+    """(send, recv) of `all_gather_shards`, on the group's communication device."""
+    dev = comm_device(group)
+    return comm_buffer(segs.longest, dtype, dev, True), comm_buffer(segs.world * segs.longest, dtype, dev, False)
+
+
+def owner_buffers(group, dtype, send_split, recv_split) -> tuple[torch.Tensor, torch.Tensor]:
+    """(send, recv) of one owner-route all-to-all, on the group's communication device."""
+    dev = comm_device(group)
+    return comm_buffer(sum(send_split), dtype, dev, True), comm_buffer(sum(recv_split), dtype, dev, False)
+
+
+def all_gather_shards(group, dtype, segs: GatherSegments, shards, devices, attempt, buffers):
     """The whole matrices of `segs` on every rank (one padded all-gather on the group's
-    communication device): (the list, or None once local work failed; elements received)."""
-    send = torch.zeros(segs.longest, dtype=dtype, device=comm_device(group))
+    communication device, into `buffers` = `gather_buffers(...)`, allocated before the ranks last
+    agreed): (the list, or None once local work failed; elements received)."""
+    send, recv = buffers
     attempt(_gather_pack, segs, shards, send)
-    recv = torch.empty(segs.world * segs.longest, dtype=dtype, device=comm_device(group))
     all_gather_single(recv, send, group=group)
     return attempt(_gather_unpack, segs, recv, devices), recv.numel()
 
@@ -367,28 +387,32 @@ class OwnerSplits:
         self.out_recv = [sum(self.layouts[j].numel(r) for j in self.mine) for r in range(world)]
 
 
-def owner_collect(group, dtype, splits: OwnerSplits, shards, devices, attempt):
-    """Out: every rank's shard of each matrix to its owner. ({j: whole matrix} for the matrices this
-    rank owns, or None once local work failed; elements sent to other ranks)."""
-    recv, sent = _owner_all_to_all(group, dtype, splits.out_send, splits.out_recv, attempt, _owner_pack, splits, shards)
+def owner_collect(group, splits: OwnerSplits, shards, devices, attempt, buffers):
+    """Out: every rank's shard of each matrix to its owner, through `buffers` =
+    `owner_buffers(group, dtype, splits.out_send, splits.out_recv)`. ({j: whole matrix} for the
+    matrices this rank owns, or None once local work failed; elements sent to other ranks)."""
+    recv, sent = _owner_all_to_all(
+        group, splits.out_send, splits.out_recv, attempt, buffers, _owner_pack, splits, shards
+    )
     return attempt(_owner_unpack, splits, recv, devices), sent
 
 
-def owner_return(group, dtype, splits: OwnerSplits, results: dict, devices, attempt):
-    """Back: each owner's results `results` ({j: whole matrix}, in `dtype`) to every rank, in pieces.
+def owner_return(group, splits: OwnerSplits, results: dict, devices, attempt, buffers):
+    """Back: each owner's results `results` ({j: whole matrix}) to every rank, in pieces, through
+    `buffers` = `owner_buffers(group, compute dtype, splits.out_recv, splits.out_send)`.
     ({j: this rank's piece} for every matrix, or None once local work failed; elements sent)."""
     recv, sent = _owner_all_to_all(
-        group, dtype, splits.out_recv, splits.out_send, attempt, _owner_pack_results, splits, results
+        group, splits.out_recv, splits.out_send, attempt, buffers, _owner_pack_results, splits, results
     )
     return attempt(_owner_receive, splits, recv, devices), sent
 
 
-def _owner_all_to_all(group, dtype, send_split, recv_split, attempt, pack, *args) -> tuple[torch.Tensor, int]:
-    """One all-to-all on the group's communication device: `pack(*args, send)` fills the send
+def _owner_all_to_all(group, send_split, recv_split, attempt, buffers, pack, *args) -> tuple[torch.Tensor, int]:
+    """One all-to-all on the group's communication device, from and into `buffers` (send, recv:
+    `owner_buffers`, allocated before the ranks last agreed): `pack(*args, send)` fills the send
     buffer under `attempt`. Returns (what arrived, elements sent to other ranks)."""
-    send = torch.zeros(sum(send_split), dtype=dtype, device=comm_device(group))
+    send, recv = buffers
     attempt(pack, *args, send)
-    recv = torch.empty(sum(recv_split), dtype=dtype, device=comm_device(group))
     dist.all_to_all_single(recv, send, recv_split, send_split, group=group)
     return recv, send.numel() - send_split[dist.get_rank(group)]
 

@@ -22,10 +22,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .._validate import _overlap, _span
-from ..outer import Entry, collect, is_dtensor, local, prepare_nesterov
+from .._validate import _overlap, _span, compute_dtype
+from ..outer import Entry, collect, is_dtensor, local, nesterov_rows, prepare_nesterov
 from .agree import Agreement, fingerprint, largest_mesh, optimizer_settings
-from .collectives import GatherSegments, OwnerSplits
+from .collectives import GatherSegments, OwnerSplits, gather_buffers, owner_buffers
 from .plan import ShardLayout, shard_sizes
 from .routes import Stats, iso_updates, route_for
 
@@ -242,6 +242,7 @@ def _checked(opt, failed, mode):
         raise ValueError(f"IsoLoCo: dtensor_route must be one of {ROUTES}, got {mode!r}")
     entries = _collect_entries(opt)
     routes = _Routes(entries, mode)  # every collective's size, before any of them runs
+    routes.allocate()  # and their buffers, before the ranks agree
     fp = fingerprint([(e.gi, e.pi, tuple(e.p.shape), str(e.p.placements), str(e.g.dtype)) for e in entries])
     return entries, routes, fp, optimizer_settings(opt, method=opt.method, dtensor_route=mode)
 
@@ -249,13 +250,7 @@ def _checked(opt, failed, mode):
 def _prepare_nesterov(opt, entries: list[Entry], updates: dict[int, torch.Tensor]):
     """Nesterov on the local shards (`outer.prepare_nesterov`: DTensor momentum, checked for
     overflow, nothing written until the returned function runs)."""
-    return prepare_nesterov(
-        opt,
-        [
-            (e.p, updates.get(k, local(e.g)), e.group["lr"], e.group["momentum"], f"IsoLoCo: {e.name}")
-            for k, e in enumerate(entries)
-        ],
-    )
+    return prepare_nesterov(opt, nesterov_rows(entries, updates, "IsoLoCo: "))
 
 
 class _Routes:
@@ -293,3 +288,15 @@ class _Routes:
         ]
         self.general = [k for k, r in self.routes.items() if r == "general"]
         self.local = [k for k, r in self.routes.items() if r == "local"]
+        self.buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def allocate(self) -> None:
+        """Every buffer of the gather and owner routes' collectives (`collectives.gather_buffers`,
+        `owner_buffers`), made in the step's checks, before the ranks first agree: a rank that
+        cannot allocate one (out of memory) fails every rank there, before any collective."""
+        for (mesh, dtype), _, segs in self.gather:
+            self.buffers[("gather", mesh, dtype)] = gather_buffers(mesh.get_group(0), dtype, segs)
+        for (mesh, dtype), _, sp in self.owner:
+            g = mesh.get_group(0)
+            self.buffers[("owner out", mesh, dtype)] = owner_buffers(g, dtype, sp.out_send, sp.out_recv)
+            self.buffers[("owner back", mesh, dtype)] = owner_buffers(g, compute_dtype(dtype), sp.out_recv, sp.out_send)

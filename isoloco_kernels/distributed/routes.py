@@ -1,6 +1,7 @@
 """The DTensor step's routes: Iso-C of matrices whose grads are sharded over a device mesh.
 
-On a 1-D mesh, per matrix (`route_for`, by bytes sent per rank; `opt.dtensor_route` overrides):
+On a 1-D mesh, per matrix (`route_for`, by bytes sent per rank and the flatten's work;
+`opt.dtensor_route` overrides):
 
 - "gram": shards along the long side: one float64 all-reduce of the short-side Gram matrices per
   mesh, then every rank writes its own piece (gram_route.py); what A₀ cannot resolve takes the
@@ -20,19 +21,31 @@ from typing import Optional
 
 import torch
 
-from .._validate import check_all_finite, compute_dtype
+from .._validate import check_all_finite
 from ..outer import Entry, bucket_flatten, local
-from .collectives import GatherSegments, all_gather_shards, owner_collect, owner_return
+from .collectives import GatherSegments, all_gather_shards, gather_buffers, owner_collect, owner_return
 from .gram_route import agree_exact, gram_route
 from .plan import ShardLayout
 
-__all__ = ["Stats", "gram_bytes", "iso_updates", "owner_bytes", "route_for"]
+__all__ = ["Stats", "gather_bytes", "gram_bytes", "iso_updates", "owner_bytes", "route_for", "route_seconds"]
+
+
+#: What "auto" weighs the gather against the owner route with: bytes over the link (NVLink 4 one
+#: way on an 8×H200 board, 450 GB/s) and the flatten's work ("polar"'s FLOP model at the H200's
+#: measured float32 GEMM rate, 50.8 TFLOP/s, 2026-12-04). Constants, not settings: every rank must
+#: choose the same routes.
+LINK_BYTES_PER_S = 450e9
+FLATTEN_FLOPS_PER_S = 50.8e12
 
 
 def route_for(shape, dim: Optional[int], world: int, elem_size: int, mode: str = "auto") -> str:
     """ "local", "gram", "owner" or "gather" for an m×n matrix sharded along `dim` (None: replicated)
-    on a 1-D mesh of `world` ranks: "auto" takes the Gram where the shard is the long side and its
-    all-reduce sends fewer bytes per rank than the owner route, else the owner route."""
+    on a 1-D mesh of `world` ranks. "auto": the Gram where the shard is the long side and its
+    all-reduce sends fewer bytes per rank than the owner route; else the owner route or the gather,
+    whichever is modelled faster (`route_seconds`: bytes over the link plus the flatten, which the
+    owner route splits over the ranks and the gather repeats on every rank). The gather sends fewer
+    bytes than the owner route where W·b < b + max(b, 4) (2-byte grads at W = 2), yet its repeated
+    flatten costs more than those bytes save for every matrix with both sides above 2."""
     if world == 1 or dim is None:
         return "local"
     if mode in ("gather", "owner"):
@@ -41,7 +54,33 @@ def route_for(shape, dim: Optional[int], world: int, elem_size: int, mode: str =
     long_side = (dim == 0 and m >= n) or (dim == 1 and n >= m)
     if long_side and (mode == "gram" or gram_bytes(shape, world) < owner_bytes(shape, dim, world, elem_size)):
         return "gram"
-    return "owner"
+    if mode == "gram":
+        return "owner"
+    owner = route_seconds("owner", shape, dim, world, elem_size)
+    return "gather" if route_seconds("gather", shape, dim, world, elem_size) < owner else "owner"
+
+
+def route_seconds(route: str, shape, dim: int, world: int, elem_size: int) -> float:
+    """Modelled seconds of the owner route or the gather for one matrix, per rank: its bytes over
+    the link (`LINK_BYTES_PER_S`) plus its share of the flatten (`FLATTEN_FLOPS_PER_S`): 1/W of it
+    for the owner route (owners balanced over the ranks), all of it for the gather."""
+    from ..flatten import flops_per_dtype
+
+    r, k = min(shape), max(shape)
+    work = sum((flops_per_dtype("polar", k, r) or {}).values()) / FLATTEN_FLOPS_PER_S
+    if route == "owner":
+        return owner_bytes(shape, dim, world, elem_size) / LINK_BYTES_PER_S + work / world
+    if route == "gather":
+        return gather_bytes(shape, dim, world, elem_size) / LINK_BYTES_PER_S + work
+    raise ValueError(f"route_seconds: no model for route {route!r}")
+
+
+def gather_bytes(shape, dim: int, world: int, elem_size: int) -> float:
+    """Bytes one rank sends in a ring all-gather of the matrix (segments padded to the largest shard)."""
+    from .plan import shard_sizes
+
+    longest = max(s for _, s in shard_sizes(shape[dim], world))
+    return (world - 1) * longest * shape[1 - dim] * elem_size
 
 
 def gram_bytes(shape, world: int) -> float:
@@ -98,14 +137,19 @@ def iso_updates(method: str, entries: list[Entry], routes, ag, stats: Stats) -> 
             out[k] = ag.attempt(_my_shard, entries[k], lay.get(k), results[k])
 
     # gather route: one padded all-gather per (mesh, dtype)
-    for (mesh, _), ks, segs in routes.gather:
-        full.update(_gather_whole(mesh, entries, lay, ks, ag, stats, segs))
+    for (mesh, dtype), ks, segs in routes.gather:
+        full.update(_gather_whole(mesh, entries, lay, ks, ag, stats, segs, routes.buffers[("gather", mesh, dtype)]))
 
     # owner route, out: each rank's shards to the matrix's owner, one all-to-all per (mesh, dtype)
     owned: dict[int, torch.Tensor] = {}  # whole matrices this rank flattens for the others
     for (mesh, dtype), ks, splits in routes.owner:
         got, sent = owner_collect(
-            mesh.get_group(0), dtype, splits, [local(entries[k].g) for k in ks], _devices(entries, ks), ag.attempt
+            mesh.get_group(0),
+            splits,
+            [local(entries[k].g) for k in ks],
+            _devices(entries, ks),
+            ag.attempt,
+            routes.buffers[("owner out", mesh, dtype)],
         )
         stats.owner_elements += sent
         owned.update({ks[j]: t for j, t in (got or {}).items()})
@@ -128,11 +172,11 @@ def iso_updates(method: str, entries: list[Entry], routes, ag, stats: Stats) -> 
     for (mesh, dtype), ks, splits in routes.owner:
         mine, sent = owner_return(
             mesh.get_group(0),
-            compute_dtype(dtype),
             splits,
             {j: results.get(k) for j, k in enumerate(ks)},
             _devices(entries, ks),
             ag.attempt,
+            routes.buffers[("owner back", mesh, dtype)],
         )
         stats.owner_elements += sent
         out.update({ks[j]: t for j, t in (mine or {}).items()})
@@ -144,19 +188,33 @@ def _devices(entries, ks) -> list[torch.device]:
 
 
 def _gather_whole(
-    mesh, entries: list[Entry], layouts, ks: list[int], ag, stats, segs: Optional[GatherSegments] = None
+    mesh,
+    entries: list[Entry],
+    layouts,
+    ks: list[int],
+    ag,
+    stats,
+    segs: Optional[GatherSegments] = None,
+    buffers: Optional[tuple] = None,
 ) -> dict[int, torch.Tensor]:
     """Whole matrices of the entries `ks` (all 1-D-mesh Shard) on every rank, on their shards'
     device: one padded all-gather per grad dtype (the gather route's, and the Gram route's exact
-    path). `segs`: the planned segments, for `ks` of one dtype. Empty once local work failed."""
+    path). `segs`, `buffers`: the planned segments and their buffers (`_Routes.allocate`), for `ks`
+    of one dtype; without them (the exact path, decided by an agreement) the buffers are allocated
+    here and the ranks agree that every one has them before the all-gather. Empty once local work
+    failed."""
     out: dict[int, torch.Tensor] = {}
     by: dict[torch.dtype, list[int]] = {}
     for k in ks:
         by.setdefault(entries[k].g.dtype, []).append(k)
     for dtype, dks in by.items():
         s = segs if segs is not None else GatherSegments([layouts[k] for k in dks])
+        bufs = buffers
+        if bufs is None:
+            bufs = ag.attempt(gather_buffers, mesh.get_group(0), dtype, s)
+            ag.settle()  # a rank that could not allocate them fails every rank here, not in the all-gather
         got, n = all_gather_shards(
-            mesh.get_group(0), dtype, s, [local(entries[k].g) for k in dks], _devices(entries, dks), ag.attempt
+            mesh.get_group(0), dtype, s, [local(entries[k].g) for k in dks], _devices(entries, dks), ag.attempt, bufs
         )
         stats.gather_elements += n
         if got is not None:

@@ -202,7 +202,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             if g.shape != p.shape or g.device != p.device:
                 raise ValueError(f"{name}: grad has shape {tuple(g.shape)} on {g.device}, the param is on {p.device}")
 
-        entries = outer.collect(self, "ShardedIsoLoCo.step", self._name, check, require_grads=True)
+        # the params are checked where they are updated (the owned ones, `_compute`), not here
+        entries = outer.collect(self, "ShardedIsoLoCo.step", self._name, check, require_grads=True, check_params=False)
         return [e.g for e in entries]
 
     def _reduce(self, grads) -> tuple[dict, dict[int, torch.Tensor]]:
