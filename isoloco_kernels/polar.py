@@ -39,6 +39,10 @@ __all__ = [
 ELL = 2.5e-5  # smallest scaled singular value the schedule covers: 1e-4 / (65536^{1/8} = 4)
 STEPS = 10  # 9 reach 2e-4, the 10th reaches round-off (needed by the residual check)
 CHECK_TOL = 5e-4  # flag a matrix when |r − ‖X‖_F²| > CHECK_TOL·√r (relative error bound of X)
+# The same check for float64 input, which iterates in float64: the schedule leaves |1 − σ| ≤ 4.3e-12
+# on [ELL, 1], so a lifted matrix has |r − ‖X‖_F²| / √r ≤ 8.6e-12·√r (≤ 7.8e-10 to r 8192); a
+# direction below ELL ends further off and is flagged (float32's 5e-4 let 1.6e-4 through at κ 4e4).
+CHECK_TOL_F64 = 1e-9
 BF16_FP32_STEPS = 2  # "polar_bf16": all steps but the last two run their GEMMs in bfloat16
 # "polar_bf16" certifies rank first (`full_rank`): a singular value below RANK_FLOOR·σ_max is a
 # null direction of the input for its bfloat16 steps (float32 rounding leaves ≤ ~1·eps32·σ_max
@@ -305,13 +309,17 @@ class TorchSteps:
 
 
 def _exact_flatten(sub: torch.Tensor) -> None:
-    """The fallback for flagged matrices: the Gram-space float64 iteration (gram.py, exact to
-    condition number ~1e5 for float32, matmul-only), which itself recomputes the matrices it cannot
-    resolve (cond beyond ~1e7, rank-deficient) with the SVD, whose rank cut is the closest to
-    reference.py's."""
-    from . import gram
+    """The fallback for flagged matrices: for float32 compute the Gram-space float64 iteration
+    (gram.py, exact to condition number ~1e5 for float32, matmul-only), which itself recomputes the
+    matrices it cannot resolve (cond beyond ~1e7, rank-deficient) with the SVD, whose rank cut is
+    the closest to reference.py's; for float64 the SVD itself (the Gram matrix would square the
+    condition number past float64's own accuracy)."""
+    from . import exact, gram
 
-    gram.flatten_gram_(sub)
+    if sub.dtype == torch.float64:
+        exact.flatten_svd_(sub)
+    else:
+        gram.flatten_gram_(sub)
 
 
 def precise_mode(x: torch.Tensor) -> str | torch.dtype:
@@ -394,7 +402,8 @@ def flatten_polar_(
     gd = _gemm_modes(x3, mode)
     with ieee_fp32_matmul(x3.is_cuda and compute_dtype(x3.dtype) == torch.float32):
         q, resid = polar_factor(x3, gemm_dtypes=gd, gemm=gemm)
-    fail = ~(resid <= CHECK_TOL)  # NaN counts as failed
+    tol = CHECK_TOL_F64 if compute_dtype(x3.dtype) == torch.float64 else CHECK_TOL
+    fail = ~(resid <= tol)  # NaN counts as failed
     if mode == "bf16":
         fail |= ~full_rank(x3)
     flagged = fail.nonzero().flatten()

@@ -184,13 +184,13 @@ def test_ill_conditioned_matrices_fall_back_and_are_counted():
     q, resid = polar.polar_factor(x)
     assert (resid[[1, 3]] > polar.CHECK_TOL).all() and (resid[[0, 2]] <= polar.CHECK_TOL).all()
     before = polar.last_stats()
-    # polar hands matrices 1 and 3 to gram, whose own check hands them (cond 1e8) to svd: two warnings
+    # float64: polar hands matrices 1 and 3 straight to the SVD (one warning, none from gram)
     with pytest.warns(FlattenFallbackWarning) as seen:
         out = ik.iso_flatten(x, method="polar")
     by_gram = [str(w.message) for w in seen if isinstance(w.message, GramFallbackWarning)]
     by_polar = [str(w.message) for w in seen if not isinstance(w.message, GramFallbackWarning)]
     assert len(by_polar) == 1 and re.search(r"2 of 4 matrices .* matrices \[1, 3\]", by_polar[0]), by_polar
-    assert len(by_gram) == 1 and "2 of 2 matrices" in by_gram[0], by_gram
+    assert by_gram == []
     st = polar.last_stats()
     assert st.last_recomputed == (1, 3) and st.last_matrices == 4
     assert st.recomputed == before.recomputed + 2 and st.calls == before.calls + 1
@@ -202,6 +202,8 @@ def test_ill_conditioned_matrices_fall_back_and_are_counted():
     with pytest.warns(FlattenFallbackWarning) as seen:
         out32 = ik.iso_flatten(x32, method="polar")
     assert any("2 of 4" in str(w.message) for w in seen), [str(w.message) for w in seen]
+    # float32: polar hands them to gram, whose own check hands them (cond 1e8) to svd: two warnings
+    assert any(isinstance(w.message, GramFallbackWarning) and "2 of 2" in str(w.message) for w in seen)
     want = x32[[1, 3]].clone()
     exact.flatten_svd_(want)
     assert torch.equal(out32[[1, 3]], want)
@@ -435,3 +437,28 @@ def test_fp64_rate_is_read_once_per_device(fake_cuda, monkeypatch):
     for _ in range(3):
         flatten._fp64_rate(torch.device("cuda", 0))
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("kappa", [4e4, 1e6])
+def test_float64_residual_check_is_float64_sized(kappa):
+    """float64 iterates in float64, so its residual check is float64-sized (CHECK_TOL_F64): a
+    direction below the schedule's ELL (κ 4e4: 1.6e-4 passed float32's 5e-4 unflagged) is flagged
+    and recomputed by the SVD, which keeps polar's float64 row at every condition number."""
+    g = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(128, 128, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(128, 128, generator=g, dtype=torch.float64))
+    s = torch.ones(128, dtype=torch.float64)
+    s[-1] = 1 / kappa
+    x = ((u * s) @ v.T).unsqueeze(0)
+    y = x.clone()
+    polar.reset_stats()
+    with pytest.warns(FlattenFallbackWarning, match="1 of 1"):
+        polar.flatten_polar_(y)
+    assert polar.last_stats().last_recomputed == (0,)
+    assert rel_err(y, iso_flatten_ref(x)) <= TOL[("polar", torch.float64)]
+    well = with_spectrum(2, 64, 96, spectrum("geometric", 64, 1e4), gen("f64-lifted"))
+    z = well.clone()
+    polar.reset_stats()
+    polar.flatten_polar_(z)  # κ 1e4 is inside the schedule: no fallback
+    assert polar.last_stats().last_recomputed == ()
+    assert rel_err(z, iso_flatten_ref(well)) <= TOL[("polar", torch.float64)]
