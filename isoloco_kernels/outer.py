@@ -400,9 +400,9 @@ def _record_bounds(opt: torch.optim.Optimizer, written: list[tuple[torch.Tensor,
 def iso_bound(e: Entry) -> Optional[float]:
     """A bound on the largest entry of iso(Δ) for an entry whose whole grad Δ is local: s̄·|Q_ij|
     ≤ σ_max ≤ √(m·n)·max|Δ| (|Q_ij| ≤ 1 for a partial isometry), doubled for the iterative
-    methods' approximate Q. None for a DTensor shard (its whole matrix's largest entry is not
-    known here)."""
-    if is_dtensor(e.g) or not math.isfinite(e.amax_g):
+    methods' approximate Q. None for a DTensor whose local tensor is a shard (its whole matrix's
+    largest entry is not known here)."""
+    if (is_dtensor(e.g) and local(e.g).shape != e.g.shape) or not math.isfinite(e.amax_g):
         return None
     m, n = e.g.shape
     return 2.0 * math.sqrt(m * n) * e.amax_g

@@ -228,6 +228,10 @@ def agree(
     ranks holding each value). fp=None and no settings: no fingerprint comparison.
     """
     _, world = group_info(group)
+    if world == 1:  # nothing to compare with: no collective, no host sync
+        if error is not None:
+            _raise(what, 1, [0], [error], [settings], [_settings_fp(fp, settings)], mismatch)
+        return
     device = comm_device(group)
     check = fp is not None or bool(settings)
     mine = torch.tensor(
@@ -257,6 +261,10 @@ def agree_on_mesh(
     every slot). Error texts and settings travel only when something failed or differs."""
     size = mesh.size()
     ranks = mesh.mesh.flatten().tolist()
+    if size == 1:  # nothing to compare with: no collective, no host sync
+        if error is not None:
+            _raise(what, 1, [0], [error], [settings], [_settings_fp(fp, settings)], mismatch, names=ranks)
+        return
     me = ranks.index(dist.get_rank())
     groups = [mesh.get_group(d) for d in range(mesh.ndim)]
     v = torch.zeros(2 * size, dtype=torch.int64, device=comm_device(groups[0]))

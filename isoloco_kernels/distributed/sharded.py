@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from .. import outer
-from .._validate import check_all_finite
+from .._validate import amaxes, check_amax_finite
 from ..buckets import BucketPlan
 from .agree import Agreement, check_on_comm_device, group_info, optimizer_settings, renamed_keyword
 from .collectives import (
@@ -233,7 +233,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         """Iso-C and the Nesterov update of my params, everything that can fail before the ranks
         agree; returns the function that writes them."""
         idx = sorted(means)
-        check_all_finite([means[i] for i in idx], [f"mean pseudo-gradient of param {i}" for i in idx])
+        mine = [means[i] for i in idx]
+        amax = amaxes(mine)  # one pass: the check, and the Nesterov bound of the plain updates
+        check_amax_finite(mine, amax, [f"mean pseudo-gradient of param {i}" for i in idx])
         updates = dict(means)
         updates.update(self._iso_updates(means))
         return outer.prepare_nesterov(
@@ -245,8 +247,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                     self.param_groups[self._group_of[i]]["lr"],
                     self.param_groups[self._group_of[i]]["momentum"],
                     f"param {i} (shape {tuple(self._params[i].shape)}) on rank {self.rank}",
+                    (None, None, a if updates[i] is means[i] else None),
                 )
-                for i in idx
+                for i, a in zip(idx, amax)
             ],
         )
 
