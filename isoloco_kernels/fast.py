@@ -90,13 +90,20 @@ def flatten_fast_(x3: torch.Tensor, *, precise=None) -> None:
         q, resid = polar.polar_factor(x3, gemm_dtypes=gd, observe=observe)
     ok = verdict["ok"]
     flagged = (~ok).nonzero().flatten()
-    polar.finish_flatten_(x3, q, flagged, _fallback, "fast")
-    RECORDER.finish(
-        x3.shape,
-        flagged.tolist(),
-        float(resid.max()) if x3.shape[0] else 0.0,
-        why="a singular value below the certified floor: rank-deficient or condition number beyond ~1e5",
-        by='by "polar"',
+    polar.finish_flatten_(
+        x3,
+        q,
+        flagged,
+        _fallback,
+        "fast",
+        before_write=lambda: RECORDER.finish(
+            x3.shape,
+            flagged.tolist(),
+            float(resid.max()) if x3.shape[0] else 0.0,
+            why="a singular value below the certified floor: rank-deficient or condition number beyond ~1e5",
+            by='by "polar"',
+            stacklevel=5,
+        ),
     )
 
 

@@ -295,6 +295,16 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
             )
         fallback = fallback.to(x3.dtype)
 
+    # Every check has passed: record and warn now, before the first write (a warning filtered into
+    # an error leaves the bucket untouched).
+    RECORDER.finish(
+        x3.shape,
+        flagged.tolist(),
+        float(resid.max()),
+        why="condition number beyond ~1e7 or rank-deficient",
+        by="by SVD",
+    )
+
     # The write: out = s̄·Y·X̃ = t·Y·(X / amax)·amax, chunk by chunk, straight into the bucket.
     amax_b = torch.where(amax > 0, amax, 1)[:, None, None]
     for sl in _chunks(n, cols):
@@ -306,14 +316,6 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
             del ch, out
     if fallback is not None:
         x3[flagged] = fallback
-
-    RECORDER.finish(
-        x3.shape,
-        flagged.tolist(),
-        float(resid.max()),
-        why="condition number beyond ~1e7 or rank-deficient",
-        by="by SVD",
-    )
 
 
 def gram_from_a0(a0: torch.Tensor, *, long_side: int, dtype: torch.dtype, coeffs=COEFFS, update: str = "pap"):

@@ -407,19 +407,30 @@ def flatten_polar_(
     if mode == "bf16":
         fail |= ~full_rank(x3)
     flagged = fail.nonzero().flatten()
-    finish_flatten_(x3, q, flagged, _exact_flatten, "polar")
-    RECORDER.finish(
-        x3.shape,
-        flagged.tolist(),
-        float(resid.max()) if x3.shape[0] else 0.0,
-        why="condition number ≫ 1e4 or rank-deficient",  # polar_bf16's rank certificate too
-        by="exactly",
+    finish_flatten_(
+        x3,
+        q,
+        flagged,
+        _exact_flatten,
+        "polar",
+        before_write=lambda: RECORDER.finish(
+            x3.shape,
+            flagged.tolist(),
+            float(resid.max()) if x3.shape[0] else 0.0,
+            why="condition number ≫ 1e4 or rank-deficient",  # polar_bf16's rank certificate too
+            by="exactly",
+            stacklevel=5,
+        ),
     )
 
 
-def finish_flatten_(x3: torch.Tensor, q: torch.Tensor, flagged: torch.Tensor, fallback, name: str) -> None:
+def finish_flatten_(
+    x3: torch.Tensor, q: torch.Tensor, flagged: torch.Tensor, fallback, name: str, before_write=None
+) -> None:
     """The epilogue of the iterative flattens: x3 ← (⟨Δ, Q⟩ / r0)·Q, with the `flagged` matrices
     recomputed by `fallback` (an in-place flatten of a [b, m, n] compute-dtype batch); all-or-nothing.
+    `before_write()` runs after every check and before x3 is written (the method's statistics and
+    fallback warning: a warning filtered into an error then leaves x3 untouched).
 
     Δ is scaled by a power of two near its largest entry for the scale s̄ (exact, Iso-C is
     homogeneous), so finite input never overflows there; a result that does not fit x3's dtype
@@ -452,4 +463,6 @@ def finish_flatten_(x3: torch.Tensor, q: torch.Tensor, flagged: torch.Tensor, fa
         out[flagged] = sub
     out.mul_(scale)
     check_result_fits(out, x3.dtype, f"iso_flatten_ ({name})")
+    if before_write is not None:
+        before_write()
     x3.copy_(out)

@@ -144,6 +144,38 @@ def check_rank_deficient_input_is_exact(method):
     assert rel_err(out, iso_flatten_ref(x)) <= TOL[("exact", torch.float64)]
 
 
+def check_a_fallback_warning_raised_as_an_error_changes_nothing(method):
+    """With warnings as errors, a method whose check hands a matrix on raises its warning before
+    writing: iso_merge_ in slices of one matrix (the last slice in place) leaves the bucket as it
+    was; a method that warns about nothing writes its result."""
+    import os
+
+    from isoloco_kernels import buckets as bk
+
+    g = gen("warn-as-error")
+    x = torch.randn(3, 12, 20, generator=g, dtype=torch.float64).float()
+    x[2] = (torch.randn(12, 2, generator=g) @ torch.randn(2, 20, generator=g)).float()  # rank 2
+    keep = x.clone()
+    stats = METHODS[_served_by(method, x)].stats
+    old = os.environ.get(bk.WORKSPACE_ENV)
+    os.environ[bk.WORKSPACE_ENV] = "1"  # one matrix per slice
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", iteration_stats.FlattenFallbackWarning)
+            if stats is None:
+                ik.iso_merge_([x], method=method)
+                assert rel_err(x, iso_flatten_ref(keep)) <= _tol(method, keep, kappa=1e2)
+                return
+            with pytest.raises(iteration_stats.FlattenFallbackWarning):
+                ik.iso_merge_([x], method=method)
+    finally:
+        if old is None:
+            os.environ.pop(bk.WORKSPACE_ENV)
+        else:
+            os.environ[bk.WORKSPACE_ENV] = old
+    assert torch.equal(x, keep)
+
+
 def check_full_rank_equals_published_formula(method):
     x = randn((4, 9, 14), torch.float64, "published")
     u, s, vh = torch.linalg.svd(x, full_matrices=False)
@@ -308,6 +340,7 @@ CHECKS = [
     (check_in_place_on_non_contiguous_views, [("", ())]),
     (check_zero_rows_columns_matrices_stay_exactly_zero, [(str(dt), (dt,)) for dt in (torch.float32, torch.float64)]),
     (check_rank_deficient_input_is_exact, [("", ())]),
+    (check_a_fallback_warning_raised_as_an_error_changes_nothing, [("", ())]),
     (check_full_rank_equals_published_formula, [("", ())]),
     (check_huge_and_tiny_finite_inputs, [("", ())]),
     (check_non_finite_input_raises_and_changes_nothing, [(bad, (bad,)) for bad in ("nan", "inf")]),
