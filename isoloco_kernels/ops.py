@@ -318,6 +318,11 @@ def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales, names=N
     def apply() -> None:
         if args[0]:
             dispatch.select("nesterov_outer_", args[0][0].device, *args).run(*args)
+            # The backends (torch's fused CPU SGD, the CUDA extension, CuPy, Triton) write through
+            # kernels that leave version counters alone: bump them, as any in-place torch op does,
+            # so autograd sees the write and a buffer written here is never trusted as unchanged
+            # by another optimizer (outer._trusted_bound).
+            torch.autograd.graph.increment_version([t for t in (*args[0], *args[1]) if not t.is_inference()])
         for i, (p_new, b_new) in aside.items():
             params[i].copy_(p_new)
             bufs[i].copy_(b_new)
