@@ -196,6 +196,18 @@ def _check_process_group_refuses_grads_not_yet_averaged(group, tmpdir):
         p.grad = g.clone()
     sharded.step()
     assert all(rel_err(p, w) <= 1e-5 for p, w in zip(sharded_params, want)), "ShardedIsoLoCo on own grads"
+    # near the dtypes' limits (norms and sums that overflow unscaled): equal up to the last bit
+    # passes, different is refused, on every rank alike
+    from isoloco_kernels.distributed.process_group import check_averaged
+
+    huge = torch.full((8, 8), 3e37)
+    huge[0, 0] = torch.nextafter(huge[0, 0], torch.tensor(float("inf"))) if rank else huge[0, 0]
+    check_averaged([huge], ["huge float32"], group)
+    big = torch.full((2, 2), 1e308, dtype=torch.float64)
+    if rank:
+        big[0, 0] = 1.7e308
+    with pytest.raises(D.DistributedStepError, match="big float64: the grad differs between ranks"):
+        check_averaged([big], ["big float64"], group)
 
 
 @_pair_check

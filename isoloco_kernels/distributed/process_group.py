@@ -2,7 +2,7 @@
 (`IsoLoCo(process_group=...)`: torchft, OpenDiLoCo), beside dtensor.py's step for DTensor params.
 
 Every rank checks its grads, the ranks agree (failures, hyper-parameters, the grads' shapes), the
-grads are checked to be equal on every rank (`check_averaged`: per-grad norm and sum, one small
+grads are checked to be equal on every rank (`check_averaged`: per-grad scaled norm and sum, one small
 all-gather; grads not yet averaged belong to ShardedIsoLoCo), `sharded_iso_merge_` splits the flatten over the group (agreeing around it), and the ranks agree
 once more before any rank writes: a failure on one rank raises DistributedStepError on every rank
 with nothing changed.
@@ -49,26 +49,27 @@ def _checked(opt, failed):
 def check_averaged(grads: list, names: list, group) -> None:
     """Refuse grads that differ between the ranks of `group`, on every rank alike (each rank sees
     every rank's numbers): IsoLoCo(process_group=...) expects grads already averaged. Compares each
-    grad's norm and sum (float64, one all-gather of 2 numbers per grad); equal tensors pass, and
-    different pseudo-gradients of different workers do not in practice."""
+    grad's norm and sum (`_stats`: float64, scaled by a power of two near its largest entry so that
+    neither overflows; one all-gather of 3 numbers per grad); equal tensors pass, tensors that
+    differ in their last bits too, and different pseudo-gradients of different workers do not in
+    practice."""
     _, world = group_info(group)
     if world == 1 or not grads:
         return
     device = comm_device(group)
-    mine = torch.empty(2 * len(grads), dtype=torch.float64, device=device)
-    mine[0::2] = torch.stack([_norm(g).to(device) for g in grads])
-    mine[1::2] = torch.stack([g.detach().sum(dtype=torch.float64).to(device) for g in grads])
+    mine = torch.stack([_stats(g).to(device) for g in grads]).reshape(-1)
     every = torch.empty(world * mine.numel(), dtype=torch.float64, device=device)
     all_gather_single(every, mine, group=group)
-    rows = every.view(world, len(grads), 2).cpu().tolist()
+    rows = every.view(world, len(grads), 3).cpu().tolist()
     for i, name in enumerate(names):
-        norms = [rows[r][i][0] for r in range(world)]
-        sums = [rows[r][i][1] for r in range(world)]
-        if not math.isfinite(max(norms)):  # a finite grad whose norm overflows: the sums still compare
-            norms = [0.0] * world
+        exps = [int(rows[r][i][0]) for r in range(world)]
+        top = max(exps)
+        # every rank's sum and norm at the common scale 2^top (exact rescaling by powers of two)
+        sums = [math.ldexp(rows[r][i][1], exps[r] - top) for r in range(world)]
+        norms = [math.sqrt(math.ldexp(rows[r][i][2], 2 * (exps[r] - top))) for r in range(world)]
         scale = max(norms) * math.sqrt(max(grads[i].numel(), 1))
         if max(norms) - min(norms) > AVERAGED_RTOL * max(norms) or max(sums) - min(sums) > AVERAGED_RTOL * scale:
-            by_rank = ", ".join(f"rank {r}: norm {norms[r]:.6g}" for r in range(world))
+            by_rank = ", ".join(f"rank {r}: norm {norms[r]:.6g}·2^{top}" for r in range(world))
             raise DistributedStepError(
                 f"IsoLoCo.step over a process group: {name}: the grad differs between ranks ({by_rank}); "
                 "IsoLoCo(process_group=...) expects grads ALREADY AVERAGED, equal on every rank (as torchft and "
@@ -77,7 +78,22 @@ def check_averaged(grads: list, names: list, group) -> None:
             )
 
 
-def _norm(g: torch.Tensor) -> torch.Tensor:
-    """‖g‖ as a float64 scalar, without a float64 copy of g (float16/bfloat16 through a float32 one)."""
-    g = g.detach()
-    return (g if g.dtype in (torch.float32, torch.float64) else g.float()).norm().double()
+#: Elements per float64 slice in `_stats` (128 MiB): never a float64 copy of a whole grad.
+_STATS_CHUNK = 1 << 24
+
+
+def _stats(g: torch.Tensor) -> torch.Tensor:
+    """[e, Σ x·2^-e, Σ (x·2^-e)²] of a finite grad as float64, 2^e ≥ its largest magnitude (a
+    power of two, so the scaling is exact and neither sum overflows), in float64 slices."""
+    g = g.detach().reshape(-1)
+    one = torch.ones((), dtype=torch.float64, device=g.device)
+    amax = g.abs().max().to(torch.float64) if g.numel() else 0 * one
+    _, e = torch.frexp(amax)
+    inv = torch.ldexp(one, -e)
+    s1 = torch.zeros((), dtype=torch.float64, device=g.device)
+    s2 = torch.zeros((), dtype=torch.float64, device=g.device)
+    for part in g.split(_STATS_CHUNK):
+        x = part.to(torch.float64) * inv  # never in place: a float64 part is the grad itself
+        s1 += x.sum()
+        s2 += x.square().sum()
+    return torch.stack([e.to(torch.float64), s1, s2])
