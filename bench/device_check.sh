@@ -5,12 +5,18 @@
 #   2. every CUDA test (`pytest tests -m cuda`: the tests that skip without a GPU);
 #   3. gram against polar on this GPU and auto's choice;
 #   4. the FSDP2 outer step on one GPU (NCCL, world size 1, host syncs counted);
-#   5. the GPU benchmarks: Nesterov on llama-1b's fp32 params (as % of copy bandwidth), then
+#   5. IsoLoCo.step on llama-1b phase by phase per method (checks, pack, flatten, Nesterov as % of
+#      copy bandwidth, host syncs; bench/test_bench_step.py);
+#   6. memory peaks: one untimed call per method on llama-1b and llama-8b (bench/memory_peaks.py),
+#      beside the CPU model (bench/memory_model.py);
+#   7. a short training run on the GPU (python -m isoloco_kernels.train, every mode: tokens/s and
+#      the outer step's share of the rounds);
+#   8. the GPU benchmarks: Nesterov on llama-1b's fp32 params (as % of copy bandwidth), then
 #      iso_merge_ per method (with its error against reference.py) on the llama-178m and
 #      llama-1b bucket sets until the budget ends;
-#   6. a short table, printed last.
+#   9. a short table, printed last.
 # Everything goes under $OUT (default bench/results): <date>-<device>.{log,tests.log,json,md},
-# <date>-<device>-fsdp2.json.
+# <date>-<device>-{fsdp2.json,step.json,memory.jsonl}, <date>-<device>-train/results.json.
 #
 #   bash bench/device_check.sh              # from anywhere; runs in the repository root
 #   BUDGET_S=300 bash bench/device_check.sh # a tighter wall-clock budget (default 470 s)
@@ -39,6 +45,10 @@ if [ "$DRY_RUN" = 1 ]; then
     FLATTEN_SETS=ref-tiny
     NESTEROV_SETS=ref-tiny
     FSDP_ARGS="--device cpu --set ref-tiny --rounds 2"
+    STEP_SETS=ref-tiny
+    STEP_SEL='polar and not bf16 and not tf32x3'
+    PEAK_ARGS="--device cpu --sets ref-tiny --methods polar"
+    TRAIN_ARGS="--device cpu --model tiny -K 2 -H 2 -R 2 --batch 2 --seq-len 16 --eval-windows 8 --max-bytes 60000 --threads 1"
 else
     DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9._\n-' '-' | tr -s '-')
     DEV=${DEV:-nogpu}
@@ -46,6 +56,10 @@ else
     FLATTEN_SETS=llama-178m,llama-1b
     NESTEROV_SETS=llama-1b
     FSDP_ARGS="--device cuda --set llama-178m --rounds 5"
+    STEP_SETS=llama-1b
+    STEP_SEL='auto or gram or polar or polar_bf16'
+    PEAK_ARGS="--device cuda"
+    TRAIN_ARGS="--device cuda --model small -K 4 -H 20 -R 3 --batch 16 --seq-len 128 --max-bytes 3000000"
 fi
 NAME="$(date -u +%Y-%m-%d)-${DEV}"
 RES=${OUT:-bench/results}
@@ -53,6 +67,7 @@ mkdir -p "$RES"
 LOG="$RES/$NAME.log"
 JSON="$RES/$NAME.json"
 JSON_NESTEROV="$RES/$NAME-nesterov.json"
+JSON_STEP="$RES/$NAME-step.json"
 : > "$LOG"
 exec > >(tee -a "$LOG") 2>&1
 
@@ -89,8 +104,51 @@ else
 fi
 echo "tests exit code: $TEST_RC"
 
+if [ "$DRY_RUN" = 1 ]; then SECS=0.05; else SECS=0.4; fi
+bench() {  # bench SECONDS JSON FILE SETS SELECTION
+    timeout -s INT -k 15 "$1" "$PY" -m pytest "$3" -q -p no:cacheprovider -o addopts="" ${5:+-k "$5"} \
+        --benchmark-only --bench-devices "$BENCH_DEVICE" --bench-seconds "$SECS" --bench-sets "$4" \
+        --benchmark-json "$2" --benchmark-columns=median,rounds --benchmark-sort=name 2>&1 | tail -25
+    echo "exit code: $? (2 or 130: stopped at the time budget; finished cases are in $2)"
+}
+
+step "IsoLoCo.step phase by phase ($STEP_SETS: checks, pack, flatten, Nesterov, host syncs)"
+bench "$(cap 70 60)" "$JSON_STEP" bench/test_bench_step.py "$STEP_SETS" "test_step_phases and ($STEP_SEL)"
+timeout 30 "$PY" - "$JSON_STEP" <<'EOF' || echo "no step phases to show"
+import json, sys
+for b in json.load(open(sys.argv[1]))["benchmarks"]:
+    e = b["extra_info"]
+    ms = lambda k: f"{e[k] * 1e3:.1f}"
+    print(f"{e['set']} {e['impl']}: step {b['stats']['median'] * 1e3:.1f} ms | checks {ms('checks_s')} | pack "
+          f"{ms('pack_s')} | flatten {ms('flatten_s')} | prepare {ms('prepare_s')} | Nesterov {ms('nesterov_s')} ms "
+          f"({e['nesterov_frac_copy']:.0%} of copy) | overhead {e['overhead_frac']:.0%} | syncs {e['host_syncs']} | "
+          f"peak extra {(e['peak_extra_bytes'] or 0) / 2**30:.2f} GiB")
+EOF
+
+step "memory peaks: one untimed call per method (bench/memory_peaks.py), beside the model"
+PEAK_S=$(cap 80 60)
+timeout -k 10 "$PEAK_S" "$PY" bench/memory_peaks.py $PEAK_ARGS --seconds $(( PEAK_S > 40 ? PEAK_S - 35 : 5 )) \
+    --json "$RES/$NAME-memory.jsonl" || echo "memory peaks stopped at the time budget (finished cases in $NAME-memory.jsonl)"
+timeout 30 "$PY" bench/memory_model.py | tail -15
+
+step "training on $BENCH_DEVICE (python -m isoloco_kernels.train, every mode)"
+timeout -k 10 "$(cap 45 50)" "$PY" -m isoloco_kernels.train $TRAIN_ARGS --quiet --out "$RES/$NAME-train" 2>&1 | tail -12 \
+    || echo "training run failed or timed out"
+timeout 30 "$PY" - "$RES/$NAME-train/results.json" <<'EOF' || echo "no training results"
+import json, sys
+res = json.load(open(sys.argv[1]))
+for m, r in res["modes"].items():
+    share = r.get("outer_share")
+    print(f"{m}: {r['tokens_per_s']:,.0f} tokens/s, final loss {r['final_loss']}, outer step "
+          + ("n/a" if share is None else f"{share:.1%} of the rounds ({r['outer_step_s']:.2f} s)"))
+EOF
+
+step "FSDP2 outer step, world size 1 ($( [ "$DRY_RUN" = 1 ] && echo gloo on the CPU || echo NCCL on the GPU ))"
+timeout -k 10 "$(cap 45 40)" "$PY" bench/fsdp2_step.py $FSDP_ARGS --json "$RES/$NAME-fsdp2.json" 2>&1 \
+    | grep -v -i "numpy" || echo "fsdp2 step failed or timed out"
+
 step "gram vs polar here (float64 Gram space vs float32 direct iteration; auto's choice)"
-timeout "$(cap 90 120)" env DRY_RUN="$DRY_RUN" "$PY" - <<'EOF' || echo "gram probe failed"
+timeout "$(cap 40 60)" env DRY_RUN="$DRY_RUN" "$PY" - <<'EOF' || echo "gram probe failed"
 import os, time, torch, warnings
 import isoloco_kernels as ik
 from isoloco_kernels import flatten
@@ -122,26 +180,14 @@ for shape in shapes:
     print(shape, " | ".join(row), "| auto ->", flatten.resolve_method("auto", x))
 EOF
 
-step "FSDP2 outer step, world size 1 ($( [ "$DRY_RUN" = 1 ] && echo gloo on the CPU || echo NCCL on the GPU ))"
-timeout -k 10 "$(cap 90 60)" "$PY" bench/fsdp2_step.py $FSDP_ARGS --json "$RES/$NAME-fsdp2.json" 2>&1 \
-    | grep -v -i "numpy" || echo "fsdp2 step failed or timed out"
-
 step "benchmarks ($(( $(left) - 25 )) s left for them)"
 if [ "$DRY_RUN" = 1 ]; then
-    SECS=0.05
     FLATTEN_SEL='polar or gram or auto'
     NESTEROV_SEL='fused or foreach'
 else
-    SECS=0.4
     FLATTEN_SEL=''
     NESTEROV_SEL=''
 fi
-bench() {  # bench SECONDS JSON FILE SETS SELECTION
-    timeout -s INT -k 15 "$1" "$PY" -m pytest "$3" -q -p no:cacheprovider -o addopts="" ${5:+-k "$5"} \
-        --benchmark-only --bench-devices "$BENCH_DEVICE" --bench-seconds "$SECS" --bench-sets "$4" \
-        --benchmark-json "$2" --benchmark-columns=median,rounds --benchmark-sort=name 2>&1 | tail -25
-    echo "exit code: $? (2 or 130: stopped at the time budget; finished cases are in $2)"
-}
 # Nesterov first (short), then the flatten per method with its error until the budget ends.
 if [ "$(left)" -gt 90 ]; then
     bench "$(cap 60 30)" "$JSON_NESTEROV" bench/test_bench_optim.py "$NESTEROV_SETS" "test_nesterov${NESTEROV_SEL:+ and ($NESTEROV_SEL)}"
@@ -161,5 +207,5 @@ else
     echo "no benchmark JSON was written"
 fi
 [ -s "$RES/$NAME-fsdp2.json" ] && { cat "$RES/$NAME-fsdp2.json"; echo; }
-echo "files: $(ls "$RES"/"$NAME"* 2>/dev/null | tr '\n' ' ')"
+echo "files: $(ls -d "$RES"/"$NAME"* 2>/dev/null | tr '\n' ' ')"
 echo "total $(( $(date +%s) - START )) s (budget $BUDGET_S s); build $BUILD_RC, tests $TEST_RC"

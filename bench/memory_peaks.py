@@ -27,12 +27,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.memory_model import GIB, model  # noqa: E402
 from bench.shapes import SETS, bucket_shapes, decoder_weight_shapes  # noqa: E402
 
-#: (set, methods) in the order they run: the 8B set with the GPU methods (eigh and svd take
-#: minutes there: modelled only), then llama-1b with every method but svd (cuSOLVER's SVD loops
-#: per matrix), and the step on llama-1b.
+#: (case, set, method) in the order they run: llama-1b with the GPU methods (seconds each), the
+#: step on it, then the 8B set (tens of seconds each; eigh and svd take minutes there: modelled
+#: only), and eigh on llama-1b last (svd: cuSOLVER's SVD loops per matrix for minutes).
 PLAN = (
-    ("llama-8b", ("auto", "gram", "polar", "polar_bf16")),
-    ("llama-1b", ("auto", "gram", "polar", "polar_bf16", "eigh")),
+    *(("merge", "llama-1b", m) for m in ("auto", "gram", "polar", "polar_bf16")),
+    ("step", "llama-1b", "auto"),
+    *(("merge", "llama-8b", m) for m in ("auto", "gram", "polar", "polar_bf16")),
+    ("merge", "llama-1b", "eigh"),
 )
 
 
@@ -131,20 +133,18 @@ def _modelled(spec_name: str, method: str, device) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--sets", default=None, help="comma-separated sets (default: the plan's)")
-    ap.add_argument("--methods", default=None, help="comma-separated methods (default: the plan's)")
+    ap.add_argument("--sets", default=None, help="comma-separated sets (default: PLAN's cases)")
+    ap.add_argument("--methods", default=None, help="comma-separated methods (default: PLAN's cases)")
     ap.add_argument("--seconds", type=float, default=float("inf"), help="start no case after this")
     ap.add_argument("--json", default=None, help="append one JSON object per finished case")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     t0 = time.perf_counter()
-    plan = [(s, args.methods.split(",") if args.methods else ms) for s, ms in PLAN]
-    if args.sets:
-        plan = [
-            (s, args.methods.split(",") if args.methods else ("auto", "gram", "polar")) for s in args.sets.split(",")
-        ]
-    cases = [(merge_peak, s, m) for s, ms in plan for m in ms]
-    cases += [(step_peak, s, "auto") for s, _ in plan[-1:]]
+    cases = [({"merge": merge_peak, "step": step_peak}[c], s, m) for c, s, m in PLAN]
+    if args.sets or args.methods:
+        sets = args.sets.split(",") if args.sets else ["llama-1b", "llama-8b"]
+        methods = args.methods.split(",") if args.methods else ["auto", "gram", "polar"]
+        cases = [(merge_peak, s, m) for s in sets for m in methods] + [(step_peak, sets[0], methods[0])]
     print("| case | set | method | 2-D grads GiB | peak extra GiB | modelled GiB | one call s |")
     print("|---|---|---|---:|---:|---:|---:|")
     for fn, s, m in cases:
