@@ -51,3 +51,21 @@ def test_a_buffer_shared_by_two_optimizers_is_read_again_after_the_other_wrote_i
     with pytest.raises(ResultOverflowError, match="overflow"):
         opt2.step()
     assert torch.equal(p2.detach(), keep)
+
+
+def test_a_write_marked_with_increment_version_is_read_again():
+    """The remedy docs/guarantees.md gives for writes that bypass the version counter (a NumPy
+    view here; torch.distributed collectives into the buffer alike): mark the write, and the next
+    step reads the buffer and refuses its NaN by name, with nothing changed."""
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    opt = IsoLoCo([p], lr=0.5, momentum=0.9)
+    p.grad = torch.randn(8, 4)
+    opt.step()
+    buf = opt.state[p]["momentum_buffer"]
+    buf.numpy()[0, 0] = float("nan")  # bypasses the version counter
+    torch.autograd.graph.increment_version(buf)
+    p.grad = torch.randn(8, 4)
+    keep = p.detach().clone()
+    with pytest.raises(ValueError, match=r"momentum_buffer: the matrix contains NaN"):
+        opt.step()
+    assert torch.equal(p.detach(), keep)
