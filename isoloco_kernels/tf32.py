@@ -49,23 +49,26 @@ def tf32_matmul(on: bool = True):
     if not on:
         yield
         return
-    new_api = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+    from .polar import _fp32_precision_props  # every per-backend setting a legacy call moves
+
+    props = _fp32_precision_props()
     try:
         legacy = torch.get_float32_matmul_precision()
     except RuntimeError:  # new and legacy API disagree: only the new one describes the state
         legacy = None
-    saved = torch.backends.cuda.matmul.fp32_precision if new_api else None
+    saved = [p.fp32_precision for p in props] if props is not None else None
     try:
         if legacy is not None:
             torch.set_float32_matmul_precision("high")
-        if new_api:
+        if props is not None:
             torch.backends.cuda.matmul.fp32_precision = "tf32"
         yield
     finally:
         if legacy is not None:
             torch.set_float32_matmul_precision(legacy)
-        if saved is not None:
-            torch.backends.cuda.matmul.fp32_precision = saved
+        if saved is not None:  # after the legacy restore, which rewrites these
+            for p, v in zip(props, saved):
+                p.fp32_precision = v
 
 
 def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

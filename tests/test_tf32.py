@@ -60,6 +60,13 @@ def test_tf32_switch_restores_every_setting():
     with tf32.tf32_matmul():
         assert torch.get_float32_matmul_precision() == "high"
     assert (torch.get_float32_matmul_precision(), getattr(torch.backends.cuda.matmul, "fp32_precision", None)) == before
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # the user's TF32 via the legacy flag
+        torch.backends.cuda.matmul.allow_tf32 = True
+        want = [torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision]
+        with tf32.tf32_matmul():
+            pass
+        assert [torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision] == want
+        reset_tf32()
     with polar.ieee_fp32_matmul():  # nested the way polar runs it: IEEE outside, TF32 for 3 GEMMs
         with tf32.tf32_matmul():
             pass
