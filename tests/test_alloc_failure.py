@@ -1,7 +1,7 @@
 """An allocation that fails on one rank fails every rank quickly, with nothing changed.
 
-The DTensor step's gather and owner routes hand buffers to collectives; each buffer comes from
-`collectives.comm_buffer`. A failure there on one rank (out of memory, as at scale) must reach
+The DTensor step's gather and owner routes, and `average_`, hand buffers to collectives; each
+buffer comes from `collectives.comm_buffer`. A failure there on one rank (out of memory, as at scale) must reach
 the other rank before it waits in a collective: every rank raises DistributedStepError naming the
 failing rank within seconds (well inside the process-group timeout), params and momentum as they
 were, and the next step works. 2 gloo ranks, a 16 × 16 param sharded on dim 0 (and a vector).
@@ -94,6 +94,37 @@ def _check(route: str, rank: int) -> None:
 
 for _route in SITES:
     CHECKS.add(_route, lambda rank, _r=_route: _check(_r, rank))
+
+
+@CHECKS
+def _check_average(rank: int) -> None:
+    """average_'s chunk buffers (three per dtype: float32 and bfloat16 here), each in turn."""
+    from isoloco_kernels.distributed import average_
+
+    gen = torch.Generator().manual_seed(rank)
+    ts = [torch.randn(300, generator=gen), torch.randn(7, 9, generator=gen).to(torch.bfloat16)]
+    real = C.comm_buffer
+    for site in range(6):
+        before = [t.clone() for t in ts]
+        calls = [0]
+
+        def failing(*args, **kwargs):
+            calls[0] += 1
+            if rank == 1 and calls[0] == site + 1:
+                raise torch.OutOfMemoryError(f"injected allocation failure at buffer {site}")
+            return real(*args, **kwargs)
+
+        C.comm_buffer = failing
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(DistributedStepError, match=rf"rank 1: OutOfMemoryError: .* at buffer {site}"):
+                average_(ts, chunk_bytes=256)
+        finally:
+            C.comm_buffer = real
+        assert time.monotonic() - t0 < PG_TIMEOUT_S / 3, f"buffer {site}: took {time.monotonic() - t0:.1f} s"
+        assert all(torch.equal(a, b) for a, b in zip(ts, before)), f"buffer {site}: a tensor changed"
+    average_(ts, chunk_bytes=256)  # and it still averages
+    assert not torch.equal(ts[0], before[0])
 
 
 def _body(rank, world, tmpdir):

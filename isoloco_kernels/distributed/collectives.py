@@ -113,23 +113,16 @@ def average_(
     ag.attempt(_check_average, tensors)
     if world == 1:
         return tensors
+    # Every buffer before the ranks agree: a rank that cannot allocate one fails every rank there.
+    kinds = ag.attempt(_average_buffers, tensors, chunk_bytes, comm_device(group))
     # Agree before the first all-reduce: a rank with bad input, or ranks passing different shapes,
     # dtypes or chunk sizes (gloo would abort the process on a size mismatch), fail on every rank.
     ag.settle(fingerprint(describe(tensors)), {"chunk_bytes": repr(chunk_bytes)})
-    device = comm_device(group)
-    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.numel():
-            by_kind.setdefault((t.device, t.dtype), []).append(i)
-    for (_, dtype), idx in by_kind.items():
-        flats = {i: flat_view(tensors[i]) for i in idx}
-        entries, total = [], 0
+    for idx, flats, total, per, bufs in kinds:
+        entries, off = [], 0
         for i in idx:
-            entries.append((i, total))
-            total += tensors[i].numel()
-        rdt = reduce_dtype(dtype)  # summed in float32 for 2-byte dtypes, rounded back once
-        per = max(1, chunk_bytes // rdt.itemsize)
-        bufs = [torch.empty(min(per, total), dtype=rdt, device=device) for _ in range(3)]
+            entries.append((i, off))
+            off += tensors[i].numel()
         flight = InFlight(2)
         for k, (a, b) in enumerate(_chunks(total, per)):
             buf = bufs[k % 3][: b - a]
@@ -148,6 +141,24 @@ def average_(
             if not tensors[i].is_contiguous():
                 tensors[i].copy_(flats[i].view(tensors[i].shape))
     return tensors
+
+
+def _average_buffers(tensors, chunk_bytes: int, device) -> list[tuple]:
+    """average_'s allocations, made before its agreement: per (device, dtype) of the non-empty
+    tensors, (their indices, their flat views or copies, elements, elements per chunk, three chunk
+    buffers in the reduce dtype on the communication device)."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            by_kind.setdefault((t.device, t.dtype), []).append(i)
+    out = []
+    for (_, dtype), idx in by_kind.items():
+        flats = {i: flat_view(tensors[i]) for i in idx}
+        total = sum(tensors[i].numel() for i in idx)
+        rdt = reduce_dtype(dtype)  # summed in float32 for 2-byte dtypes, rounded back once
+        per = max(1, chunk_bytes // rdt.itemsize)
+        out.append((idx, flats, total, per, [comm_buffer(min(per, total), rdt, device, False) for _ in range(3)]))
+    return out
 
 
 def _check_average(tensors) -> None:
