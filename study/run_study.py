@@ -35,7 +35,8 @@ registered for this process). Its records carry "study": "v4", "iso_method" and 
 settings under "v3" (so the run keys of two methods differ), and the fallback counts of the
 residual-checked methods. `--spectra FILE` also captures the averaged Δ of the seed-0 "svd" run in the
 first, middle and last round and appends each method's relative error against reference.py and its
-flatness on every matrix to FILE (one line per round); the plan is study/v4_plan.sh:
+flatness on every matrix to FILE (one line per round). A file named STOP in the results folder stops
+a runner before its next run (any part); the plan is study/v4_plan.sh:
 
     python study/run_study.py --part v4 --cells 4:30 --seeds 0,1,2 --lrs isoloco=3.2 --iso-method svd,fast --out study/results/v4_base.jsonl
 """
@@ -65,6 +66,7 @@ DEFAULTS = [("diloco", 0.7), ("isoloco", 1.8)]
 NEIGHBOURS = [("diloco", 1.0), ("isoloco", 2.4), ("diloco", 0.5), ("isoloco", 1.2)]
 
 
+STOP_FILE = "STOP"  # in the results folder: start no further run (the one in flight finishes)
 PARTS = ("all", "defaults", "grid", "extra", "v2", "v3", "v4")
 # study methods that are a loop mode with other settings: name -> (mode, TrainConfig fields)
 VARIANTS = {  # the embedding and head unflattened, at IsoLoCo's outer lr or with DiLoCo's tuned step (lr 0.35, μ 0.9)
@@ -342,6 +344,9 @@ def main() -> None:
     if study == "v2":  # the paired DiLoCo / IsoLoCo runs of every init first, seed by seed; then the rest
         todo.sort(key=lambda j: (j[2] not in ("diloco", "isoloco"), j[6]))
     for K, H, mode, lr, mu, init, seed, iso_method in todo:
+        if (out.parent / STOP_FILE).exists():  # a plan stopped between runs, no run cut short
+            print(f"{out.parent / STOP_FILE} exists: no more runs", flush=True)
+            break
         rounds = a.steps // H
         if rounds < 1:
             p.error(f"--steps {a.steps} is less than one round at H = {H}")

@@ -5,7 +5,7 @@ on the same seeds; each method's test loss is paired per seed with the exact "sv
 given with its 95 % Student-t interval. Beside it, what the method does to that cell's pseudo-gradients
 (the seed-0 svd run's averaged Δ in its first, middle and last round, every 2-D matrix): the relative
 Frobenius error against reference.py and the flatness (largest |σ_i(out)/s̄ − 1| outside reference.py's
-rank cut), median and max over matrices and rounds. v3's own IsoLoCo runs of the cell (method "auto",
+rank cut), mean and max over matrices and rounds. v3's own IsoLoCo runs of the cell (method "auto",
 exact on the CPU: eigh or svd by shape) join as a row: exact against exact, the floor of the pairing.
 
     python study/summarize.py        # writes summary_v4.json and study_v4.png beside the other outputs
@@ -138,7 +138,7 @@ def summarize_v4(recs: list[dict], spectra: list[dict]) -> dict:
 
 
 def _quantiles(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "max": max(xs), "n": len(xs)}
+    return {"mean": statistics.fmean(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
 
 
 def within_budget(change: dict | None) -> bool:
@@ -183,7 +183,7 @@ def _f(x, spec="+.3f"):
 def markdown_v4(s: dict) -> str:
     lines = [
         "| cell | method | what it does | test loss (seeds) | change vs svd, test (per seed) | 95 % t | "
-        "error vs exact: median / max | flatness: median / max | recomputed |",
+        "error vs exact: mean / max | flatness: mean / max | recomputed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in s.values():
@@ -198,8 +198,8 @@ def markdown_v4(s: dict) -> str:
                 else ("—" if not c else f"{_f(c['mean'])} (" + ", ".join(_f(x) for x in c["per_seed"]) + ")")
             )
             ci = "—" if not c else f"[{_f(c['t_lo'])}, {_f(c['t_hi'])}]"
-            er = "—" if not e["error"] else f"{e['error']['median']:.2g} / {e['error']['max']:.2g}"
-            fl = "—" if not e["flatness"] else f"{e['flatness']['median']:.2g} / {e['flatness']['max']:.2g}"
+            er = "—" if not e["error"] else f"{e['error']['mean']:.2g} / {e['error']['max']:.2g}"
+            fl = "—" if not e["flatness"] else f"{e['flatness']['mean']:.2g} / {e['flatness']['max']:.2g}"
             fb = "—" if not e["fallbacks"] else f"{e['fallbacks']['recomputed']} of {e['fallbacks']['matrices']}"
             lines.append(
                 f"| {short_label(row['cell'])} | `{m}` | {WHAT.get(m, '')} | {tl} | {ch} | {ci} | {er} | {fl} | {fb} |"
@@ -230,7 +230,7 @@ def markdown_verdict(v: dict, s: dict) -> str:
 
 def plot_v4(s: dict, path) -> None:
     """Left: each method's loss change vs svd per cell (t interval, mean, seeds), the ±0.01 budget shaded;
-    right: the same means against the method's median error on the cell's Δ."""
+    right: the same means against the method's mean error on the cell's Δ."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -257,8 +257,8 @@ def plot_v4(s: dict, path) -> None:
             first = False
             err = row["methods"][m].get("error")
             if err:
-                ax2.plot([err["median"]], [c["mean"]], "o", color=colors[j % 10])
-                ax2.annotate(m, (err["median"], c["mean"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+                ax2.plot([err["mean"]], [c["mean"]], "o", color=colors[j % 10])
+                ax2.annotate(m, (err["mean"], c["mean"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
     ax.axvspan(-BUDGET, BUDGET, color="tab:green", alpha=0.12)
     ax.axvline(0, color="grey", lw=1)
     ax.set_yticks(range(len(methods)), methods, fontsize=8)
@@ -268,7 +268,7 @@ def plot_v4(s: dict, path) -> None:
     ax2.set_xscale("log")
     ax2.axhspan(-BUDGET, BUDGET, color="tab:green", alpha=0.12)
     ax2.axhline(0, color="grey", lw=1)
-    ax2.set_xlabel("relative error vs exact on the cell's Δ (median over matrices, rounds 1 / mid / last)")
+    ax2.set_xlabel("relative error vs exact on the cell's Δ (mean over matrices, rounds 1 / mid / last)")
     ax2.set_ylabel("mean loss change vs svd")
     ax2.set_title("Loss change against what the flatten does", fontsize=9)
     fig.tight_layout()
