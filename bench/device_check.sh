@@ -57,7 +57,7 @@ else
     NESTEROV_SETS=llama-1b
     FSDP_ARGS="--device cuda --set llama-178m --rounds 5"
     STEP_SETS=llama-1b
-    STEP_SEL='auto or gram or polar or polar_bf16'
+    STEP_SEL='auto or gram or polar or fast'
     PEAK_ARGS="--device cuda"
     TRAIN_ARGS="--device cuda --model small -K 4 -H 20 -R 3 --batch 16 --seq-len 128 --max-bytes 3000000"
 fi

@@ -37,7 +37,7 @@ from isoloco_kernels import buckets  # noqa: E402
 
 GIB = float(1 << 30)
 #: The methods the model covers (every registry method with a row; "auto" resolves to one).
-METHODS = ("svd", "eigh", "polar", "polar_bf16", "gram")
+METHODS = ("svd", "eigh", "polar", "polar_bf16", "polar_tf32x3", "gram", "fast")
 FIT_SHAPES = (
     (3, 64, 512),
     (3, 128, 128),

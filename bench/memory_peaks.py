@@ -31,7 +31,7 @@ from bench.shapes import SETS, bucket_shapes, decoder_weight_shapes  # noqa: E40
 #: step on it, then the 8B set (tens of seconds each; eigh and svd take minutes there: modelled
 #: only), and eigh on llama-1b last (svd: cuSOLVER's SVD loops per matrix for minutes).
 PLAN = (
-    *(("merge", "llama-1b", m) for m in ("auto", "gram", "polar", "polar_bf16")),
+    *(("merge", "llama-1b", m) for m in ("auto", "gram", "polar", "polar_bf16", "fast")),
     ("step", "llama-1b", "auto"),
     *(("merge", "llama-8b", m) for m in ("auto", "gram", "polar", "polar_bf16")),
     ("merge", "llama-1b", "eigh"),

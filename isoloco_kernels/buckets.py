@@ -69,6 +69,8 @@ WORKSPACE_MODEL = {
         "polar": (18.9, 20.5),
         "polar_bf16": (27.5, 13.7),
         "gram": (7.0, 44.9),
+        "polar_tf32x3": (48.0, 15.0),
+        "fast": (25.1, 27.6),
     },
     torch.float64: {
         "svd": (50.7, 9.7),
@@ -76,6 +78,8 @@ WORKSPACE_MODEL = {
         "polar": (36.5, 41.4),
         "polar_bf16": (39.4, 12.3),
         "gram": (13.8, 39.1),
+        "polar_tf32x3": (36.5, 41.4),
+        "fast": (33.5, 49.4),
     },
 }
 
