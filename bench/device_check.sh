@@ -207,5 +207,11 @@ else
     echo "no benchmark JSON was written"
 fi
 [ -s "$RES/$NAME-fsdp2.json" ] && { cat "$RES/$NAME-fsdp2.json"; echo; }
+# The time model's predictions beside this run's medians (bench/results/time_model.md; printed only:
+# `python bench/time_model.py --measured <json>` regenerates it from the returned JSON).
+if [ -s "$JSON" ]; then
+    timeout 60 "$PY" bench/time_model.py --measured "$JSON" | grep -E "^\| (candidate|fast|polar|auto|gram)" \
+        || echo "time model failed"
+fi
 echo "files: $(ls -d "$RES"/"$NAME"* 2>/dev/null | tr '\n' ' ')"
 echo "total $(( $(date +%s) - START )) s (budget $BUDGET_S s); build $BUILD_RC, tests $TEST_RC"
