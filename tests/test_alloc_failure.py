@@ -1,7 +1,7 @@
 """An allocation that fails on one rank fails every rank quickly, with nothing changed.
 
-The DTensor step's gather and owner routes, and `average_`, hand buffers to collectives; each
-buffer comes from `collectives.comm_buffer`. A failure there on one rank (out of memory, as at scale) must reach
+The DTensor step's gather and owner routes, `average_` and `ShardedIsoLoCo` hand buffers to
+collectives; each buffer comes from `collectives.comm_buffer`. A failure there on one rank (out of memory, as at scale) must reach
 the other rank before it waits in a collective: every rank raises DistributedStepError naming the
 failing rank within seconds (well inside the process-group timeout), params and momentum as they
 were, and the next step works. 2 gloo ranks, a 16 × 16 param sharded on dim 0 (and a vector).
@@ -125,6 +125,69 @@ def _check_average(rank: int) -> None:
         assert all(torch.equal(a, b) for a, b in zip(ts, before)), f"buffer {site}: a tensor changed"
     average_(ts, chunk_bytes=256)  # and it still averages
     assert not torch.equal(ts[0], before[0])
+
+
+@CHECKS
+def _check_sharded(rank: int) -> None:
+    """ShardedIsoLoCo's buffers (reduce-scatter, reduce to the owner of a solo param, all-gather),
+    each in turn: a solo 40 × 40 param (solo_above=0.3) beside sharded ones of two dtypes."""
+    from isoloco_kernels.distributed import ShardedIsoLoCo
+
+    gen = torch.Generator().manual_seed(0)
+    ps = [
+        torch.randn(40, 40, generator=gen),
+        torch.randn(16, 16, generator=gen),
+        torch.randn(5, generator=gen),
+        torch.randn(8, 6, generator=gen).to(torch.bfloat16),
+    ]
+    opt = ShardedIsoLoCo(ps, lr=1.0, momentum=0.9, chunk_bytes=512, solo_above=0.3)
+    assert opt.plan.solo, "the test wants a solo param"
+
+    def grads(step: int) -> None:
+        g = torch.Generator().manual_seed(10 * step + rank)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+    real = C.comm_buffer
+    calls = [0]
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    grads(0)
+    C.comm_buffer = counting
+    try:
+        opt.step()
+    finally:
+        C.comm_buffer = real
+    sites = [calls[0]]
+    dist.broadcast_object_list(sites, src=1)  # rank 1's count: the sites a failure is injected at
+    assert sites[0] >= 7, sites
+    for site in range(sites[0]):
+        grads(1)
+        before = [p.clone() for p in ps] + [opt.state[p]["momentum_buffer"].clone() for p in ps if p in opt.state]
+        calls[0] = 0
+
+        def failing(*args, **kwargs):
+            calls[0] += 1
+            if rank == 1 and calls[0] == site + 1:
+                raise torch.OutOfMemoryError(f"injected allocation failure at buffer {site}")
+            return real(*args, **kwargs)
+
+        C.comm_buffer = failing
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(DistributedStepError, match=rf"rank 1: OutOfMemoryError: .* at buffer {site}\b"):
+                opt.step()
+        finally:
+            C.comm_buffer = real
+        assert time.monotonic() - t0 < PG_TIMEOUT_S / 3, f"buffer {site}: took {time.monotonic() - t0:.1f} s"
+        after = [p for p in ps] + [opt.state[p]["momentum_buffer"] for p in ps if p in opt.state]
+        assert all(torch.equal(a, b) for a, b in zip(after, before)), f"buffer {site}: a tensor changed"
+    grads(2)
+    opt.step()  # and it still works
+    assert not torch.equal(ps[1], before[1])
 
 
 def _body(rank, world, tmpdir):

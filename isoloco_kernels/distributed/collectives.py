@@ -172,25 +172,38 @@ def _check_average(tensors) -> None:
     check_all_finite(tensors, names)  # NaN/Inf would spread to every rank
 
 
-def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, chunk_bytes) -> torch.Tensor:
+def reduce_scatter_buffers(plan: ShardPlan, dtype, group, chunk_bytes) -> tuple:
+    """(own, sends, outs) of `reduce_scatter_mean`: this rank's segment, three send chunks and (for
+    2-byte dtypes, reduced in float32) three output chunks, on the group's communication device."""
+    _, seg = plan.layout(dtype)
+    device = comm_device(group)
+    own = comm_buffer(seg, dtype, device, False)
+    if seg == 0:
+        return own, None, None
+    rdt = reduce_dtype(dtype)
+    per = max(1, chunk_bytes // (plan.world_size * rdt.itemsize))
+    sends = [comm_buffer(plan.world_size * min(per, seg), rdt, device, False) for _ in range(3)]
+    outs = [comm_buffer(min(per, seg), rdt, device, False) for _ in range(3)] if rdt != dtype else None
+    return own, sends, outs
+
+
+def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, chunk_bytes, buffers=None) -> torch.Tensor:
     """This rank's segment of the mean over ranks of the sharded tensors of one dtype.
 
     src(i) is tensor i's flat local pseudo-gradient, or None (sent as zeros). Chunk k covers
     elements [a, b) of every rank's segment: send holds world pieces of b − a elements. The sums
     are taken in `reduce_dtype(dtype)` and the mean rounded to `dtype` once. The segment and the
-    buffers live on the group's communication device.
+    buffers (`buffers` = `reduce_scatter_buffers(...)`, made before the ranks agreed; None: made
+    here) live on the group's communication device.
     """
     per_rank, seg = plan.layout(dtype)
     world = plan.world_size
-    device = comm_device(group)
-    own = torch.empty(seg, dtype=dtype, device=device)
+    own, sends, outs = buffers if buffers is not None else reduce_scatter_buffers(plan, dtype, group, chunk_bytes)
     if seg == 0:
         return own
     rdt = reduce_dtype(dtype)
     wide = rdt != dtype  # reduce into float32 chunks, then round each chunk's mean into `own`
     per = max(1, chunk_bytes // (world * rdt.itemsize))
-    sends = [torch.empty(world * min(per, seg), dtype=rdt, device=device) for _ in range(3)]
-    outs = [torch.empty(min(per, seg), dtype=rdt, device=device) for _ in range(3)] if wide else None
     flight = InFlight(2)
     for k, (a, b) in enumerate(_chunks(seg, per)):
         w = b - a
@@ -212,14 +225,24 @@ def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, chunk_bytes) -
     return own if wide else own.div_(world)
 
 
-def all_gather_segments(plan: ShardPlan, dtype, own, dst, rank, group, chunk_bytes) -> None:
-    """Every rank's segment of one dtype, scattered into dst(i) (tensor i's flat destination)."""
+def gather_segment_buffers(plan: ShardPlan, dtype, group, chunk_bytes) -> list[torch.Tensor]:
+    """The three chunk buffers of `all_gather_segments`, on the group's communication device."""
+    _, seg = plan.layout(dtype)
+    if seg == 0:
+        return []
+    per = max(1, chunk_bytes // (plan.world_size * dtype.itemsize))
+    return [comm_buffer(plan.world_size * min(per, seg), dtype, comm_device(group), False) for _ in range(3)]
+
+
+def all_gather_segments(plan: ShardPlan, dtype, own, dst, rank, group, chunk_bytes, buffers=None) -> None:
+    """Every rank's segment of one dtype, scattered into dst(i) (tensor i's flat destination),
+    through `buffers` (`gather_segment_buffers`, made before the ranks agreed; None: made here)."""
     per_rank, seg = plan.layout(dtype)
     world = plan.world_size
     if seg == 0:
         return
     per = max(1, chunk_bytes // (world * own.element_size()))
-    bufs = [torch.empty(world * min(per, seg), dtype=dtype, device=comm_device(group)) for _ in range(3)]
+    bufs = buffers if buffers is not None else gather_segment_buffers(plan, dtype, group, chunk_bytes)
     flight = InFlight(2)
     for k, (a, b) in enumerate(_chunks(seg, per)):
         w = b - a
@@ -234,23 +257,34 @@ def all_gather_segments(plan: ShardPlan, dtype, own, dst, rank, group, chunk_byt
     flight.drain()
 
 
-def reduce_to_owner(src, numel, dtype, owner, rank, group, chunk_bytes) -> Optional[torch.Tensor]:
+def reduce_to_owner_buffers(numel, dtype, owner, rank, group, chunk_bytes) -> tuple:
+    """(out, bufs) of `reduce_to_owner`: the owner's result and three scratch chunks (where used),
+    on the group's communication device."""
+    device = comm_device(group)
+    rdt = reduce_dtype(dtype)
+    per = max(1, chunk_bytes // rdt.itemsize)
+    out = comm_buffer(numel, dtype, device, False) if rank == owner else None
+    scratch = rank != owner or rdt != dtype
+    return out, [comm_buffer(min(per, numel), rdt, device, False) for _ in range(3)] if scratch else None
+
+
+def reduce_to_owner(src, numel, dtype, owner, rank, group, chunk_bytes, buffers=None) -> Optional[torch.Tensor]:
     """Mean over ranks of one flat tensor, delivered to `owner` only (returned there, else None).
 
     src: this rank's flat values, or None (sent as zeros). Sent in chunks through a scratch buffer
     (a reduce may use a non-root's input as scratch, so grads are never handed to it directly),
     on the group's communication device; summed in `reduce_dtype(dtype)`, the mean rounded to
-    `dtype` once.
+    `dtype` once. `buffers`: `reduce_to_owner_buffers(...)`, made before the ranks agreed (None: here).
     """
     world = dist.get_world_size(group)
-    device = comm_device(group)
     dst = dist.get_global_rank(group, owner) if group is not None else owner
     rdt = reduce_dtype(dtype)
     wide = rdt != dtype
     per = max(1, chunk_bytes // rdt.itemsize)
-    out = torch.empty(numel, dtype=dtype, device=device) if rank == owner else None
+    out, bufs = (
+        buffers if buffers is not None else reduce_to_owner_buffers(numel, dtype, owner, rank, group, chunk_bytes)
+    )
     scratch = rank != owner or wide  # the owner reduces straight into `out` when no rounding follows
-    bufs = [torch.empty(min(per, numel), dtype=rdt, device=device) for _ in range(3)] if scratch else None
     flight = InFlight(2)
     for k, (a, b) in enumerate(_chunks(numel, per)):
         buf = bufs[k % 3][: b - a] if scratch else out[a:b]
@@ -280,20 +314,22 @@ def broadcast_from_owner(flat: torch.Tensor, owner: int, group, chunk_bytes) -> 
     flight.drain()
 
 
-def broadcast_into(t: torch.Tensor, owner: int, group, chunk_bytes) -> None:
+def broadcast_into(t: torch.Tensor, owner: int, group, chunk_bytes, flat: Optional[torch.Tensor] = None) -> None:
     """t ← the owner's t (t on the group's communication device; non-contiguous t through a
-    flat copy there)."""
+    flat copy there: `flat`, made before the ranks agreed, or made here)."""
     if t.is_contiguous():
         broadcast_from_owner(t.view(-1), owner, group, chunk_bytes)
         return
-    flat = torch.empty(t.numel(), dtype=t.dtype, device=comm_device(group))
+    if flat is None:
+        flat = comm_buffer(t.numel(), t.dtype, comm_device(group), False)
     flat.copy_(t.reshape(-1))
     broadcast_from_owner(flat, owner, group, chunk_bytes)
     t.copy_(flat.view(t.shape))
 
 
-def scatter_into(plan, dtype, own, tensors, rank, group, chunk_bytes) -> None:
-    """All-gather every rank's segment of one dtype into `tensors` (non-contiguous ones via a copy)."""
+def scatter_into(plan, dtype, own, tensors, rank, group, chunk_bytes, buffers=None) -> None:
+    """All-gather every rank's segment of one dtype into `tensors` (non-contiguous ones via a copy;
+    `buffers`: `gather_segment_buffers(...)`, or None to make them here)."""
     flats = {}
 
     def dst(i):
@@ -305,7 +341,7 @@ def scatter_into(plan, dtype, own, tensors, rank, group, chunk_bytes) -> None:
         for i, v in owned_views(plan, dtype, own, rank).items():
             tensors[i].copy_(v)
         return
-    all_gather_segments(plan, dtype, own, dst, rank, group, chunk_bytes)
+    all_gather_segments(plan, dtype, own, dst, rank, group, chunk_bytes, buffers)
     for i, f in flats.items():
         if not tensors[i].is_contiguous():
             tensors[i].copy_(f.view(tensors[i].shape))

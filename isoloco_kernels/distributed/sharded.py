@@ -17,14 +17,18 @@ import torch
 from .. import outer
 from .._validate import amaxes, check_amax_finite
 from ..buckets import BucketPlan
-from .agree import Agreement, check_on_comm_device, group_info, optimizer_settings, renamed_keyword
+from .agree import Agreement, check_on_comm_device, comm_device, group_info, optimizer_settings, renamed_keyword
 from .collectives import (
     CHUNK_BYTES,
     broadcast_into,
     check_chunk_bytes,
+    comm_buffer,
     flat_view,
+    gather_segment_buffers,
+    reduce_scatter_buffers,
     reduce_scatter_mean,
     reduce_to_owner,
+    reduce_to_owner_buffers,
     scatter_into,
 )
 from .merge import PLAN_MISMATCH
@@ -184,15 +188,36 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = ag.attempt(closure)
         grads = ag.attempt(self._check)
+        bufs = ag.attempt(self._buffers)  # every collective's buffer, before the ranks agree
         # Agree before the first collective: bad input, or settings that differ between ranks (lr,
-        # method, chunk_bytes, … changed on one rank since construction), stop every rank here.
+        # method, chunk_bytes, … changed on one rank since construction), or a buffer one rank
+        # could not allocate, stop every rank here.
         ag.settle(settings=ag.attempt(self._settings))
-        segments, means = self._reduce(grads)
+        segments, means = self._reduce(grads, bufs)
         write = ag.attempt(self._compute, means)
         ag.settle()
         write()
-        self._all_gather_params(segments)
+        self._all_gather_params(segments, bufs)
         return loss
+
+    def _buffers(self) -> dict:
+        """The buffers of the step's collectives (`collectives.reduce_scatter_buffers`,
+        `reduce_to_owner_buffers`, `gather_segment_buffers`, and a flat copy for a non-contiguous
+        solo param), made before the ranks first agree: an allocation that fails on one rank
+        fails every rank there instead of leaving the others in a collective."""
+        if self.world_size == 1:
+            return {}
+        plan, rank, group, cb = self.plan, self.rank, self.process_group, self.chunk_bytes
+        out: dict = {}
+        for dt in plan.sharded_dtypes:
+            out[("reduce", dt)] = reduce_scatter_buffers(plan, dt, group, cb)
+            out[("gather", dt)] = gather_segment_buffers(plan, dt, group, cb)
+        for i in sorted(plan.solo):
+            p = self._params[i]
+            out[("solo", i)] = reduce_to_owner_buffers(p.numel(), p.dtype, plan.owners[i], rank, group, cb)
+            if not p.is_contiguous():
+                out[("flat", i)] = comm_buffer(p.numel(), p.dtype, comm_device(group), False)
+        return out
 
     def _check(self) -> list[torch.Tensor]:
         """Every rank's pseudo-gradients, checked (every param needs one: all are reduced and
@@ -206,7 +231,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         entries = outer.collect(self, "ShardedIsoLoCo.step", self._name, check, require_grads=True, check_params=False)
         return [e.g for e in entries]
 
-    def _reduce(self, grads) -> tuple[dict, dict[int, torch.Tensor]]:
+    def _reduce(self, grads, bufs: dict) -> tuple[dict, dict[int, torch.Tensor]]:
         """Mean pseudo-gradient of each param this rank owns: segments by reduce-scatter, solo
         tensors by a reduce to their owner (every rank's checks passed: the ranks agreed first).
         Returns (my segment per dtype, param index → mean)."""
@@ -215,7 +240,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         segments, means = {}, {}
         for dt in plan.sharded_dtypes:
             if self.world_size > 1:
-                own = reduce_scatter_mean(plan, dt, lambda i: flat[i], rank, self.process_group, self.chunk_bytes)
+                own = reduce_scatter_mean(
+                    plan, dt, lambda i: flat[i], rank, self.process_group, self.chunk_bytes, bufs[("reduce", dt)]
+                )
             else:
                 own = self._own_single(dt, flat)
             segments[dt] = own
@@ -223,7 +250,14 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         for i in sorted(plan.solo):
             p = self._params[i]
             mean = reduce_to_owner(
-                flat[i], p.numel(), p.dtype, plan.owners[i], rank, self.process_group, self.chunk_bytes
+                flat[i],
+                p.numel(),
+                p.dtype,
+                plan.owners[i],
+                rank,
+                self.process_group,
+                self.chunk_bytes,
+                bufs.get(("solo", i)),
             )
             if mean is not None:
                 means[i] = mean.view(p.shape)
@@ -253,16 +287,27 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             ],
         )
 
-    def _all_gather_params(self, segments: dict) -> None:
+    def _all_gather_params(self, segments: dict, bufs: dict) -> None:
         """Every rank gets every updated param: segments all-gathered, solo tensors broadcast."""
         plan, rank = self.plan, self.rank
         for dt, own in segments.items():
             for i, v in owned_views(plan, dt, own, rank).items():
                 v.copy_(self._params[i])
             if self.world_size > 1:
-                scatter_into(plan, dt, own, [p.data for p in self._params], rank, self.process_group, self.chunk_bytes)
+                scatter_into(
+                    plan,
+                    dt,
+                    own,
+                    [p.data for p in self._params],
+                    rank,
+                    self.process_group,
+                    self.chunk_bytes,
+                    bufs.get(("gather", dt)),
+                )
         for i in sorted(plan.solo):
-            broadcast_into(self._params[i].data, plan.owners[i], self.process_group, self.chunk_bytes)
+            broadcast_into(
+                self._params[i].data, plan.owners[i], self.process_group, self.chunk_bytes, bufs.get(("flat", i))
+            )
 
     def _iso_updates(self, means: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Iso-C of my 2-D mean pseudo-gradients in iso groups, batched by shape as IsoLoCo does
