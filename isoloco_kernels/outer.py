@@ -256,13 +256,13 @@ def collect(
     """Every param with a grad, checked before the step writes anything.
 
     Checked: each group (`check_group`); each grad dense, of a supported dtype, and what `check`
-    adds for the optimizer (shape, device, placements); the grads and the held momentum buffers
-    finite (`check_all_finite`), the buffers shaped like their params (`buffer_problem`); every
-    param and held buffer writable; a grad sharing memory with any of those is copied first;
-    with `check_params`, the params finite (one pass: `amaxes` over grads, params and the held
-    buffers not trusted, one host sync per device; each entry keeps its largest entries for the
-    Nesterov bounds, `nesterov_rows`). `name(gi, pi, p)` names a param in errors; `require_grads`:
-    a param without a grad is an error (the sharded step needs every rank's grads)."""
+    adds for the optimizer (shape, device, placements); the held buffers shaped like their params
+    (`buffer_problem`); in one pass (`amaxes`: one host sync per device) the grads, the params
+    (with `check_params`) and the held buffers not written by this optimizer since its last step
+    (`_trusted_bound`) finite, each entry keeping those largest entries for the Nesterov bounds
+    (`nesterov_rows`); every param and held buffer writable; a grad sharing memory with any of
+    those is copied first. `name(gi, pi, p)` names a param in errors; `require_grads`: a param
+    without a grad is an error (the sharded step needs every rank's grads)."""
     entries: list[Entry] = []
     for gi, group in enumerate(opt.param_groups):
         check_group(group, f"{where}: param group {gi}")
