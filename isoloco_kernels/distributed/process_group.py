@@ -57,7 +57,8 @@ def check_averaged(grads: list, names: list, group) -> None:
     if world == 1 or not grads:
         return
     device = comm_device(group)
-    mine = torch.stack([_stats(g).to(device) for g in grads]).reshape(-1)
+    mine = torch.empty(3 * len(grads), dtype=torch.float64, device=device)  # made where comm_device says
+    mine.view(len(grads), 3).copy_(torch.stack([_stats(g).to(device) for g in grads]))
     every = torch.empty(world * mine.numel(), dtype=torch.float64, device=device)
     all_gather_single(every, mine, group=group)
     rows = every.view(world, len(grads), 3).cpu().tolist()
