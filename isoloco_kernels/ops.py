@@ -421,13 +421,16 @@ def _flatten_bucket_(x: torch.Tensor, method: str, i: int, offset: int = 0) -> N
 
 
 def iso_merge_unchecked_(buckets: Sequence[torch.Tensor], method: str, *, first: int = 0, index=None) -> None:
-    """The op over every non-empty bucket, for callers that already checked all of them.
-    A result that does not fit its dtype raises ResultOverflowError naming the bucket (its
-    position in `index`, or first + its position) and the matrix; that bucket is untouched."""
+    """The flatten of every non-empty bucket, for callers that already checked all of them (the
+    op's checks: type, rank, method, writable, finite), each in slices whose scratch stays within
+    `buckets.workspace_bytes()` (`buckets.flatten_chunked_`, as `iso_merge_`). A result that does
+    not fit its dtype raises ResultOverflowError naming the bucket (its position in `index`, or
+    first + its position) and the matrix; that bucket's slices before the matrix's are already
+    written, so callers pass scratch copies (`sharded_iso_merge_` does)."""
     for k, b in enumerate(buckets):
         if b.numel():
             try:
-                torch.ops.isoloco.iso_flatten_(b, method)
+                flatten_chunked_(b, method)
             except ResultOverflowError as e:
                 i = index[k] if index is not None else first + k
                 raise ResultOverflowError(f"bucket {i}: {e}", matrix=e.matrix, bucket=i) from None

@@ -1,7 +1,9 @@
 """An allocation that fails on one rank fails every rank quickly, with nothing changed.
 
-The DTensor step's gather and owner routes, `average_` and `ShardedIsoLoCo` hand buffers to
-collectives; each buffer comes from `collectives.comm_buffer`. A failure there on one rank (out of memory, as at scale) must reach
+The DTensor step's gather, owner and Gram routes, `average_`, `ShardedIsoLoCo` and
+`sharded_iso_merge_` (also under `IsoLoCo(process_group=...)`) hand buffers to collectives (and
+`sharded_iso_merge_` flattens copies aside); each buffer comes from `collectives.comm_buffer`.
+A failure there on one rank (out of memory, as at scale) must reach
 the other rank before it waits in a collective: every rank raises DistributedStepError naming the
 failing rank within seconds (well inside the process-group timeout), params and momentum as they
 were, and the next step works. 2 gloo ranks, a 16 × 16 param sharded on dim 0 (and a vector).
@@ -27,6 +29,7 @@ CHECKS = Checks()
 SITES = {
     "gather": ("gather send", "gather recv"),
     "owner": ("owner out send", "owner out recv", "owner back send", "owner back recv"),
+    "gram": ("gram A0 all-reduce",),
 }
 
 
@@ -188,6 +191,106 @@ def _check_sharded(rank: int) -> None:
     grads(2)
     opt.step()  # and it still works
     assert not torch.equal(ps[1], before[1])
+
+
+def _sites(rank: int, run) -> int:
+    """How many comm_buffer calls `run()` makes on rank 1 (each a site a failure is injected at)."""
+    real = C.comm_buffer
+    calls = [0]
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    C.comm_buffer = counting
+    try:
+        run()
+    finally:
+        C.comm_buffer = real
+    sites = [calls[0]]
+    dist.broadcast_object_list(sites, src=1)
+    return sites[0]
+
+
+def _fail_each(rank: int, sites: int, run, snapshot) -> None:
+    """`run()` with rank 1's allocation failing at each site in turn: every rank raises
+    DistributedStepError naming it within seconds, and `snapshot()` is unchanged."""
+    real = C.comm_buffer
+    for site in range(sites):
+        before = snapshot()
+        calls = [0]
+
+        def failing(*args, **kwargs):
+            calls[0] += 1
+            if rank == 1 and calls[0] == site + 1:
+                raise torch.OutOfMemoryError(f"injected allocation failure at buffer {site}")
+            return real(*args, **kwargs)
+
+        C.comm_buffer = failing
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(DistributedStepError, match=rf"rank 1: OutOfMemoryError: .* at buffer {site}\b"):
+                run()
+        finally:
+            C.comm_buffer = real
+        assert time.monotonic() - t0 < PG_TIMEOUT_S / 3, f"buffer {site}: took {time.monotonic() - t0:.1f} s"
+        after = snapshot()
+        assert all(torch.equal(a, b) for a, b in zip(after, before)), f"buffer {site}: a tensor changed"
+
+
+@CHECKS
+def _check_sharded_iso_merge(rank: int) -> None:
+    """sharded_iso_merge_'s buffers (my segment per dtype, the all-gather's chunks, the copy of the
+    solo matrices I own, stand-ins for non-contiguous units and a flat copy for a non-contiguous
+    solo one), each in turn: a solo 40 × 40 bucket (transposed) beside batches of two dtypes, one
+    of them transposed."""
+    from isoloco_kernels import iso_merge_
+    from isoloco_kernels.distributed import sharded_iso_merge_
+
+    gen = torch.Generator().manual_seed(0)  # equal on every rank, as averaged buckets are
+    bs = [
+        torch.randn(40, 40, generator=gen).mT,
+        torch.randn(4, 16, 16, generator=gen),
+        torch.randn(3, 8, 6, generator=gen).to(torch.bfloat16),
+        torch.randn(2, 10, 12, generator=gen).mT,
+    ]
+    assert not bs[0].is_contiguous() and not bs[3][0].is_contiguous()
+
+    def run():
+        sharded_iso_merge_(bs, method="svd", chunk_bytes=512, solo_above=0.3)
+
+    sites = _sites(
+        rank, lambda: sharded_iso_merge_([b.clone() for b in bs], method="svd", chunk_bytes=512, solo_above=0.3)
+    )
+    assert sites >= 10, sites
+    _fail_each(rank, sites, run, lambda: [b.clone() for b in bs])
+    want = iso_merge_([b.clone() for b in bs], method="svd")
+    run()  # and it still merges
+    assert all(torch.allclose(a.float(), w.float(), rtol=1e-2, atol=1e-2) for a, w in zip(bs, want))
+
+
+@CHECKS
+def _check_process_group_step(rank: int) -> None:
+    """IsoLoCo(process_group=...): the buffers of its sharded_iso_merge_, each in turn."""
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.randn(40, 40, generator=gen), torch.randn(16, 16, generator=gen), torch.randn(5, generator=gen)]
+    opt = IsoLoCo(ps, lr=1.0, momentum=0.9, process_group=dist.group.WORLD)
+
+    def grads(step: int) -> None:
+        g = torch.Generator().manual_seed(100 + step)  # equal on every rank: already averaged
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+
+    grads(0)
+    sites = _sites(rank, opt.step)
+    assert sites >= 2, sites
+    grads(1)
+    _fail_each(
+        rank, sites, opt.step, lambda: [p.clone() for p in ps] + [opt.state[p]["momentum_buffer"].clone() for p in ps]
+    )
+    before = ps[0].clone()
+    opt.step()  # and it still works
+    assert not torch.equal(ps[0], before)
 
 
 def _body(rank, world, tmpdir):

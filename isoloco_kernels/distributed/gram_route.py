@@ -5,7 +5,8 @@ short-side Gram matrices of all its matrices, A₀ = Σᵢ YᵢᵀYᵢ; then eve
 runs gram.py's iteration on it (method "gram", or "auto" resolving to it) or float64 eigh
 (`exact.eigh_polar`, reference.py's rank cut), and writes its own rows s̄·Yᵢ·P. A matrix its A₀
 cannot resolve (the iteration's checks or eigh's resolution fail) is left to the exact path
-(routes.py); the ranks agree on which by one small all-reduce of flags (`agree_exact`).
+(routes.py); the ranks agree on which by one small all-reduce of flags (`agree_exact`). A₀'s
+buffer is allocated, and the ranks agree that each has it, before its all-reduce.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from .._validate import check_all_finite, compute_dtype
 from ..outer import local
+from . import collectives
 from .agree import comm_device
 
 __all__ = ["agree_exact", "gram_route"]
@@ -24,10 +26,16 @@ __all__ = ["agree_exact", "gram_route"]
 
 def gram_route(mesh, ks: list[int], ds: list[int], entries, layouts, method: str, attempt, stats):
     """This rank's piece of s̄·Q for the Gram-route matrices `ks` (short sides `ds`) of one mesh that
-    their all-reduced A₀ serves, as {entry index: tensor}, or None once local work failed. The
-    all-reduce runs whatever happens locally (a rank that failed adds zeros)."""
+    their all-reduced A₀ serves, as {entry index: tensor}, or None once local work failed.
+
+    `attempt`: the step's `Agreement.attempt`. A₀'s buffer is allocated under it and the ranks
+    agree (that Agreement's `settle`) before the all-reduce: a rank that cannot allocate it (out
+    of memory) fails every rank there, with nothing changed, instead of leaving the others in the
+    all-reduce. After that the all-reduce runs whatever happens locally (a rank that failed adds
+    zeros)."""
     group = mesh.get_group(0)
-    buf = torch.zeros(sum(d * d for d in ds), dtype=torch.float64, device=comm_device(group))
+    buf = attempt(collectives.comm_buffer, sum(d * d for d in ds), torch.float64, comm_device(group), True)
+    attempt.__self__.settle()  # every rank has its buffer, or every rank raises here
     ys, off = {}, 0
     for k, d in zip(ks, ds):
         ys[k] = attempt(_gram_into, entries[k], layouts[k], buf[off : off + d * d].view(d, d))

@@ -13,6 +13,7 @@ import torch
 from .._validate import check_all_finite, check_matrix_tensor, check_writable
 from ..flatten import check_method
 from ..ops import iso_merge_unchecked_
+from . import collectives
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, renamed_keyword
 from .collectives import CHUNK_BYTES, broadcast_into, check_chunk_bytes, scatter_into
 from .plan import plan_shards
@@ -44,9 +45,11 @@ def sharded_iso_merge_(
     All-or-nothing across the group: bad input on any rank (method, type, dtype, shape, NaN/Inf,
     buckets off the group's communication device) or ranks passing different shapes, method,
     chunk_bytes or solo_above raise DistributedStepError on every rank (naming the ranks and what
-    differs) and no bucket changes. `process_group`: the group (None: the default group); `group=`
-    is its old name and `bucket_bytes=` the old name of chunk_bytes (both still accepted, with a
-    DeprecationWarning).
+    differs) and no bucket changes; so does a buffer one rank cannot allocate (every buffer is made
+    before the ranks first agree). Each rank's share is flattened in slices whose scratch stays
+    within `buckets.workspace_bytes()`, as in `iso_merge_`. `process_group`: the group (None: the
+    default group); `group=` is its old name and `bucket_bytes=` the old name of chunk_bytes (both
+    still accepted, with a DeprecationWarning).
     """
     where = "sharded_iso_merge_"
     group = renamed_keyword(
@@ -59,6 +62,9 @@ def sharded_iso_merge_(
     ag = Agreement("sharded_iso_merge_", group, mismatch=PLAN_MISMATCH)
     # every check inside: a rank that refuses its arguments must still reach the agreement
     units, plan = ag.attempt(_plan, buckets, rank, world, group, method, chunk_bytes, solo_above) or ([], None)
+    # every buffer of the call (the copies flattened aside, the collectives' buffers) before the
+    # ranks agree: a rank that cannot allocate one fails every rank there, with nothing changed
+    bufs = ag.attempt(_buffers, buckets, units, plan, rank, group, chunk_bytes)
     # the settings that change which collectives run (plan, chunk size) or what is written (method)
     ag.settle(
         settings=None
@@ -70,46 +76,104 @@ def sharded_iso_merge_(
             "shard plan (bucket shapes and dtypes)": f"{plan.fingerprint:#x}",
         }
     )
-    device = comm_device(group)
 
     def unit(u: int) -> torch.Tensor:
         k, j = units[u]
         return buckets[k] if j is None else buckets[k][j]
 
-    # My matrices, copied aside and flattened before anyone writes: the segment ones inside my
-    # flat segment (a bucket's share is one [b, m, n] block there), solo ones in fresh batches.
-    owns, batches = {}, []
+    # My matrices, copied aside and flattened before anyone writes (the flatten takes each batch in
+    # slices of bounded scratch, `ops.iso_merge_unchecked_`: only these copies are written).
+    ag.attempt(_copy_aside, bufs, unit)
+    ag.attempt(iso_merge_unchecked_, [blk for blk, _ in bufs.batches], method)  # checked above
+    ag.settle()  # any failure reaches the other ranks before they write
+
+    for blk, us in bufs.batches:
+        if us is not None:
+            for u, r in zip(us, blk.unbind(0)):
+                unit(u).copy_(r)
+    # the all-gather writes contiguous units in place, the others through their stand-ins
+    flat_units = [bufs.standins[u] if u in bufs.standins else unit(u) for u in range(len(units))]
+    for dt, own in bufs.owns.items():
+        scatter_into(plan, dt, own, flat_units, rank, group, chunk_bytes, bufs.gather.get(dt))
+    for u, s in bufs.standins.items():
+        unit(u).copy_(s)
+    for u in sorted(plan.solo):
+        broadcast_into(flat_units[u], plan.owners[u], group, chunk_bytes, bufs.flats.get(u))
+    return buckets
+
+
+class _Buffers:
+    """Every buffer `sharded_iso_merge_` makes, all from `collectives.comm_buffer`, before its
+    ranks first agree.
+
+    owns: my flat segment per sharded dtype (on the group's communication device: the all-gather
+    sends from it), into which my share of each bucket is copied and flattened; batches: (block,
+    None) for those shares (views of `owns`) and (copy, unit indices) for the solo matrices I own,
+    per bucket; gather: the all-gather's chunk buffers per dtype; standins: a contiguous buffer
+    shaped like each non-contiguous sharded unit, which the all-gather fills (copied into the
+    unit after it); flats: a flat copy for each non-contiguous solo unit, which the broadcast
+    goes through."""
+
+    def __init__(self):
+        self.owns: dict[torch.dtype, torch.Tensor] = {}
+        self.batches: list[tuple[torch.Tensor, Optional[list[int]]]] = []
+        self.members: list[list[int]] = []  # the units copied into each batch, in order
+        self.gather: dict[torch.dtype, list[torch.Tensor]] = {}
+        self.standins: dict[int, torch.Tensor] = {}
+        self.flats: dict[int, torch.Tensor] = {}
+
+
+def _buffers(buckets, units, plan, rank, group, chunk_bytes) -> _Buffers:
+    """The buffers of one `sharded_iso_merge_` call (`_Buffers`), sized by this rank's plan."""
+    device, world = comm_device(group), plan.world_size
+    out = _Buffers()
+
+    def shape(u: int) -> torch.Size:
+        k, j = units[u]
+        return buckets[k].shape if j is None else buckets[k].shape[1:]
+
+    def contiguous(u: int) -> bool:
+        k, j = units[u]
+        return (buckets[k] if j is None else buckets[k][j]).is_contiguous()
+
     for dt in plan.sharded_dtypes:
         per_rank, seg = plan.layout(dt)
-        own = torch.empty(seg, dtype=dt, device=device)
+        own = collectives.comm_buffer(seg, dt, device, False)
         by_bucket: dict[int, list[tuple[int, int]]] = {}
         for u, off in per_rank[rank]:
             by_bucket.setdefault(units[u][0], []).append((u, off))
         for k, members in by_bucket.items():
             m, n = buckets[k].shape[-2:]
             block = own[members[0][1] : members[0][1] + len(members) * m * n].view(len(members), m, n)
-            torch._foreach_copy_(list(block.unbind(0)), [unit(u) for u, _ in members])
-            batches.append((block, None))
-        owns[dt] = own
+            out.batches.append((block, None))
+            out.members.append([u for u, _ in members])
+        out.owns[dt] = own
+        if world > 1:
+            out.gather[dt] = collectives.gather_segment_buffers(plan, dt, group, chunk_bytes)
     solo_mine: dict[int, list[int]] = {}
     for u in sorted(plan.solo):
         if plan.owners[u] == rank:
             solo_mine.setdefault(units[u][0], []).append(u)
-    for us in solo_mine.values():
-        batches.append((torch.stack([unit(u) for u in us]), us))
-    ag.attempt(iso_merge_unchecked_, [blk for blk, _ in batches], method)  # checked above
-    ag.settle()  # any failure reaches the other ranks before they write
+    for k, us in solo_mine.items():
+        m, n = buckets[k].shape[-2:]
+        batch = collectives.comm_buffer(len(us) * m * n, buckets[k].dtype, buckets[k].device, False)
+        out.batches.append((batch.view(len(us), m, n), us))
+        out.members.append(us)
+    for u in range(len(units)):
+        if contiguous(u):
+            continue
+        dt = buckets[units[u][0]].dtype
+        if u in plan.solo:
+            out.flats[u] = collectives.comm_buffer(shape(u).numel(), dt, device, False)
+        elif world > 1:
+            out.standins[u] = collectives.comm_buffer(shape(u).numel(), dt, device, False).view(shape(u))
+    return out
 
-    for blk, us in batches:
-        if us is not None:
-            for u, r in zip(us, blk.unbind(0)):
-                unit(u).copy_(r)
-    flat_units = [unit(u) for u in range(len(units))]
-    for dt, own in owns.items():
-        scatter_into(plan, dt, own, flat_units, rank, group, chunk_bytes)
-    for u in sorted(plan.solo):
-        broadcast_into(flat_units[u], plan.owners[u], group, chunk_bytes)
-    return buckets
+
+def _copy_aside(bufs: _Buffers, unit) -> None:
+    """My matrices into their batches (`_Buffers.batches`), to be flattened there."""
+    for (blk, _), us in zip(bufs.batches, bufs.members):
+        torch._foreach_copy_(list(blk.unbind(0)), [unit(u) for u in us])
 
 
 def _plan(buckets, rank, world, group, method, chunk_bytes, solo_above):
