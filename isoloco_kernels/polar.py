@@ -232,19 +232,6 @@ def polar_factor(
     return q, resid
 
 
-def _fp32_precision_props():
-    """The new-API (torch >= 2.9) per-backend matmul precision settings a legacy call also moves:
-    cuBLAS's and oneDNN's; None on older torch."""
-    matmul = torch.backends.cuda.matmul
-    if not hasattr(matmul, "fp32_precision"):
-        return None
-    props = [matmul]
-    mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
-    if mkldnn is not None and hasattr(mkldnn, "fp32_precision"):
-        props.append(mkldnn)
-    return props
-
-
 @contextlib.contextmanager
 def ieee_fp32_matmul(on: bool = True):
     """Full-precision (IEEE, no TF32) float32 GEMMs on CUDA inside; every setting restored after.
@@ -263,24 +250,8 @@ def ieee_fp32_matmul(on: bool = True):
     if not on:
         yield
         return
-    props = _fp32_precision_props()
-    try:
-        legacy = torch.get_float32_matmul_precision()
-    except RuntimeError:  # new and legacy API disagree: only the new one describes the state
-        legacy = None
-    saved = [p.fp32_precision for p in props] if props is not None else None
-    try:
-        if legacy is not None:
-            torch.set_float32_matmul_precision("highest")
-        if props is not None:
-            torch.backends.cuda.matmul.fp32_precision = "ieee"
+    with tf32.cuda_fp32_matmul("highest", "ieee"):
         yield
-    finally:
-        if legacy is not None:
-            torch.set_float32_matmul_precision(legacy)
-        if saved is not None:  # after the legacy restore, which rewrites these
-            for p, v in zip(props, saved):
-                p.fp32_precision = v
 
 
 class TorchSteps:

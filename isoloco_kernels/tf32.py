@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-__all__ = ["round_tf32", "mm_tf32x3", "mm_tf32", "tf32_matmul", "Tf32x3Steps"]
+__all__ = ["round_tf32", "mm_tf32x3", "mm_tf32", "tf32_matmul", "cuda_fp32_matmul", "Tf32x3Steps"]
 
 _DROP = 13  # float32 has 23 explicit mantissa bits, TF32 10
 
@@ -42,15 +42,26 @@ def round_tf32(x: torch.Tensor) -> torch.Tensor:
     return out.view(torch.float32).view(x.shape)
 
 
-@contextlib.contextmanager
-def tf32_matmul(on: bool = True):
-    """TF32 float32 GEMMs on CUDA inside (cuBLAS), every setting restored after; a no-op when
-    `on` is false. The switch is process-global, as torch's setting is."""
-    if not on:
-        yield
-        return
-    from .polar import _fp32_precision_props  # every per-backend setting a legacy call moves
+def _fp32_precision_props():
+    """The new-API (torch >= 2.9) per-backend matmul precision settings a legacy call also moves:
+    cuBLAS's and oneDNN's; None on older torch."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        return None
+    props = [matmul]
+    mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    if mkldnn is not None and hasattr(mkldnn, "fp32_precision"):
+        props.append(mkldnn)
+    return props
 
+
+@contextlib.contextmanager
+def cuda_fp32_matmul(legacy_mode: str, cuda_mode: str):
+    """CUDA float32 GEMMs in one precision inside, every setting restored after, whichever API
+    the user set it with: the legacy `set_float32_matmul_precision(legacy_mode)` when the legacy
+    state is readable, and on torch >= 2.9 `torch.backends.cuda.matmul.fp32_precision = cuda_mode`
+    (the global `torch.backends.fp32_precision` makes the legacy getter raise: then only the new
+    API describes the state). Process-global, as torch's setting is."""
     props = _fp32_precision_props()
     try:
         legacy = torch.get_float32_matmul_precision()
@@ -59,9 +70,9 @@ def tf32_matmul(on: bool = True):
     saved = [p.fp32_precision for p in props] if props is not None else None
     try:
         if legacy is not None:
-            torch.set_float32_matmul_precision("high")
+            torch.set_float32_matmul_precision(legacy_mode)
         if props is not None:
-            torch.backends.cuda.matmul.fp32_precision = "tf32"
+            torch.backends.cuda.matmul.fp32_precision = cuda_mode
         yield
     finally:
         if legacy is not None:
@@ -69,6 +80,17 @@ def tf32_matmul(on: bool = True):
         if saved is not None:  # after the legacy restore, which rewrites these
             for p, v in zip(props, saved):
                 p.fp32_precision = v
+
+
+@contextlib.contextmanager
+def tf32_matmul(on: bool = True):
+    """TF32 float32 GEMMs on CUDA inside (cuBLAS), every setting restored after; a no-op when
+    `on` is false."""
+    if not on:
+        yield
+        return
+    with cuda_fp32_matmul("high", "tf32"):
+        yield
 
 
 def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -345,7 +345,9 @@ def test_ieee_fp32_matmul_restores_after_an_error(restore_tf32, state):
 
 def test_ieee_fp32_matmul_on_torch_without_the_new_api(restore_tf32, monkeypatch):
     """Torch < 2.9 (no fp32_precision settings): the legacy setting alone, saved and restored."""
-    monkeypatch.setattr(polar, "_fp32_precision_props", lambda: None)
+    from isoloco_kernels import tf32
+
+    monkeypatch.setattr(tf32, "_fp32_precision_props", lambda: None)
     torch.set_float32_matmul_precision("medium")
     with polar.ieee_fp32_matmul(True):
         assert torch.get_float32_matmul_precision() == "highest"
