@@ -59,10 +59,6 @@ TOL_ROWS = {
 }
 # Added to a method's row, × κ² (κ the input's condition number): methods whose error grows so.
 PER_COND2 = {"gram": 4 * 2.0**-52, "eigh": 4 * 2.0**-52}
-# The condition number up to which a method's row holds; beyond it the method promises only a finite
-# result (polar_bf16 rounds X to bfloat16, which moves its small directions unseen by the residual
-# check: a rank-one float32 matrix comes back O(1) wrong). Absent: every condition number.
-COND_LIMIT = {"polar_bf16": 1e2}
 # A method's allowance by condition number band, replacing its row beyond κ 1e2: (κ up to, error).
 # fast: 0.15 up to κ 1e3, then 0.3 (what training tolerates: the captured pseudo-gradients reach
 # κ ~1e5; a pilot trained as well as the exact flatten with ~0.25 there).
