@@ -170,3 +170,17 @@ def test_on_cuda_the_contract_holds_on_tensor_cores():
     r3 = (torch.randn(1, 512, 3, generator=g) @ torch.randn(1, 3, 128, generator=g)).cuda()
     out, recomputed = _fast(r3)
     assert recomputed == (0,) and rel_err(out, iso_flatten_ref(r3)) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rank_certificate_reads_singular_values_and_writes_nothing(dtype):
+    """polar.full_rank (polar_bf16's certificate) against svdvals: σ_min ≥ RANK_FLOOR·‖x‖_F/√r,
+    at every scale, the input untouched (its float64 Gram pass must not scale x in place)."""
+    g = gen(("full-rank", str(dtype)))
+    good = with_spectrum(3, 16, 40, spectrum("geometric", 16, 1e3), g).to(dtype) * 1e30
+    bad = good.clone()
+    bad[1, 3] = bad[1, 2]  # a repeated row: rank-deficient
+    keep = bad.clone()
+    assert polar.full_rank(good).all()
+    assert polar.full_rank(bad).tolist() == [True, False, True]
+    assert torch.equal(bad, keep)
