@@ -96,14 +96,10 @@ def flatten_fast_(x3: torch.Tensor, *, precise=None) -> None:
         flagged,
         _fallback,
         "fast",
-        before_write=lambda: RECORDER.finish(
-            x3.shape,
-            flagged.tolist(),
-            float(resid.max()) if x3.shape[0] else 0.0,
-            why="a singular value below the certified floor: rank-deficient or condition number beyond ~1e5",
-            by='by "polar"',
-            stacklevel=5,
-        ),
+        RECORDER,
+        resid,
+        why="a singular value below the certified floor: rank-deficient or condition number beyond ~1e5",
+        by='by "polar"',
     )
 
 

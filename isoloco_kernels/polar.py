@@ -396,24 +396,30 @@ def flatten_polar_(
         flagged,
         _exact_flatten,
         "polar",
-        before_write=lambda: RECORDER.finish(
-            x3.shape,
-            flagged.tolist(),
-            float(resid.max()) if x3.shape[0] else 0.0,
-            why="condition number ≫ 1e4 or rank-deficient",  # polar_bf16's rank certificate too
-            by="exactly",
-            stacklevel=5,
-        ),
+        RECORDER,
+        resid,
+        why="condition number ≫ 1e4 or rank-deficient",  # polar_bf16's rank certificate too
+        by="exactly",
     )
 
 
 def finish_flatten_(
-    x3: torch.Tensor, q: torch.Tensor, flagged: torch.Tensor, fallback, name: str, before_write=None
+    x3: torch.Tensor,
+    q: torch.Tensor,
+    flagged: torch.Tensor,
+    fallback,
+    name: str,
+    recorder: Recorder,
+    resid: torch.Tensor,
+    *,
+    why: str,
+    by: str,
 ) -> None:
     """The epilogue of the iterative flattens: x3 ← (⟨Δ, Q⟩ / r0)·Q, with the `flagged` matrices
     recomputed by `fallback` (an in-place flatten of a [b, m, n] compute-dtype batch); all-or-nothing.
-    `before_write()` runs after every check and before x3 is written (the method's statistics and
-    fallback warning: a warning filtered into an error then leaves x3 untouched).
+    The method's `recorder` records the call (largest `resid`, the flagged matrices, `why` they missed
+    the check, `by` what recomputed them) and warns after every check and before x3 is written: a
+    warning filtered into an error then leaves x3 untouched.
 
     Δ is scaled by a power of two near its largest entry for the scale s̄ (exact, Iso-C is
     homogeneous), so finite input never overflows there; a result that does not fit x3's dtype
@@ -446,6 +452,7 @@ def finish_flatten_(
         out[flagged] = sub
     out.mul_(scale)
     check_result_fits(out, x3.dtype, f"iso_flatten_ ({name})")
-    if before_write is not None:
-        before_write()
+    recorder.finish(
+        x3.shape, flagged.tolist(), float(resid.max()) if x3.shape[0] else 0.0, why=why, by=by, stacklevel=4
+    )
     x3.copy_(out)
