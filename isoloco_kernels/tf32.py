@@ -124,16 +124,27 @@ def mm_tf32x3(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _symmetric(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """hi·hiᵀ + M + Mᵀ, M = hi·loᵀ: the 3xTF32 product of x = hi + lo with its transpose (for a
+    symmetric A, A·A = A·Aᵀ), in two TF32 GEMMs instead of three."""
+    with tf32_matmul(hi.is_cuda):
+        out = torch.matmul(hi, hi.mT)
+        m = torch.matmul(hi, _tf32_operand(lo).mT)
+    return out.add_(m).add_(m.mT)
+
+
 class Tf32x3Steps:
     """The polar iteration's step pieces (polar.TorchSteps' interface) on 3xTF32 GEMMs."""
 
     @staticmethod
     def gram(x: torch.Tensor) -> torch.Tensor:
-        return mm_tf32x3(x, x.mT)
+        """X·Xᵀ: x split once, and hi·loᵀ + lo·hiᵀ = M + Mᵀ with M = hi·loᵀ (two GEMMs, not three)."""
+        return _symmetric(*_split(x))
 
     @staticmethod
     def square(a: torch.Tensor) -> torch.Tensor:
-        return mm_tf32x3(a, a)
+        """A² of a symmetric A (the iteration's A = X·Xᵀ): two GEMMs as in `gram`."""
+        return _symmetric(*_split(a))
 
     @staticmethod
     def step(x, a_mat, a2, a: float, b: float, c: float) -> torch.Tensor:

@@ -99,3 +99,16 @@ def test_polar_fp32_mode_picks_3xtf32_only_on_tensor_core_gpus():
         polar.flatten_polar_(torch.randn(1, 3, 4), mode="tf32")
     with pytest.raises(ValueError, match="needs float32 compute"):
         polar.polar_factor(torch.randn(1, 3, 4, dtype=torch.float64), gemm_dtypes=(polar.TF32X3,) * polar.STEPS)
+
+
+def test_symmetric_products_take_two_gemms_at_the_same_accuracy():
+    """Tf32x3Steps.gram / square (X·Xᵀ and A² of a symmetric A) against float64 and against the
+    general three-GEMM product: the same accuracy, symmetric to float32 rounding."""
+    x = torch.randn(2, 48, 300, generator=gen("sym-x"))
+    want = x.double() @ x.double().mT
+    got = tf32.Tf32x3Steps.gram(x)
+    assert rel_err(got, want) <= 2e-6 and rel_err(got, got.mT) <= 1e-6
+    assert rel_err(got, want) <= 4 * max(rel_err(tf32.mm_tf32x3(x, x.mT), want), 1e-8)
+    a = (want / want.norm(dim=(-2, -1), keepdim=True)).float()
+    sq = tf32.Tf32x3Steps.square(a)
+    assert rel_err(sq, a.double() @ a.double()) <= 2e-6 and rel_err(sq, sq.mT) <= 1e-6
