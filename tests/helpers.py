@@ -49,6 +49,12 @@ TOL_ROWS = {
     # 3.5e-7…1.1e-6 for float32 input, 2.5e-7…8.4e-7 for float64 input; 8× below the allowance).
     # Targets for float32 ≤ 1e-6 at κ ≤ 1e4 and ≤ 1e-5 at κ 1e5 are met by `method_tol`.
     "gram": (1e-11, 2e-7, 2e-3, 1e-2),
+    # merges (isoloco_kernels/merges) vs merges/reference.py: mean, ties, dare are sums of K pruned
+    # deltas in the compute dtype (float32 for half input) rounded to the input dtype; the spectral
+    # ones (iso_c, tsv, iso_cts) add the subspaces' conditioning: + MERGE_PER_GAP·eps·σ_1/gap
+    # (`merge_tol`), the gap at each truncation (a worker's k-th, the mean's common cut).
+    "merge_sparse": (1e-12, 1e-6, 2e-3, 1e-2),
+    "merge_spectral": (1e-10, 1e-5, 2e-3, 1e-2),
     "update": (1e-12, 1e-6, 2e-3, 1e-2),
     # iso_scale_ (⟨x, q⟩ accumulated in float32, float64 for float64 x; x rounded to its dtype).
     "iso_scale": (1e-12, 1e-5, 2e-3, 1e-2),
@@ -57,6 +63,8 @@ TOL_ROWS = {
     # measured ≤ 1e-7 after 2 rounds of the tiny model). A wrong shard or average moves it ≥ 1e-3.
     "train_dist": (None, 1e-5, None, None),
 }
+# × eps(compute dtype) × σ_1/gap, added to "merge_spectral" (merge_tol).
+MERGE_PER_GAP = 16.0
 # Added to a method's row, × κ² (κ the input's condition number): methods whose error grows so.
 PER_COND2 = {"gram": 4 * 2.0**-52, "eigh": 4 * 2.0**-52}
 # A method's allowance by condition number band, replacing its row beyond κ 1e2: (κ up to, error).
@@ -121,6 +129,14 @@ def flatness(out: torch.Tensor, x: torch.Tensor) -> float:
 def gram_tol(dtype: torch.dtype, cond: float) -> float:
     """Allowed relative error of method="gram" at condition number `cond` (see the TOL rows)."""
     return method_tol("gram", dtype, cond)
+
+
+def merge_tol(method: str, dtype: torch.dtype, gap_cond: float = 1.0) -> float:
+    """The allowed error of merge `method` on input of `dtype` (gap_cond: σ_1/gap, spectral merges)."""
+    if method in ("mean", "ties", "dare"):
+        return TOL[("merge_sparse", dtype)]
+    eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    return TOL[("merge_spectral", dtype)] + MERGE_PER_GAP * eps * gap_cond
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

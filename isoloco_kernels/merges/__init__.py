@@ -1,0 +1,163 @@
+"""The paper's five merges of K workers' pseudo-gradients, batched: `merge` / `merge_`.
+
+IsoLoCo's paper casts DiLoCo's outer step as model merging of the workers' task vectors Δ_1..Δ_K
+and compares five merges; this module runs all of them on the library's kernels:
+
+    mean     DiLoCo's average
+    iso_c    Iso-C of the mean (the library's flatten; what `IsoLoCo` does)
+    tsv      TSV-M: each worker's top ⌊r/K⌋ singular triplets, decorrelated by polar factors
+    iso_cts  Iso-CTS: the mean's common space + each worker's own directions, isotropic
+    ties     TIES: trim the smallest entries, elect a sign by mass, mean of the agreeing ones
+    dare     DARE: drop entries at random, rescale by 1/(1 − p), mean
+
+Definitions and their departures from the official code: merges/reference.py, docs/merges.md.
+Options per merge: merges/options.py. Tensors that are not 2-D get the mean under iso_c, tsv and
+iso_cts, and are pruned like any tensor under ties and dare (as in the official code).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .._validate import SUPPORTED_DTYPES, check_all_finite, check_result_fits, check_writable, compute_dtype
+from ..ops import iso_flatten
+from .options import MERGES, resolve_options
+from .sparse import sparse_merge
+from .spectral import iso_cts_merge, tsv_merge
+
+__all__ = ["MERGES", "merge", "merge_", "check_stacks"]
+
+
+def check_stacks(stacks: Sequence[torch.Tensor], where: str = "merge") -> int:
+    """Type, dtype, rank and worker count of every stack [K, *shape]; returns K. Refuses K < 2 and
+    stacks whose K differ, naming the stack."""
+    K = None
+    for j, s in enumerate(stacks):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"{where}: stack {j}: expected a torch.Tensor, got {type(s).__name__}")
+        if s.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{where}: stack {j}: dtype {s.dtype} is not supported; use float16, bfloat16, float32 or float64"
+            )
+        if s.ndim < 2:
+            raise ValueError(
+                f"{where}: stack {j}: expected [K, *shape] (the workers' deltas stacked on dim 0), got shape {tuple(s.shape)}"
+            )
+        if K is None:
+            K = s.shape[0]
+        elif s.shape[0] != K:
+            raise ValueError(
+                f"{where}: stack {j} has {s.shape[0]} workers, stack 0 has {K}: every stack needs the same K"
+            )
+    if K is not None and K < 2:
+        raise ValueError(f"{where}: K = {K} worker(s): a merge needs at least 2 (with one worker use its delta)")
+    return K or 0
+
+
+def _check_finite(stacks: Sequence[torch.Tensor], where: str) -> None:
+    views, names = [], []
+    for j, s in enumerate(stacks):
+        for k in range(s.shape[0]):
+            views.append(s[k])
+            names.append(f"{where}: stack {j} (shape {tuple(s.shape)}), worker {k}")
+    check_all_finite(views, names)
+
+
+def _spectral(method: str, bucket: list[torch.Tensor], opts: dict, flatten_method: str) -> torch.Tensor:
+    """One batched spectral merge of same-shaped 2-D stacks; [B, m, n] in the compute dtype."""
+    dtype = bucket[0].dtype
+    cd = compute_dtype(dtype)
+    x = torch.stack([s.to(cd) for s in bucket])  # [B, K, m, n]
+    amax = x.abs().amax((1, 2, 3))
+    _, e = torch.frexp(amax)
+    scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), e - 1), torch.ones_like(amax))
+    x = x / scale[:, None, None, None]
+    if method == "iso_c":
+        out = iso_flatten(x.mean(1), method=flatten_method)
+    elif method == "tsv":
+        out = tsv_merge(x, dtype, keep=opts["keep"], method=flatten_method)
+    else:
+        out = iso_cts_merge(x, dtype, common_fraction=opts["common_fraction"], method=flatten_method)
+    return out * scale[:, None, None]
+
+
+def _compute(stacks, method: str, opts: dict, flatten_method: str, stack_ids) -> list[torch.Tensor]:
+    results: list[Optional[torch.Tensor]] = [None] * len(stacks)
+    buckets: dict[tuple, list[int]] = {}
+    for j, s in enumerate(stacks):
+        cd = compute_dtype(s.dtype)
+        if s.numel() == 0:
+            results[j] = torch.zeros(s.shape[1:], dtype=cd, device=s.device)
+        elif method in ("ties", "dare"):
+            results[j] = sparse_merge(s, opts, stack_ids[j])
+        elif method == "mean" or s.ndim != 3:
+            results[j] = s.to(cd).mean(0)
+        else:
+            buckets.setdefault((tuple(s.shape), s.dtype, s.device), []).append(j)
+    for idx in buckets.values():
+        out = _spectral(method, [stacks[j] for j in idx], opts, flatten_method)
+        for j, o in zip(idx, out):
+            results[j] = o
+    return results
+
+
+def merge(
+    stacks: Sequence[torch.Tensor],
+    method: str = "iso_c",
+    *,
+    flatten_method: str = "auto",
+    stack_ids: Optional[Sequence[int]] = None,
+    **options,
+) -> list[torch.Tensor]:
+    """The merge `method` of every worker stack [K, *shape], out of place: a list of [*shape]
+    tensors in each stack's dtype. Nothing is written.
+
+    stacks: one tensor per parameter, its K workers' pseudo-gradients (global − local) on dim 0;
+        every stack must have the same K ≥ 2, a supported float dtype, finite values.
+    method: one of MERGES ("mean", "iso_c", "tsv", "iso_cts", "ties", "dare"); options: that
+        merge's (merges/options.py), e.g. `merge(stacks, "ties", sparsity=0.8)`.
+    flatten_method: the Iso-C flatten behind iso_c and every orthogonal polar factor (tsv, iso_cts).
+    stack_ids: each stack's identity in DARE's random stream (default: its position), so a subset
+        of stacks merged elsewhere draws the same drops.
+
+    Raises TypeError/ValueError naming the stack, worker or option; ResultOverflowError when a
+    result does not fit its dtype (DARE's rescale can push one past it).
+
+    Example:
+        >>> import torch, isoloco_kernels as ik
+        >>> deltas = torch.randn(4, 64, 32)            # K = 4 workers' deltas of one matrix
+        >>> merged = ik.merge([deltas], "tsv")[0]       # [64, 32]
+    """
+    stacks = list(stacks)
+    opts = resolve_options(method, options)
+    check_stacks(stacks)
+    if stack_ids is None:
+        stack_ids = range(len(stacks))
+    stack_ids = [int(i) for i in stack_ids]
+    if len(stack_ids) != len(stacks):
+        raise ValueError(f"merge: {len(stack_ids)} stack_ids for {len(stacks)} stacks")
+    _check_finite(stacks, "merge")
+    results = _compute(stacks, method, opts, flatten_method, stack_ids)
+    out = []
+    for j, (s, r) in enumerate(zip(stacks, results)):
+        try:
+            check_result_fits(r.reshape(1, 1, -1), s.dtype, f"merge {method!r}")
+        except ValueError as e:
+            raise type(e)(f"stack {j}: {e}") from None
+        out.append(r.to(s.dtype))
+    return out
+
+
+def merge_(stacks: Sequence[torch.Tensor], method: str = "iso_c", **kwargs) -> list[torch.Tensor]:
+    """`merge`, written in place into each stack's first worker slot (stack[0]); returns those views.
+    All or nothing: every stack is checked and merged aside before the first write."""
+    stacks = list(stacks)
+    check_stacks(stacks, "merge_")
+    slots = [s[0] for s in stacks]
+    check_writable(slots, [f"merge_: stack {j} (its worker-0 slot)" for j in range(len(stacks))])
+    merged = merge(stacks, method, **kwargs)
+    for slot, m in zip(slots, merged):
+        slot.copy_(m)
+    return slots

@@ -1,0 +1,176 @@
+"""The paper's five merges of K worker pseudo-gradients, in float64: the truth the batched merges
+(merges/spectral.py, merges/sparse.py) are tested against.
+
+Every function takes one worker stack x = [K, m, n] (Δ_1..Δ_K, global − local) and returns the merged
+[m, n] pseudo-gradient in float64 on the CPU, at the scale of the mean (so one outer learning rate
+means the same step size for every merge). Tensors that are not 2-D are merged by the mean (`merge_ref`).
+Orthogonalizations are reference.py's polar factor (U_r V_rᵀ with its rank cut), so every result is
+basis-free: directions whose singular value is zero (σ ≤ τ·σ_1, reference.rank_tol) carry no
+arbitrary LAPACK basis into a result. docs/merges.md says where each departs from the official code.
+
+    mean    (1/K) Σ Δ_i                                          DiLoCo
+    iso_c   iso(mean)                     Iso-C (reference.iso_flatten_ref, the rank cut of the input's dtype)
+    tsv     Δ_i/K = U_i Σ_i V_iᵀ; keep the top k = ⌊r/K⌋ triplets of each (`keep`), U = [U_1,k … U_K,k],
+            V likewise, Σ = diag(Σ_1,k … Σ_K,k); result polar(U) Σ polar(V)ᵀ        TSV-M
+    iso_cts the mean's top c directions (common space), c = r − (task share), task share =
+            round((r − ⌊f·r⌋)/K)·K (f = `common_fraction`, 0.8; round half to even); from each
+            Δ_i/K's residual outside the common left space its top (task share)/K triplets;
+            U = [U_task… U_common], S = their σ's (r values); result mean(S)·polar(U)·polar(V)ᵀ  Iso-CTS
+    ties    trim: each Δ_i keeps its k = max(1, ⌊(1 − p)·n⌋) largest entries by magnitude
+            (p = `sparsity`; per matrix, or rows/columns by their 2-norm with `dim`); elect: the sign
+            of the sum of the trimmed values; disjoint mean: the mean of the trimmed values that
+            agree with it (zeros never agree; none → 0)                           TIES
+    dare    drop: each entry (row, column with `dim`) of each Δ_i dropped with probability p
+            (`sparsity`), independently, from a counter-based hash of (seed, stack, worker, index)
+            (`keep_mask`); the kept ones rescaled by 1/(1 − p); then the mean    DARE
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference import polar_ref, rank_tol
+from .options import resolve_options
+
+__all__ = ["merge_ref", "tsv_ref", "iso_cts_ref", "sparse_ref", "keep_mask", "task_share", "mix32"]
+
+F64 = torch.float64
+_M32 = 0xFFFFFFFF
+
+
+def task_share(r: int, workers: int, common_fraction: float) -> tuple[int, int]:
+    """(common directions, task-specific directions per worker) of Iso-CTS for short side r."""
+    common = int(r * common_fraction)
+    total = round((r - common) / workers) * workers
+    return r - total, total // workers
+
+
+def _svd_cut(x: torch.Tensor, dtype: torch.dtype):
+    """float64 SVD of one matrix with the columns of U and V whose σ is below the rank cut zeroed."""
+    u, s, vh = torch.linalg.svd(x, full_matrices=False)
+    m, n = x.shape
+    keep = (s > rank_tol(m, n, dtype) * s[:1]).to(F64)
+    return u * keep, s * keep, vh.mT * keep
+
+
+def _polar(a: torch.Tensor) -> torch.Tensor:
+    return polar_ref(a)[0]
+
+
+def tsv_ref(x: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+    """TSV-M of a [K, m, n] stack (module docstring)."""
+    K, m, n = x.shape
+    r = min(m, n)
+    k = min(r, keep if keep is not None else max(1, r // K))
+    us, ss, vs = [], [], []
+    for d in x.detach().to("cpu", F64) / K:
+        u, s, v = _svd_cut(d, x.dtype)
+        us.append(u[:, :k])
+        ss.append(s[:k])
+        vs.append(v[:, :k])
+    u, s, v = torch.cat(us, 1), torch.cat(ss), torch.cat(vs, 1)
+    return (_polar(u) * s) @ _polar(v).mT
+
+
+def iso_cts_ref(x: torch.Tensor, common_fraction: float = 0.8) -> torch.Tensor:
+    """Iso-CTS of a [K, m, n] stack (module docstring)."""
+    K, m, n = x.shape
+    r = min(m, n)
+    common, per = task_share(r, K, common_fraction)
+    xs = x.detach().to("cpu", F64) / K
+    u, s, v = _svd_cut(xs.sum(0), x.dtype)
+    uc, sc, vc = u[:, :common], s[:common], v[:, :common]
+    us, ss, vs = [], [], []
+    for d in xs:
+        ut, st, vt = _svd_cut(d - uc @ (uc.mT @ d), x.dtype)
+        us.append(ut[:, :per])
+        ss.append(st[:per])
+        vs.append(vt[:, :per])
+    u, s, v = torch.cat(us + [uc], 1), torch.cat(ss + [sc]), torch.cat(vs + [vc], 1)
+    return s.mean() * (_polar(u) @ _polar(v).mT)
+
+
+def mix32(v: int) -> int:
+    """A 32-bit integer mixer (xor-shift-multiply): the hash behind DARE's random drops. The
+    batched merges compute the same bits on tensors (merges/sparse.py, the Triton kernel)."""
+    v &= _M32
+    v ^= v >> 16
+    v = (v * 0x7FEB352D) & _M32
+    v ^= v >> 15
+    v = (v * 0x846CA68B) & _M32
+    v ^= v >> 16
+    return v
+
+
+def stream_key(seed: int, stack: int, worker: int) -> int:
+    """The 32-bit key of one worker's drops in one stack (seed: the caller's, per outer step)."""
+    return mix32(mix32(mix32(seed & _M32) ^ (stack & _M32)) ^ (worker & _M32))
+
+
+def keep_mask(shape, sparsity: float, seed: int, stack: int, worker: int, dim: str = "all") -> torch.Tensor:
+    """DARE's keep mask of one worker's [m, n] (or any-shape, dim "all") delta, as booleans: an entry
+    (a row, a column) is kept when mix32(key ^ index) / 2³² ≥ sparsity, index its row-major position."""
+    key = stream_key(seed, stack, worker)
+    count = {"all": torch.Size(shape).numel(), "row": shape[0], "column": shape[-1]}[dim]
+    u = torch.tensor([mix32(key ^ i) for i in range(count)], dtype=F64) / 2.0**32
+    keep = u >= sparsity
+    if dim == "all":
+        return keep.reshape(shape)
+    return keep[:, None].expand(shape) if dim == "row" else keep[None, :].expand(shape)
+
+
+def _trim_mask(d: torch.Tensor, sparsity: float, dim: str) -> torch.Tensor:
+    """TIES's trim of one delta: entries (rows, columns) whose magnitude (2-norm) is at least the
+    k-th largest, k = max(1, ⌊(1 − p)·count⌋); entries tied at the cut are all kept."""
+    score = {"all": d.abs().flatten(), "row": d.norm(dim=-1), "column": d.norm(dim=0)}[dim]
+    k = max(1, int((1 - sparsity) * score.numel()))
+    keep = score >= torch.topk(score, k).values[-1]
+    if dim == "all":
+        return keep.reshape(d.shape)
+    return keep[:, None].expand(d.shape) if dim == "row" else keep[None, :].expand(d.shape)
+
+
+def sparse_ref(
+    x: torch.Tensor,
+    *,
+    sparsity: float,
+    prune: str,
+    dim: str = "all",
+    rescale: bool = False,
+    disjoint: bool = False,
+    seed: int = 0,
+    stack: int = 0,
+    masks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """TIES (prune="magnitude", disjoint) and DARE (prune="random", rescale) of a [K, ...] stack.
+    masks: [K, ...] keep masks to use instead of the pruning rule (to replay another's drops)."""
+    xs = x.detach().to("cpu", F64)
+    dim = dim if xs.ndim == 3 else "all"
+    if masks is None and sparsity > 0:
+        if prune == "magnitude":
+            masks = torch.stack([_trim_mask(d, sparsity, dim) for d in xs])
+        else:
+            masks = torch.stack([keep_mask(d.shape, sparsity, seed, stack, i, dim) for i, d in enumerate(xs)])
+    t = xs if masks is None else xs * masks
+    if rescale and sparsity > 0:
+        t = t / (1 - sparsity)
+    if not disjoint:
+        return t.mean(0)
+    agree = torch.sign(t) == torch.sign(t.sum(0))
+    return (t * agree).sum(0) / agree.sum(0).clamp_min(1)
+
+
+def merge_ref(x: torch.Tensor, method: str, stack: int = 0, **options) -> torch.Tensor:
+    """The merge `method` of one [K, *shape] stack in float64; not 2-D: the mean (iso_c, tsv, iso_cts)."""
+    opts = resolve_options(method, options)
+    x64 = x.detach().to("cpu", F64)
+    if method in ("ties", "dare"):
+        return sparse_ref(x64, stack=stack, **opts)
+    if method == "mean" or x.ndim != 3:
+        return x64.mean(0)
+    if method == "iso_c":  # reference.iso_flatten_ref of the mean, with the rank cut of x's dtype
+        u, s, v = _svd_cut(x64.mean(0), x.dtype)
+        return s.sum() / min(x.shape[-2:]) * (u @ v.mT)
+    if method == "tsv":
+        return tsv_ref(x, **opts)
+    return iso_cts_ref(x, **opts)

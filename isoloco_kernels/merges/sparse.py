@@ -1,0 +1,140 @@
+"""TIES and DARE on one worker stack [K, *shape]: prune each delta, elect a sign, merge — one pass.
+
+Definitions: merges/reference.py (`sparse_ref`). The pruning rule per worker is fixed first: TIES's
+trim threshold (the k-th largest |entry|, or row/column 2-norm: one `torch.topk` per worker), DARE's
+32-bit stream key. Then one pass over the K deltas prunes, elects and merges (the Triton kernel
+`triton/sparse_merge.py` on CUDA for dim "all"; the torch loop here otherwise, the same arithmetic),
+into a compute-dtype buffer the caller checks and stores. Memory beyond the input: the result and
+a few entry-sized temporaries of one worker at a time (the torch loop), never K-sized.
+
+Each stack is divided by a power of two near its largest entry first (exact), so the K-term sums
+cannot overflow; the result is scaled back (and by 1/(1 − p) where DARE rescales) at the end.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import triton as tk
+from .._validate import compute_dtype
+from .reference import stream_key
+
+__all__ = ["sparse_merge", "mix32_tensor"]
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(v: torch.Tensor, c: int) -> torch.Tensor:
+    """(v·c) mod 2³² for int64 v in [0, 2³²), in 16-bit halves of c (no int64 overflow)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (v * lo + (((v * hi) & 0xFFFF) << 16)) & _M32
+
+
+def mix32_tensor(v: torch.Tensor) -> torch.Tensor:
+    """reference.mix32 on an int64 tensor of values in [0, 2³²)."""
+    v = v ^ (v >> 16)
+    v = _mul32(v, 0x7FEB352D)
+    v = v ^ (v >> 15)
+    v = _mul32(v, 0x846CA68B)
+    return v ^ (v >> 16)
+
+
+def _scores(d: torch.Tensor, dim: str) -> torch.Tensor:
+    """What TIES ranks: |entries| (dim "all") or the 2-norms of rows / columns, in the compute dtype."""
+    if dim == "all":
+        return d.abs().flatten()
+    return torch.linalg.vector_norm(d, dim=-1 if dim == "row" else 0)
+
+
+def _expand(keep: torch.Tensor, shape, dim: str) -> torch.Tensor:
+    if dim == "all":
+        return keep.reshape(shape)
+    return keep[:, None] if dim == "row" else keep[None, :]
+
+
+def cut_of(sparsity: float) -> int:
+    """DARE keeps an entry when its 32-bit hash is ≥ this: ⌈p·2³²⌉ (exact in float64)."""
+    return math.ceil(sparsity * 2.0**32)
+
+
+def _thresholds(x: torch.Tensor, cd: torch.dtype, sparsity: float, dim: str) -> torch.Tensor:
+    """TIES: per worker, the k-th largest score, k = max(1, ⌊(1 − p)·count⌋) (the reference's)."""
+    out = []
+    for d in x:
+        s = _scores(d.to(cd), dim)
+        out.append(torch.topk(s, max(1, int((1 - sparsity) * s.numel()))).values[-1])
+    return torch.stack(out)
+
+
+def _keep(d: torch.Tensor, k: int, opts: dict, thr, keys, cut: int) -> torch.Tensor:
+    """Worker k's keep mask (broadcastable to d) under the stack's pruning rule."""
+    dim = opts["dim"]
+    if opts["prune"] == "magnitude":
+        return _expand(_scores(d, dim) >= thr[k], d.shape, dim)
+    count = {"all": d.numel(), "row": d.shape[0], "column": d.shape[-1]}[dim]
+    idx = torch.arange(count, device=d.device, dtype=torch.int64)
+    return _expand(mix32_tensor(idx ^ int(keys[k])) >= cut, d.shape, dim)
+
+
+def _merge_torch(x, cd, opts, thr, keys, cut, inv_scale, post) -> torch.Tensor:
+    K = x.shape[0]
+
+    def pruned(k: int) -> torch.Tensor:
+        d = x[k].to(cd)  # the trim compares unscaled magnitudes, as the thresholds were taken
+        return torch.where(_keep(d, k, opts, thr, keys, cut), d * inv_scale, 0)
+
+    total = pruned(0)
+    for k in range(1, K):
+        total += pruned(k)
+    if not opts["disjoint"]:
+        return total * (post / K)
+    elect = torch.sign(total)
+    acc = torch.zeros_like(total)
+    cnt = torch.zeros_like(total)
+    for k in range(K):
+        t = pruned(k)
+        agree = (torch.sign(t) == elect) & (t != 0)
+        acc += torch.where(agree, t, 0)
+        cnt += agree
+    return acc / cnt.clamp_min(1) * post
+
+
+def sparse_merge(x: torch.Tensor, opts: dict, stack: int) -> torch.Tensor:
+    """TIES / DARE of one checked, finite stack [K, *shape] (opts: options.resolve_options's);
+    returns the merged [*shape] in the compute dtype (not yet checked against the output dtype).
+    stack: the stack's index, part of DARE's stream keys."""
+    cd = compute_dtype(x.dtype)
+    K, shape = x.shape[0], x.shape[1:]
+    p, dim = opts["sparsity"], opts["dim"] if x.ndim == 3 else "all"
+    opts = {**opts, "dim": dim}
+    amax = float(x.abs().amax()) if x.numel() else 0.0
+    scale = 2.0 ** (math.frexp(amax)[1] - 1) if amax > 0 else 1.0
+    post = scale / (1 - p) if (opts["rescale"] and p > 0) else scale
+    if p == 0:
+        thr, keys, cut, prune = None, None, 0, False
+    elif opts["prune"] == "magnitude":
+        thr, keys, cut, prune = _thresholds(x, cd, p, dim), None, 0, True
+    else:
+        keys = torch.tensor([stream_key(opts["seed"], stack, k) for k in range(K)], dtype=torch.int64)
+        thr, cut, prune = None, cut_of(p), True
+    if not prune:  # nothing dropped: every entry kept (a threshold of 0 keeps all)
+        thr, opts = torch.zeros(K, dtype=cd, device=x.device), {**opts, "prune": "magnitude"}
+    flat = x.reshape(K, -1)
+    if tk.usable_for(x) and dim == "all" and flat.stride(-1) == 1 and x.numel():
+        from ..triton.sparse_merge import sparse_merge_triton
+
+        out = torch.empty(flat.shape[1], dtype=cd, device=x.device)
+        sparse_merge_triton(
+            flat,
+            out,
+            thresholds=thr.to(x.device) if thr is not None else None,
+            keys=keys.to(x.device) if keys is not None and opts["prune"] == "random" else None,
+            cut=cut,
+            inv_scale=1.0 / scale,
+            post=post,
+            disjoint=opts["disjoint"],
+        )
+        return out.reshape(shape)
+    return _merge_torch(x, cd, opts, thr, keys, cut, 1.0 / scale, post)
