@@ -4,6 +4,8 @@ from ._validate import ResultOverflowError
 from .distributed import DistributedStepError, ShardedIsoLoCo, average_, sharded_iso_merge_
 from .gram import GramFallbackWarning
 from .iteration_stats import FlattenFallbackWarning
+from .merge_optim import MergeLoCo
+from .merges import MERGES, merge, merge_
 from .ops import backends, iso_flatten, iso_merge_
 from .optim import IsoLoCo
 
@@ -14,12 +16,16 @@ __all__ = [
     "FlattenFallbackWarning",
     "GramFallbackWarning",
     "IsoLoCo",
+    "MERGES",
+    "MergeLoCo",
     "ResultOverflowError",
     "ShardedIsoLoCo",
     "average_",
     "backends",
     "iso_flatten",
     "iso_merge_",
+    "merge",
+    "merge_",
     "sharded_iso_merge_",
     "__version__",
 ]

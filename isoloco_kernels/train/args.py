@@ -137,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, type=parse, default=None, help=f"{what}; defaults {defaults}")
     p.add_argument("--iso-method", default=d.iso_method, help="IsoLoCo flatten method (auto, svd, eigh, polar, ...)")
     p.add_argument(
+        "--merge",
+        default=d.merge,
+        choices=("iso_c", "mean", "tsv", "iso_cts", "ties", "dare"),
+        help="how the Iso-C modes (isoloco: Nesterov outer, isoloco-sgd: SGD outer) merge the K workers' "
+        "deltas (default %(default)s; docs/merges.md)",
+    )
+    p.add_argument(
         "--iso-skip",
         default="",
         metavar="PREFIXES",

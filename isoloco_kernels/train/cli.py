@@ -146,6 +146,7 @@ def main(argv=None) -> int:
         outer_momentum=outer_momentum,
         inner=a.inner,
         iso_method=a.iso_method,
+        merge=a.merge,
         eval_windows=a.eval_windows,
         seed=a.seed,
         device=device,

@@ -42,6 +42,9 @@ class TrainConfig:
     outer_momentum: dict = field(default_factory=dict)  # mode -> μ, overrides OUTER_DEFAULTS
     inner: str = "adamw"  # "adamw", or "muon": Muon on the hidden matrices, AdamW on the rest (MuLoCo)
     iso_method: str = "auto"  # IsoLoCo's flatten method
+    # the Iso-C modes' aggregation of the K workers' deltas (merges.MERGES): "iso_c" is IsoLoCo;
+    # another keeps every worker's Δ and steps with MergeLoCo (one process only)
+    merge: str = "iso_c"
     # held-out windows of seq_len tokens in each of two splits, the same for every mode: the
     # selection split (first half of the held-out stream: heldout_loss, final_loss, to pick lrs on)
     # and the test split (second half: test_loss, final_test_loss, to report)
@@ -120,6 +123,12 @@ class TrainConfig:
 
         if self.iso_method not in METHODS:
             raise ValueError(f"iso_method must be one of {METHODS}, got {self.iso_method!r}")
+        from ..merges import MERGES
+
+        if self.merge not in MERGES:
+            raise ValueError(f"merge must be one of {tuple(MERGES)}, got {self.merge!r}")
+        if self.merge != "iso_c" and self.iso_skip:
+            raise ValueError(f"iso_skip keeps matrices out of Iso-C; it cannot combine with merge {self.merge!r}")
         if self.init not in INITS:
             raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
         check_vocab(self.vocab)

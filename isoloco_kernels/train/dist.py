@@ -71,6 +71,11 @@ class DistComm(Comm):
         average_(tensors, self.group, chunk_bytes=self.chunk_bytes)
 
     def outer_optimizer(self, mode: str, params, cfg: TrainConfig) -> torch.optim.Optimizer:
+        if cfg.merge != "iso_c" and mode not in SGD_MODES:
+            raise ValueError(
+                f"merge {cfg.merge!r} needs every worker's delta in one process; over ranks only iso_c "
+                "runs (run the merge comparison without torchrun)"
+            )
         if self.outer == "replicated":
             return outer_optimizer(mode, params, cfg)
         from ..distributed import ShardedIsoLoCo

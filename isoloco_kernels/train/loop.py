@@ -337,8 +337,10 @@ def run_mode(
             meter = DivergenceMeter(model) if cfg.divergence else None
             if meter is not None:
                 out["divergence"] = []
+            per_worker = getattr(outer, "merge", "iso_c") != "iso_c"  # MergeLoCo: every worker's Δ
             for r in range(R):
                 delta = [torch.zeros_like(p) for p in params]
+                stacks = [[] for _ in params] if per_worker else None
                 if meter is not None:
                     meter.start_round()
                 for k in comm.local_workers:
@@ -357,6 +359,9 @@ def run_mode(
                     with torch.no_grad():  # Δ_k = global − local, summed over this process's workers
                         torch._foreach_add_(delta, params)
                         torch._foreach_sub_(delta, list(work.parameters()))
+                        if per_worker:
+                            for st, d in zip(stacks, torch._foreach_sub(params, list(work.parameters()))):
+                                st.append(d)
                         if meter is not None:
                             meter.add_worker(torch._foreach_sub(params, list(work.parameters())))
                 comm.pseudo_gradients_(delta)
@@ -369,6 +374,8 @@ def run_mode(
                 for p, d in zip(params, delta):
                     p.grad = d
                 with clock.time("outer"):
+                    if per_worker:
+                        outer.set_deltas([torch.stack(st) for st in stacks])
                     outer.step()
                     outer.zero_grad(set_to_none=True)
                 if not _scored(r + 1, cfg):

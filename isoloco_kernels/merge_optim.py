@@ -1,0 +1,113 @@
+"""MergeLoCo: the outer optimizer with any of the paper's five merges, for K workers in one process.
+
+IsoLoCo's outer step reads the *averaged* pseudo-gradient, which is all Iso-C needs. TSV-M, Iso-CTS,
+TIES and DARE need every worker's own Δ_k: give them as `[K, *p.shape]` stacks, one per param, and
+MergeLoCo merges them (merges.merge) into p.grad, then takes IsoLoCo's Nesterov step on the merge
+(momentum 0: plain SGD, as the official code's merge optimizers run):
+
+    M = merge(Δ_1..Δ_K)      (params of groups with iso=False: the mean)
+    buf ← μ·buf + M;  θ ← θ − lr·(M + μ·buf)
+
+`merge="iso_c"` is IsoLoCo on the mean, step for step. State dicts are IsoLoCo's (SGD's); the merge,
+its options and the flatten method live on the optimizer. One process: for ranks that each hold
+their own worker's Δ, `ShardedIsoLoCo` serves Iso-C (other merges over ranks are not built yet).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .merges import check_stacks, merge
+from .merges.options import resolve_options
+from .optim import IsoLoCo
+
+__all__ = ["MergeLoCo"]
+
+
+class MergeLoCo(IsoLoCo):
+    """IsoLoCo whose aggregation is one of the five merges (module docstring).
+
+    Args:
+        params, lr, momentum, dampening, weight_decay, nesterov, SGD's other keywords, method:
+            as `IsoLoCo` (method: the flatten behind iso_c and the polar factors of tsv / iso_cts).
+        merge: "iso_c" (default), "mean", "tsv", "iso_cts", "ties" or "dare".
+        merge_options: that merge's options (merges/options.py), e.g. {"sparsity": 0.2}. DARE's
+            `seed` is offset by the step count, so every outer step draws new drops.
+
+    Raises ValueError/TypeError for an unknown merge or option, a process group, or DTensor params.
+
+    Example:
+        >>> opt = MergeLoCo(model.parameters(), lr=0.7, momentum=0.0, merge="ties")
+        >>> opt.step(deltas=[torch.stack([g - w for w in worker_copies]) for g, *worker_copies in ...])
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1.8,
+        momentum: float = 0.8,
+        dampening: float = 0,
+        weight_decay: float = 0,
+        nesterov: bool = True,
+        *,
+        merge: str = "iso_c",
+        merge_options: Optional[dict] = None,
+        method: str = "auto",
+        **kwargs,
+    ):
+        opts = dict(merge_options or {})
+        resolve_options(merge, opts)  # refuses an unknown merge or option by name
+        if kwargs.get("process_group") is not None:
+            raise ValueError("MergeLoCo runs its K workers in one process: process_group must be None")
+        self.merge, self.merge_options, self.merged_steps = merge, opts, 0
+        super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, method=method, **kwargs)
+        from .outer import is_dtensor
+
+        if any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
+            raise ValueError("MergeLoCo: DTensor params are not supported (merge their full tensors, or use IsoLoCo)")
+
+    def _iso_updates(self, entries):
+        # iso_c flattens the mean as IsoLoCo does; every other merge already wrote p.grad
+        return super()._iso_updates(entries) if self.merge == "iso_c" else {}
+
+    def set_deltas(self, deltas: Sequence[Optional[torch.Tensor]]) -> None:
+        """p.grad ← the merge of each param's worker stack [K, *p.shape] (params in param_groups
+        order; None for a param without one). All stacks are checked before any grad is set."""
+        params = [(p, g.get("iso", True)) for g in self.param_groups for p in g["params"]]
+        deltas = list(deltas)
+        if len(deltas) != len(params):
+            raise ValueError(f"MergeLoCo: {len(deltas)} delta stacks for {len(params)} params")
+        idx = [i for i, d in enumerate(deltas) if d is not None]
+        check_stacks([deltas[i] for i in idx], "MergeLoCo")
+        for i in idx:
+            p, d = params[i][0], deltas[i]
+            if tuple(d.shape[1:]) != tuple(p.shape) or d.device != p.device:
+                raise ValueError(
+                    f"MergeLoCo: stack {i} has shape {tuple(d.shape)} on {d.device}; param {i} needs "
+                    f"[K, {', '.join(map(str, p.shape))}] on {p.device}"
+                )
+        opts = dict(self.merge_options)
+        if self.merge == "dare":
+            opts["seed"] = opts.get("seed", 0) + self.merged_steps
+        how = self.merge if self.merge != "iso_c" else "mean"
+        chosen = [i for i in idx if params[i][1]] if how not in ("mean",) else []
+        plain = [i for i in idx if i not in set(chosen)]
+        out = {}
+        if chosen:
+            merged = merge([deltas[i] for i in chosen], how, flatten_method=self.method, stack_ids=chosen, **opts)
+            out.update(zip(chosen, merged))
+        if plain:
+            out.update(zip(plain, merge([deltas[i] for i in plain], "mean")))
+        for i, m in out.items():
+            params[i][0].grad = m.to(params[i][0].dtype)
+        self.merged_steps += 1
+
+    def step(
+        self, closure: Optional[Callable[[], float]] = None, *, deltas: Optional[Sequence] = None
+    ) -> Optional[float]:
+        """One outer step: with `deltas`, set_deltas(deltas) first; else from the grads set_deltas left."""
+        if deltas is not None:
+            self.set_deltas(deltas)
+        return super().step(closure)
