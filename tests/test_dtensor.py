@@ -677,16 +677,18 @@ INJECTIONS = {
     "auto": {"plan-before-agreement": "dtensor._Routes", "nesterov": "dtensor._prepare_nesterov"},
     "gram": {"gram-before-allreduce": "gram_route._gram_into", "gram-after-allreduce": "gram_route._gram_results"},
     "gather": {
-        "gather-pack": "collectives._gather_pack",
-        "gather-unpack": "collectives._gather_unpack",
+        "gather-pack": "collectives.gather_pack",
+        "gather-unpack": "collectives.gather_unpack",
         "gather-my-shard": "routes._my_shard",
     },
     "owner": {
         "owner-pack": "collectives._owner_pack",
-        "owner-unpack": "collectives._owner_unpack",
+        "owner-collect": "routes.owner_collect",
+        "owner-unpack": "routes.owner_unpack",
         "owner-flatten": "routes._flatten_whole",
         "owner-return-between-all-to-alls": "collectives._owner_pack_results",
-        "owner-receive": "collectives._owner_receive",
+        "owner-return": "routes.owner_return",
+        "owner-receive": "routes.owner_receive",
     },
 }
 
@@ -904,7 +906,7 @@ def _check_exact_path_failures(mesh, rank):
     opt = IsoLoCo(params, lr=1.0, momentum=0.5)
     opt.dtensor_route = "gram"
     for k, name in enumerate(
-        ("gram_route._gram_results", "collectives._gather_pack", "collectives._gather_unpack", "routes._flatten_whole")
+        ("gram_route._gram_results", "collectives.gather_pack", "collectives.gather_unpack", "routes._flatten_whole")
     ):
         who = k % 2
         for d, (p, gr) in enumerate(zip(params, grads)):
