@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import IsoLoCo, outer
-from isoloco_kernels.distributed import DistributedStepError, gram_route
+from isoloco_kernels.distributed import DistributedStepError, ShardedIsoLoCo, gram_route
 from isoloco_kernels.distributed import dtensor as DT
 from isoloco_kernels.distributed import routes as R
 from isoloco_kernels.distributed.plan import ShardLayout, plan_shards, shard_sizes
@@ -403,6 +403,11 @@ def _check_refusals(mesh):
     with pytest.raises(ValueError, match="not supported"):
         opt.add_param_group({"params": [partial]})
     assert len(opt.param_groups) == 1
+    # ShardedIsoLoCo steps whole replicated tensors: DTensor params are refused at construction on
+    # every rank, naming the param and the optimizer to use (they used to fail at step() with
+    # torch's "got mixed torch.Tensor and DTensor")
+    with pytest.raises(TypeError, match=r"ShardedIsoLoCo: param 0 .*DTensor.*Use IsoLoCo\(model.parameters\(\)\)"):
+        ShardedIsoLoCo(model.parameters(), lr=1.0, momentum=0.9)
 
 
 def _check_general_mesh(mesh, what):

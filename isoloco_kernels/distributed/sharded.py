@@ -132,6 +132,13 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         self._index = {p: i for i, p in enumerate(self._params)}
         self._group_of = [k for k, g in enumerate(self.param_groups) for _ in g["params"]]
         outer.check_param_dtypes(self._params, "ShardedIsoLoCo")
+        for i, p in enumerate(self._params):
+            if outer.is_dtensor(p):
+                raise TypeError(
+                    f"ShardedIsoLoCo: param {i} (shape {tuple(p.shape)}, placements {tuple(p.placements)}) is a "
+                    "DTensor (FSDP2 / tensor parallel); ShardedIsoLoCo steps whole tensors replicated on every "
+                    "rank. Use IsoLoCo(model.parameters()), which steps DTensor params over their device mesh"
+                )
         if self.world_size > 1:  # the collectives carry the params' own memory (broadcasts)
             check_on_comm_device(
                 self._params, [f"ShardedIsoLoCo: param {i}" for i in range(len(self._params))], self.process_group
