@@ -110,6 +110,7 @@ class IsoLoCo(torch.optim.Optimizer):
         # OpenDiLoCo): each rank flattens only its share of the matrices (sharded_iso_merge_).
         self.process_group = process_group
         self._plan: Optional[BucketPlan] = None  # bucket buffers, reused while the grads' shapes hold
+        self._state_loaded = False  # set by load_state_dict: over a process group, checked replicated once
         super().__init__(params, defaults)
 
     @property
@@ -202,6 +203,7 @@ class IsoLoCo(torch.optim.Optimizer):
                 sgd_keywords(f"IsoLoCo.load_state_dict: param group {gi}", **{k: g[k] for k in SGD_KEYS if k in g})
         load_sgd_state(self, state_dict, "IsoLoCo.load_state_dict", super().load_state_dict)
         self._plan = None
+        self._state_loaded = True  # over a process group, the next step agrees on the loaded momentum
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -209,25 +211,28 @@ class IsoLoCo(torch.optim.Optimizer):
         """Every param with a grad, all checked (`outer.collect`)."""
         return collect(self, "IsoLoCo", _name, _check_plain)
 
-    def _iso_updates(self, entries) -> dict[int, torch.Tensor]:
+    def _iso_updates(self, entries, ag=None) -> dict[int, torch.Tensor]:
         """Iso-C of every 2-D grad in an iso group, batched by shape (`outer.bucket_flatten`, the
-        buffers kept for the next step; over a process group the flatten is split across its ranks
-        by `sharded_iso_merge_`): entry index → result view."""
+        buffers kept for the next step): entry index → result view. Over a process group (`ag`:
+        the step's Agreement) the packing runs under `ag.attempt` and the flatten is split across
+        the ranks by `sharded_iso_merge_` inside that agreement."""
         chosen = [k for k, e in enumerate(entries) if e.iso]
-        group = self._process_group
-        merge = (
-            None
-            if group is None
-            else (lambda buffers: distributed.sharded_iso_merge_(buffers, group, method=self.method))
-        )
-        self._plan, views = bucket_flatten(
-            [entries[k].g for k in chosen],
-            self.method,  # grads checked
-            [f"IsoLoCo: {entries[k].name}" for k in chosen],
-            self._plan,
-            merge,
-        )
-        return dict(zip(chosen, views))
+        mats = [entries[k].g for k in chosen]  # grads checked
+        if ag is None:
+            names = [f"IsoLoCo: {entries[k].name}" for k in chosen]
+            self._plan, views = bucket_flatten(mats, self.method, names, self._plan)
+            return dict(zip(chosen, views))
+        if not mats:
+            return {}
+        buffers = ag.attempt(self._pack, mats) or []
+        distributed.sharded_iso_merge_(buffers, self._process_group, method=self.method, agreement=ag)
+        return dict(zip(chosen, ag.attempt(lambda: self._plan.views()) or []))
+
+    def _pack(self, mats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The matrices packed into the bucket plan's buffers (a new plan when the shapes changed)."""
+        if self._plan is None or not self._plan.matches(mats):
+            self._plan = BucketPlan(mats)
+        return self._plan.pack(mats)
 
     @torch.no_grad()
     def _update(self, failed: Optional[BaseException] = None) -> None:

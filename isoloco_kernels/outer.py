@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -546,6 +547,16 @@ def load_sgd_state(opt: torch.optim.Optimizer, state_dict: dict, where: str, loa
     (SGD's) keep this optimizer's setting."""
     check_state_dict(opt, state_dict, where)
     iso_now = [g["iso"] for g in opt.param_groups]
+    for gi, (g, iso) in enumerate(zip(state_dict["param_groups"], iso_now)):
+        if "iso" in g and g["iso"] != iso:
+            warnings.warn(
+                f"{where}: param group {gi}: the state dict sets iso={g['iso']} over this optimizer's "
+                f"iso={iso}, so it now steps {'with' if g['iso'] else 'without'} Iso-C (a checkpoint carries "
+                "each group's lr, momentum and iso, as torch's optimizers restore their hyper-parameters); set "
+                f"opt.param_groups[{gi}]['iso'] = {iso} after loading to keep this optimizer's",
+                UserWarning,
+                stacklevel=3,
+            )
     load(state_dict)
     for g, iso in zip(opt.param_groups, iso_now):
         g.setdefault("iso", iso)

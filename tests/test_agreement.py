@@ -606,7 +606,7 @@ def _body_nccl_rule(rank, world, tmpdir):
         "distributed.gram_route.gram_route",
         "distributed.gram_route.agree_exact",
         "distributed.collectives.all_gather_shards",
-        "distributed.collectives._owner_all_to_all",
+        "distributed.collectives.owner_exchange",
     )
     dt: dict[str, int] = {}
     for (caller, name), n in rule.by_caller.items():

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import IsoLoCo, outer
-from isoloco_kernels.distributed import DistributedStepError, gram_route
+from isoloco_kernels.distributed import DistributedStepError, ShardedIsoLoCo, gram_route
 from isoloco_kernels.distributed import dtensor as DT
 from isoloco_kernels.distributed import routes as R
 from isoloco_kernels.distributed.plan import ShardLayout, plan_shards, shard_sizes
@@ -403,6 +403,11 @@ def _check_refusals(mesh):
     with pytest.raises(ValueError, match="not supported"):
         opt.add_param_group({"params": [partial]})
     assert len(opt.param_groups) == 1
+    # ShardedIsoLoCo steps whole replicated tensors: DTensor params are refused at construction on
+    # every rank, naming the param and the optimizer to use (they used to fail at step() with
+    # torch's "got mixed torch.Tensor and DTensor")
+    with pytest.raises(TypeError, match=r"ShardedIsoLoCo: param 0 .*DTensor.*Use IsoLoCo\(model.parameters\(\)\)"):
+        ShardedIsoLoCo(model.parameters(), lr=1.0, momentum=0.9)
 
 
 def _check_general_mesh(mesh, what):
@@ -677,16 +682,18 @@ INJECTIONS = {
     "auto": {"plan-before-agreement": "dtensor._Routes", "nesterov": "dtensor._prepare_nesterov"},
     "gram": {"gram-before-allreduce": "gram_route._gram_into", "gram-after-allreduce": "gram_route._gram_results"},
     "gather": {
-        "gather-pack": "collectives._gather_pack",
-        "gather-unpack": "collectives._gather_unpack",
+        "gather-pack": "collectives.gather_pack",
+        "gather-unpack": "collectives.gather_unpack",
         "gather-my-shard": "routes._my_shard",
     },
     "owner": {
         "owner-pack": "collectives._owner_pack",
-        "owner-unpack": "collectives._owner_unpack",
+        "owner-collect": "routes.owner_collect",
+        "owner-unpack": "routes.owner_unpack",
         "owner-flatten": "routes._flatten_whole",
         "owner-return-between-all-to-alls": "collectives._owner_pack_results",
-        "owner-receive": "collectives._owner_receive",
+        "owner-return": "routes.owner_return",
+        "owner-receive": "routes.owner_receive",
     },
 }
 
@@ -904,7 +911,7 @@ def _check_exact_path_failures(mesh, rank):
     opt = IsoLoCo(params, lr=1.0, momentum=0.5)
     opt.dtensor_route = "gram"
     for k, name in enumerate(
-        ("gram_route._gram_results", "collectives._gather_pack", "collectives._gather_unpack", "routes._flatten_whole")
+        ("gram_route._gram_results", "collectives.gather_pack", "collectives.gather_unpack", "routes._flatten_whole")
     ):
         who = k % 2
         for d, (p, gr) in enumerate(zip(params, grads)):

@@ -176,7 +176,8 @@ def test_isoloco_round_trip_restores_trajectory():
     _run(opt, ps, 2, seed=50)
     ps2 = [nn.Parameter(p.detach().clone()) for p in ps]
     opt2 = ik.IsoLoCo([{"params": ps2[:3]}, {"params": ps2[3:]}], method="svd")
-    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    with pytest.warns(UserWarning, match="param group 0: the state dict sets iso=False"):
+        opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert [g["iso"] for g in opt2.param_groups] == [False, True] and opt2.param_groups[1]["lr"] == 0.5
     _run(opt, ps, 2, seed=60)
     _run(opt2, ps2, 2, seed=60)
@@ -189,6 +190,31 @@ def test_sgd_checkpoint_without_iso_keeps_the_groups_setting():
     opt = ik.IsoLoCo(ps, iso=True)
     opt.load_state_dict(sgd.state_dict())
     assert opt.param_groups[0]["iso"] is True
+
+
+def test_a_checkpoint_that_switches_iso_warns():
+    """iso is the A/B switch: a load that changes it (an iso=False checkpoint into an iso=True
+    optimizer, or back) warns, naming the group and how to keep the optimizer's own setting; a
+    load that keeps it, or an SGD checkpoint (no iso), does not."""
+    import warnings
+
+    ps = _params(torch.float32, seed=8)
+    plain = ik.IsoLoCo(ps, iso=False)
+    _run(plain, ps, 1, seed=90)
+    opt = ik.IsoLoCo(ps, iso=True)
+    with pytest.warns(
+        UserWarning, match=r"param group 0: the state dict sets iso=False over this optimizer's iso=True"
+    ):
+        opt.load_state_dict(plain.state_dict())
+    assert opt.param_groups[0]["iso"] is False  # torch's rule: a checkpoint restores the group's settings
+    with pytest.warns(UserWarning, match=r"sets iso=True over this optimizer's iso=False"):
+        plain.load_state_dict(ik.IsoLoCo(ps, iso=True).state_dict())
+    sgd = torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ik.IsoLoCo(ps, iso=True).load_state_dict(sgd.state_dict())
+        same = ik.IsoLoCo(ps, iso=True)
+        same.load_state_dict(ik.IsoLoCo(ps, iso=True).state_dict())
 
 
 def test_half_params_keep_float32_buffers_through_checkpoints():

@@ -54,6 +54,10 @@ __all__ = [
 ]
 
 
+_UNCHANGED = "nothing was changed on any rank"
+_WRITTEN = "after the ranks began writing (the tensors it writes may have changed)"
+
+
 class DistributedStepError(RuntimeError):
     """A collective outer step failed on at least one rank; no rank changed any tensor."""
 
@@ -208,7 +212,7 @@ def _raise(
             + _by_value([f"{p:#x}" for p in prints], names)
             + "; every rank must pass the same tensor shapes and dtypes in the same order"
         )
-    raise DistributedStepError(f"{head}, nothing was changed on any rank: {detail}")
+    raise DistributedStepError(f"{head}, {_UNCHANGED}: {detail}")
 
 
 def agree(
@@ -219,11 +223,13 @@ def agree(
     fp: Optional[int] = None,
     mismatch: str = "the ranks passed different tensors",
     settings: Optional[dict] = None,
-) -> None:
+    ask: bool = False,
+) -> bool:
     """Every rank learns whether any rank failed, and whether the fingerprints (`fp` and the
-    named `settings`) match; all raise DistributedStepError if not.
+    named `settings`) match; all raise DistributedStepError if not. Returns whether any rank
+    passed `ask=True` (a question every rank must then answer alike, in the same all-gather).
 
-    One all-gather of (failed, fingerprint) per rank; the error texts and settings are gathered
+    One all-gather of (failed, fingerprint, ask) per rank; the error texts and settings are gathered
     only when something failed or differs (then the error names each differing setting and the
     ranks holding each value). fp=None and no settings: no fingerprint comparison.
     """
@@ -231,18 +237,18 @@ def agree(
     if world == 1:  # nothing to compare with: no collective, no host sync
         if error is not None:
             _raise(what, 1, [0], [error], [settings], [_settings_fp(fp, settings)], mismatch)
-        return
+        return ask
     device = comm_device(group)
     check = fp is not None or bool(settings)
     mine = torch.tensor(
-        [int(error is not None), _settings_fp(fp, settings) if check else 0], dtype=torch.int64, device=device
+        [int(error is not None), _settings_fp(fp, settings) if check else 0, int(ask)], dtype=torch.int64, device=device
     )
-    every = torch.empty(2 * world, dtype=torch.int64, device=device)
+    every = torch.empty(3 * world, dtype=torch.int64, device=device)
     all_gather_single(every, mine, group=group)
-    flags, prints = every.view(world, 2).cpu().unbind(1)
+    flags, prints, asks = every.view(world, 3).cpu().unbind(1)
     failed = flags.nonzero().view(-1).tolist()
     if not failed and (not check or prints.unique().numel() == 1):
-        return
+        return bool(asks.any())
     got = gather_objects((error, settings), group)
     _raise(what, world, failed, [t for t, _ in got], [s for _, s in got], prints.tolist(), mismatch)
 
@@ -311,23 +317,38 @@ class Agreement:
             self.error = e
             return None
 
-    def settle(self, fp: Optional[int] = None, settings: Optional[dict] = None, *, own_error: bool = False) -> None:
+    def settle(
+        self,
+        fp: Optional[int] = None,
+        settings: Optional[dict] = None,
+        *,
+        own_error: bool = False,
+        ask: bool = False,
+        written: bool = False,
+    ) -> bool:
         """One agreement on (failed?, fingerprint `fp` and `settings`); raises DistributedStepError on
         every rank if any rank failed or they differ. own_error: a rank that failed raises its own
-        exception instead (the others still DistributedStepError naming it)."""
+        exception instead (the others still DistributedStepError naming it). Returns whether any
+        rank passed `ask=True` (over a process group; on a mesh or alone: this rank's `ask`).
+        written: the closing agreement of a call that wrote while its collectives ran (the error
+        then says the tensors may have changed, instead of that nothing was)."""
         if self.alone:
-            return
+            if written and self.error is not None:
+                raise self.error
+            return ask
         text = None if self.error is None else error_text(self.error)
         settings = None if self.error is not None else settings
         extra = {} if self.mismatch is None else {"mismatch": self.mismatch}
         try:
             if self.mesh is not None:
                 agree_on_mesh(text, self.mesh, self.what, fp or 0, settings=settings, **extra)
-            else:
-                agree(text, self.group, self.what, fp=fp, settings=settings, **extra)
-        except DistributedStepError:
+                return ask
+            return agree(text, self.group, self.what, fp=fp, settings=settings, ask=ask, **extra)
+        except DistributedStepError as e:
             if own_error and self.error is not None:
                 raise self.error from None
+            if written:
+                raise DistributedStepError(str(e).replace(_UNCHANGED, _WRITTEN)) from None
             raise
 
 

@@ -61,11 +61,18 @@ def _chunks(total: int, per_chunk: int):
         yield a, min(total, a + per_chunk)
 
 
-class InFlight:
-    """At most `depth` async collectives in flight; each finishes with its callback, in order."""
+def run_here(fn, *args):
+    """fn(*args): the `attempt` of a caller with no agreement to report a failure to."""
+    return fn(*args)
 
-    def __init__(self, depth: int = 2):
-        self.depth, self.queue = depth, []
+
+class InFlight:
+    """At most `depth` async collectives in flight; each finishes with its callback, in order, run
+    under `attempt` (the caller's `Agreement.attempt`: a callback that fails is kept for the
+    caller's next agreement, and the collectives after it still run)."""
+
+    def __init__(self, depth: int = 2, attempt=run_here):
+        self.depth, self.queue, self.attempt = depth, [], attempt
 
     def add(self, work, done) -> None:
         self.queue.append((work, done))
@@ -75,7 +82,7 @@ class InFlight:
     def pop(self) -> None:
         work, done = self.queue.pop(0)
         work.wait()
-        done()
+        self.attempt(done)
 
     def drain(self) -> None:
         while self.queue:
@@ -118,17 +125,15 @@ def average_(
     # Agree before the first all-reduce: a rank with bad input, or ranks passing different shapes,
     # dtypes or chunk sizes (gloo would abort the process on a size mismatch), fail on every rank.
     ag.settle(fingerprint(describe(tensors)), {"chunk_bytes": repr(chunk_bytes)})
+    # From here the all-reduces run on every rank whatever happens locally; the local work between
+    # them (packing, unpacking) runs under `attempt`, and a last agreement tells every rank if any
+    # rank's failed (then the tensors may hold partly averaged values).
     for idx, flats, total, per, bufs in kinds:
-        entries, off = [], 0
-        for i in idx:
-            entries.append((i, off))
-            off += tensors[i].numel()
-        flight = InFlight(2)
+        entries = ag.attempt(_offsets, tensors, idx) or []
+        flight = InFlight(2, ag.attempt)
         for k, (a, b) in enumerate(_chunks(total, per)):
             buf = bufs[k % 3][: b - a]
-            parts = list(_pieces(entries, lambda i: flats[i].numel(), a, b))
-            for i, ts, bs, n in parts:
-                buf[bs : bs + n].copy_(flats[i][ts : ts + n])
+            parts = ag.attempt(_pack_chunk, entries, flats, a, b, buf) or []
 
             def done(buf=buf, parts=parts):
                 buf.div_(world)
@@ -137,10 +142,33 @@ def average_(
 
             flight.add(dist.all_reduce(buf, group=group, async_op=True), done)
         flight.drain()
-        for i in idx:
-            if not tensors[i].is_contiguous():
-                tensors[i].copy_(flats[i].view(tensors[i].shape))
+        ag.attempt(_copy_back, tensors, flats, idx)
+    ag.settle(written=True)
     return tensors
+
+
+def _offsets(tensors, idx) -> list[tuple[int, int]]:
+    """(tensor index, offset) of each tensor of one kind, end to end."""
+    entries, off = [], 0
+    for i in idx:
+        entries.append((i, off))
+        off += tensors[i].numel()
+    return entries
+
+
+def _pack_chunk(entries, flats, a: int, b: int, buf: torch.Tensor) -> list:
+    """Elements [a, b) of the tensors laid end to end into `buf`; returns their pieces."""
+    parts = list(_pieces(entries, lambda i: flats[i].numel(), a, b))
+    for i, ts, bs, n in parts:
+        buf[bs : bs + n].copy_(flats[i][ts : ts + n])
+    return parts
+
+
+def _copy_back(tensors, flats, idx) -> None:
+    """Non-contiguous tensors from the flat copies they were averaged in."""
+    for i in idx:
+        if not tensors[i].is_contiguous():
+            tensors[i].copy_(flats[i].view(tensors[i].shape))
 
 
 def _average_buffers(tensors, chunk_bytes: int, device) -> list[tuple]:
@@ -187,14 +215,17 @@ def reduce_scatter_buffers(plan: ShardPlan, dtype, group, chunk_bytes) -> tuple:
     return own, sends, outs
 
 
-def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, chunk_bytes, buffers=None) -> torch.Tensor:
+def reduce_scatter_mean(
+    plan: ShardPlan, dtype, src, rank, group, chunk_bytes, buffers=None, attempt=run_here
+) -> torch.Tensor:
     """This rank's segment of the mean over ranks of the sharded tensors of one dtype.
 
     src(i) is tensor i's flat local pseudo-gradient, or None (sent as zeros). Chunk k covers
     elements [a, b) of every rank's segment: send holds world pieces of b − a elements. The sums
     are taken in `reduce_dtype(dtype)` and the mean rounded to `dtype` once. The segment and the
     buffers (`buffers` = `reduce_scatter_buffers(...)`, made before the ranks agreed; None: made
-    here) live on the group's communication device.
+    here) live on the group's communication device. The local work between the collectives runs
+    under `attempt` (`Agreement.attempt`): the collectives run on every rank whatever it does.
     """
     per_rank, seg = plan.layout(dtype)
     world = plan.world_size
@@ -204,16 +235,11 @@ def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, chunk_bytes, b
     rdt = reduce_dtype(dtype)
     wide = rdt != dtype  # reduce into float32 chunks, then round each chunk's mean into `own`
     per = max(1, chunk_bytes // (world * rdt.itemsize))
-    flight = InFlight(2)
+    flight = InFlight(2, attempt)
     for k, (a, b) in enumerate(_chunks(seg, per)):
         w = b - a
         send = sends[k % 3][: world * w]
-        send.zero_()
-        for r in range(world):
-            for i, ts, bs, n in _pieces(per_rank[r], plan.numel, a, b):
-                g = src(i)
-                if g is not None:
-                    send[r * w + bs : r * w + bs + n].copy_(g[ts : ts + n])
+        attempt(_pack_segments, per_rank, plan, src, a, b, send)
         out = outs[k % 3][:w] if wide else own[a:b]
 
         def done(out=out, a=a, b=b):
@@ -222,7 +248,20 @@ def reduce_scatter_mean(plan: ShardPlan, dtype, src, rank, group, chunk_bytes, b
 
         flight.add(reduce_scatter_single(out, send, group=group, async_op=True), done)
     flight.drain()
-    return own if wide else own.div_(world)
+    if not wide:
+        attempt(own.div_, world)
+    return own
+
+
+def _pack_segments(per_rank, plan: ShardPlan, src, a: int, b: int, send: torch.Tensor) -> None:
+    """Elements [a, b) of every rank's segment into `send` (world pieces of b − a elements)."""
+    world, w = plan.world_size, b - a
+    send.zero_()
+    for r in range(world):
+        for i, ts, bs, n in _pieces(per_rank[r], plan.numel, a, b):
+            g = src(i)
+            if g is not None:
+                send[r * w + bs : r * w + bs + n].copy_(g[ts : ts + n])
 
 
 def gather_segment_buffers(plan: ShardPlan, dtype, group, chunk_bytes) -> list[torch.Tensor]:
@@ -234,7 +273,9 @@ def gather_segment_buffers(plan: ShardPlan, dtype, group, chunk_bytes) -> list[t
     return [comm_buffer(plan.world_size * min(per, seg), dtype, comm_device(group), False) for _ in range(3)]
 
 
-def all_gather_segments(plan: ShardPlan, dtype, own, dst, rank, group, chunk_bytes, buffers=None) -> None:
+def all_gather_segments(
+    plan: ShardPlan, dtype, own, dst, rank, group, chunk_bytes, buffers=None, attempt=run_here
+) -> None:
     """Every rank's segment of one dtype, scattered into dst(i) (tensor i's flat destination),
     through `buffers` (`gather_segment_buffers`, made before the ranks agreed; None: made here)."""
     per_rank, seg = plan.layout(dtype)
@@ -243,7 +284,7 @@ def all_gather_segments(plan: ShardPlan, dtype, own, dst, rank, group, chunk_byt
         return
     per = max(1, chunk_bytes // (world * own.element_size()))
     bufs = buffers if buffers is not None else gather_segment_buffers(plan, dtype, group, chunk_bytes)
-    flight = InFlight(2)
+    flight = InFlight(2, attempt)
     for k, (a, b) in enumerate(_chunks(seg, per)):
         w = b - a
         buf = bufs[k % 3][: world * w]
@@ -268,7 +309,9 @@ def reduce_to_owner_buffers(numel, dtype, owner, rank, group, chunk_bytes) -> tu
     return out, [comm_buffer(min(per, numel), rdt, device, False) for _ in range(3)] if scratch else None
 
 
-def reduce_to_owner(src, numel, dtype, owner, rank, group, chunk_bytes, buffers=None) -> Optional[torch.Tensor]:
+def reduce_to_owner(
+    src, numel, dtype, owner, rank, group, chunk_bytes, buffers=None, attempt=run_here
+) -> Optional[torch.Tensor]:
     """Mean over ranks of one flat tensor, delivered to `owner` only (returned there, else None).
 
     src: this rank's flat values, or None (sent as zeros). Sent in chunks through a scratch buffer
@@ -285,13 +328,10 @@ def reduce_to_owner(src, numel, dtype, owner, rank, group, chunk_bytes, buffers=
         buffers if buffers is not None else reduce_to_owner_buffers(numel, dtype, owner, rank, group, chunk_bytes)
     )
     scratch = rank != owner or wide  # the owner reduces straight into `out` when no rounding follows
-    flight = InFlight(2)
+    flight = InFlight(2, attempt)
     for k, (a, b) in enumerate(_chunks(numel, per)):
         buf = bufs[k % 3][: b - a] if scratch else out[a:b]
-        if src is None:
-            buf.zero_()
-        else:
-            buf.copy_(src[a:b])
+        attempt(buf.zero_) if src is None else attempt(buf.copy_, src[a:b])
 
         def done(buf=buf, a=a, b=b):
             if out is not None and wide:
@@ -301,7 +341,7 @@ def reduce_to_owner(src, numel, dtype, owner, rank, group, chunk_bytes, buffers=
     flight.drain()
     if out is None:
         return None
-    return out if wide else out.div_(world)
+    return out if wide else attempt(out.div_, world)
 
 
 def broadcast_from_owner(flat: torch.Tensor, owner: int, group, chunk_bytes) -> None:
@@ -314,22 +354,25 @@ def broadcast_from_owner(flat: torch.Tensor, owner: int, group, chunk_bytes) -> 
     flight.drain()
 
 
-def broadcast_into(t: torch.Tensor, owner: int, group, chunk_bytes, flat: Optional[torch.Tensor] = None) -> None:
+def broadcast_into(
+    t: torch.Tensor, owner: int, group, chunk_bytes, flat: Optional[torch.Tensor] = None, attempt=run_here
+) -> None:
     """t ← the owner's t (t on the group's communication device; non-contiguous t through a
-    flat copy there: `flat`, made before the ranks agreed, or made here)."""
+    flat copy there: `flat`, made before the ranks agreed, or made here). The copies run under
+    `attempt`."""
     if t.is_contiguous():
         broadcast_from_owner(t.view(-1), owner, group, chunk_bytes)
         return
     if flat is None:
         flat = comm_buffer(t.numel(), t.dtype, comm_device(group), False)
-    flat.copy_(t.reshape(-1))
+    attempt(flat.copy_, t.reshape(-1))
     broadcast_from_owner(flat, owner, group, chunk_bytes)
-    t.copy_(flat.view(t.shape))
+    attempt(t.copy_, flat.view(t.shape))
 
 
-def scatter_into(plan, dtype, own, tensors, rank, group, chunk_bytes, buffers=None) -> None:
+def scatter_into(plan, dtype, own, tensors, rank, group, chunk_bytes, buffers=None, attempt=run_here) -> None:
     """All-gather every rank's segment of one dtype into `tensors` (non-contiguous ones via a copy;
-    `buffers`: `gather_segment_buffers(...)`, or None to make them here)."""
+    `buffers`: `gather_segment_buffers(...)`, or None to make them here); local work under `attempt`."""
     flats = {}
 
     def dst(i):
@@ -341,10 +384,8 @@ def scatter_into(plan, dtype, own, tensors, rank, group, chunk_bytes, buffers=No
         for i, v in owned_views(plan, dtype, own, rank).items():
             tensors[i].copy_(v)
         return
-    all_gather_segments(plan, dtype, own, dst, rank, group, chunk_bytes, buffers)
-    for i, f in flats.items():
-        if not tensors[i].is_contiguous():
-            tensors[i].copy_(f.view(tensors[i].shape))
+    all_gather_segments(plan, dtype, own, dst, rank, group, chunk_bytes, buffers, attempt)
+    attempt(_copy_back, tensors, flats, list(flats))
 
 
 # -- DTensor matrices sharded on a 1-D mesh (`plan.ShardLayout`): the gather and owner routes'
@@ -389,23 +430,24 @@ def owner_buffers(group, dtype, send_split, recv_split) -> tuple[torch.Tensor, t
     return comm_buffer(sum(send_split), dtype, dev, True), comm_buffer(sum(recv_split), dtype, dev, False)
 
 
-def all_gather_shards(group, dtype, segs: GatherSegments, shards, devices, attempt, buffers):
+def all_gather_shards(group, segs: GatherSegments, shards, devices, attempt, buffers):
     """The whole matrices of `segs` on every rank (one padded all-gather on the group's
     communication device, into `buffers` = `gather_buffers(...)`, allocated before the ranks last
-    agreed): (the list, or None once local work failed; elements received)."""
+    agreed): (the list, or None once local work failed; elements received). The packing and the
+    unpacking run under `attempt`; the all-gather runs on every rank whatever happened locally."""
     send, recv = buffers
-    attempt(_gather_pack, segs, shards, send)
+    attempt(gather_pack, segs, shards, send)
     all_gather_single(recv, send, group=group)
-    return attempt(_gather_unpack, segs, recv, devices), recv.numel()
+    return attempt(gather_unpack, segs, recv, devices), recv.numel()
 
 
-def _gather_pack(segs: GatherSegments, shards, send: torch.Tensor) -> None:
+def gather_pack(segs: GatherSegments, shards, send: torch.Tensor) -> None:
     """This rank's shards into its segment of the all-gather."""
     for lay, o, loc in zip(segs.layouts, segs.offs, shards):
         send[o[lay.rank] : o[lay.rank] + loc.numel()].copy_(loc.reshape(-1))
 
 
-def _gather_unpack(segs: GatherSegments, recv: torch.Tensor, devices) -> list[torch.Tensor]:
+def gather_unpack(segs: GatherSegments, recv: torch.Tensor, devices) -> list[torch.Tensor]:
     """Whole matrices from every rank's segment of the all-gather."""
     rows = recv.view(segs.world, segs.longest)
     out = []
@@ -434,34 +476,25 @@ class OwnerSplits:
         self.out_recv = [sum(self.layouts[j].numel(r) for j in self.mine) for r in range(world)]
 
 
-def owner_collect(group, splits: OwnerSplits, shards, devices, attempt, buffers):
-    """Out: every rank's shard of each matrix to its owner, through `buffers` =
-    `owner_buffers(group, dtype, splits.out_send, splits.out_recv)`. ({j: whole matrix} for the
-    matrices this rank owns, or None once local work failed; elements sent to other ranks)."""
-    recv, sent = _owner_all_to_all(
-        group, splits.out_send, splits.out_recv, attempt, buffers, _owner_pack, splits, shards
-    )
-    return attempt(_owner_unpack, splits, recv, devices), sent
+def owner_collect(splits: OwnerSplits, shards, send: torch.Tensor) -> None:
+    """Out, local part: this rank's shard of each matrix into its owner's part of the outgoing
+    all-to-all (`owner_exchange`, then `owner_unpack` on the owners)."""
+    _owner_pack(splits, shards, send)
 
 
-def owner_return(group, splits: OwnerSplits, results: dict, devices, attempt, buffers):
-    """Back: each owner's results `results` ({j: whole matrix}) to every rank, in pieces, through
-    `buffers` = `owner_buffers(group, compute dtype, splits.out_recv, splits.out_send)`.
-    ({j: this rank's piece} for every matrix, or None once local work failed; elements sent)."""
-    recv, sent = _owner_all_to_all(
-        group, splits.out_recv, splits.out_send, attempt, buffers, _owner_pack_results, splits, results
-    )
-    return attempt(_owner_receive, splits, recv, devices), sent
+def owner_return(splits: OwnerSplits, results: dict, send: torch.Tensor) -> None:
+    """Back, local part: each owner's results `results` ({j: whole matrix}) into the returning
+    all-to-all, each rank's piece (`owner_exchange`, then `owner_receive` on every rank)."""
+    _owner_pack_results(splits, results, send)
 
 
-def _owner_all_to_all(group, send_split, recv_split, attempt, buffers, pack, *args) -> tuple[torch.Tensor, int]:
-    """One all-to-all on the group's communication device, from and into `buffers` (send, recv:
-    `owner_buffers`, allocated before the ranks last agreed): `pack(*args, send)` fills the send
-    buffer under `attempt`. Returns (what arrived, elements sent to other ranks)."""
+def owner_exchange(group, buffers, send_split, recv_split) -> int:
+    """One all-to-all of the owner route from and into `buffers` (send, recv: `owner_buffers`,
+    allocated before the ranks last agreed), and nothing else: it runs on every rank whatever its
+    local work did. Returns the elements sent to other ranks."""
     send, recv = buffers
-    attempt(pack, *args, send)
     dist.all_to_all_single(recv, send, recv_split, send_split, group=group)
-    return recv, send.numel() - send_split[dist.get_rank(group)]
+    return send.numel() - send_split[dist.get_rank(group)]
 
 
 def _owner_pack(splits: OwnerSplits, shards, send: torch.Tensor) -> None:
@@ -472,7 +505,7 @@ def _owner_pack(splits: OwnerSplits, shards, send: torch.Tensor) -> None:
         off[o] += loc.numel()
 
 
-def _owner_unpack(splits: OwnerSplits, recv: torch.Tensor, devices) -> dict[int, torch.Tensor]:
+def owner_unpack(splits: OwnerSplits, recv: torch.Tensor, devices) -> dict[int, torch.Tensor]:
     """{j: whole matrix} for the matrices this rank owns, from every rank's shard."""
     pieces: dict[int, list] = {j: [] for j in splits.mine}
     pos = 0
@@ -497,7 +530,7 @@ def _owner_pack_results(splits: OwnerSplits, results: dict, send: torch.Tensor) 
             pos += lay.numel(r)
 
 
-def _owner_receive(splits: OwnerSplits, recv: torch.Tensor, devices) -> dict[int, torch.Tensor]:
+def owner_receive(splits: OwnerSplits, recv: torch.Tensor, devices) -> dict[int, torch.Tensor]:
     """{j: this rank's piece of the result} for every matrix, from the owners' parts."""
     out, pos = {}, 0
     for r in range(splits.world):

@@ -33,6 +33,7 @@ def sharded_iso_merge_(
     method: str = "auto",
     chunk_bytes: int = CHUNK_BYTES,
     solo_above: Optional[float] = 1.0,
+    agreement: Optional[Agreement] = None,
     **old: Any,
 ) -> list[torch.Tensor]:
     """`iso_merge_` for buckets that are already averaged (equal on every rank), with the work split.
@@ -49,7 +50,10 @@ def sharded_iso_merge_(
     before the ranks first agree). Each rank's share is flattened in slices whose scratch stays
     within `buckets.workspace_bytes()`, as in `iso_merge_`. `process_group`: the group (None: the
     default group); `group=` is its old name and `bucket_bytes=` the old name of chunk_bytes (both
-    still accepted, with a DeprecationWarning).
+    still accepted, with a DeprecationWarning). `agreement`: an outer step's `agree.Agreement`
+    over the same group, to run inside (a failure of that step's local work before this call is
+    reported at this call's first agreement, and the step agrees again after it); None: this call
+    agrees on its own, and once more at its end (a failure while writing reaches every rank).
     """
     where = "sharded_iso_merge_"
     group = renamed_keyword(
@@ -59,7 +63,7 @@ def sharded_iso_merge_(
     chunk_bytes = renamed_keyword(old_chunk, "bucket_bytes", "chunk_bytes", chunk_bytes, CHUNK_BYTES, where)
     buckets = list(buckets)
     rank, world = group_info(group)
-    ag = Agreement("sharded_iso_merge_", group, mismatch=PLAN_MISMATCH)
+    ag = agreement if agreement is not None else Agreement("sharded_iso_merge_", group, mismatch=PLAN_MISMATCH)
     # every check inside: a rank that refuses its arguments must still reach the agreement
     units, plan = ag.attempt(_plan, buckets, rank, world, group, method, chunk_bytes, solo_above) or ([], None)
     # every buffer of the call (the copies flattened aside, the collectives' buffers) before the
@@ -87,19 +91,33 @@ def sharded_iso_merge_(
     ag.attempt(iso_merge_unchecked_, [blk for blk, _ in bufs.batches], method)  # checked above
     ag.settle()  # any failure reaches the other ranks before they write
 
+    # From here the collectives run on every rank whatever happens locally; the local work between
+    # them runs under `ag.attempt`, and the last agreement tells every rank whether any failed.
+    ag.attempt(_write_solo, bufs, unit)
+    # the all-gather writes contiguous units in place, the others through their stand-ins
+    flat_units = [bufs.standins[u] if u in bufs.standins else unit(u) for u in range(len(units))]
+    for dt, own in bufs.owns.items():
+        scatter_into(plan, dt, own, flat_units, rank, group, chunk_bytes, bufs.gather.get(dt), ag.attempt)
+    ag.attempt(_write_standins, bufs, unit)
+    for u in sorted(plan.solo):
+        broadcast_into(flat_units[u], plan.owners[u], group, chunk_bytes, bufs.flats.get(u), ag.attempt)
+    if agreement is None and world > 1:
+        ag.settle(written=True)
+    return buckets
+
+
+def _write_solo(bufs, unit) -> None:
+    """The solo matrices I flattened aside into their buckets."""
     for blk, us in bufs.batches:
         if us is not None:
             for u, r in zip(us, blk.unbind(0)):
                 unit(u).copy_(r)
-    # the all-gather writes contiguous units in place, the others through their stand-ins
-    flat_units = [bufs.standins[u] if u in bufs.standins else unit(u) for u in range(len(units))]
-    for dt, own in bufs.owns.items():
-        scatter_into(plan, dt, own, flat_units, rank, group, chunk_bytes, bufs.gather.get(dt))
+
+
+def _write_standins(bufs, unit) -> None:
+    """Non-contiguous units from the contiguous stand-ins the all-gather filled."""
     for u, s in bufs.standins.items():
         unit(u).copy_(s)
-    for u in sorted(plan.solo):
-        broadcast_into(flat_units[u], plan.owners[u], group, chunk_bytes, bufs.flats.get(u))
-    return buckets
 
 
 class _Buffers:

@@ -22,7 +22,16 @@ from typing import Optional
 import torch
 
 from ..outer import Entry, bucket_flatten, local
-from .collectives import GatherSegments, all_gather_shards, gather_buffers, owner_collect, owner_return
+from .collectives import (
+    GatherSegments,
+    all_gather_shards,
+    gather_buffers,
+    owner_collect,
+    owner_exchange,
+    owner_receive,
+    owner_return,
+    owner_unpack,
+)
 from .gram_route import agree_exact, gram_route
 from .plan import ShardLayout
 
@@ -142,15 +151,10 @@ def iso_updates(method: str, entries: list[Entry], routes, ag, stats: Stats) -> 
     # owner route, out: each rank's shards to the matrix's owner, one all-to-all per (mesh, dtype)
     owned: dict[int, torch.Tensor] = {}  # whole matrices this rank flattens for the others
     for (mesh, dtype), ks, splits in routes.owner:
-        got, sent = owner_collect(
-            mesh.get_group(0),
-            splits,
-            [local(entries[k].g) for k in ks],
-            _devices(entries, ks),
-            ag.attempt,
-            routes.buffers[("owner out", mesh, dtype)],
-        )
-        stats.owner_elements += sent
+        bufs = routes.buffers[("owner out", mesh, dtype)]
+        ag.attempt(owner_collect, splits, [local(entries[k].g) for k in ks], bufs[0])
+        stats.owner_elements += owner_exchange(mesh.get_group(0), bufs, splits.out_send, splits.out_recv)
+        got = ag.attempt(owner_unpack, splits, bufs[1], _devices(entries, ks))
         owned.update({ks[j]: t for j, t in (got or {}).items()})
 
     # general path (meshes with several dimensions): full_tensor() per matrix, a collective each
@@ -169,15 +173,10 @@ def iso_updates(method: str, entries: list[Entry], routes, ag, stats: Stats) -> 
 
     # owner route, back: each owner sends every rank its piece of the results, in their compute dtype
     for (mesh, dtype), ks, splits in routes.owner:
-        mine, sent = owner_return(
-            mesh.get_group(0),
-            splits,
-            {j: results.get(k) for j, k in enumerate(ks)},
-            _devices(entries, ks),
-            ag.attempt,
-            routes.buffers[("owner back", mesh, dtype)],
-        )
-        stats.owner_elements += sent
+        bufs = routes.buffers[("owner back", mesh, dtype)]
+        ag.attempt(owner_return, splits, {j: results.get(k) for j, k in enumerate(ks)}, bufs[0])
+        stats.owner_elements += owner_exchange(mesh.get_group(0), bufs, splits.out_recv, splits.out_send)
+        mine = ag.attempt(owner_receive, splits, bufs[1], _devices(entries, ks))
         out.update({ks[j]: t for j, t in (mine or {}).items()})
     return out
 
@@ -213,7 +212,7 @@ def _gather_whole(
             bufs = ag.attempt(gather_buffers, mesh.get_group(0), dtype, s)
             ag.settle()  # a rank that could not allocate them fails every rank here, not in the all-gather
         got, n = all_gather_shards(
-            mesh.get_group(0), dtype, s, [local(entries[k].g) for k in dks], _devices(entries, dks), ag.attempt, bufs
+            mesh.get_group(0), s, [local(entries[k].g) for k in dks], _devices(entries, dks), ag.attempt, bufs
         )
         stats.gather_elements += n
         if got is not None:

@@ -132,6 +132,13 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         self._index = {p: i for i, p in enumerate(self._params)}
         self._group_of = [k for k, g in enumerate(self.param_groups) for _ in g["params"]]
         outer.check_param_dtypes(self._params, "ShardedIsoLoCo")
+        for i, p in enumerate(self._params):
+            if outer.is_dtensor(p):
+                raise TypeError(
+                    f"ShardedIsoLoCo: param {i} (shape {tuple(p.shape)}, placements {tuple(p.placements)}) is a "
+                    "DTensor (FSDP2 / tensor parallel); ShardedIsoLoCo steps whole tensors replicated on every "
+                    "rank. Use IsoLoCo(model.parameters()), which steps DTensor params over their device mesh"
+                )
         if self.world_size > 1:  # the collectives carry the params' own memory (broadcasts)
             check_on_comm_device(
                 self._params, [f"ShardedIsoLoCo: param {i}" for i in range(len(self._params))], self.process_group
@@ -193,11 +200,15 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         # method, chunk_bytes, … changed on one rank since construction), or a buffer one rank
         # could not allocate, stop every rank here.
         ag.settle(settings=ag.attempt(self._settings))
-        segments, means = self._reduce(grads, bufs)
+        # From here every rank runs every collective whatever happens locally: the local work
+        # between them runs under `ag.attempt`, so a failure reaches the next agreement.
+        segments, means = self._reduce(grads or [], bufs or {}, ag.attempt)
         write = ag.attempt(self._compute, means)
         ag.settle()
-        write()
-        self._all_gather_params(segments, bufs)
+        ag.attempt(write)
+        self._all_gather_params(segments, bufs or {}, ag.attempt)
+        if self.world_size > 1:
+            ag.settle(written=True)  # a failure while writing or gathering reaches every rank
         return loss
 
     def _buffers(self) -> dict:
@@ -231,22 +242,29 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         entries = outer.collect(self, "ShardedIsoLoCo.step", self._name, check, require_grads=True, check_params=False)
         return [e.g for e in entries]
 
-    def _reduce(self, grads, bufs: dict) -> tuple[dict, dict[int, torch.Tensor]]:
+    def _reduce(self, grads, bufs: dict, attempt) -> tuple[dict, dict[int, torch.Tensor]]:
         """Mean pseudo-gradient of each param this rank owns: segments by reduce-scatter, solo
         tensors by a reduce to their owner (every rank's checks passed: the ranks agreed first).
-        Returns (my segment per dtype, param index → mean)."""
+        Returns (my segment per dtype, param index → mean). Local work under `attempt`."""
         plan, rank = self.plan, self.rank
-        flat = [flat_view(g) for g in grads]
+        flat = attempt(lambda: [flat_view(g) for g in grads]) or [None] * len(self._params)
         segments, means = {}, {}
         for dt in plan.sharded_dtypes:
             if self.world_size > 1:
                 own = reduce_scatter_mean(
-                    plan, dt, lambda i: flat[i], rank, self.process_group, self.chunk_bytes, bufs[("reduce", dt)]
+                    plan,
+                    dt,
+                    lambda i: flat[i],
+                    rank,
+                    self.process_group,
+                    self.chunk_bytes,
+                    bufs[("reduce", dt)],
+                    attempt,
                 )
             else:
                 own = self._own_single(dt, flat)
             segments[dt] = own
-            means.update(owned_views(plan, dt, own, rank))
+            means.update(attempt(owned_views, plan, dt, own, rank) or {})
         for i in sorted(plan.solo):
             p = self._params[i]
             mean = reduce_to_owner(
@@ -258,6 +276,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                 self.process_group,
                 self.chunk_bytes,
                 bufs.get(("solo", i)),
+                attempt,
             )
             if mean is not None:
                 means[i] = mean.view(p.shape)
@@ -287,12 +306,12 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             ],
         )
 
-    def _all_gather_params(self, segments: dict, bufs: dict) -> None:
-        """Every rank gets every updated param: segments all-gathered, solo tensors broadcast."""
+    def _all_gather_params(self, segments: dict, bufs: dict, attempt) -> None:
+        """Every rank gets every updated param: segments all-gathered, solo tensors broadcast
+        (local work under `attempt`)."""
         plan, rank = self.plan, self.rank
         for dt, own in segments.items():
-            for i, v in owned_views(plan, dt, own, rank).items():
-                v.copy_(self._params[i])
+            attempt(self._params_into_segment, dt, own)
             if self.world_size > 1:
                 scatter_into(
                     plan,
@@ -303,11 +322,22 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                     self.process_group,
                     self.chunk_bytes,
                     bufs.get(("gather", dt)),
+                    attempt,
                 )
         for i in sorted(plan.solo):
             broadcast_into(
-                self._params[i].data, plan.owners[i], self.process_group, self.chunk_bytes, bufs.get(("flat", i))
+                self._params[i].data,
+                plan.owners[i],
+                self.process_group,
+                self.chunk_bytes,
+                bufs.get(("flat", i)),
+                attempt,
             )
+
+    def _params_into_segment(self, dtype, own: torch.Tensor) -> None:
+        """My updated params into my segment, which the all-gather sends."""
+        for i, v in owned_views(self.plan, dtype, own, self.rank).items():
+            v.copy_(self._params[i])
 
     def _iso_updates(self, means: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Iso-C of my 2-D mean pseudo-gradients in iso groups, batched by shape as IsoLoCo does
