@@ -17,6 +17,8 @@ import torch
 from .. import outer
 from .._validate import amaxes, check_amax_finite
 from ..buckets import BucketPlan
+from ..merges import merge as merge_stacks
+from ..merges.options import resolve_options
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, optimizer_settings, renamed_keyword
 from .collectives import (
     CHUNK_BYTES,
@@ -32,6 +34,7 @@ from .collectives import (
     scatter_into,
 )
 from .merge import PLAN_MISMATCH
+from .merge_route import exchange_workers, merge_buffers
 from .plan import owned_views, plan_shards
 
 if TYPE_CHECKING:
@@ -92,6 +95,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         process_group: Optional[ProcessGroup] = None,
         chunk_bytes: int = CHUNK_BYTES,
         solo_above: Optional[float] = 1.0,
+        merge: str = "iso_c",
+        merge_options: Optional[dict] = None,
         **old: Any,
     ):
         # group= was this keyword's first name (deprecated; the README promised it keeps working)
@@ -108,6 +113,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         self.process_group = process_group
         self.rank, self.world_size = group_info(process_group)
         self._built = False
+        self.merge, self.merge_options, self.merged_steps = merge, dict(merge_options or {}), 0
         # Every rank constructs or none does (never a hang at step one): a rank whose arguments are
         # refused raises its error after the agreement, the others DistributedStepError naming it;
         # settings that differ between ranks raise DistributedStepError everywhere, naming them.
@@ -117,6 +123,11 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         self._built = True
 
     def _build(self, params, lr, momentum, sgd, iso, method, chunk_bytes, solo_above) -> None:
+        resolve_options(self.merge, self.merge_options)  # an unknown merge or option, by name
+        if self.merge not in ("iso_c", "mean") and self.world_size < 2:
+            raise ValueError(
+                f"ShardedIsoLoCo: merge {self.merge!r} needs K >= 2 ranks (one worker each); world size is 1"
+            )
         defaults = outer.outer_defaults(
             "ShardedIsoLoCo", lr, momentum, iso, method, lambda: outer.sgd_keywords("ShardedIsoLoCo", **sgd)
         )
@@ -162,8 +173,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         """What every rank must share for the step to run the same collectives and write the same
         values: each group's hyper-parameters, the method, the chunk size and the shard plan."""
         plan = {"shard plan (shapes, dtypes, iso, solo_above)": f"{self.plan.fingerprint:#x}"}
+        merge = {"merge": self.merge, "merge_options": repr(sorted(self.merge_options.items()))}
         return optimizer_settings(
-            self, method=self.method, chunk_bytes=self.chunk_bytes, solo_above=self.solo_above, **plan
+            self, method=self.method, chunk_bytes=self.chunk_bytes, solo_above=self.solo_above, **plan, **merge
         )
 
     def add_param_group(self, param_group: dict) -> None:
@@ -202,20 +214,55 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         ag.settle(settings=ag.attempt(self._settings))
         # From here every rank runs every collective whatever happens locally: the local work
         # between them runs under `ag.attempt`, so a failure reaches the next agreement.
-        segments, means = self._reduce(grads or [], bufs or {}, ag.attempt)
+        if self._per_worker:  # every worker's Δ to its owner, merged there (merge_route.py)
+            flat = ag.attempt(lambda: [flat_view(g) for g in grads]) or [None] * len(self._params)
+            segments, stacks = exchange_workers(
+                self.plan, lambda i: flat[i], self.rank, self.process_group, bufs or {}, ag.attempt, self._data_device
+            )
+            means = ag.attempt(self._merged, stacks) or {}
+        else:
+            segments, means = self._reduce(grads or [], bufs or {}, ag.attempt)
         write = ag.attempt(self._compute, means)
         ag.settle()
         ag.attempt(write)
         self._all_gather_params(segments, bufs or {}, ag.attempt)
         if self.world_size > 1:
             ag.settle(written=True)  # a failure while writing or gathering reaches every rank
+        self.merged_steps += 1
         return loss
+
+    @property
+    def _per_worker(self) -> bool:
+        return self.merge not in ("iso_c", "mean")
+
+    def _merged(self, stacks: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The merge of my tensors' [K, *shape] stacks (groups with iso=False: the mean), as
+        `MergeLoCo.set_deltas` computes it: the same stack ids and DARE seed, so the same result."""
+        opts = dict(self.merge_options)
+        if self.merge == "dare":
+            opts["seed"] = opts.get("seed", 0) + self.merged_steps
+        idx = sorted(stacks)
+        chosen = [i for i in idx if self.param_groups[self._group_of[i]]["iso"]]
+        plain = [i for i in idx if i not in set(chosen)]
+        out = {}
+        if chosen:
+            got = merge_stacks(
+                [stacks[i] for i in chosen], self.merge, flatten_method=self.method, stack_ids=chosen, **opts
+            )
+            out.update(zip(chosen, got))
+        if plain:
+            out.update(zip(plain, merge_stacks([stacks[i] for i in plain], "mean")))
+        return {i: m.to(self._params[i].dtype) for i, m in out.items()}
 
     def _buffers(self) -> dict:
         """The buffers of the step's collectives (`collectives.reduce_scatter_buffers`,
         `reduce_to_owner_buffers`, `gather_segment_buffers`, and a flat copy for a non-contiguous
         solo param), made before the ranks first agree: an allocation that fails on one rank
         fails every rank there instead of leaving the others in a collective."""
+        if self._per_worker:
+            return merge_buffers(
+                self.plan, self.rank, comm_device(self.process_group) if self.world_size > 1 else self._data_device
+            )
         if self.world_size == 1:
             return {}
         plan, rank, group, cb = self.plan, self.rank, self.process_group, self.chunk_bytes
@@ -342,6 +389,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     def _iso_updates(self, means: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Iso-C of my 2-D mean pseudo-gradients in iso groups, batched by shape as IsoLoCo does
         (`outer.bucket_flatten`, the buffers kept for the next step): param index → result view."""
+        if self.merge != "iso_c":  # "mean", or a merge that already ran (`_merged`)
+            return {}
         idx = [
             i
             for i in sorted(means)

@@ -71,10 +71,10 @@ class DistComm(Comm):
         average_(tensors, self.group, chunk_bytes=self.chunk_bytes)
 
     def outer_optimizer(self, mode: str, params, cfg: TrainConfig) -> torch.optim.Optimizer:
-        if cfg.merge != "iso_c" and mode not in SGD_MODES:
+        if cfg.merge != "iso_c" and mode not in SGD_MODES and self.outer == "replicated":
             raise ValueError(
-                f"merge {cfg.merge!r} needs every worker's delta in one process; over ranks only iso_c "
-                "runs (run the merge comparison without torchrun)"
+                f"merge {cfg.merge!r} needs every worker's own delta: use the sharded outer step "
+                "(the replicated one sees only the average)"
             )
         if self.outer == "replicated":
             return outer_optimizer(mode, params, cfg)
@@ -89,6 +89,7 @@ class DistComm(Comm):
             method=cfg.iso_method,
             process_group=self.group,
             chunk_bytes=self.chunk_bytes,
+            merge=cfg.merge if mode not in SGD_MODES else "iso_c",
         )
 
     def pseudo_gradients_(self, delta: Sequence[torch.Tensor]) -> None:
