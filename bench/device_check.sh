@@ -147,6 +147,10 @@ step "FSDP2 outer step, world size 1 ($( [ "$DRY_RUN" = 1 ] && echo gloo on the 
 timeout -k 10 "$(cap 45 40)" "$PY" bench/fsdp2_step.py $FSDP_ARGS --json "$RES/$NAME-fsdp2.json" 2>&1 \
     | grep -v -i "numpy" || echo "fsdp2 step failed or timed out"
 
+step "the five merges, K 8 (bench/test_bench_merges.py: batched vs a per-matrix loop)"
+if [ "$DRY_RUN" = 1 ]; then MERGE_SETS=ref-tiny; MERGE_SEL="8 and (tsv or ties)"; else MERGE_SETS=llama-178m; MERGE_SEL=""; fi
+bench "$(cap 45 40)" "$RES/$NAME-merges.json" bench/test_bench_merges.py "$MERGE_SETS" "$MERGE_SEL"
+
 step "gram vs polar here (float64 Gram space vs float32 direct iteration; auto's choice)"
 timeout "$(cap 40 60)" env DRY_RUN="$DRY_RUN" "$PY" - <<'EOF' || echo "gram probe failed"
 import os, time, torch, warnings
