@@ -46,8 +46,9 @@ _lib = torch.library.Library("isoloco", "DEF")  # noqa: TOR901 (owned by this mo
 # graphs skip graphs holding these ops (torch >= 2.8 has the tag; older torch: none).
 _HOST_BOUND = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
-# One flatten for every device: the method registry and "auto" live in flatten.py.
-_lib.define("iso_flatten_(Tensor(a!) x, str method) -> ()", tags=_HOST_BOUND)
+# One flatten for every device: the method registry and "auto" live in flatten.py; the default is
+# the Python API's, so `torch.ops.isoloco.iso_flatten_(x)` means `iso_merge_([x])`.
+_lib.define('iso_flatten_(Tensor(a!) x, str method="auto") -> ()', tags=_HOST_BOUND)
 # Iso-C epilogue; CUDA kernel in csrc/iso_scale.cu.
 _lib.define("iso_scale_(Tensor(a!) x, Tensor q) -> Tensor")
 # Multi-tensor Nesterov outer update; CUDA kernel in csrc/nesterov.cu.
@@ -86,7 +87,7 @@ def _safe(dtype: torch.dtype) -> float:
 
 
 @torch.library.impl(_lib, "iso_flatten_", "CompositeExplicitAutograd")
-def _iso_flatten_(x: torch.Tensor, method: str) -> None:
+def _iso_flatten_(x: torch.Tensor, method: str = "auto") -> None:
     check_matrix_tensor(x, "iso_flatten_: x")
     check_method(method)
     check_writable([x], ["iso_flatten_: x"])
@@ -95,7 +96,7 @@ def _iso_flatten_(x: torch.Tensor, method: str) -> None:
 
 
 @torch.library.register_fake("isoloco::iso_flatten_", lib=_lib)
-def _iso_flatten_fake(x: torch.Tensor, method: str) -> None:
+def _iso_flatten_fake(x: torch.Tensor, method: str = "auto") -> None:
     check_matrix_tensor(x, "iso_flatten_: x")
     check_method(method)
 
@@ -437,8 +438,17 @@ def iso_merge_unchecked_(buckets: Sequence[torch.Tensor], method: str, *, first:
 
 
 def iso_flatten(x: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
-    """Out-of-place Iso-C flatten of a [m, n] or [B, m, n] tensor (see `iso_merge_`)."""
+    """Out-of-place Iso-C flatten of a [m, n] or [B, m, n] tensor (see `iso_merge_`).
+
+    Iso-C has no backward: with grad mode on, an `x` that requires grad raises RuntimeError (the
+    result would silently leave the graph); pass `x.detach()` or call under `torch.no_grad()`.
+    """
     check_matrix_tensor(x, "iso_flatten: x")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            "iso_flatten: x requires grad, but Iso-C has no backward (the result would not be part of "
+            "the autograd graph); pass x.detach() or call it under torch.no_grad()"
+        )
     y = x.detach().clone()
     torch.ops.isoloco.iso_flatten_(y, method)
     return y

@@ -22,6 +22,7 @@ from . import distributed
 from .buckets import BucketPlan
 from .distributed import dtensor, process_group
 from .distributed.agree import agreed_init, describe, optimizer_settings
+from .nd import as_matrix, warn_nd_params
 from .outer import (
     SGD_KEYS,
     Entry,
@@ -64,6 +65,10 @@ class IsoLoCo(torch.optim.Optimizer):
             `partial(IsoLoCo, ...)` unchanged; accepted at the values that mean IsoLoCo's update,
             refused with a ValueError otherwise (`sgd_keywords`).
         iso: flatten 2-D pseudo-gradients with Iso-C; False gives SGD(nesterov=True).
+        iso_nd: also flatten pseudo-gradients with 3 or more dims (convolution kernels), each as the
+            matrix dim 0 × the rest, as Muon-style optimizers do. False (default): they get
+            DiLoCo's plain update, as 1-D ones do, and the constructor says so once
+            (`nd.NDParamWarning`). Refused (ValueError) for N-D DTensor params.
         method: flatten method ("auto", "svd", "eigh", "polar", "polar_bf16", "gram"; see `iso_merge_`);
             kept on the optimizer, not in the state dict.
         process_group: a torch.distributed group whose ranks all hold the same, ALREADY AVERAGED
@@ -73,6 +78,19 @@ class IsoLoCo(torch.optim.Optimizer):
         dtensor_route: for DTensor params on a 1-D mesh, how a sharded matrix is flattened:
             "auto" (default: by bytes per rank), "gram", "owner" or "gather"; also settable as
             `opt.dtensor_route` (checked when set).
+
+    Differs from torch.optim.SGD in one accepted value: `momentum=0` with `nesterov=True`, which SGD
+    refuses, is the plain step θ ← θ − lr·M (a momentum buffer is still kept, multiplied by 0): the
+    "outer SGD lr 1, μ 0" plain averaging the study tunes DiLoCo against (its best μ was often 0).
+
+    Raises ValueError (TypeError for a wrong type) naming the argument for what it cannot honour;
+    nothing is built. Example::
+
+        outer = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8)  # was SGD(lr=0.7, momentum=0.9, nesterov=True)
+        for p, delta in zip(model.parameters(), pseudo_gradients):  # delta = mean over workers of global − local
+            p.grad = delta
+        outer.step()
+        outer.zero_grad()
     """
 
     @agreed_init("IsoLoCo()", lambda opt: opt._settings())
@@ -93,6 +111,7 @@ class IsoLoCo(torch.optim.Optimizer):
         method: str = "auto",
         process_group: Optional[ProcessGroup] = None,
         dtensor_route: str = "auto",
+        iso_nd: bool = False,
     ):
         defaults = outer_defaults(
             "IsoLoCo",
@@ -104,13 +123,25 @@ class IsoLoCo(torch.optim.Optimizer):
                 "IsoLoCo", dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused
             ),
         )
+        if not isinstance(iso_nd, bool):
+            raise ValueError(f"IsoLoCo: iso_nd must be a bool, got {iso_nd!r}")
         self.method = method
+        self.iso_nd = iso_nd
         self.dtensor_route = dtensor_route
         # Set when p.grad is already averaged and equal on every rank of this group (torchft,
         # OpenDiLoCo): each rank flattens only its share of the matrices (sharded_iso_merge_).
         self.process_group = process_group
         self._plan: Optional[BucketPlan] = None  # bucket buffers, reused while the grads' shapes hold
         super().__init__(params, defaults)
+        if not iso_nd:  # N-D params get the plain update: said once, here (the user's line: stacklevel 4)
+            named = [
+                (_name(gi, pi, p), p)
+                for gi, g in enumerate(self.param_groups)
+                if g["iso"]
+                for pi, p in enumerate(g["params"])
+            ]
+            hint = "pass iso_nd=True to flatten each as the matrix dim 0 × the rest, or iso=False in their param group"
+            warn_nd_params("IsoLoCo", named, hint, stacklevel=4)
 
     @property
     def process_group(self):
@@ -138,6 +169,7 @@ class IsoLoCo(torch.optim.Optimizer):
         state = super().__getstate__()
         state["method"] = self.method
         state["dtensor_route"] = self.dtensor_route
+        state["iso_nd"] = self.iso_nd
         state["group_dropped"] = self._process_group is not None or getattr(self, "_group_dropped", False)
         return state
 
@@ -148,12 +180,14 @@ class IsoLoCo(torch.optim.Optimizer):
         copied = "method" in state
         method = state.pop("method", None)
         route = state.pop("dtensor_route", "auto")
+        iso_nd = state.pop("iso_nd", False)
         dropped = state.pop("group_dropped", False)
         super().__setstate__(state)
         self._plan = None  # rebuilt on the next step
         if copied:
             self.method = method
             self.dtensor_route = route
+            self.iso_nd = iso_nd
             self._process_group = None  # a process group cannot be copied or pickled
             self._group_dropped = dropped
 
@@ -170,7 +204,7 @@ class IsoLoCo(torch.optim.Optimizer):
         """What every rank of the process group (or of the DTensor params' mesh) must share: each
         group's hyper-parameters, the method, the params, and at a step the grads; compared at
         construction and every step."""
-        out = optimizer_settings(self, method=self.method)
+        out = optimizer_settings(self, method=self.method, iso_nd=self.iso_nd)
         out["params (shapes, dtypes)"] = repr(describe([p for g in self.param_groups for p in g["params"]]))
         if grads is not None:
             out["grads (shapes, dtypes)"] = repr(describe(grads))
@@ -213,7 +247,8 @@ class IsoLoCo(torch.optim.Optimizer):
         """Iso-C of every 2-D grad in an iso group, batched by shape (`outer.bucket_flatten`, the
         buffers kept for the next step; over a process group the flatten is split across its ranks
         by `sharded_iso_merge_`): entry index → result view."""
-        chosen = [k for k, e in enumerate(entries) if e.iso]
+        nd = self.iso_nd  # N-D grads as matrices (dim 0 × the rest), the results reshaped back
+        chosen = [k for k, e in enumerate(entries) if e.iso or (nd and e.group["iso"] and e.g.ndim > 2 and e.g.numel())]
         group = self._process_group
         merge = (
             None
@@ -221,13 +256,13 @@ class IsoLoCo(torch.optim.Optimizer):
             else (lambda buffers: distributed.sharded_iso_merge_(buffers, group, method=self.method))
         )
         self._plan, views = bucket_flatten(
-            [entries[k].g for k in chosen],
+            [entries[k].g if entries[k].g.ndim == 2 else as_matrix(entries[k].g) for k in chosen],
             self.method,  # grads checked
             [f"IsoLoCo: {entries[k].name}" for k in chosen],
             self._plan,
             merge,
         )
-        return dict(zip(chosen, views))
+        return {k: v.reshape(entries[k].g.shape) for k, v in zip(chosen, views)}
 
     @torch.no_grad()
     def _update(self, failed: Optional[BaseException] = None) -> None:

@@ -17,6 +17,7 @@ import torch
 from .. import outer
 from .._validate import amaxes, check_amax_finite
 from ..buckets import BucketPlan
+from ..nd import warn_nd_params
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, optimizer_settings, renamed_keyword
 from .collectives import (
     CHUNK_BYTES,
@@ -132,6 +133,13 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         self._index = {p: i for i, p in enumerate(self._params)}
         self._group_of = [k for k, g in enumerate(self.param_groups) for _ in g["params"]]
         outer.check_param_dtypes(self._params, "ShardedIsoLoCo")
+        iso_params = [
+            (f"param {i} (shape {tuple(p.shape)})", p)
+            for i, p in enumerate(self._params)
+            if self.param_groups[self._group_of[i]]["iso"]
+        ]
+        hint = "IsoLoCo(iso_nd=True) flattens them as matrices; iso=False in their param group silences this"
+        warn_nd_params("ShardedIsoLoCo", iso_params, hint, stacklevel=5)  # the user's line
         if self.world_size > 1:  # the collectives carry the params' own memory (broadcasts)
             check_on_comm_device(
                 self._params, [f"ShardedIsoLoCo: param {i}" for i in range(len(self._params))], self.process_group
