@@ -21,14 +21,14 @@ X_TEST = torch.randn(2048, 32)
 label = lambda x: TEACHER(x).argmax(-1)  # the class the teacher gives
 
 
-def train(make_outer, rounds: int, workers: int = 4, inner: int = 20, seed: int = 0) -> float:
-    """Held-out cross-entropy after `rounds` DiLoCo rounds with the outer optimizer make_outer(params)."""
+def train(make_outer, rounds: int, workers: int = 4, inner: int = 20, seed: int = 0, log=print) -> float:
+    """Held-out cross-entropy after `rounds` DiLoCo rounds with make_outer(params); logs every 5th round."""
     torch.manual_seed(seed)  # the same init and data for every outer optimizer
     model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 8))
     outer = make_outer(model.parameters())
     replicas = [copy.deepcopy(model) for _ in range(workers)]
     inner_opts = [torch.optim.AdamW(r.parameters(), lr=3e-3) for r in replicas]  # kept across rounds
-    for _ in range(rounds):
+    for rnd in range(1, rounds + 1):
         for replica, opt in zip(replicas, inner_opts):
             replica.load_state_dict(model.state_dict())  # every round starts from the global weights
             for _ in range(inner):
@@ -41,6 +41,7 @@ def train(make_outer, rounds: int, workers: int = 4, inner: int = 20, seed: int 
             p.grad = torch.stack([p.detach() - q.detach() for q in local]).mean(0)  # global − local
         outer.step()
         outer.zero_grad()
+        _ = rnd % 5 and rnd < rounds or log(f"  round {rnd}/{rounds}")  # progress, and the last round
     with torch.no_grad():
         return F.cross_entropy(model(X_TEST), label(X_TEST)).item()
 
@@ -55,4 +56,5 @@ if __name__ == "__main__":
         ("DiLoCo  (SGD lr 0.7, momentum 0.9)", partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)),
         ("IsoLoCo (lr 1.8, momentum 0.8)", partial(IsoLoCo, lr=1.8, momentum=0.8, nesterov=True)),
     ):
+        print(name, flush=True)
         print(f"{name}: held-out loss {train(make, a.rounds, a.workers, a.inner):.5f}")

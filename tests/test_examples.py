@@ -133,8 +133,8 @@ def test_opendiloco_hivemind_example():
 
 
 def test_diloco_minimal_runs_and_prints_both_losses():
-    """The script as a user runs it (tiny size): exits 0 and prints a finite held-out loss per outer
-    optimizer."""
+    """The script as a user runs it (tiny size): exits 0, shows its progress and prints a finite
+    held-out loss per outer optimizer."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, os.path.join(EXAMPLES, "diloco_minimal.py"), "--rounds", "2", "--inner", "3"],
@@ -147,6 +147,7 @@ def test_diloco_minimal_runs_and_prints_both_losses():
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(v) for v in re.findall(r"held-out loss (\S+)", proc.stdout)]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses), proc.stdout
+    assert proc.stdout.count("  round 2/2\n") == 2, proc.stdout  # progress before each result
     assert len(open(os.path.join(EXAMPLES, "diloco_minimal.py")).read().splitlines()) <= 60
 
 
