@@ -374,6 +374,19 @@ def iso_merge_(buckets: Sequence[torch.Tensor], *, method: str = "auto") -> list
     Zero-size buckets pass through; buckets may live on different devices. Fake tensors
     (FakeTensorMode, tracing) get the metadata checks and the op's fake impl.
 
+    Raises:
+        TypeError: a bucket is not a tensor, or of an unsupported dtype.
+        ValueError: a bucket is not 2-D or 3-D, holds NaN/Inf, or method is unknown.
+        RuntimeError: a bucket cannot be written in place (a grad-requiring leaf with grad on, an
+            inference tensor outside inference mode, an expanded view, two buckets sharing memory).
+        ResultOverflowError: a result does not fit its bucket's dtype (nothing written).
+
+    Examples:
+        >>> a, b = torch.randn(3, 16, 8), torch.randn(32, 32)
+        >>> out = iso_merge_([a, b], method="auto")
+        >>> out[0] is a and float(torch.linalg.svdvals(b).std()) < 1e-4
+        True
+
     method: "svd" (exact, float64 torch.linalg.svd), "eigh" (float64 eigh of the short-side Gram
     matrix, svd where it cannot resolve the spectrum), "polar" (matmul-only Polar Express
     iteration, residual-checked, exact fallback), "polar_bf16" (bf16 GEMMs; well-conditioned
@@ -438,10 +451,23 @@ def iso_merge_unchecked_(buckets: Sequence[torch.Tensor], method: str, *, first:
 
 
 def iso_flatten(x: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
-    """Out-of-place Iso-C flatten of a [m, n] or [B, m, n] tensor (see `iso_merge_`).
+    """Out-of-place Iso-C flatten of a [m, n] or [B, m, n] tensor: in each matrix every singular
+    value becomes their mean, the singular vectors stay; zero in, zero out (methods: `iso_merge_`).
 
-    Iso-C has no backward: with grad mode on, an `x` that requires grad raises RuntimeError (the
-    result would silently leave the graph); pass `x.detach()` or call under `torch.no_grad()`.
+    Returns a new tensor of x's shape, dtype and device; x is not modified.
+
+    Raises:
+        TypeError: x is not a tensor, or not float16/bfloat16/float32/float64.
+        ValueError: x is not 2-D or 3-D, holds NaN/Inf, or method is unknown.
+        ResultOverflowError: the result does not fit x's dtype.
+        RuntimeError: x requires grad while grad mode is on: Iso-C has no backward, and the result
+            would silently leave the graph; pass x.detach() or call it under torch.no_grad().
+
+    Examples:
+        >>> x = torch.randn(64, 256)
+        >>> s = torch.linalg.svdvals(iso_flatten(x))
+        >>> bool(torch.allclose(s, torch.linalg.svdvals(x).mean().expand(64), rtol=1e-4))
+        True
     """
     check_matrix_tensor(x, "iso_flatten: x")
     if x.requires_grad and torch.is_grad_enabled():
@@ -456,7 +482,16 @@ def iso_flatten(x: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
 
 def backends() -> dict[str, str]:
     """What serves each op here, from the dispatch tables (dispatch.py) that choose it: per op and
-    device, the candidate `select` takes for a plain call, and why each one before it does not."""
+    device, the candidate `select` takes for a plain call, and why each one before it does not.
+
+    Returns a dict of plain strings (also "cuda_extension", "cupy", "triton", "methods", "dtypes");
+    raises nothing: an unavailable backend is a reason in the dict, not an exception.
+
+    Examples:
+        >>> info = backends()
+        >>> "iso_scale_[cpu]" in info and "svd" in info["methods"]
+        True
+    """
     from . import triton as _tk
 
     out = {

@@ -54,16 +54,19 @@ def _check_plain(p: torch.Tensor, g: torch.Tensor, name: str) -> None:
 
 
 class IsoLoCo(torch.optim.Optimizer):
-    """Iso-C + Nesterov outer optimizer (see the module docstring).
+    """Iso-C + Nesterov outer optimizer: a drop-in for `torch.optim.SGD(lr, momentum, nesterov=True)`.
+
+    Write the averaged pseudo-gradient Δ (global − local) into each `p.grad` and call `step()`: 2-D
+    grads are replaced by their Iso-C flatten, then every param takes the Nesterov step. torch.optim.SGD's
+    other keywords (dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused) are taken
+    in SGD's positions, so `partial(torch.optim.SGD, ...)` becomes `partial(IsoLoCo, ...)` unchanged; they
+    are accepted at the values that mean IsoLoCo's update and refused with a ValueError otherwise
+    (`sgd_keywords`).
 
     Args:
         params: parameters or param groups (groups may set their own lr, momentum, iso).
         lr: outer learning rate (released IsoLoCo config: 1.8).
         momentum: Nesterov momentum μ (released IsoLoCo config: 0.8).
-        dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused: torch.optim.SGD's
-            keywords, in SGD's positions, so `partial(torch.optim.SGD, ...)` becomes
-            `partial(IsoLoCo, ...)` unchanged; accepted at the values that mean IsoLoCo's update,
-            refused with a ValueError otherwise (`sgd_keywords`).
         iso: flatten 2-D pseudo-gradients with Iso-C; False gives SGD(nesterov=True).
         iso_nd: also flatten pseudo-gradients with 3 or more dims (convolution kernels), each as the
             matrix dim 0 × the rest, as Muon-style optimizers do. False (default): they get
@@ -83,14 +86,16 @@ class IsoLoCo(torch.optim.Optimizer):
     refuses, is the plain step θ ← θ − lr·M (a momentum buffer is still kept, multiplied by 0): the
     "outer SGD lr 1, μ 0" plain averaging the study tunes DiLoCo against (its best μ was often 0).
 
-    Raises ValueError (TypeError for a wrong type) naming the argument for what it cannot honour;
-    nothing is built. Example::
+    Raises:
+        ValueError: an argument it cannot honour (named); nothing is built.
+        TypeError: an argument of the wrong type (named).
 
-        outer = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8)  # was SGD(lr=0.7, momentum=0.9, nesterov=True)
-        for p, delta in zip(model.parameters(), pseudo_gradients):  # delta = mean over workers of global − local
-            p.grad = delta
-        outer.step()
-        outer.zero_grad()
+    Examples:
+        >>> model = torch.nn.Linear(16, 8)
+        >>> outer = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8)  # was SGD(lr=0.7, momentum=0.9, nesterov=True)
+        >>> for p in model.parameters():
+        ...     p.grad = torch.randn_like(p)  # the pseudo-gradient: mean over workers of global − local
+        >>> outer.step(); outer.zero_grad()
     """
 
     @agreed_init("IsoLoCo()", lambda opt: opt._settings())
@@ -228,7 +233,18 @@ class IsoLoCo(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load an IsoLoCo or a torch.optim.SGD state dict (SGD's must be nesterov, no dampening,
         no weight decay, not differentiable); checked first, so a refused dict changes nothing
-        (`sgd_keywords`, `outer.load_sgd_state`)."""
+        (`sgd_keywords`, `outer.load_sgd_state`).
+
+        Raises:
+            ValueError: a setting IsoLoCo cannot honour, or groups, params or momentum buffers that do
+                not match this optimizer's (named).
+            TypeError: a field of the wrong type (named).
+
+        Examples:
+            >>> w = torch.nn.Parameter(torch.randn(4, 3))
+            >>> sgd = torch.optim.SGD([w], lr=0.7, momentum=0.9, nesterov=True)
+            >>> IsoLoCo([w]).load_state_dict(sgd.state_dict())  # an SGD checkpoint loads
+        """
         dtensor.check_loaded_state(self, state_dict, "IsoLoCo.load_state_dict")  # aliasing, DTensor layout
         saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         for gi, g in enumerate(saved if isinstance(saved, (list, tuple)) else []):
@@ -281,9 +297,38 @@ class IsoLoCo(torch.optim.Optimizer):
         """The Nesterov update, checked and ready to write (`outer.prepare_nesterov`)."""
         return prepare_nesterov(self, nesterov_rows(entries, iso, "IsoLoCo: "))
 
+    def state_dict(self) -> dict:
+        """torch.optim.SGD's state dict: param_groups hold SGD's keys plus `iso` (numbers and bools
+        only), per-param state only `momentum_buffer`; `method` and `iso_nd` stay on the optimizer.
+        `torch.optim.SGD(nesterov=True).load_state_dict` takes it. Raises nothing.
+
+        Examples:
+            >>> w = torch.nn.Parameter(torch.randn(4, 3)); w.grad = torch.randn(4, 3)
+            >>> opt = IsoLoCo([w]); opt.step()
+            >>> sgd = torch.optim.SGD([w], lr=1.8, momentum=0.8, nesterov=True)
+            >>> sgd.load_state_dict(opt.state_dict())
+            >>> list(opt.state_dict()["state"][0])
+            ['momentum_buffer']
+        """
+        return super().state_dict()
+
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """One outer step from the `.grad` of each param (params without a grad are skipped).
-        closure: re-evaluates the model and returns the loss, as for torch.optim.SGD."""
+        """One outer step from the `.grad` of each param (params without a grad are skipped): Iso-C
+        of the 2-D grads of iso groups, then Nesterov. closure: re-evaluates the model and returns
+        the loss, as for torch.optim.SGD. All or nothing: on an error no param or buffer changes.
+
+        Raises:
+            ValueError: a grad with NaN/Inf, of the wrong shape or device (named); a group setting
+                it cannot honour.
+            ResultOverflowError: an update does not fit the param's dtype.
+            DistributedStepError: over a process group or a device mesh, on every rank together.
+
+        Examples:
+            >>> w = torch.nn.Parameter(torch.randn(8, 4)); w.grad = torch.randn(8, 4)
+            >>> opt = IsoLoCo([w], lr=1.8, momentum=0.8)
+            >>> opt.step() is None
+            True
+        """
         loss, failed = None, None
         if closure is not None:
             try:

@@ -50,6 +50,17 @@ def sharded_iso_merge_(
     within `buckets.workspace_bytes()`, as in `iso_merge_`. `process_group`: the group (None: the
     default group); `group=` is its old name and `bucket_bytes=` the old name of chunk_bytes (both
     still accepted, with a DeprecationWarning).
+
+    Raises:
+        DistributedStepError: on every rank, as above; no bucket changes.
+        RuntimeError: torch.distributed is not initialized.
+
+    Examples:
+        >>> # on every rank, after torch.distributed.init_process_group(...), buckets already averaged
+        >>> b = torch.randn(4, 16, 8)
+        >>> ref = iso_merge_([b.clone()])[0]
+        >>> bool(torch.allclose(sharded_iso_merge_([b])[0], ref, atol=1e-6))
+        True
     """
     where = "sharded_iso_merge_"
     group = renamed_keyword(
