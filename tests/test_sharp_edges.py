@@ -130,6 +130,7 @@ def test_iso_nd_is_checked_and_survives_copies():
     ), "iso_nd stays out of the SGD-shaped state dict"
 
 
+@pytest.mark.slow  # a fresh interpreter with a process group
 def test_iso_nd_is_refused_for_nd_dtensor_params_and_sharded_isoloco_warns():
     """One gloo rank in a process of its own (a default process group would leak into other tests)."""
     script = textwrap.dedent(
