@@ -250,8 +250,14 @@ setup(
         # lint and format (pyproject.toml's [tool.ruff]); pinned: formatting may change between releases
         "lint": ["ruff==0.17.6"],
         "examples": ["torchft", "torchtitan", "hivemind"],  # examples/: torchtitan's DiLoCo setup, hivemind peers
-        # the documentation site (mkdocs.yml; CI builds it with --strict)
-        "docs": ["mkdocs==1.6.1"],
+        # the documentation site (mkdocs.yml; CI builds it with --strict): pinned, since a new release of the
+        # theme or of the docstring handler can add a warning, and --strict turns it into a failure
+        "docs": [
+            "mkdocs==1.6.1",
+            "mkdocs-material==9.8.2",
+            "mkdocstrings==1.0.8",
+            "mkdocstrings-python==2.0.11",
+        ],
     },
     ext_modules=[CMakeExtension("isoloco_kernels._C")] if TOOLS is not None else [],
     cmdclass={"build_ext": BuildCMake, "build_py": BuildPy},

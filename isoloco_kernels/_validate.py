@@ -189,10 +189,20 @@ def read_write_overlaps(reads: Sequence[torch.Tensor], writes: Sequence[torch.Te
 
 
 class ResultOverflowError(ValueError):
-    """A finite input whose Iso-C result (or outer update) does not fit the output dtype.
+    """A finite input whose Iso-C result (or outer update) does not fit the output dtype; nothing
+    was written. A `ValueError`.
 
     matrix: index inside the [B, m, n] batch (None when not a matrix); bucket: set by callers that
-    flatten several buckets; tensor: index in a nesterov_outer_ call's tensor lists."""
+    flatten several buckets; tensor: index in a nesterov_outer_ call's tensor lists.
+
+    Examples:
+        >>> p = torch.nn.Parameter(torch.ones(2, 2)); p.grad = torch.eye(2)
+        >>> try:
+        ...     IsoLoCo([p], lr=1e39).step()  # the update is beyond float32
+        ... except ResultOverflowError as e:
+        ...     print("refused;", "unchanged" if bool((p == 1).all()) else "changed")
+        refused; unchanged
+    """
 
     def __init__(
         self, msg: str, matrix: Optional[int] = None, bucket: Optional[int] = None, tensor: Optional[int] = None

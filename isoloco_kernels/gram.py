@@ -63,7 +63,14 @@ COEFFS = (
 
 
 class GramFallbackWarning(FlattenFallbackWarning):
-    """Some matrices missed the Gram iteration's accuracy check and were recomputed by SVD."""
+    """Some matrices missed the Gram iteration's accuracy check and were recomputed by SVD.
+
+    A `FlattenFallbackWarning` (a filter on that class covers this one too); the result is exact.
+
+    Examples:
+        >>> issubclass(GramFallbackWarning, FlattenFallbackWarning)
+        True
+    """
 
 
 RECORDER = Recorder("gram", GramFallbackWarning)

@@ -68,9 +68,9 @@ class MergeLoCo(IsoLoCo):
         if any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
             raise ValueError("MergeLoCo: DTensor params are not supported (merge their full tensors, or use IsoLoCo)")
 
-    def _iso_updates(self, entries):
+    def _iso_updates(self, entries, ag=None):
         # iso_c flattens the mean as IsoLoCo does; every other merge already wrote p.grad
-        return super()._iso_updates(entries) if self.merge == "iso_c" else {}
+        return super()._iso_updates(entries, ag) if self.merge == "iso_c" else {}
 
     def set_deltas(self, deltas: Sequence[Optional[torch.Tensor]]) -> None:
         """p.grad ← the merge of each param's worker stack [K, *p.shape] (params in param_groups

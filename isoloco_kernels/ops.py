@@ -46,8 +46,9 @@ _lib = torch.library.Library("isoloco", "DEF")  # noqa: TOR901 (owned by this mo
 # graphs skip graphs holding these ops (torch >= 2.8 has the tag; older torch: none).
 _HOST_BOUND = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
-# One flatten for every device: the method registry and "auto" live in flatten.py.
-_lib.define("iso_flatten_(Tensor(a!) x, str method) -> ()", tags=_HOST_BOUND)
+# One flatten for every device: the method registry and "auto" live in flatten.py; the default is
+# the Python API's, so `torch.ops.isoloco.iso_flatten_(x)` means `iso_merge_([x])`.
+_lib.define('iso_flatten_(Tensor(a!) x, str method="auto") -> ()', tags=_HOST_BOUND)
 # Iso-C epilogue; CUDA kernel in csrc/iso_scale.cu.
 _lib.define("iso_scale_(Tensor(a!) x, Tensor q) -> Tensor")
 # Multi-tensor Nesterov outer update; CUDA kernel in csrc/nesterov.cu.
@@ -86,7 +87,7 @@ def _safe(dtype: torch.dtype) -> float:
 
 
 @torch.library.impl(_lib, "iso_flatten_", "CompositeExplicitAutograd")
-def _iso_flatten_(x: torch.Tensor, method: str) -> None:
+def _iso_flatten_(x: torch.Tensor, method: str = "auto") -> None:
     check_matrix_tensor(x, "iso_flatten_: x")
     check_method(method)
     check_writable([x], ["iso_flatten_: x"])
@@ -95,7 +96,7 @@ def _iso_flatten_(x: torch.Tensor, method: str) -> None:
 
 
 @torch.library.register_fake("isoloco::iso_flatten_", lib=_lib)
-def _iso_flatten_fake(x: torch.Tensor, method: str) -> None:
+def _iso_flatten_fake(x: torch.Tensor, method: str = "auto") -> None:
     check_matrix_tensor(x, "iso_flatten_: x")
     check_method(method)
 
@@ -373,6 +374,19 @@ def iso_merge_(buckets: Sequence[torch.Tensor], *, method: str = "auto") -> list
     Zero-size buckets pass through; buckets may live on different devices. Fake tensors
     (FakeTensorMode, tracing) get the metadata checks and the op's fake impl.
 
+    Raises:
+        TypeError: a bucket is not a tensor, or of an unsupported dtype.
+        ValueError: a bucket is not 2-D or 3-D, holds NaN/Inf, or method is unknown.
+        RuntimeError: a bucket cannot be written in place (a grad-requiring leaf with grad on, an
+            inference tensor outside inference mode, an expanded view, two buckets sharing memory).
+        ResultOverflowError: a result does not fit its bucket's dtype (nothing written).
+
+    Examples:
+        >>> a, b = torch.randn(3, 16, 8), torch.randn(32, 32)
+        >>> out = iso_merge_([a, b], method="auto")
+        >>> out[0] is a and float(torch.linalg.svdvals(b).std()) < 1e-4
+        True
+
     method: "svd" (exact, float64 torch.linalg.svd), "eigh" (float64 eigh of the short-side Gram
     matrix, svd where it cannot resolve the spectrum), "polar" (matmul-only Polar Express
     iteration, residual-checked, exact fallback), "polar_bf16" (bf16 GEMMs; well-conditioned
@@ -437,8 +451,30 @@ def iso_merge_unchecked_(buckets: Sequence[torch.Tensor], method: str, *, first:
 
 
 def iso_flatten(x: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
-    """Out-of-place Iso-C flatten of a [m, n] or [B, m, n] tensor (see `iso_merge_`)."""
+    """Out-of-place Iso-C flatten of a [m, n] or [B, m, n] tensor: in each matrix every singular
+    value becomes their mean, the singular vectors stay; zero in, zero out (methods: `iso_merge_`).
+
+    Returns a new tensor of x's shape, dtype and device; x is not modified.
+
+    Raises:
+        TypeError: x is not a tensor, or not float16/bfloat16/float32/float64.
+        ValueError: x is not 2-D or 3-D, holds NaN/Inf, or method is unknown.
+        ResultOverflowError: the result does not fit x's dtype.
+        RuntimeError: x requires grad while grad mode is on: Iso-C has no backward, and the result
+            would silently leave the graph; pass x.detach() or call it under torch.no_grad().
+
+    Examples:
+        >>> x = torch.randn(64, 256)
+        >>> s = torch.linalg.svdvals(iso_flatten(x))
+        >>> bool(torch.allclose(s, torch.linalg.svdvals(x).mean().expand(64), rtol=1e-4))
+        True
+    """
     check_matrix_tensor(x, "iso_flatten: x")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            "iso_flatten: x requires grad, but Iso-C has no backward (the result would not be part of "
+            "the autograd graph); pass x.detach() or call it under torch.no_grad()"
+        )
     y = x.detach().clone()
     torch.ops.isoloco.iso_flatten_(y, method)
     return y
@@ -446,7 +482,16 @@ def iso_flatten(x: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
 
 def backends() -> dict[str, str]:
     """What serves each op here, from the dispatch tables (dispatch.py) that choose it: per op and
-    device, the candidate `select` takes for a plain call, and why each one before it does not."""
+    device, the candidate `select` takes for a plain call, and why each one before it does not.
+
+    Returns a dict of plain strings (also "cuda_extension", "cupy", "triton", "methods", "dtypes");
+    raises nothing: an unavailable backend is a reason in the dict, not an exception.
+
+    Examples:
+        >>> info = backends()
+        >>> "iso_scale_[cpu]" in info and "svd" in info["methods"]
+        True
+    """
     from . import triton as _tk
 
     out = {

@@ -22,6 +22,7 @@ from . import distributed
 from .buckets import BucketPlan
 from .distributed import dtensor, process_group
 from .distributed.agree import agreed_init, describe, optimizer_settings
+from .nd import as_matrix, warn_nd_params
 from .outer import (
     SGD_KEYS,
     Entry,
@@ -53,17 +54,24 @@ def _check_plain(p: torch.Tensor, g: torch.Tensor, name: str) -> None:
 
 
 class IsoLoCo(torch.optim.Optimizer):
-    """Iso-C + Nesterov outer optimizer (see the module docstring).
+    """Iso-C + Nesterov outer optimizer: a drop-in for `torch.optim.SGD(lr, momentum, nesterov=True)`.
+
+    Write the averaged pseudo-gradient Δ (global − local) into each `p.grad` and call `step()`: 2-D
+    grads are replaced by their Iso-C flatten, then every param takes the Nesterov step. torch.optim.SGD's
+    other keywords (dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused) are taken
+    in SGD's positions, so `partial(torch.optim.SGD, ...)` becomes `partial(IsoLoCo, ...)` unchanged; they
+    are accepted at the values that mean IsoLoCo's update and refused with a ValueError otherwise
+    (`sgd_keywords`).
 
     Args:
         params: parameters or param groups (groups may set their own lr, momentum, iso).
         lr: outer learning rate (released IsoLoCo config: 1.8).
         momentum: Nesterov momentum μ (released IsoLoCo config: 0.8).
-        dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused: torch.optim.SGD's
-            keywords, in SGD's positions, so `partial(torch.optim.SGD, ...)` becomes
-            `partial(IsoLoCo, ...)` unchanged; accepted at the values that mean IsoLoCo's update,
-            refused with a ValueError otherwise (`sgd_keywords`).
         iso: flatten 2-D pseudo-gradients with Iso-C; False gives SGD(nesterov=True).
+        iso_nd: also flatten pseudo-gradients with 3 or more dims (convolution kernels), each as the
+            matrix dim 0 × the rest, as Muon-style optimizers do. False (default): they get
+            DiLoCo's plain update, as 1-D ones do, and the constructor says so once
+            (`nd.NDParamWarning`). Refused (ValueError) for N-D DTensor params.
         method: flatten method ("auto", "svd", "eigh", "polar", "polar_bf16", "gram"; see `iso_merge_`);
             kept on the optimizer, not in the state dict.
         process_group: a torch.distributed group whose ranks all hold the same, ALREADY AVERAGED
@@ -73,6 +81,21 @@ class IsoLoCo(torch.optim.Optimizer):
         dtensor_route: for DTensor params on a 1-D mesh, how a sharded matrix is flattened:
             "auto" (default: by bytes per rank), "gram", "owner" or "gather"; also settable as
             `opt.dtensor_route` (checked when set).
+
+    Differs from torch.optim.SGD in one accepted value: `momentum=0` with `nesterov=True`, which SGD
+    refuses, is the plain step θ ← θ − lr·M (a momentum buffer is still kept, multiplied by 0): the
+    "outer SGD lr 1, μ 0" plain averaging the study tunes DiLoCo against (its best μ was often 0).
+
+    Raises:
+        ValueError: an argument it cannot honour (named); nothing is built.
+        TypeError: an argument of the wrong type (named).
+
+    Examples:
+        >>> model = torch.nn.Linear(16, 8)
+        >>> outer = IsoLoCo(model.parameters(), lr=1.8, momentum=0.8)  # was SGD(lr=0.7, momentum=0.9, nesterov=True)
+        >>> for p in model.parameters():
+        ...     p.grad = torch.randn_like(p)  # the pseudo-gradient: mean over workers of global − local
+        >>> outer.step(); outer.zero_grad()
     """
 
     @agreed_init("IsoLoCo()", lambda opt: opt._settings())
@@ -93,6 +116,7 @@ class IsoLoCo(torch.optim.Optimizer):
         method: str = "auto",
         process_group: Optional[ProcessGroup] = None,
         dtensor_route: str = "auto",
+        iso_nd: bool = False,
     ):
         defaults = outer_defaults(
             "IsoLoCo",
@@ -104,7 +128,10 @@ class IsoLoCo(torch.optim.Optimizer):
                 "IsoLoCo", dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused
             ),
         )
+        if not isinstance(iso_nd, bool):
+            raise ValueError(f"IsoLoCo: iso_nd must be a bool, got {iso_nd!r}")
         self.method = method
+        self.iso_nd = iso_nd
         self.dtensor_route = dtensor_route
         # Set when p.grad is already averaged and equal on every rank of this group (torchft,
         # OpenDiLoCo): each rank flattens only its share of the matrices (sharded_iso_merge_).
@@ -112,6 +139,15 @@ class IsoLoCo(torch.optim.Optimizer):
         self._plan: Optional[BucketPlan] = None  # bucket buffers, reused while the grads' shapes hold
         self._state_loaded = False  # set by load_state_dict: over a process group, checked replicated once
         super().__init__(params, defaults)
+        if not iso_nd:  # N-D params get the plain update: said once, here (the user's line: stacklevel 4)
+            named = [
+                (_name(gi, pi, p), p)
+                for gi, g in enumerate(self.param_groups)
+                if g["iso"]
+                for pi, p in enumerate(g["params"])
+            ]
+            hint = "pass iso_nd=True to flatten each as the matrix dim 0 × the rest, or iso=False in their param group"
+            warn_nd_params("IsoLoCo", named, hint, stacklevel=4)
 
     @property
     def process_group(self):
@@ -139,6 +175,7 @@ class IsoLoCo(torch.optim.Optimizer):
         state = super().__getstate__()
         state["method"] = self.method
         state["dtensor_route"] = self.dtensor_route
+        state["iso_nd"] = self.iso_nd
         state["group_dropped"] = self._process_group is not None or getattr(self, "_group_dropped", False)
         return state
 
@@ -149,12 +186,14 @@ class IsoLoCo(torch.optim.Optimizer):
         copied = "method" in state
         method = state.pop("method", None)
         route = state.pop("dtensor_route", "auto")
+        iso_nd = state.pop("iso_nd", False)
         dropped = state.pop("group_dropped", False)
         super().__setstate__(state)
         self._plan = None  # rebuilt on the next step
         if copied:
             self.method = method
             self.dtensor_route = route
+            self.iso_nd = iso_nd
             self._process_group = None  # a process group cannot be copied or pickled
             self._group_dropped = dropped
 
@@ -171,7 +210,7 @@ class IsoLoCo(torch.optim.Optimizer):
         """What every rank of the process group (or of the DTensor params' mesh) must share: each
         group's hyper-parameters, the method, the params, and at a step the grads; compared at
         construction and every step."""
-        out = optimizer_settings(self, method=self.method)
+        out = optimizer_settings(self, method=self.method, iso_nd=self.iso_nd)
         out["params (shapes, dtypes)"] = repr(describe([p for g in self.param_groups for p in g["params"]]))
         if grads is not None:
             out["grads (shapes, dtypes)"] = repr(describe(grads))
@@ -195,7 +234,18 @@ class IsoLoCo(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load an IsoLoCo or a torch.optim.SGD state dict (SGD's must be nesterov, no dampening,
         no weight decay, not differentiable); checked first, so a refused dict changes nothing
-        (`sgd_keywords`, `outer.load_sgd_state`)."""
+        (`sgd_keywords`, `outer.load_sgd_state`).
+
+        Raises:
+            ValueError: a setting IsoLoCo cannot honour, or groups, params or momentum buffers that do
+                not match this optimizer's (named).
+            TypeError: a field of the wrong type (named).
+
+        Examples:
+            >>> w = torch.nn.Parameter(torch.randn(4, 3))
+            >>> sgd = torch.optim.SGD([w], lr=0.7, momentum=0.9, nesterov=True)
+            >>> IsoLoCo([w]).load_state_dict(sgd.state_dict())  # an SGD checkpoint loads
+        """
         dtensor.check_loaded_state(self, state_dict, "IsoLoCo.load_state_dict")  # aliasing, DTensor layout
         saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         for gi, g in enumerate(saved if isinstance(saved, (list, tuple)) else []):
@@ -215,18 +265,21 @@ class IsoLoCo(torch.optim.Optimizer):
         """Iso-C of every 2-D grad in an iso group, batched by shape (`outer.bucket_flatten`, the
         buffers kept for the next step): entry index → result view. Over a process group (`ag`:
         the step's Agreement) the packing runs under `ag.attempt` and the flatten is split across
-        the ranks by `sharded_iso_merge_` inside that agreement."""
-        chosen = [k for k, e in enumerate(entries) if e.iso]
-        mats = [entries[k].g for k in chosen]  # grads checked
+        the ranks by `sharded_iso_merge_` inside that agreement. With iso_nd, N-D grads go as
+        matrices (dim 0 × the rest) and the results are reshaped back."""
+        nd = self.iso_nd
+        chosen = [k for k, e in enumerate(entries) if e.iso or (nd and e.group["iso"] and e.g.ndim > 2 and e.g.numel())]
+        mats = [entries[k].g if entries[k].g.ndim == 2 else as_matrix(entries[k].g) for k in chosen]  # checked
         if ag is None:
             names = [f"IsoLoCo: {entries[k].name}" for k in chosen]
             self._plan, views = bucket_flatten(mats, self.method, names, self._plan)
-            return dict(zip(chosen, views))
-        if not mats:
+        elif not mats:
             return {}
-        buffers = ag.attempt(self._pack, mats) or []
-        distributed.sharded_iso_merge_(buffers, self._process_group, method=self.method, agreement=ag)
-        return dict(zip(chosen, ag.attempt(lambda: self._plan.views()) or []))
+        else:
+            buffers = ag.attempt(self._pack, mats) or []
+            distributed.sharded_iso_merge_(buffers, self._process_group, method=self.method, agreement=ag)
+            views = ag.attempt(lambda: self._plan.views()) or []
+        return {k: v.reshape(entries[k].g.shape) for k, v in zip(chosen, views)}
 
     def _pack(self, mats: list[torch.Tensor]) -> list[torch.Tensor]:
         """The matrices packed into the bucket plan's buffers (a new plan when the shapes changed)."""
@@ -251,9 +304,38 @@ class IsoLoCo(torch.optim.Optimizer):
         """The Nesterov update, checked and ready to write (`outer.prepare_nesterov`)."""
         return prepare_nesterov(self, nesterov_rows(entries, iso, "IsoLoCo: "))
 
+    def state_dict(self) -> dict:
+        """torch.optim.SGD's state dict: param_groups hold SGD's keys plus `iso` (numbers and bools
+        only), per-param state only `momentum_buffer`; `method` and `iso_nd` stay on the optimizer.
+        `torch.optim.SGD(nesterov=True).load_state_dict` takes it. Raises nothing.
+
+        Examples:
+            >>> w = torch.nn.Parameter(torch.randn(4, 3)); w.grad = torch.randn(4, 3)
+            >>> opt = IsoLoCo([w]); opt.step()
+            >>> sgd = torch.optim.SGD([w], lr=1.8, momentum=0.8, nesterov=True)
+            >>> sgd.load_state_dict(opt.state_dict())
+            >>> list(opt.state_dict()["state"][0])
+            ['momentum_buffer']
+        """
+        return super().state_dict()
+
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """One outer step from the `.grad` of each param (params without a grad are skipped).
-        closure: re-evaluates the model and returns the loss, as for torch.optim.SGD."""
+        """One outer step from the `.grad` of each param (params without a grad are skipped): Iso-C
+        of the 2-D grads of iso groups, then Nesterov. closure: re-evaluates the model and returns
+        the loss, as for torch.optim.SGD. All or nothing: on an error no param or buffer changes.
+
+        Raises:
+            ValueError: a grad with NaN/Inf, of the wrong shape or device (named); a group setting
+                it cannot honour.
+            ResultOverflowError: an update does not fit the param's dtype.
+            DistributedStepError: over a process group or a device mesh, on every rank together.
+
+        Examples:
+            >>> w = torch.nn.Parameter(torch.randn(8, 4)); w.grad = torch.randn(8, 4)
+            >>> opt = IsoLoCo([w], lr=1.8, momentum=0.8)
+            >>> opt.step() is None
+            True
+        """
         loss, failed = None, None
         if closure is not None:
             try:

@@ -405,8 +405,7 @@ def iso_bound(e: Entry) -> Optional[float]:
     largest entry is not known here)."""
     if (is_dtensor(e.g) and local(e.g).shape != e.g.shape) or not math.isfinite(e.amax_g):
         return None
-    m, n = e.g.shape
-    return 2.0 * math.sqrt(m * n) * e.amax_g
+    return 2.0 * math.sqrt(e.g.numel()) * e.amax_g  # √(m·n); N-D grads: as matrices (nd.as_matrix)
 
 
 def nesterov_rows(entries: Sequence[Entry], updates: dict, prefix: str) -> list[tuple]:

@@ -20,6 +20,27 @@ def one_thread():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (bench/device_check.sh runs `-m cuda`)")
+    config.addinivalue_line(
+        "markers", "slow: spawns process groups or fresh interpreters, or trains; `-m 'not slow'` is the quick subset"
+    )
+
+
+#: Test files whose tests start process groups (gloo ranks), fresh interpreters or whole training runs: they
+#: hold most of the suite's time. `pytest tests -m "not slow"` leaves them out (README: the quick subset).
+SLOW_FILES = {
+    "test_agreement.py",
+    "test_alloc_failure.py",
+    "test_distributed.py",
+    "test_dtensor.py",
+    "test_dtensor_half.py",
+    "test_examples.py",
+    "test_imports.py",
+    "test_merge_workspace.py",
+    "test_study.py",
+    "test_study_v4.py",
+    "test_train.py",
+    "test_train_dist.py",
+}
 
 
 _NEEDS_GPU = re.compile(r"\bneeds? .*\b(CUDA|GPUs?)\b|CUDA extension not loaded")
@@ -29,5 +50,7 @@ def pytest_collection_modifyitems(config, items):
     """Mark `cuda` every test that skips without a GPU (a skipif whose reason says it needs
     CUDA or a GPU, or the CUDA extension), so one selection runs exactly the device tests."""
     for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
         if any(_NEEDS_GPU.search(str(m.kwargs.get("reason", ""))) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.cuda)

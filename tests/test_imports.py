@@ -6,7 +6,6 @@ import os
 import pkgutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import isoloco_kernels
 
@@ -24,20 +23,61 @@ def _modules() -> list[str]:
     return sorted(names)
 
 
-def _import_alone(name: str) -> tuple[str, int, str]:
-    proc = subprocess.run(
-        [sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    return name, proc.returncode, proc.stderr[-2000:]
+# One fresh interpreter imports torch (not this package: the thing under test) and then forks a child per
+# module, which imports only that module: each child starts with no isoloco_kernels module loaded, as a
+# fresh interpreter would, without paying torch's import once per module.
+_FORKED_IMPORTS = r"""
+import multiprocessing as mp, sys, traceback
+import torch
+
+def one(name, q):
+    try:
+        __import__(name)
+        q.put((name, 0, ""))
+    except BaseException:
+        q.put((name, 1, traceback.format_exc()[-2000:]))
+
+ctx = mp.get_context("fork")
+bad = []
+for name in sys.argv[1:]:
+    assert not [m for m in sys.modules if m.startswith("isoloco_kernels")]
+    q = ctx.Queue()
+    p = ctx.Process(target=one, args=(name, q))
+    p.start()
+    p.join(300)
+    got = q.get(timeout=5) if p.exitcode == 0 else (name, p.exitcode, "the child died")
+    if got[1]:
+        bad.append(got)
+for name, rc, err in bad:
+    print(f"FAILED {name} (exit {rc}):\n{err}")
+print(f"imported {len(sys.argv) - 1 - len(bad)} of {len(sys.argv) - 1} modules alone")
+"""
 
 
 def test_every_module_imports_alone():
     names = _modules()
     assert {"isoloco_kernels.ops", "isoloco_kernels.optim", "isoloco_kernels.coefficients"} <= set(names)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(_import_alone, names))
-    failed = [f"{n} (exit {rc}):\n{err}" for n, rc, err in results if rc != 0]
-    assert not failed, "\n\n".join(failed)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORKED_IMPORTS, *names], cwd=ROOT, capture_output=True, text=True, timeout=1200
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"imported {len(names)} of {len(names)} modules alone" in proc.stdout, proc.stdout[-6000:]
+
+
+def test_the_forked_import_check_sees_a_failing_module(tmp_path):
+    """The check can fail: a module that raises on import is reported by name."""
+    (tmp_path / "broken_mod.py").write_text("import torch\nraise ImportError('no such thing')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORKED_IMPORTS, "json", "broken_mod"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert "FAILED broken_mod (exit 1)" in proc.stdout and "no such thing" in proc.stdout, proc.stdout
+    assert "imported 1 of 2 modules alone" in proc.stdout
 
 
 def _imports_of(path: str, package: str) -> set[str]:

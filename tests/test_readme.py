@@ -8,6 +8,7 @@ import ast
 import copy
 import importlib.util
 import inspect
+import json
 import os
 import re
 import shutil
@@ -208,3 +209,73 @@ def test_docs_build_strict(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+# -- the first screen's numbers, the CPU install line, the quick subset ------------------------------
+
+
+def _readme_numbers():
+    spec = importlib.util.spec_from_file_location("readme_numbers", os.path.join(ROOT, "study", "readme_numbers.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_first_screen_numbers_are_generated_from_committed_results():
+    """Each number-bearing sentence of the first screen (and the example's losses, the outer step's share)
+    is what study/readme_numbers.py computes from the committed result file it names."""
+    flat = " ".join(README.split())
+    mod = _readme_numbers()
+    assert set(mod.SENTENCES) == {"speedup", "study", "example", "outer share"}
+    for name, (make, src) in mod.SENTENCES.items():
+        assert src.is_file(), f"{name}: {src} is not committed"
+        sentence = make()
+        assert re.search(r"\d", sentence), sentence
+        assert sentence in flat, f"README lacks the {name} sentence generated from {src}:\n{sentence}"
+    first = README.split("\n## ", 1)[0]
+    for name in ("speedup", "study"):
+        assert mod.SENTENCES[name][0]() in " ".join(first.split()), f"the {name} sentence left the first screen"
+
+
+def test_readme_numbers_follow_their_files(tmp_path, monkeypatch):
+    """The generator reads the file: a changed result changes the sentence (so the check above can fail)."""
+    mod = _readme_numbers()
+    ex = json.loads(mod.EXAMPLE.read_text())
+    ex["held_out_loss"]["IsoLoCo"] = 0.5
+    fake = tmp_path / "example.json"
+    fake.write_text(json.dumps(ex))
+    monkeypatch.setattr(mod, "EXAMPLE", fake)
+    assert "0.500 with IsoLoCo" in mod.example() and mod.example() not in " ".join(README.split())
+
+
+def test_the_first_sentence_says_what_the_library_is_for_without_jargon():
+    first = re.search(r"^\*\*(.+?)\*\*", README.split("\n", 2)[2].lstrip(), re.S).group(1)
+    for word in ("DiLoCo", "Iso-C", "pseudo-gradient", "Nesterov", "SVD", "GEMM"):
+        assert word not in first, f"the first sentence uses {word!r} before saying what the library is for"
+
+
+def test_cpu_install_line_matches_the_declared_torch_and_ci_runs_it():
+    setup = open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read()
+    req = re.search(r'TORCH_REQUIREMENT = "([^"]+)"', setup).group(1)
+    line = f'pip install "{req}" --index-url https://download.pytorch.org/whl/cpu'
+    assert f"```bash\n{line}\n```" in _section("Install"), "README's torch-first line for CPU machines"
+    check = open(os.path.join(ROOT, ".ci", "wheel_check"), encoding="utf-8").read()
+    assert """grep -m1 -E '^pip install "torch[^"]*" --index-url ' README.md""" in check
+    assert (
+        'eval "${torch_first% --index-url *}"' in check
+        and "bash .ci/wheel_check" in open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    )
+
+
+def test_the_quick_subset_is_documented_and_its_slow_files_exist():
+    from tests.conftest import SLOW_FILES
+
+    assert 'python -m pytest tests -q -m "not slow"' in README
+    missing = [f for f in SLOW_FILES if not os.path.isfile(os.path.join(ROOT, "tests", f))]
+    assert not missing, f"tests/conftest.py marks missing files slow: {missing}"
+
+
+def test_docs_install_page_has_the_readme_quick_start():
+    page = open(os.path.join(ROOT, "docs", "install.md"), encoding="utf-8").read()
+    for code in re.findall(r"```python\n(.*?)```", _section("Quick start (CPU)"), re.S):
+        assert f"```python\n{code}```" in page, "docs/install.md's quick start differs from the README's"

@@ -59,7 +59,16 @@ _WRITTEN = "after the ranks began writing (the tensors it writes may have change
 
 
 class DistributedStepError(RuntimeError):
-    """A collective outer step failed on at least one rank; no rank changed any tensor."""
+    """A collective outer step failed on at least one rank; no rank changed any tensor.
+
+    Raised on every rank of the group together, by `ShardedIsoLoCo`, `IsoLoCo(process_group=...)`,
+    `sharded_iso_merge_` and `average_`; the message names the failing ranks and what differed or went
+    wrong there (the failing rank raises its own error). A `RuntimeError`.
+
+    Examples:
+        >>> issubclass(DistributedStepError, RuntimeError)
+        True
+    """
 
 
 def group_info(group) -> tuple[int, int]:

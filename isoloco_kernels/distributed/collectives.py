@@ -112,6 +112,17 @@ def average_(
     are summed in float32 buffers and get the float32 mean rounded once to their dtype. Tensors off the group's
     communication device (`agree.comm_device`) travel through buffers on it. Returns the tensors
     as a list. `group=` is the old name of process_group (DeprecationWarning).
+
+    Raises:
+        DistributedStepError: on every rank, for bad input on any rank (type, dtype, NaN/Inf) or ranks
+            passing different shapes, dtypes or chunk sizes; no tensor changes.
+        RuntimeError: torch.distributed is not initialized.
+
+    Examples:
+        >>> # on every rank, after torch.distributed.init_process_group(...)
+        >>> grads = [torch.ones(4, 3), torch.ones(5)]
+        >>> [float(g.sum()) for g in average_(grads)]  # the same on every rank: the mean of the ranks'
+        [12.0, 5.0]
     """
     group = renamed_keyword(old, "group", "process_group", process_group, None, "average_")
     tensors = list(tensors)

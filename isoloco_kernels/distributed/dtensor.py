@@ -77,6 +77,13 @@ def check_params(opt) -> bool:
             "DTensors; put all params on a device mesh (e.g. fully_shard the whole model) or use "
             "one optimizer per kind"
         )
+    nd = [(gi, pi, p) for gi, pi, p in params if p.ndim > 2]
+    if getattr(opt, "iso_nd", False) and nd:
+        gi, pi, p = nd[0]
+        raise ValueError(
+            f"IsoLoCo: iso_nd=True is not supported for DTensor params (param_groups[{gi}]['params'][{pi}] "
+            f"has shape {tuple(p.shape)}); leave iso_nd=False: N-D grads then get DiLoCo's plain update"
+        )
     if getattr(opt, "process_group", None) is not None:
         raise ValueError(
             "IsoLoCo: process_group= splits the flatten of replicated params; DTensor params "

@@ -54,6 +54,17 @@ def sharded_iso_merge_(
     over the same group, to run inside (a failure of that step's local work before this call is
     reported at this call's first agreement, and the step agrees again after it); None: this call
     agrees on its own, and once more at its end (a failure while writing reaches every rank).
+
+    Raises:
+        DistributedStepError: on every rank, as above; no bucket changes.
+        RuntimeError: torch.distributed is not initialized.
+
+    Examples:
+        >>> # on every rank, after torch.distributed.init_process_group(...), buckets already averaged
+        >>> b = torch.randn(4, 16, 8)
+        >>> ref = iso_merge_([b.clone()])[0]
+        >>> bool(torch.allclose(sharded_iso_merge_([b])[0], ref, atol=1e-6))
+        True
     """
     where = "sharded_iso_merge_"
     group = renamed_keyword(

@@ -19,6 +19,7 @@ from .._validate import amaxes, check_amax_finite
 from ..buckets import BucketPlan
 from ..merges import merge as merge_stacks
 from ..merges.options import resolve_options
+from ..nd import warn_nd_params
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, optimizer_settings, renamed_keyword
 from .collectives import (
     CHUNK_BYTES,
@@ -75,6 +76,19 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     (`add_param_group` afterwards is refused). `process_group`: the group (None: the default
     group), as for IsoLoCo; `group=` is its old name (DeprecationWarning). `chunk_bytes`: the size
     of one communication chunk.
+
+    Raises:
+        ValueError: an argument it cannot honour (as IsoLoCo), or params off the communication device.
+        DistributedStepError: on every rank, when any rank's arguments or settings are refused or differ.
+        RuntimeError: torch.distributed is not initialized.
+
+    Examples:
+        >>> # on every rank, after torch.distributed.init_process_group(...)
+        >>> model = torch.nn.Linear(8, 4)
+        >>> outer = ShardedIsoLoCo(model.parameters(), lr=1.8, momentum=0.8)
+        >>> for p in model.parameters():
+        ...     p.grad = torch.randn_like(p)  # this rank's own pseudo-gradient, global − local
+        >>> outer.step(); outer.zero_grad()
     """
 
     def __init__(
@@ -150,6 +164,13 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                     "DTensor (FSDP2 / tensor parallel); ShardedIsoLoCo steps whole tensors replicated on every "
                     "rank. Use IsoLoCo(model.parameters()), which steps DTensor params over their device mesh"
                 )
+        iso_params = [
+            (f"param {i} (shape {tuple(p.shape)})", p)
+            for i, p in enumerate(self._params)
+            if self.param_groups[self._group_of[i]]["iso"]
+        ]
+        hint = "IsoLoCo(iso_nd=True) flattens them as matrices; iso=False in their param group silences this"
+        warn_nd_params("ShardedIsoLoCo", iso_params, hint, stacklevel=5)  # the user's line
         if self.world_size > 1:  # the collectives carry the params' own memory (broadcasts)
             check_on_comm_device(
                 self._params, [f"ShardedIsoLoCo: param {i}" for i in range(len(self._params))], self.process_group
@@ -201,6 +222,19 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """Average every rank's pseudo-gradients (reduce-scatter), Iso-C + Nesterov by each param's
+        owner, all-gather the new params; returns the closure's loss (None without one).
+
+        Raises:
+            DistributedStepError: on every rank, when any rank has bad input (missing grad, wrong
+                shape or dtype, NaN/Inf), a failing closure, or a failed flatten; nothing changes.
+
+        Examples:
+            >>> outer = ShardedIsoLoCo([torch.nn.Parameter(torch.randn(6, 4))])
+            >>> outer.param_groups[0]["params"][0].grad = torch.randn(6, 4)
+            >>> outer.step() is None
+            True
+        """
         ag = Agreement("ShardedIsoLoCo.step", self.process_group)
         loss = None
         if closure is not None:  # a closure that raises on one rank must still reach the agreement
@@ -412,13 +446,31 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
 
     # -- state ---------------------------------------------------------------------------------
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
+        """torch.optim.SGD's state dict of this rank's momentum (only the owner keeps a param's), plus
+        a "sharding" entry (the plan's fingerprint, the rank, the world size). Raises nothing.
+
+        Examples:
+            >>> outer = ShardedIsoLoCo([torch.nn.Parameter(torch.randn(6, 4))])
+            >>> sorted(outer.state_dict())
+            ['param_groups', 'sharding', 'state']
+        """
         sd = super().state_dict()
         sd["sharding"] = {"fingerprint": self.plan.fingerprint, "rank": self.rank, "world_size": self.world_size}
         return sd
 
     def load_state_dict(self, state_dict) -> None:
-        """A state saved by `state_dict()` of the same rank under the same plan; checked first."""
+        """A state saved by `state_dict()` of the same rank under the same plan; checked first.
+
+        Raises:
+            TypeError: state_dict is not a dict.
+            ValueError: it has no "sharding" entry, or was saved by another rank or under another plan
+                (params, shapes, world size); nothing is loaded.
+
+        Examples:
+            >>> outer = ShardedIsoLoCo([torch.nn.Parameter(torch.randn(6, 4))])
+            >>> outer.load_state_dict(outer.state_dict())
+        """
         where = "ShardedIsoLoCo.load_state_dict"
         if not isinstance(state_dict, dict):
             raise TypeError(f"{where}: expected a dict, got {type(state_dict).__name__}")
