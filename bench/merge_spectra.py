@@ -33,7 +33,7 @@ def worker_deltas(K: int = 4, m: int = 128, n: int = 256, seed: int = 0) -> torc
 
 def spectra(x: torch.Tensor) -> dict[str, torch.Tensor]:
     out = {}
-    for method in ik.MERGES:
+    for method in ik.merges.MERGES:
         s = torch.linalg.svdvals(ik.merge([x], method)[0].double())
         out[method] = s / s[0]
     return out

@@ -5,7 +5,7 @@ from .distributed import DistributedStepError, ShardedIsoLoCo, average_, sharded
 from .gram import GramFallbackWarning
 from .iteration_stats import FlattenFallbackWarning
 from .merge_optim import MergeLoCo
-from .merges import MERGES, merge, merge_
+from .merges import merge, merge_
 from .ops import backends, iso_flatten, iso_merge_
 from .optim import IsoLoCo
 
@@ -16,7 +16,6 @@ __all__ = [
     "FlattenFallbackWarning",
     "GramFallbackWarning",
     "IsoLoCo",
-    "MERGES",
     "MergeLoCo",
     "ResultOverflowError",
     "ShardedIsoLoCo",

@@ -36,11 +36,18 @@ class MergeLoCo(IsoLoCo):
         merge_options: that merge's options (merges/options.py), e.g. {"sparsity": 0.2}. DARE's
             `seed` is offset by the step count, so every outer step draws new drops.
 
-    Raises ValueError/TypeError for an unknown merge or option, a process group, or DTensor params.
+    Raises:
+        ValueError, TypeError: an unknown merge or option, a process group, DTensor params (at
+            construction); at `step`/`set_deltas`, stacks that do not match the params (shape,
+            device, K < 2, NaN/Inf), named, with no grad set and nothing stepped.
 
-    Example:
-        >>> opt = MergeLoCo(model.parameters(), lr=0.7, momentum=0.0, merge="ties")
-        >>> opt.step(deltas=[torch.stack([g - w for w in worker_copies]) for g, *worker_copies in ...])
+    Examples:
+        >>> w = torch.nn.Parameter(torch.zeros(8, 4))
+        >>> opt = MergeLoCo([w], lr=1.0, momentum=0.0, merge="tsv")
+        >>> deltas = torch.randn(4, 8, 4)         # K = 4 workers' global − local
+        >>> opt.step(deltas=[deltas])
+        >>> bool(torch.allclose(w, -merge([deltas], "tsv")[0]))
+        True
     """
 
     def __init__(

@@ -122,13 +122,20 @@ def merge(
     stack_ids: each stack's identity in DARE's random stream (default: its position), so a subset
         of stacks merged elsewhere draws the same drops.
 
-    Raises TypeError/ValueError naming the stack, worker or option; ResultOverflowError when a
-    result does not fit its dtype (DARE's rescale can push one past it).
+    Raises:
+        TypeError, ValueError: naming the stack, worker or option (a stack that is not a tensor of
+            a supported float dtype, K < 2 or K differing between stacks, NaN/Inf, an unknown merge
+            or option); nothing is computed.
+        ResultOverflowError: a result does not fit its dtype (DARE's rescale can push one past it).
 
-    Example:
-        >>> import torch, isoloco_kernels as ik
-        >>> deltas = torch.randn(4, 64, 32)            # K = 4 workers' deltas of one matrix
-        >>> merged = ik.merge([deltas], "tsv")[0]       # [64, 32]
+    Examples:
+        >>> deltas = torch.randn(4, 64, 32)             # K = 4 workers' deltas of one matrix
+        >>> merged = merge([deltas], "tsv")[0]
+        >>> tuple(merged.shape)
+        (64, 32)
+        >>> s = torch.linalg.svdvals(merge([deltas], "iso_cts")[0])
+        >>> bool(torch.allclose(s, s.mean().expand(32), rtol=1e-4))   # Iso-CTS: one singular value
+        True
     """
     stacks = list(stacks)
     opts = resolve_options(method, options)
@@ -152,7 +159,19 @@ def merge(
 
 def merge_(stacks: Sequence[torch.Tensor], method: str = "iso_c", **kwargs) -> list[torch.Tensor]:
     """`merge`, written in place into each stack's first worker slot (stack[0]); returns those views.
-    All or nothing: every stack is checked and merged aside before the first write."""
+    All or nothing: every stack is checked and merged aside before the first write.
+
+    Raises:
+        TypeError, ValueError, ResultOverflowError: as `merge`, and for a slot that cannot be
+            written (inference tensor, expanded view, two slots sharing memory); nothing is written.
+
+    Examples:
+        >>> stack = torch.randn(4, 16, 8)
+        >>> want = merge([stack], "ties", sparsity=0.5)[0]
+        >>> slot = merge_([stack], "ties", sparsity=0.5)[0]
+        >>> bool(torch.equal(slot, want)) and slot.data_ptr() == stack.data_ptr()
+        True
+    """
     stacks = list(stacks)
     check_stacks(stacks, "merge_")
     slots = [s[0] for s in stacks]
