@@ -27,6 +27,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 kernels = pytest.mark.skipif(not (CUDA or INTERPRETER), reason="needs CUDA or TRITON_INTERPRET=1")
 
 
+@pytest.mark.slow  # a fresh interpreter
 @pytest.mark.skipif(CUDA or INTERPRETER, reason="the kernel tests run in this process")
 def test_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.dirname(HERE))
