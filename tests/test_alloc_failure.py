@@ -2,7 +2,7 @@
 
 The DTensor step's gather, owner and Gram routes, `average_`, `ShardedIsoLoCo` and
 `sharded_iso_merge_` (also under `IsoLoCo(process_group=...)`) hand buffers to collectives (and
-`sharded_iso_merge_` flattens copies aside); each buffer comes from `collectives.comm_buffer`.
+`sharded_iso_merge_` flattens copies aside); each buffer comes from `pipeline.comm_buffer`.
 A failure there on one rank (out of memory, as at scale) must reach
 the other rank before it waits in a collective: every rank raises DistributedStepError naming the
 failing rank within seconds (well inside the process-group timeout), params and momentum as they
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from isoloco_kernels import IsoLoCo
 from isoloco_kernels.distributed import DistributedStepError
-from isoloco_kernels.distributed import collectives as C
+from isoloco_kernels.distributed import pipeline as C
 from tests.spawn import PG_TIMEOUT_S, Checks, groups, params
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .._validate import check_all_finite, compute_dtype
 from ..outer import local
-from . import collectives
+from . import pipeline
 from .agree import comm_device
 
 __all__ = ["agree_exact", "gram_route"]
@@ -34,7 +34,7 @@ def gram_route(mesh, ks: list[int], ds: list[int], entries, layouts, method: str
     all-reduce. After that the all-reduce runs whatever happens locally (a rank that failed adds
     zeros)."""
     group = mesh.get_group(0)
-    buf = attempt(collectives.comm_buffer, sum(d * d for d in ds), torch.float64, comm_device(group), True)
+    buf = attempt(pipeline.comm_buffer, sum(d * d for d in ds), torch.float64, comm_device(group), True)
     attempt.__self__.settle()  # every rank has its buffer, or every rank raises here
     ys, off = {}, 0
     for k, d in zip(ks, ds):

@@ -18,7 +18,8 @@ from .. import outer
 from .._validate import amaxes, check_amax_finite
 from ..buckets import BucketPlan
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, optimizer_settings, renamed_keyword
-from .collectives import (
+from .merge import PLAN_MISMATCH
+from .pipeline import (
     CHUNK_BYTES,
     broadcast_into,
     check_chunk_bytes,
@@ -31,7 +32,6 @@ from .collectives import (
     reduce_to_owner_buffers,
     scatter_into,
 )
-from .merge import PLAN_MISMATCH
 from .plan import owned_views, plan_shards
 
 if TYPE_CHECKING:
@@ -212,7 +212,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         return loss
 
     def _buffers(self) -> dict:
-        """The buffers of the step's collectives (`collectives.reduce_scatter_buffers`,
+        """The buffers of the step's collectives (`pipeline.reduce_scatter_buffers`,
         `reduce_to_owner_buffers`, `gather_segment_buffers`, and a flat copy for a non-contiguous
         solo param), made before the ranks first agree: an allocation that fails on one rank
         fails every rank there instead of leaving the others in a collective."""
