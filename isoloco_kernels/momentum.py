@@ -7,8 +7,8 @@ once written), runs every check of the fused `nesterov_outer_` call before any w
 `iso_bound` for an Iso-C result), and after the writes records a bound on each buffer it wrote
 with the buffer's version counter (`_record_bounds`): while nothing else writes the buffer, the
 next step's `collect` takes that bound instead of reading it (`_trusted_bound`). Every bound must
-be ≥ the buffer's true largest entry, or an overflow could be written unseen. Re-exported by
-outer.py, the outer-step core.
+be ≥ the buffer's true largest entry, or an overflow could be written unseen (tests/test_bounds.py).
+Re-exported by outer.py, the outer-step core.
 """
 
 from __future__ import annotations
