@@ -132,13 +132,14 @@ def _check_average(rank: int) -> None:
 
 @CHECKS
 def _check_sharded(rank: int) -> None:
-    """ShardedIsoLoCo's buffers (reduce-scatter, reduce to the owner of a solo param, all-gather),
-    each in turn: a solo 40 × 40 param (solo_above=0.3) beside sharded ones of two dtypes."""
+    """ShardedIsoLoCo's buffers (reduce-scatter, reduce to the owner of a solo param, all-gather,
+    the flat copy a non-contiguous solo param is broadcast through), each in turn: a solo 40 × 40
+    param (solo_above=0.3, transposed) beside sharded ones of two dtypes."""
     from isoloco_kernels.distributed import ShardedIsoLoCo
 
     gen = torch.Generator().manual_seed(0)
     ps = [
-        torch.randn(40, 40, generator=gen),
+        torch.randn(40, 40, generator=gen).mT,
         torch.randn(16, 16, generator=gen),
         torch.randn(5, generator=gen),
         torch.randn(8, 6, generator=gen).to(torch.bfloat16),

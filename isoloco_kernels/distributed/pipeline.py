@@ -305,8 +305,10 @@ def scatter_into(plan, dtype, own, tensors, rank, group, chunk_bytes, buffers=No
 
 
 def comm_buffer(numel: int, dtype: torch.dtype, device, zero: bool) -> torch.Tensor:
-    """A buffer a DTensor route's collective sends from (`zero`: padding and a failed rank's part
-    stay zeros) or receives into. Every such buffer comes from here, allocated before the ranks
-    agree that every one of them has its buffers (`gather_buffers`, `owner_buffers`): a rank that
-    cannot allocate one must not be the only rank missing from the collective."""
+    """A buffer a collective of this package sends from (`zero`: padding and a failed rank's part
+    stay zeros) or receives into. Every such buffer comes from here (the sharded step's, `average_`'s,
+    `sharded_iso_merge_`'s, the DTensor routes': `collectives.gather_buffers`, `owner_buffers`,
+    `gram_route`), allocated before the ranks agree that every one of them has its buffers: a rank
+    that cannot allocate one must not be the only rank missing from the collective. Callers in other
+    modules call it through this module, so a test can make it fail in one place."""
     return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)

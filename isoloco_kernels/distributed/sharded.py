@@ -17,13 +17,13 @@ import torch
 from .. import outer
 from .._validate import amaxes, check_amax_finite
 from ..buckets import BucketPlan
+from . import pipeline
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, optimizer_settings, renamed_keyword
 from .merge import PLAN_MISMATCH
 from .pipeline import (
     CHUNK_BYTES,
     broadcast_into,
     check_chunk_bytes,
-    comm_buffer,
     flat_view,
     gather_segment_buffers,
     reduce_scatter_buffers,
@@ -227,7 +227,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             p = self._params[i]
             out[("solo", i)] = reduce_to_owner_buffers(p.numel(), p.dtype, plan.owners[i], rank, group, cb)
             if not p.is_contiguous():
-                out[("flat", i)] = comm_buffer(p.numel(), p.dtype, comm_device(group), False)
+                out[("flat", i)] = pipeline.comm_buffer(p.numel(), p.dtype, comm_device(group), False)
         return out
 
     def _check(self) -> list[torch.Tensor]:
