@@ -54,6 +54,7 @@ class _Counter:
         import torch.distributed as dist
 
         from isoloco_kernels.distributed import collectives as C
+        from isoloco_kernels.distributed import pipeline as P
 
         self.world, self.payload, self.ring = world, 0, 0
         w = world
@@ -65,7 +66,7 @@ class _Counter:
         def nbytes(t):
             return t.numel() * t.element_size()
 
-        ar, rs, ag = dist.all_reduce, C.reduce_scatter_single, C.all_gather_single
+        ar, rs, ag = dist.all_reduce, P.reduce_scatter_single, P.all_gather_single
 
         def all_reduce(t, *a, **k):
             count(nbytes(t), 2 * (w - 1) / w)
@@ -79,7 +80,8 @@ class _Counter:
             count(nbytes(out), (w - 1) / w)
             return ag(out, inp, *a, **k)
 
-        dist.all_reduce, C.reduce_scatter_single, C.all_gather_single = all_reduce, reduce_scatter, all_gather
+        dist.all_reduce, P.reduce_scatter_single, P.all_gather_single = all_reduce, reduce_scatter, all_gather
+        C.all_gather_single = all_gather  # the DTensor gather route's
 
     def reset(self):
         self.payload = self.ring = 0

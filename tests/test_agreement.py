@@ -456,6 +456,7 @@ class NcclRule:
         import isoloco_kernels.distributed.dtensor  # noqa: F401  (its aliases are patched too)
 
         mods = [m for n, m in sys.modules.items() if n.startswith("isoloco_kernels") and m is not None]
+        A._CONTROL.__dict__.clear()  # the agreements' control tensors are made again, under the rule
 
         def patch_everywhere(original, replacement, extra=()):
             for owner in [*mods, *extra]:
@@ -616,6 +617,7 @@ def _body_nccl_rule(rank, world, tmpdir):
     assert any(name.startswith("all_gather") for name in dt), dt
     # the stand-in refuses what NCCL would: a control tensor made on a device decided elsewhere
     rule.answer = torch.device("cpu")  # equal to the decision, but not the decision
+    A._CONTROL.__dict__.clear()  # (control tensors are made once and reused: make them again)
     A.agree(None, None, "stand-in check")
     rule.answer = rule.device
     assert rule.violations and all("not made on the device comm_device decided" in v for v in rule.violations), (

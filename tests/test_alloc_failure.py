@@ -2,7 +2,7 @@
 
 The DTensor step's gather, owner and Gram routes, `average_`, `ShardedIsoLoCo` and
 `sharded_iso_merge_` (also under `IsoLoCo(process_group=...)`) hand buffers to collectives (and
-`sharded_iso_merge_` flattens copies aside); each buffer comes from `collectives.comm_buffer`.
+`sharded_iso_merge_` flattens copies aside); each buffer comes from `pipeline.comm_buffer`.
 A failure there on one rank (out of memory, as at scale) must reach
 the other rank before it waits in a collective: every rank raises DistributedStepError naming the
 failing rank within seconds (well inside the process-group timeout), params and momentum as they
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from isoloco_kernels import IsoLoCo
 from isoloco_kernels.distributed import DistributedStepError
-from isoloco_kernels.distributed import collectives as C
+from isoloco_kernels.distributed import pipeline as C
 from tests.spawn import PG_TIMEOUT_S, Checks, groups, params
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
@@ -29,7 +29,7 @@ CHECKS = Checks()
 SITES = {
     "gather": ("gather send", "gather recv"),
     "owner": ("owner out send", "owner out recv", "owner back send", "owner back recv"),
-    "gram": ("gram A0 all-reduce",),
+    "gram": ("gram A0 all-reduce", "gram exact-path flags"),
 }
 
 
@@ -132,13 +132,14 @@ def _check_average(rank: int) -> None:
 
 @CHECKS
 def _check_sharded(rank: int) -> None:
-    """ShardedIsoLoCo's buffers (reduce-scatter, reduce to the owner of a solo param, all-gather),
-    each in turn: a solo 40 × 40 param (solo_above=0.3) beside sharded ones of two dtypes."""
+    """ShardedIsoLoCo's buffers (reduce-scatter, reduce to the owner of a solo param, all-gather,
+    the flat copy a non-contiguous solo param is broadcast through), each in turn: a solo 40 × 40
+    param (solo_above=0.3, transposed) beside sharded ones of two dtypes."""
     from isoloco_kernels.distributed import ShardedIsoLoCo
 
     gen = torch.Generator().manual_seed(0)
     ps = [
-        torch.randn(40, 40, generator=gen),
+        torch.randn(40, 40, generator=gen).mT,
         torch.randn(16, 16, generator=gen),
         torch.randn(5, generator=gen),
         torch.randn(8, 6, generator=gen).to(torch.bfloat16),
@@ -291,6 +292,53 @@ def _check_process_group_step(rank: int) -> None:
     before = ps[0].clone()
     opt.step()  # and it still works
     assert not torch.equal(ps[0], before)
+
+
+@CHECKS
+def _check_agreements_allocate_nothing_in_a_step(rank: int) -> None:
+    """The agreements' control tensors are made once (per length, device and thread) and reused:
+    an optimizer's constructor makes them, so its steps allocate none and no allocation of an
+    agreement can fail on one rank mid-step. Counted at the one place they are made
+    (`agree._new_control`), from an empty cache: some while constructing, none while stepping
+    (the DTensor step on each route, IsoLoCo(process_group=...), ShardedIsoLoCo) or while
+    calling average_ and sharded_iso_merge_ again."""
+    from isoloco_kernels.distributed import ShardedIsoLoCo, average_, sharded_iso_merge_
+    from isoloco_kernels.distributed import agree as A
+
+    real, calls = A._new_control, [0]
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    A._CONTROL.__dict__.clear()
+    A._new_control = counting
+    try:
+        ps_dt, opt_dt, grads_dt = _setup("gram")  # constructs, then steps once
+        gen = torch.Generator().manual_seed(0)  # equal on every rank: already averaged
+        ps = [torch.randn(16, 16, generator=gen), torch.randn(5, generator=gen)]
+        pg = IsoLoCo([p.clone() for p in ps], lr=1.0, momentum=0.9, process_group=dist.group.WORLD)
+        sh = ShardedIsoLoCo([p.clone() for p in ps], lr=1.0, momentum=0.9, chunk_bytes=512)
+        ts, bs = [torch.randn(300, generator=gen)], [torch.randn(3, 8, 6, generator=gen)]
+        average_(ts)
+        sharded_iso_merge_(bs, method="svd")
+        made = calls[0]
+        assert made >= 2, f"{made} control tensors made while constructing"
+        for step in range(2):
+            for route in ("gram", "owner", "gather"):
+                opt_dt.dtensor_route = route
+                grads_dt(10 + step)
+                opt_dt.step()
+            for opt in (pg, sh):
+                g = torch.Generator().manual_seed(20 + step)
+                for p in opt.param_groups[0]["params"]:
+                    p.grad = torch.randn(p.shape, generator=g)
+                opt.step()
+            average_(ts)
+            sharded_iso_merge_(bs, method="svd")
+    finally:
+        A._new_control = real
+    assert calls[0] == made, f"the steps made {calls[0] - made} control tensors"
 
 
 def _body(rank, world, tmpdir):

@@ -227,7 +227,7 @@ def _check_process_group_step(rank: int) -> None:
 # unpacking chunks, views of the owned segment): each call of each, failing on rank 1 in turn.
 def _helpers(rank: int) -> None:
     from isoloco_kernels.distributed import ShardedIsoLoCo, average_, sharded_iso_merge_
-    from isoloco_kernels.distributed import collectives as C
+    from isoloco_kernels.distributed import pipeline as C
     from isoloco_kernels.distributed import sharded as S
 
     gen = torch.Generator().manual_seed(0)

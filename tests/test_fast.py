@@ -1,6 +1,7 @@
 """method="fast", the training grade (isoloco_kernels/fast.py): a flat spectrum on every input, its
 error bands by condition number, the rank certificate and its fallback, on the CPU with the GPU's
-numerics (the precise steps as emulated 3xTF32, the rest bfloat16). The registry-wide contract
+numerics (the precise steps as emulated 3xTF32, the rest bfloat16), and each step's GEMMs spied for
+the precision they run in. The registry-wide contract
 (shapes, dtypes, views, zeros, bad input, entry points) runs in tests/test_methods.py."""
 
 from __future__ import annotations
@@ -184,3 +185,101 @@ def test_rank_certificate_reads_singular_values_and_writes_nothing(dtype):
     assert polar.full_rank(good).all()
     assert polar.full_rank(bad).tolist() == [True, False, True]
     assert torch.equal(bad, keep)
+
+
+# ----------------------------------------------------------------------------------------------
+# The precision each step's GEMMs run in, spied
+
+
+class _GemmSpy(torch.overrides.TorchFunctionMode):
+    """The operand dtypes of each polar step's GEMMs, at two levels:
+    - `pieces`: the tensors handed to the step pieces (`polar.TorchSteps`, `tf32.Tf32x3Steps`:
+      gram, square, step), which every flatten calls, through the op too;
+    - `gemms`: as a context manager (a TorchFunctionMode: torch functions, Tensor methods and `@`
+      alike), every matmul / mm / bmm / baddbmm / addmm itself; torch function modes do not reach
+      inside a custom op, so only around a direct call of the method.
+    Both are keyed by the step: the count advances when a `step` piece returns, so a step's
+    A = X·Xᵀ (and step 0's A²) count with it. GEMMs inside the rank certificate (`polar.certify`)
+    go to `certificate`, keyed by the steps done before it."""
+
+    GEMMS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "baddbmm_", "addmm", "addmm_", "einsum"}
+
+    def __init__(self, monkeypatch):
+        from isoloco_kernels import tf32
+
+        super().__init__()
+        self.step, self.in_certificate = 0, False
+        self.pieces: list[tuple[int, tuple]] = []
+        self.gemms: list[tuple[int, tuple]] = []
+        self.certificate: list[tuple[int, tuple]] = []
+        for cls in (polar.TorchSteps, tf32.Tf32x3Steps):
+            for name in ("gram", "square", "step"):
+                monkeypatch.setattr(cls, name, staticmethod(self._piece(getattr(cls, name), name == "step")))
+        monkeypatch.setattr(polar, "certify", self._certifying(polar.certify))
+
+    @staticmethod
+    def _dtypes(args) -> tuple:
+        return tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.GEMMS:
+            (self.certificate if self.in_certificate else self.gemms).append((self.step, self._dtypes(args)))
+        return func(*args, **(kwargs or {}))
+
+    def _piece(self, real, advances: bool):
+        def piece(*args, **kwargs):
+            self.pieces.append((self.step, self._dtypes(args)))
+            out = real(*args, **kwargs)
+            self.step += advances
+            return out
+
+        return piece
+
+    def _certifying(self, real):
+        def certify(*args, **kwargs):
+            self.in_certificate = True
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.in_certificate = False
+
+        return certify
+
+
+def _assert_fast_precisions(spy: _GemmSpy, calls: list) -> None:
+    """Steps 0..PRECISE_STEPS-1 on float32 operands (float32-accurate: IEEE float32 on the CPU,
+    float32 split into TF32 parts for 3xTF32), the rest on bfloat16, every GEMM of a step in one
+    dtype; exactly the schedule's steps (no fallback ran)."""
+    assert spy.step == polar.STEPS, f"{spy.step} steps ran; the schedule has {polar.STEPS}"
+    per_step: dict[int, set] = {}
+    for t, dtypes in calls:
+        per_step.setdefault(t, set()).update(dtypes)
+    for t in range(polar.STEPS):
+        want = torch.float32 if t < fast.PRECISE_STEPS else torch.bfloat16
+        assert per_step.get(t) == {want}, f"step {t}: GEMM operands {per_step.get(t)}, want {want} only"
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6), (3, 5, 8)], ids=["wide", "tall", "batched"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_fast_runs_its_first_steps_in_float32_and_the_rest_in_bfloat16(monkeypatch, dtype, shape):
+    """iso_flatten(method="fast") on the CPU, through the op: the operands of each step's pieces."""
+    x = torch.randn(shape, generator=gen(("spy", shape))).to(dtype)  # well conditioned: no fallback
+    spy = _GemmSpy(monkeypatch)
+    ik.iso_flatten(x, method="fast")
+    _assert_fast_precisions(spy, spy.pieces)
+
+
+@pytest.mark.parametrize("precise", PRECISE)
+def test_fast_gemms_run_in_the_claimed_precision_step_by_step(monkeypatch, precise):
+    """The method itself (what the op runs), every GEMM seen: the precise steps on float32 operands
+    (native: IEEE float32 on the CPU; TF32X3: tf32.Tf32x3Steps, the GPU's numerics emulated), the
+    rest bfloat16, and the rank certificate in float64 between the two."""
+    x = torch.randn(2, 6, 9, generator=gen("spy-gemms"))
+    with warnings.catch_warnings(), _GemmSpy(monkeypatch) as spy:
+        warnings.simplefilter("error", FlattenFallbackWarning)
+        fast.flatten_fast_(x, precise=precise)
+    _assert_fast_precisions(spy, spy.gemms)
+    _assert_fast_precisions(spy, spy.pieces)
+    assert spy.certificate, "the rank certificate ran no GEMM"
+    assert {t for t, _ in spy.certificate} == {fast.PRECISE_STEPS}, "the certificate ran elsewhere"
+    assert {d for _, ds in spy.certificate for d in ds} == {torch.float64}

@@ -158,3 +158,21 @@ def test_no_import_cycle():
 def test_find_cycle_sees_a_lazy_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+#: The size of a room (DESIGN.md, "The house"): a module that outgrows it is split where its phases part.
+MAX_MODULE_LINES = 450
+
+
+def test_every_module_fits_its_room():
+    pkg = os.path.join(ROOT, "isoloco_kernels")
+    over = []
+    for dirpath, _, files in os.walk(pkg):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                with open(path, encoding="utf-8") as fh:
+                    n = sum(1 for _ in fh)
+                if n > MAX_MODULE_LINES:
+                    over.append(f"{os.path.relpath(path, ROOT)}: {n} lines")
+    assert not over, f"modules over {MAX_MODULE_LINES} lines: " + ", ".join(over)

@@ -58,7 +58,7 @@ def _check_bytes_per_rank_are_an_all_reduce(rank, world):
     """The bytes this rank hands to the step's collectives (the all-to-all's outgoing part, the
     segment all-gather's ring share), counted at the calls, ≤ 1.1× an all-reduce's and ≥ 0.9×
     (both collectives were seen)."""
-    from isoloco_kernels.distributed import collectives
+    from isoloco_kernels.distributed import pipeline as collectives  # where the segment all-gather runs
 
     shapes = [(64, 48)] * 6 + [(48, 64)] * 6 + [(200,)] * 4
     params = [torch.zeros(s) for s in shapes]

@@ -1,7 +1,7 @@
 """The Nesterov update bumps the version counters of what it writes, as every in-place torch op
 does: autograd refuses a backward through a param it changed (as with torch.optim.SGD), and a
 momentum buffer shared by two optimizers is never trusted as unchanged by the one that did not
-write it last (outer._trusted_bound reads the counter)."""
+write it last (momentum._trusted_bound reads the counter)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,10 @@
   (`Agreement`: attempt / settle);
 - `plan.py`: who owns which tensor (`plan_shards`, `ShardPlan`); how a DTensor matrix is split
   over a 1-D mesh (`ShardLayout`);
-- `collectives.py`: chunked, pipelined collectives, `average_` (DiLoCo's all-reduce-mean), and the
-  DTensor routes' all-gather and owner all-to-alls of shards;
+- `pipeline.py`: chunked, pipelined collectives (the sharded step's reduce-scatter, all-gather,
+  reduce to and broadcast from an owner) and their buffers (`comm_buffer`);
+- `collectives.py`: `average_` (DiLoCo's all-reduce-mean) and the DTensor routes' all-gather and
+  owner all-to-alls of shards;
 - `sharded.py`: `ShardedIsoLoCo`, the outer step with each tensor stepped by one rank;
 - `merge.py`: `sharded_iso_merge_`, Iso-C of already-averaged buckets with the work split;
 - `process_group.py`: `IsoLoCo.step` over a process group (`IsoLoCo(process_group=...)`);

@@ -23,11 +23,14 @@ import hashlib
 import math
 import numbers
 import pickle
+import threading
 import warnings
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from .errors import DistributedStepError
 
 # torch 2.14 renamed the single-tensor all-gather; older releases only have the old name (the
 # package's one copy of this shim; builds without torch.distributed have neither: importing stays
@@ -56,19 +59,6 @@ __all__ = [
 
 _UNCHANGED = "nothing was changed on any rank"
 _WRITTEN = "after the ranks began writing (the tensors it writes may have changed)"
-
-
-class DistributedStepError(RuntimeError):
-    """A collective outer step failed on at least one rank; no rank changed any tensor.
-
-    Raised on every rank of the group together, by `ShardedIsoLoCo`, `IsoLoCo(process_group=...)`,
-    `sharded_iso_merge_` and `average_`; the message names the failing ranks and what differed or went
-    wrong there (the failing rank raises its own error). A `RuntimeError`.
-
-    Examples:
-        >>> issubclass(DistributedStepError, RuntimeError)
-        True
-    """
 
 
 def group_info(group) -> tuple[int, int]:
@@ -154,6 +144,23 @@ def renamed_keyword(extra: dict, old: str, new: str, value, default, where: str)
         raise TypeError(f"{where}: {old}= is the old name of {new}=; pass {new}= only")
     warnings.warn(f"{where}: {old}= is deprecated, pass {new}= instead", DeprecationWarning, stacklevel=3)
     return extra[old]
+
+
+# The agreements' control tensors, made once per (length, device, thread) and reused: after a thread's first agreement
+# over groups of a size (an optimizer's constructor; a free function's first call) agreements allocate nothing.
+_CONTROL = threading.local()
+
+
+def control_tensor(key: str, numel: int, device) -> torch.Tensor:
+    """The thread's int64 control tensor `key` of `numel` elements on `device`, made on first use."""
+    made = _CONTROL.__dict__.setdefault("made", {})
+    if (key, numel, str(device)) not in made:
+        made[key, numel, str(device)] = _new_control(numel, device)
+    return made[key, numel, str(device)]
+
+
+def _new_control(numel: int, device) -> torch.Tensor:  # the agreements' one device allocation
+    return torch.zeros(numel, dtype=torch.int64, device=device)
 
 
 def gather_objects(obj, group) -> list:
@@ -249,17 +256,15 @@ def agree(
         return ask
     device = comm_device(group)
     check = fp is not None or bool(settings)
-    mine = torch.tensor(
-        [int(error is not None), _settings_fp(fp, settings) if check else 0, int(ask)], dtype=torch.int64, device=device
-    )
-    every = torch.empty(3 * world, dtype=torch.int64, device=device)
+    mine, every = control_tensor("agree-mine", 3, device), control_tensor("agree-every", 3 * world, device)
+    mine.copy_(torch.tensor([int(error is not None), _settings_fp(fp, settings) if check else 0, int(ask)]))
     all_gather_single(every, mine, group=group)
-    flags, prints, asks = every.view(world, 3).cpu().unbind(1)
-    failed = flags.nonzero().view(-1).tolist()
-    if not failed and (not check or prints.unique().numel() == 1):
-        return bool(asks.any())
+    rows = every.view(world, 3).tolist()
+    failed, prints = [r for r, row in enumerate(rows) if row[0]], [row[1] for row in rows]
+    if not failed and (not check or len(set(prints)) == 1):
+        return any(row[2] for row in rows)
     got = gather_objects((error, settings), group)
-    _raise(what, world, failed, [t for t, _ in got], [s for _, s in got], prints.tolist(), mismatch)
+    _raise(what, world, failed, [t for t, _ in got], [s for _, s in got], prints, mismatch)
 
 
 def agree_on_mesh(
@@ -282,21 +287,20 @@ def agree_on_mesh(
         return
     me = ranks.index(dist.get_rank())
     groups = [mesh.get_group(d) for d in range(mesh.ndim)]
-    v = torch.zeros(2 * size, dtype=torch.int64, device=comm_device(groups[0]))
+    v = control_tensor("mesh", 2 * size, comm_device(groups[0])).zero_()
     v[me], v[size + me] = int(error is not None), _settings_fp(fp, settings)
     for g in groups:
         dist.all_reduce(v, group=g)
-    v = v.cpu()
-    flags, prints = v[:size], v[size:]
-    failed = flags.nonzero().view(-1).tolist()
-    if not failed and prints.unique().numel() == 1:
+    vals = v.tolist()
+    failed, prints = [r for r, f in enumerate(vals[:size]) if f], vals[size:]
+    if not failed and len(set(prints)) == 1:
         return
     known = {me: (error, settings)}
     for g in groups:
         known = {k: t for part in gather_objects(known, g) for k, t in part.items()}
     texts = [known.get(i, (None, None))[0] for i in range(size)]
     sets = [known.get(i, (None, None))[1] for i in range(size)]
-    _raise(what, size, failed, texts, sets, prints.tolist(), mismatch, names=ranks)
+    _raise(what, size, failed, texts, sets, prints, mismatch, names=ranks)
 
 
 class Agreement:

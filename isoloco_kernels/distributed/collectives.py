@@ -1,97 +1,56 @@
-"""Chunked, pipelined collectives for the sharded outer step and `average_`; the DTensor step's
-padded all-gather and owner all-to-alls of matrix shards.
+"""`average_` (DiLoCo's chunked all-reduce-mean) and the DTensor step's padded all-gather and
+owner all-to-alls of matrix shards (the gather and owner routes).
 
-Every helper moves data in chunks of about `chunk_bytes` with at most two asynchronous
-collectives in flight (`InFlight`), so extra memory is a few chunks, never a copy of the model.
-Every buffer handed to a collective lives on the group's `comm_device` (NCCL's rule: CUDA only);
-tensors handed over in place (params broadcast into) were checked to live there by the caller.
-Means are summed in the compute dtype (`reduce_dtype`: float32 for float16 and bfloat16) and
-rounded to the tensors' dtype once, after the division: a float16 sum that overflows where the
-mean fits gives the mean, and a bfloat16 mean over many ranks is rounded once, not per addition.
+`average_` moves data in chunks of about `chunk_bytes` with at most two all-reduces in flight
+(extra memory: a few chunks, never a copy of the model), sums in the compute dtype (`reduce_dtype`:
+float32 for float16 and bfloat16) and rounds to the tensors' dtype once, after the division. Its
+chunk machinery (`InFlight`, `CHUNK_BYTES`) and the sharded step's chunked, pipelined collectives
+are pipeline.py, re-exported here. Every buffer handed to a collective here lives on the group's
+`comm_device` (NCCL's rule: CUDA only) and comes from `pipeline.comm_buffer`, allocated before the
+ranks agree.
 """
 
 from __future__ import annotations
 
-import numbers
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
-from .._validate import check_all_finite, check_writable, compute_dtype
+from .._validate import check_all_finite, check_writable
+from . import pipeline
 from .agree import Agreement, all_gather_single, comm_device, describe, fingerprint, group_info, renamed_keyword
-from .plan import ShardPlan, owned_views, plan_shards
+from .pipeline import (  # noqa: F401  (re-exported: their old home)
+    BUCKET_BYTES,
+    CHUNK_BYTES,
+    InFlight,
+    _chunks,
+    _copy_back,
+    _offsets,
+    _pack_chunk,
+    _pieces,
+    all_gather_segments,
+    broadcast_from_owner,
+    broadcast_into,
+    check_chunk_bytes,
+    comm_buffer,
+    flat_view,
+    gather_segment_buffers,
+    reduce_dtype,
+    reduce_scatter_buffers,
+    reduce_scatter_mean,
+    reduce_scatter_single,
+    reduce_to_owner,
+    reduce_to_owner_buffers,
+    run_here,
+    scatter_into,
+)
+from .plan import plan_shards
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["CHUNK_BYTES", "BUCKET_BYTES", "average_"]
-
-#: Default size of one communication chunk (all ranks' pieces together), as DDP's 25 MB buckets.
-CHUNK_BYTES = 25 * 1024 * 1024
-BUCKET_BYTES = CHUNK_BYTES  # its old name
-
-# torch 2.14 renamed the single-tensor reduce-scatter; older releases only have the old name.
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
-
-
-def check_chunk_bytes(value, where: str) -> None:
-    """A communication chunk size must be a positive int (`where`: e.g. "average_: chunk_bytes")."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{where} must be a positive int, got {value!r}")
-
-
-def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype sums over ranks are taken in: float32 for float16 and bfloat16, else `dtype`."""
-    return compute_dtype(dtype) if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _pieces(entries: Sequence[tuple[int, int]], numel_of, a: int, b: int):
-    """Parts of [a, b) of a flat segment made of entries (tensor index, offset), in order:
-    yields (tensor index, start inside the tensor, start inside [a, b), length)."""
-    for i, off in entries:
-        n = numel_of(i)
-        lo, hi = max(a, off), min(b, off + n)
-        if lo < hi:
-            yield i, lo - off, lo - a, hi - lo
-
-
-def _chunks(total: int, per_chunk: int):
-    for a in range(0, total, per_chunk):
-        yield a, min(total, a + per_chunk)
-
-
-def run_here(fn, *args):
-    """fn(*args): the `attempt` of a caller with no agreement to report a failure to."""
-    return fn(*args)
-
-
-class InFlight:
-    """At most `depth` async collectives in flight; each finishes with its callback, in order, run
-    under `attempt` (the caller's `Agreement.attempt`: a callback that fails is kept for the
-    caller's next agreement, and the collectives after it still run)."""
-
-    def __init__(self, depth: int = 2, attempt=run_here):
-        self.depth, self.queue, self.attempt = depth, [], attempt
-
-    def add(self, work, done) -> None:
-        self.queue.append((work, done))
-        if len(self.queue) > self.depth:
-            self.pop()
-
-    def pop(self) -> None:
-        work, done = self.queue.pop(0)
-        work.wait()
-        self.attempt(done)
-
-    def drain(self) -> None:
-        while self.queue:
-            self.pop()
-
-
-def flat_view(t: torch.Tensor) -> torch.Tensor:
-    """A flat view of t (contiguous t), else a flat copy."""
-    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
 
 
 def average_(
@@ -158,30 +117,6 @@ def average_(
     return tensors
 
 
-def _offsets(tensors, idx) -> list[tuple[int, int]]:
-    """(tensor index, offset) of each tensor of one kind, end to end."""
-    entries, off = [], 0
-    for i in idx:
-        entries.append((i, off))
-        off += tensors[i].numel()
-    return entries
-
-
-def _pack_chunk(entries, flats, a: int, b: int, buf: torch.Tensor) -> list:
-    """Elements [a, b) of the tensors laid end to end into `buf`; returns their pieces."""
-    parts = list(_pieces(entries, lambda i: flats[i].numel(), a, b))
-    for i, ts, bs, n in parts:
-        buf[bs : bs + n].copy_(flats[i][ts : ts + n])
-    return parts
-
-
-def _copy_back(tensors, flats, idx) -> None:
-    """Non-contiguous tensors from the flat copies they were averaged in."""
-    for i in idx:
-        if not tensors[i].is_contiguous():
-            tensors[i].copy_(flats[i].view(tensors[i].shape))
-
-
 def _average_buffers(tensors, chunk_bytes: int, device) -> list[tuple]:
     """average_'s allocations, made before its agreement: per (device, dtype) of the non-empty
     tensors, (their indices, their flat views or copies, elements, elements per chunk, three chunk
@@ -196,7 +131,9 @@ def _average_buffers(tensors, chunk_bytes: int, device) -> list[tuple]:
         total = sum(tensors[i].numel() for i in idx)
         rdt = reduce_dtype(dtype)  # summed in float32 for 2-byte dtypes, rounded back once
         per = max(1, chunk_bytes // rdt.itemsize)
-        out.append((idx, flats, total, per, [comm_buffer(min(per, total), rdt, device, False) for _ in range(3)]))
+        out.append(
+            (idx, flats, total, per, [pipeline.comm_buffer(min(per, total), rdt, device, False) for _ in range(3)])
+        )
     return out
 
 
@@ -209,194 +146,6 @@ def _check_average(tensors) -> None:
     names = [f"average_: tensor {i}" for i in range(len(tensors))]
     check_writable(tensors, names)
     check_all_finite(tensors, names)  # NaN/Inf would spread to every rank
-
-
-def reduce_scatter_buffers(plan: ShardPlan, dtype, group, chunk_bytes) -> tuple:
-    """(own, sends, outs) of `reduce_scatter_mean`: this rank's segment, three send chunks and (for
-    2-byte dtypes, reduced in float32) three output chunks, on the group's communication device."""
-    _, seg = plan.layout(dtype)
-    device = comm_device(group)
-    own = comm_buffer(seg, dtype, device, False)
-    if seg == 0:
-        return own, None, None
-    rdt = reduce_dtype(dtype)
-    per = max(1, chunk_bytes // (plan.world_size * rdt.itemsize))
-    sends = [comm_buffer(plan.world_size * min(per, seg), rdt, device, False) for _ in range(3)]
-    outs = [comm_buffer(min(per, seg), rdt, device, False) for _ in range(3)] if rdt != dtype else None
-    return own, sends, outs
-
-
-def reduce_scatter_mean(
-    plan: ShardPlan, dtype, src, rank, group, chunk_bytes, buffers=None, attempt=run_here
-) -> torch.Tensor:
-    """This rank's segment of the mean over ranks of the sharded tensors of one dtype.
-
-    src(i) is tensor i's flat local pseudo-gradient, or None (sent as zeros). Chunk k covers
-    elements [a, b) of every rank's segment: send holds world pieces of b − a elements. The sums
-    are taken in `reduce_dtype(dtype)` and the mean rounded to `dtype` once. The segment and the
-    buffers (`buffers` = `reduce_scatter_buffers(...)`, made before the ranks agreed; None: made
-    here) live on the group's communication device. The local work between the collectives runs
-    under `attempt` (`Agreement.attempt`): the collectives run on every rank whatever it does.
-    """
-    per_rank, seg = plan.layout(dtype)
-    world = plan.world_size
-    own, sends, outs = buffers if buffers is not None else reduce_scatter_buffers(plan, dtype, group, chunk_bytes)
-    if seg == 0:
-        return own
-    rdt = reduce_dtype(dtype)
-    wide = rdt != dtype  # reduce into float32 chunks, then round each chunk's mean into `own`
-    per = max(1, chunk_bytes // (world * rdt.itemsize))
-    flight = InFlight(2, attempt)
-    for k, (a, b) in enumerate(_chunks(seg, per)):
-        w = b - a
-        send = sends[k % 3][: world * w]
-        attempt(_pack_segments, per_rank, plan, src, a, b, send)
-        out = outs[k % 3][:w] if wide else own[a:b]
-
-        def done(out=out, a=a, b=b):
-            if wide:
-                own[a:b].copy_(out.div_(world))
-
-        flight.add(reduce_scatter_single(out, send, group=group, async_op=True), done)
-    flight.drain()
-    if not wide:
-        attempt(own.div_, world)
-    return own
-
-
-def _pack_segments(per_rank, plan: ShardPlan, src, a: int, b: int, send: torch.Tensor) -> None:
-    """Elements [a, b) of every rank's segment into `send` (world pieces of b − a elements)."""
-    world, w = plan.world_size, b - a
-    send.zero_()
-    for r in range(world):
-        for i, ts, bs, n in _pieces(per_rank[r], plan.numel, a, b):
-            g = src(i)
-            if g is not None:
-                send[r * w + bs : r * w + bs + n].copy_(g[ts : ts + n])
-
-
-def gather_segment_buffers(plan: ShardPlan, dtype, group, chunk_bytes) -> list[torch.Tensor]:
-    """The three chunk buffers of `all_gather_segments`, on the group's communication device."""
-    _, seg = plan.layout(dtype)
-    if seg == 0:
-        return []
-    per = max(1, chunk_bytes // (plan.world_size * dtype.itemsize))
-    return [comm_buffer(plan.world_size * min(per, seg), dtype, comm_device(group), False) for _ in range(3)]
-
-
-def all_gather_segments(
-    plan: ShardPlan, dtype, own, dst, rank, group, chunk_bytes, buffers=None, attempt=run_here
-) -> None:
-    """Every rank's segment of one dtype, scattered into dst(i) (tensor i's flat destination),
-    through `buffers` (`gather_segment_buffers`, made before the ranks agreed; None: made here)."""
-    per_rank, seg = plan.layout(dtype)
-    world = plan.world_size
-    if seg == 0:
-        return
-    per = max(1, chunk_bytes // (world * own.element_size()))
-    bufs = buffers if buffers is not None else gather_segment_buffers(plan, dtype, group, chunk_bytes)
-    flight = InFlight(2, attempt)
-    for k, (a, b) in enumerate(_chunks(seg, per)):
-        w = b - a
-        buf = bufs[k % 3][: world * w]
-
-        def done(buf=buf, a=a, b=b, w=w):
-            for r in range(world):
-                for i, ts, bs, n in _pieces(per_rank[r], plan.numel, a, b):
-                    dst(i)[ts : ts + n].copy_(buf[r * w + bs : r * w + bs + n])
-
-        flight.add(all_gather_single(buf, own[a:b], group=group, async_op=True), done)
-    flight.drain()
-
-
-def reduce_to_owner_buffers(numel, dtype, owner, rank, group, chunk_bytes) -> tuple:
-    """(out, bufs) of `reduce_to_owner`: the owner's result and three scratch chunks (where used),
-    on the group's communication device."""
-    device = comm_device(group)
-    rdt = reduce_dtype(dtype)
-    per = max(1, chunk_bytes // rdt.itemsize)
-    out = comm_buffer(numel, dtype, device, False) if rank == owner else None
-    scratch = rank != owner or rdt != dtype
-    return out, [comm_buffer(min(per, numel), rdt, device, False) for _ in range(3)] if scratch else None
-
-
-def reduce_to_owner(
-    src, numel, dtype, owner, rank, group, chunk_bytes, buffers=None, attempt=run_here
-) -> Optional[torch.Tensor]:
-    """Mean over ranks of one flat tensor, delivered to `owner` only (returned there, else None).
-
-    src: this rank's flat values, or None (sent as zeros). Sent in chunks through a scratch buffer
-    (a reduce may use a non-root's input as scratch, so grads are never handed to it directly),
-    on the group's communication device; summed in `reduce_dtype(dtype)`, the mean rounded to
-    `dtype` once. `buffers`: `reduce_to_owner_buffers(...)`, made before the ranks agreed (None: here).
-    """
-    world = dist.get_world_size(group)
-    dst = dist.get_global_rank(group, owner) if group is not None else owner
-    rdt = reduce_dtype(dtype)
-    wide = rdt != dtype
-    per = max(1, chunk_bytes // rdt.itemsize)
-    out, bufs = (
-        buffers if buffers is not None else reduce_to_owner_buffers(numel, dtype, owner, rank, group, chunk_bytes)
-    )
-    scratch = rank != owner or wide  # the owner reduces straight into `out` when no rounding follows
-    flight = InFlight(2, attempt)
-    for k, (a, b) in enumerate(_chunks(numel, per)):
-        buf = bufs[k % 3][: b - a] if scratch else out[a:b]
-        attempt(buf.zero_) if src is None else attempt(buf.copy_, src[a:b])
-
-        def done(buf=buf, a=a, b=b):
-            if out is not None and wide:
-                out[a:b].copy_(buf.div_(world))
-
-        flight.add(dist.reduce(buf, dst=dst, group=group, async_op=True), done)
-    flight.drain()
-    if out is None:
-        return None
-    return out if wide else attempt(out.div_, world)
-
-
-def broadcast_from_owner(flat: torch.Tensor, owner: int, group, chunk_bytes) -> None:
-    """flat (contiguous) ← the owner's flat, in chunks, in place on every rank."""
-    src = dist.get_global_rank(group, owner) if group is not None else owner
-    per = max(1, chunk_bytes // flat.element_size())
-    flight = InFlight(2)
-    for a, b in _chunks(flat.numel(), per):
-        flight.add(dist.broadcast(flat[a:b], src=src, group=group, async_op=True), lambda: None)
-    flight.drain()
-
-
-def broadcast_into(
-    t: torch.Tensor, owner: int, group, chunk_bytes, flat: Optional[torch.Tensor] = None, attempt=run_here
-) -> None:
-    """t ← the owner's t (t on the group's communication device; non-contiguous t through a
-    flat copy there: `flat`, made before the ranks agreed, or made here). The copies run under
-    `attempt`."""
-    if t.is_contiguous():
-        broadcast_from_owner(t.view(-1), owner, group, chunk_bytes)
-        return
-    if flat is None:
-        flat = comm_buffer(t.numel(), t.dtype, comm_device(group), False)
-    attempt(flat.copy_, t.reshape(-1))
-    broadcast_from_owner(flat, owner, group, chunk_bytes)
-    attempt(t.copy_, flat.view(t.shape))
-
-
-def scatter_into(plan, dtype, own, tensors, rank, group, chunk_bytes, buffers=None, attempt=run_here) -> None:
-    """All-gather every rank's segment of one dtype into `tensors` (non-contiguous ones via a copy;
-    `buffers`: `gather_segment_buffers(...)`, or None to make them here); local work under `attempt`."""
-    flats = {}
-
-    def dst(i):
-        if i not in flats:
-            flats[i] = flat_view(tensors[i])
-        return flats[i]
-
-    if plan.world_size == 1:
-        for i, v in owned_views(plan, dtype, own, rank).items():
-            tensors[i].copy_(v)
-        return
-    all_gather_segments(plan, dtype, own, dst, rank, group, chunk_bytes, buffers, attempt)
-    attempt(_copy_back, tensors, flats, list(flats))
 
 
 # -- DTensor matrices sharded on a 1-D mesh (`plan.ShardLayout`): the gather and owner routes'
@@ -421,24 +170,20 @@ class GatherSegments:
         self.longest = max(seg)
 
 
-def comm_buffer(numel: int, dtype: torch.dtype, device, zero: bool) -> torch.Tensor:
-    """A buffer a DTensor route's collective sends from (`zero`: padding and a failed rank's part
-    stay zeros) or receives into. Every such buffer comes from here, allocated before the ranks
-    agree that every one of them has its buffers (`gather_buffers`, `owner_buffers`): a rank that
-    cannot allocate one must not be the only rank missing from the collective."""
-    return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
-
-
 def gather_buffers(group, dtype, segs: GatherSegments) -> tuple[torch.Tensor, torch.Tensor]:
     """(send, recv) of `all_gather_shards`, on the group's communication device."""
     dev = comm_device(group)
-    return comm_buffer(segs.longest, dtype, dev, True), comm_buffer(segs.world * segs.longest, dtype, dev, False)
+    return pipeline.comm_buffer(segs.longest, dtype, dev, True), pipeline.comm_buffer(
+        segs.world * segs.longest, dtype, dev, False
+    )
 
 
 def owner_buffers(group, dtype, send_split, recv_split) -> tuple[torch.Tensor, torch.Tensor]:
     """(send, recv) of one owner-route all-to-all, on the group's communication device."""
     dev = comm_device(group)
-    return comm_buffer(sum(send_split), dtype, dev, True), comm_buffer(sum(recv_split), dtype, dev, False)
+    return pipeline.comm_buffer(sum(send_split), dtype, dev, True), pipeline.comm_buffer(
+        sum(recv_split), dtype, dev, False
+    )
 
 
 def all_gather_shards(group, segs: GatherSegments, shards, devices, attempt, buffers):

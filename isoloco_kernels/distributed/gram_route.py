@@ -6,7 +6,7 @@ runs gram.py's iteration on it (method "gram", or "auto" resolving to it) or flo
 (`exact.eigh_polar`, reference.py's rank cut), and writes its own rows s̄·Yᵢ·P. A matrix its A₀
 cannot resolve (the iteration's checks or eigh's resolution fail) is left to the exact path
 (routes.py); the ranks agree on which by one small all-reduce of flags (`agree_exact`). A₀'s
-buffer is allocated, and the ranks agree that each has it, before its all-reduce.
+buffer and the flags are allocated, and the ranks agree that each has them, before A₀'s all-reduce.
 """
 
 from __future__ import annotations
@@ -18,40 +18,51 @@ import torch.distributed as dist
 
 from .._validate import check_all_finite, compute_dtype
 from ..outer import local
-from . import collectives
+from . import pipeline
 from .agree import comm_device
 
 __all__ = ["agree_exact", "gram_route"]
 
 
 def gram_route(mesh, ks: list[int], ds: list[int], entries, layouts, method: str, attempt, stats):
-    """This rank's piece of s̄·Q for the Gram-route matrices `ks` (short sides `ds`) of one mesh that
-    their all-reduced A₀ serves, as {entry index: tensor}, or None once local work failed.
+    """(this rank's piece of s̄·Q for the Gram-route matrices `ks` (short sides `ds`) of one mesh that
+    their all-reduced A₀ serves, as {entry index: tensor}, or None once local work failed; the
+    zeroed flags for `agree_exact`).
 
-    `attempt`: the step's `Agreement.attempt`. A₀'s buffer is allocated under it and the ranks
-    agree (that Agreement's `settle`) before the all-reduce: a rank that cannot allocate it (out
-    of memory) fails every rank there, with nothing changed, instead of leaving the others in the
-    all-reduce. After that the all-reduce runs whatever happens locally (a rank that failed adds
-    zeros)."""
+    `attempt`: the step's `Agreement.attempt`. A₀'s buffer and the exact path's flags are allocated
+    under it and the ranks agree (that Agreement's `settle`) before the all-reduce: a rank that
+    cannot allocate them (out of memory) fails every rank there, with nothing changed, instead of
+    leaving the others in a collective. After that the all-reduce runs whatever happens locally (a
+    rank that failed adds zeros)."""
     group = mesh.get_group(0)
-    buf = attempt(collectives.comm_buffer, sum(d * d for d in ds), torch.float64, comm_device(group), True)
-    attempt.__self__.settle()  # every rank has its buffer, or every rank raises here
+    dev = comm_device(group)
+    bufs = attempt(_gram_buffers, sum(d * d for d in ds), len(ks), dev)
+    attempt.__self__.settle()  # every rank has its buffers, or every rank raises here
+    buf, flags = bufs
     ys, off = {}, 0
     for k, d in zip(ks, ds):
         ys[k] = attempt(_gram_into, entries[k], layouts[k], buf[off : off + d * d].view(d, d))
         off += d * d
     dist.all_reduce(buf, group=group)
     stats.gram_elements += buf.numel()
-    return attempt(_gram_results, entries, layouts, ks, ds, ys, buf, method, stats)
+    return attempt(_gram_results, entries, layouts, ks, ds, ys, buf, method, stats), flags
 
 
-def agree_exact(mesh, ks: list[int], served: Optional[dict]) -> list[int]:
+def _gram_buffers(a0_numel: int, n_flags: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A₀'s float64 buffer, the exact path's int64 flags), zeroed, on the communication device."""
+    return (
+        pipeline.comm_buffer(a0_numel, torch.float64, device, True),
+        pipeline.comm_buffer(n_flags, torch.int64, device, True),
+    )
+
+
+def agree_exact(mesh, ks: list[int], served: Optional[dict], flags: torch.Tensor) -> list[int]:
     """The Gram-route matrices of `ks` that no A₀ served (`served`: this rank's results, None once
     its local work failed), as every rank of the mesh sees them: every rank holds the same A₀ and
     decides alike, and one small all-reduce (max) of the flags makes that exact even where LAPACK
-    differs between ranks in its last bits; a failed rank flags nothing, so it joins the others."""
+    differs between ranks in its last bits; a failed rank flags nothing, so it joins the others.
+    `flags`: len(ks) zeros on the communication device (`gram_route`'s, allocated before its agreement)."""
     group = mesh.get_group(0)
-    flags = torch.zeros(len(ks), dtype=torch.int64, device=comm_device(group))
     if served is not None:
         flags.copy_(torch.tensor([int(k not in served) for k in ks], dtype=torch.int64))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)

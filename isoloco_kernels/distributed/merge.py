@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 
 from .._validate import check_all_finite, check_matrix_tensor, check_writable
+from ..api import iso_merge_unchecked_
 from ..flatten import check_method
-from ..ops import iso_merge_unchecked_
-from . import collectives
+from . import pipeline
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, renamed_keyword
-from .collectives import CHUNK_BYTES, broadcast_into, check_chunk_bytes, scatter_into
+from .pipeline import CHUNK_BYTES, broadcast_into, check_chunk_bytes, scatter_into
 from .plan import plan_shards
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ def sharded_iso_merge_(
         return buckets[k] if j is None else buckets[k][j]
 
     # My matrices, copied aside and flattened before anyone writes (the flatten takes each batch in
-    # slices of bounded scratch, `ops.iso_merge_unchecked_`: only these copies are written).
+    # slices of bounded scratch, `api.iso_merge_unchecked_`: only these copies are written).
     ag.attempt(_copy_aside, bufs, unit)
     ag.attempt(iso_merge_unchecked_, [blk for blk, _ in bufs.batches], method)  # checked above
     ag.settle()  # any failure reaches the other ranks before they write
@@ -132,7 +132,7 @@ def _write_standins(bufs, unit) -> None:
 
 
 class _Buffers:
-    """Every buffer `sharded_iso_merge_` makes, all from `collectives.comm_buffer`, before its
+    """Every buffer `sharded_iso_merge_` makes, all from `pipeline.comm_buffer`, before its
     ranks first agree.
 
     owns: my flat segment per sharded dtype (on the group's communication device: the all-gather
@@ -167,7 +167,7 @@ def _buffers(buckets, units, plan, rank, group, chunk_bytes) -> _Buffers:
 
     for dt in plan.sharded_dtypes:
         per_rank, seg = plan.layout(dt)
-        own = collectives.comm_buffer(seg, dt, device, False)
+        own = pipeline.comm_buffer(seg, dt, device, False)
         by_bucket: dict[int, list[tuple[int, int]]] = {}
         for u, off in per_rank[rank]:
             by_bucket.setdefault(units[u][0], []).append((u, off))
@@ -178,14 +178,14 @@ def _buffers(buckets, units, plan, rank, group, chunk_bytes) -> _Buffers:
             out.members.append([u for u, _ in members])
         out.owns[dt] = own
         if world > 1:
-            out.gather[dt] = collectives.gather_segment_buffers(plan, dt, group, chunk_bytes)
+            out.gather[dt] = pipeline.gather_segment_buffers(plan, dt, group, chunk_bytes)
     solo_mine: dict[int, list[int]] = {}
     for u in sorted(plan.solo):
         if plan.owners[u] == rank:
             solo_mine.setdefault(units[u][0], []).append(u)
     for k, us in solo_mine.items():
         m, n = buckets[k].shape[-2:]
-        batch = collectives.comm_buffer(len(us) * m * n, buckets[k].dtype, buckets[k].device, False)
+        batch = pipeline.comm_buffer(len(us) * m * n, buckets[k].dtype, buckets[k].device, False)
         out.batches.append((batch.view(len(us), m, n), us))
         out.members.append(us)
     for u in range(len(units)):
@@ -193,9 +193,9 @@ def _buffers(buckets, units, plan, rank, group, chunk_bytes) -> _Buffers:
             continue
         dt = buckets[units[u][0]].dtype
         if u in plan.solo:
-            out.flats[u] = collectives.comm_buffer(shape(u).numel(), dt, device, False)
+            out.flats[u] = pipeline.comm_buffer(shape(u).numel(), dt, device, False)
         elif world > 1:
-            out.standins[u] = collectives.comm_buffer(shape(u).numel(), dt, device, False).view(shape(u))
+            out.standins[u] = pipeline.comm_buffer(shape(u).numel(), dt, device, False).view(shape(u))
     return out
 
 

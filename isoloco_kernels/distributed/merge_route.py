@@ -1,4 +1,5 @@
-"""The sharded outer step of a merge that needs every worker's Δ (`ShardedIsoLoCo(merge=...)`).
+"""The sharded outer step of a merge that needs every worker's Δ (`ShardedIsoLoCo(merge=...)`), and
+the checks of a `ShardedIsoLoCo` state dict (its rank and shard plan).
 
 Iso-C and the mean need only the average, which a reduce-scatter delivers (sharded.py). TSV-M,
 Iso-CTS, TIES and DARE need the K workers' own deltas of each matrix — on its owner only:
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from .plan import ShardPlan
 
-__all__ = ["merge_buffers", "exchange_workers", "wire_bytes"]
+__all__ = ["check_sharded_state", "exchange_workers", "merge_buffers", "merged_updates", "wire_bytes"]
 
 
 def merge_buffers(plan: ShardPlan, rank: int, device) -> dict:
@@ -93,3 +94,51 @@ def wire_bytes(plan: ShardPlan) -> dict[str, int]:
         "allreduce": 2 * total * (world - 1) // world,
         "allgather_deltas": total * (world - 1),
     }
+
+
+def merged_updates(opt, stacks: dict[int, torch.Tensor], merge_fn) -> dict[int, torch.Tensor]:
+    """A `ShardedIsoLoCo`'s merge of the [K, *shape] stacks of its own tensors (groups with
+    iso=False: the mean), as `MergeLoCo.set_deltas` computes it: the same stack ids (tensor
+    indices) and DARE seed (offset by the steps taken), so the same result. merge_fn: merges.merge."""
+    opts = dict(opt.merge_options)
+    if opt.merge == "dare":
+        opts["seed"] = opts.get("seed", 0) + opt.merged_steps
+    idx = sorted(stacks)
+    chosen = [i for i in idx if opt.param_groups[opt._group_of[i]]["iso"]]
+    plain = [i for i in idx if i not in set(chosen)]
+    out = {}
+    if chosen:
+        got = merge_fn([stacks[i] for i in chosen], opt.merge, flatten_method=opt.method, stack_ids=chosen, **opts)
+        out.update(zip(chosen, got))
+    if plain:
+        out.update(zip(plain, merge_fn([stacks[i] for i in plain], "mean")))
+    return {i: m.to(opt._params[i].dtype) for i, m in out.items()}
+
+
+def check_sharded_state(opt, state_dict, where: str) -> dict:
+    """A `ShardedIsoLoCo` state dict checked against this optimizer's rank and shard plan; returns
+    it without its 'sharding' entry (what `outer.load_sgd_state` loads)."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"{where}: expected a dict, got {type(state_dict).__name__}")
+    info = state_dict.get("sharding")
+    if info is None:
+        raise ValueError(
+            f"{where}: the state has no 'sharding' entry (it was not saved by "
+            "ShardedIsoLoCo.state_dict()); per-rank momentum cannot be matched to this plan"
+        )
+    if info["world_size"] != opt.world_size or info["fingerprint"] != opt.plan.fingerprint:
+        raise ValueError(
+            f"{where}: the state was saved under a different shard plan "
+            f"(world size {info['world_size']}, plan {info['fingerprint']:#x}); this optimizer has world "
+            f"size {opt.world_size}, plan {opt.plan.fingerprint:#x}; it needs the same params (shapes, "
+            "dtypes, order) and world size"
+        )
+    if info["rank"] != opt.rank:
+        raise ValueError(
+            f"{where}: the state was saved by rank {info['rank']}, this is rank {opt.rank}; load each rank's own state"
+        )
+    rest = {k: v for k, v in state_dict.items() if k != "sharding"}
+    extra = sorted(set(rest.get("state", {})) - set(opt.mine))
+    if extra:
+        raise ValueError(f"{where}: the state holds momentum for params {extra[:8]} that rank {opt.rank} does not own")
+    return rest

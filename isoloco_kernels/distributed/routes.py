@@ -135,9 +135,9 @@ def iso_updates(method: str, entries: list[Entry], routes, ag, stats: Stats) -> 
 
     # Gram route: one float64 all-reduce per mesh; what its A₀ cannot serve takes the exact path
     for mesh, ks, ds in routes.gram:
-        res = gram_route(mesh, ks, ds, entries, lay, method, ag.attempt, stats)
+        res, flags = gram_route(mesh, ks, ds, entries, lay, method, ag.attempt, stats)
         out.update(res or {})
-        exact = agree_exact(mesh, ks, res)
+        exact = agree_exact(mesh, ks, res, flags)
         stats.gram_exact += len(exact)
         got = _gather_whole(mesh, entries, lay, exact, ag, stats)
         results = ag.attempt(_flatten_whole, entries, got, "svd") or {}

@@ -20,12 +20,14 @@ from ..buckets import BucketPlan
 from ..merges import merge as merge_stacks
 from ..merges.options import resolve_options
 from ..nd import warn_nd_params
+from . import pipeline
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, optimizer_settings, renamed_keyword
-from .collectives import (
+from .merge import PLAN_MISMATCH
+from .merge_route import check_sharded_state, exchange_workers, merge_buffers, merged_updates
+from .pipeline import (
     CHUNK_BYTES,
     broadcast_into,
     check_chunk_bytes,
-    comm_buffer,
     flat_view,
     gather_segment_buffers,
     reduce_scatter_buffers,
@@ -34,8 +36,6 @@ from .collectives import (
     reduce_to_owner_buffers,
     scatter_into,
 )
-from .merge import PLAN_MISMATCH
-from .merge_route import exchange_workers, merge_buffers
 from .plan import owned_views, plan_shards
 
 if TYPE_CHECKING:
@@ -49,33 +49,26 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     """IsoLoCo's outer step for DiLoCo over a process group, each tensor's work done by one rank.
 
     Grads NOT yet averaged: on every rank set p.data to the global weights (equal on all ranks) and
-    p.grad to this rank's own pseudo-gradient θ − θ_k, then `step()` (already averaged grads give
-    the same result, but pay for an average nobody needed; for those use
-    `IsoLoCo(process_group=...)`). The step averages the pseudo-gradients itself (reduce-scatter), and each rank applies
+    p.grad to this rank's own pseudo-gradient θ − θ_k, then `step()` (for grads already averaged use
+    `IsoLoCo(process_group=...)`). The step averages them itself (reduce-scatter); each rank applies
     M = iso(mean Δ) (2-D params, iso on) or mean Δ, then Nesterov (reference.nesterov_ref), to the
-    params it owns; an all-gather gives every rank the new θ. The
-    result is the replicated IsoLoCo step on the averaged pseudo-gradients.
+    params it owns; an all-gather gives every rank the new θ: the replicated IsoLoCo step on the mean.
+    `merge` ("tsv", "iso_cts", "ties", "dare", "mean"; options in `merge_options`) takes the paper's
+    other merges instead: each owner receives every rank's Δ of its own tensors (merge_route.py).
 
-    Momentum is kept only by the owner, so state_dict()
-    is per rank; it carries the plan's fingerprint and rank, and load_state_dict refuses a state
-    saved under a different plan or by a different rank. The arguments are IsoLoCo's, SGD's
-    keywords (dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused) in SGD's
-    positions with the same checks, so `partial(ShardedIsoLoCo, lr=..., momentum=..., nesterov=True)`
-    works where `partial(IsoLoCo, ...)` does; param_groups are IsoLoCo's (SGD's keys plus iso); half-precision params keep float32 momentum, as in IsoLoCo. The mean of float16 and
-    bfloat16 pseudo-gradients is summed in float32 and rounded to their dtype once (a float16 sum
-    may overflow where the mean fits).
+    Momentum is kept only by the owner, so state_dict() is per rank; it carries the plan's
+    fingerprint and rank, and load_state_dict refuses a state saved under another plan or rank. The
+    arguments are IsoLoCo's, SGD's keywords in SGD's positions with the same checks (so
+    `partial(ShardedIsoLoCo, ...)` works where `partial(IsoLoCo, ...)` does); half-precision params
+    keep float32 momentum; float16/bfloat16 means are summed in float32 and rounded once.
 
-    If any rank finds bad input (missing grad, wrong shape or dtype, NaN/Inf, a failed flatten),
-    every rank raises DistributedStepError and no param or buffer changes on any rank. The ranks
-    also agree on their settings, at construction and before every step: each group's
-    hyper-parameters, `method`, `chunk_bytes`, `solo_above` and the shard plan; a setting that
-    differs on some rank raises DistributedStepError everywhere, naming it and which ranks hold
-    which value. A rank whose constructor arguments are refused raises its own error, the others
-    DistributedStepError naming it. Params must live on the group's communication device
-    (`agree.comm_device`: CUDA for NCCL, the CPU for gloo). Param groups are fixed at construction
-    (`add_param_group` afterwards is refused). `process_group`: the group (None: the default
-    group), as for IsoLoCo; `group=` is its old name (DeprecationWarning). `chunk_bytes`: the size
-    of one communication chunk.
+    Bad input on any rank (missing grad, wrong shape or dtype, NaN/Inf, a failed flatten or merge)
+    makes every rank raise DistributedStepError with nothing changed on any rank. The ranks agree on
+    their settings at construction and before every step (each group's hyper-parameters, `method`,
+    `merge`, `chunk_bytes`, `solo_above`, the shard plan); one that differs raises DistributedStepError
+    everywhere, naming it. Params must live on the group's communication device (`agree.comm_device`);
+    param groups are fixed at construction. `process_group`: the group (None: the default; `group=`
+    its old name); `chunk_bytes`: the size of one communication chunk.
 
     Raises:
         ValueError: an argument it cannot honour (as IsoLoCo), or params off the communication device.
@@ -253,7 +246,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             segments, stacks = exchange_workers(
                 self.plan, lambda i: flat[i], self.rank, self.process_group, bufs or {}, ag.attempt, self._data_device
             )
-            means = ag.attempt(self._merged, stacks) or {}
+            means = ag.attempt(merged_updates, self, stacks, merge_stacks) or {}
         else:
             segments, means = self._reduce(grads or [], bufs or {}, ag.attempt)
         write = ag.attempt(self._compute, means)
@@ -269,27 +262,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     def _per_worker(self) -> bool:
         return self.merge not in ("iso_c", "mean")
 
-    def _merged(self, stacks: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """The merge of my tensors' [K, *shape] stacks (groups with iso=False: the mean), as
-        `MergeLoCo.set_deltas` computes it: the same stack ids and DARE seed, so the same result."""
-        opts = dict(self.merge_options)
-        if self.merge == "dare":
-            opts["seed"] = opts.get("seed", 0) + self.merged_steps
-        idx = sorted(stacks)
-        chosen = [i for i in idx if self.param_groups[self._group_of[i]]["iso"]]
-        plain = [i for i in idx if i not in set(chosen)]
-        out = {}
-        if chosen:
-            got = merge_stacks(
-                [stacks[i] for i in chosen], self.merge, flatten_method=self.method, stack_ids=chosen, **opts
-            )
-            out.update(zip(chosen, got))
-        if plain:
-            out.update(zip(plain, merge_stacks([stacks[i] for i in plain], "mean")))
-        return {i: m.to(self._params[i].dtype) for i, m in out.items()}
-
     def _buffers(self) -> dict:
-        """The buffers of the step's collectives (`collectives.reduce_scatter_buffers`,
+        """The buffers of the step's collectives (`pipeline.reduce_scatter_buffers`,
         `reduce_to_owner_buffers`, `gather_segment_buffers`, and a flat copy for a non-contiguous
         solo param), made before the ranks first agree: an allocation that fails on one rank
         fails every rank there instead of leaving the others in a collective."""
@@ -308,7 +282,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             p = self._params[i]
             out[("solo", i)] = reduce_to_owner_buffers(p.numel(), p.dtype, plan.owners[i], rank, group, cb)
             if not p.is_contiguous():
-                out[("flat", i)] = comm_buffer(p.numel(), p.dtype, comm_device(group), False)
+                out[("flat", i)] = pipeline.comm_buffer(p.numel(), p.dtype, comm_device(group), False)
         return out
 
     def _check(self) -> list[torch.Tensor]:
@@ -472,30 +446,5 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             >>> outer.load_state_dict(outer.state_dict())
         """
         where = "ShardedIsoLoCo.load_state_dict"
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"{where}: expected a dict, got {type(state_dict).__name__}")
-        info = state_dict.get("sharding")
-        if info is None:
-            raise ValueError(
-                f"{where}: the state has no 'sharding' entry (it was not saved by "
-                "ShardedIsoLoCo.state_dict()); per-rank momentum cannot be matched to this plan"
-            )
-        if info["world_size"] != self.world_size or info["fingerprint"] != self.plan.fingerprint:
-            raise ValueError(
-                f"{where}: the state was saved under a different shard plan "
-                f"(world size {info['world_size']}, plan {info['fingerprint']:#x}); this optimizer has world "
-                f"size {self.world_size}, plan {self.plan.fingerprint:#x}; it needs the same params (shapes, "
-                "dtypes, order) and world size"
-            )
-        if info["rank"] != self.rank:
-            raise ValueError(
-                f"{where}: the state was saved by rank {info['rank']}, this is rank {self.rank}; load each "
-                "rank's own state"
-            )
-        rest = {k: v for k, v in state_dict.items() if k != "sharding"}
-        extra = sorted(set(rest.get("state", {})) - set(self.mine))
-        if extra:
-            raise ValueError(
-                f"{where}: the state holds momentum for params {extra[:8]} that rank {self.rank} does not own"
-            )
+        rest = check_sharded_state(self, state_dict, where)
         outer.load_sgd_state(self, rest, where, super().load_state_dict)
