@@ -240,3 +240,29 @@ def reset_tf32() -> None:
         torch.backends.mkldnn.matmul.fp32_precision = "none"
     else:
         torch.set_float32_matmul_precision("highest")
+
+
+def rerun_under_interpreter(test_file: str, min_passed: int, timeout: int = 900) -> None:
+    """Run `test_file` again in a fresh Python with TRITON_INTERPRET=1 (Triton reads it at import,
+    so the kernels are built for its interpreter and take CPU tensors); fail unless it passed with at
+    least `min_passed` tests (the kernel tests really ran) and none failed."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(test_file)],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) >= min_passed, tail
+    assert "failed" not in proc.stdout.splitlines()[-1], tail

@@ -6,9 +6,6 @@ interpreter is slow. Outputs are poisoned (NaN) first, so unwritten elements sho
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,7 +17,7 @@ pytest.importorskip("triton")
 from isoloco_kernels.merges.options import resolve_options  # noqa: E402
 from isoloco_kernels.merges.reference import merge_ref  # noqa: E402
 from isoloco_kernels.merges.sparse import _merge_torch, cut_of, sparse_merge  # noqa: E402
-from tests.helpers import gen, merge_tol, rel_err  # noqa: E402
+from tests.helpers import gen, merge_tol, rel_err, rerun_under_interpreter  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEVICE = "cuda" if CUDA else "cpu"
@@ -30,19 +27,7 @@ kernels = pytest.mark.skipif(not (CUDA or INTERPRETER), reason="needs CUDA or TR
 @pytest.mark.slow  # a fresh interpreter
 @pytest.mark.skipif(CUDA or INTERPRETER, reason="the kernel tests run in this process")
 def test_kernels_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.dirname(HERE))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-        env=env,
-        cwd=os.path.dirname(HERE),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 12, tail  # the kernel tests really ran
+    rerun_under_interpreter(__file__, min_passed=12, timeout=600)
 
 
 def _kernel_used(monkeypatch) -> list:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,27 +23,14 @@ triton = pytest.importorskip("triton")
 
 from isoloco_kernels import polar  # noqa: E402
 from isoloco_kernels.reference import iso_flatten_ref, polar_ref  # noqa: E402
-from tests.helpers import TOL, rel_err, spectrum, with_spectrum  # noqa: E402
+from tests.helpers import TOL, rel_err, rerun_under_interpreter, spectrum, with_spectrum  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.skipif(CUDA or INTERPRETER, reason="the kernel tests run in this process")
 def test_kernels_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.dirname(HERE))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-        env=env,
-        cwd=os.path.dirname(HERE),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 25, tail  # the kernel tests really ran
-    assert "failed" not in proc.stdout.splitlines()[-1], tail
+    rerun_under_interpreter(__file__, min_passed=25)
 
 
 # ----------------------------------------------------------------------------------------------
