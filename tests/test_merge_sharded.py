@@ -35,7 +35,9 @@ def _equal_to_one_process(rank, world, merge, opts, dtype, solo_above):
             p.grad = d[rank].clone()
         opt.step()
         one.step(deltas=deltas)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # float32: batched SVDs of other bucket compositions (~1e-6); half params: each step rounds θ to its
+    # dtype, so the two may differ by an ulp per element after two steps
+    tol = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
     for i, (p, q) in enumerate(zip(params, ref)):
         err = float((p.double() - q.double()).norm() / q.double().norm().clamp_min(1e-30))
         assert err <= tol, f"{merge} {dtype} solo_above={solo_above}: param {i} differs by {err:.2e}"
@@ -43,7 +45,7 @@ def _equal_to_one_process(rank, world, merge, opts, dtype, solo_above):
 
 for world, table in TABLES.items():
     for merge, opts in MERGE_CASES:
-        for dtype in (torch.float32, torch.bfloat16) if world == 2 else (torch.float32,):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16) if world == 2 else (torch.float32,):
             for solo in (1.0, 0.2) if merge in ("tsv", "dare") else (1.0,):
                 name = f"{merge}-{str(dtype)[6:]}-solo{solo}"
                 table.add(
