@@ -60,11 +60,13 @@ def cut_of(sparsity: float) -> int:
 
 
 def _thresholds(x: torch.Tensor, cd: torch.dtype, sparsity: float, dim: str) -> torch.Tensor:
-    """TIES: per worker, the k-th largest score, k = max(1, ⌊(1 − p)·count⌋) (the reference's)."""
+    """TIES: per worker, the k-th largest score, k = max(1, ⌊(1 − p)·count⌋) (the reference's), as
+    the (count − k + 1)-th smallest: one selection (kthvalue), ~5× faster than a topk of k ≈ 0.9·count."""
     out = []
     for d in x:
         s = _scores(d.to(cd), dim)
-        out.append(torch.topk(s, max(1, int((1 - sparsity) * s.numel()))).values[-1])
+        k = max(1, int((1 - sparsity) * s.numel()))
+        out.append(torch.kthvalue(s, s.numel() - k + 1).values)
     return torch.stack(out)
 
 
