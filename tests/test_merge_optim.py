@@ -17,7 +17,11 @@ from tests.helpers import gen, rel_err
 
 def _params():
     g = gen("merge-optim")
-    return [torch.nn.Parameter(torch.randn(12, 8, generator=g)), torch.nn.Parameter(torch.randn(5, generator=g))]
+    return [
+        torch.nn.Parameter(torch.randn(12, 8, generator=g)),
+        torch.nn.Parameter(torch.randn(5, generator=g)),
+        torch.nn.Parameter(torch.randn((), generator=g)),  # a scalar param: its stack is [K]
+    ]
 
 
 def _deltas(params, K, key):
@@ -77,9 +81,9 @@ def test_bad_input_is_refused_and_nothing_changes():
         MergeLoCo(params, merge="tsv", merge_options={"sparsity": 0.1})
     opt = MergeLoCo(params, merge="ties")
     with pytest.raises(ValueError, match="stack 0 has shape"):
-        opt.step(deltas=[torch.randn(4, 8, 12), torch.randn(4, 5)])
+        opt.step(deltas=[torch.randn(4, 8, 12), torch.randn(4, 5), torch.randn(4)])
     with pytest.raises(ValueError, match="K = 1"):
-        opt.step(deltas=[torch.randn(1, 12, 8), torch.randn(1, 5)])
+        opt.step(deltas=[torch.randn(1, 12, 8), torch.randn(1, 5), torch.randn(1)])
     bad = _deltas(params, 4, "nan")
     bad[1][3, 2] = float("nan")
     with pytest.raises(ValueError, match="stack 1 .*worker 3"):

@@ -14,7 +14,7 @@ from isoloco_kernels import DistributedStepError, MergeLoCo, ShardedIsoLoCo
 from isoloco_kernels.distributed.merge_route import wire_bytes
 from tests.spawn import Checks, groups, params
 
-SHAPES = [(12, 8), (5,), (8, 12), (12, 8), (3, 4, 2), (40, 6)]
+SHAPES = [(12, 8), (5,), (8, 12), (12, 8), (3, 4, 2), (40, 6), ()]
 MERGE_CASES = [("tsv", {}), ("iso_cts", {}), ("ties", {"sparsity": 0.2}), ("dare", {"seed": 4}), ("mean", {})]
 TABLES = {2: Checks(), 3: Checks()}
 

@@ -17,7 +17,7 @@ from tests.helpers import captured_pseudo_gradients, gen, merge_tol, rel_err, sp
 
 FIXTURE = Path(__file__).parent / "data" / "merges_official.pt"
 SPECTRAL = ("iso_c", "tsv", "iso_cts")
-SHAPES = [(12, 16), (16, 12), (16, 16), (1, 9), (9, 1), (7,), (2, 3, 4)]
+SHAPES = [(12, 16), (16, 12), (16, 16), (1, 9), (9, 1), (7,), (), (2, 3, 4)]
 
 
 def _kappa(a: torch.Tensor) -> float:
@@ -160,7 +160,7 @@ def test_bad_input_is_refused_by_name_and_nothing_changes():
     with pytest.raises(ValueError, match="K = 1"):
         merge([torch.randn(1, 6, 5)], "iso_c")
     with pytest.raises(ValueError, match=r"stack 0: expected \[K, \*shape\]"):
-        merge([torch.randn(5)], "mean")
+        merge([torch.tensor(1.0)], "mean")
     with pytest.raises(ValueError, match="merge must be one of"):
         merge([good], "task_arithmetic")
     with pytest.raises(TypeError, match="unknown option"):

@@ -41,7 +41,7 @@ def check_stacks(stacks: Sequence[torch.Tensor], where: str = "merge") -> int:
             raise TypeError(
                 f"{where}: stack {j}: dtype {s.dtype} is not supported; use float16, bfloat16, float32 or float64"
             )
-        if s.ndim < 2:
+        if s.ndim < 1:
             raise ValueError(
                 f"{where}: stack {j}: expected [K, *shape] (the workers' deltas stacked on dim 0), got shape {tuple(s.shape)}"
             )

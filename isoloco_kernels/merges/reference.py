@@ -111,7 +111,7 @@ def keep_mask(shape, sparsity: float, seed: int, stack: int, worker: int, dim: s
     """DARE's keep mask of one worker's [m, n] (or any-shape, dim "all") delta, as booleans: an entry
     (a row, a column) is kept when mix32(key ^ index) / 2³² ≥ sparsity, index its row-major position."""
     key = stream_key(seed, stack, worker)
-    count = {"all": torch.Size(shape).numel(), "row": shape[0], "column": shape[-1]}[dim]
+    count = torch.Size(shape).numel() if dim == "all" else shape[0] if dim == "row" else shape[-1]
     u = torch.tensor([mix32(key ^ i) for i in range(count)], dtype=F64) / 2.0**32
     keep = u >= sparsity
     if dim == "all":
@@ -122,7 +122,7 @@ def keep_mask(shape, sparsity: float, seed: int, stack: int, worker: int, dim: s
 def _trim_mask(d: torch.Tensor, sparsity: float, dim: str) -> torch.Tensor:
     """TIES's trim of one delta: entries (rows, columns) whose magnitude (2-norm) is at least the
     k-th largest, k = max(1, ⌊(1 − p)·count⌋); entries tied at the cut are all kept."""
-    score = {"all": d.abs().flatten(), "row": d.norm(dim=-1), "column": d.norm(dim=0)}[dim]
+    score = d.abs().flatten() if dim == "all" else d.norm(dim=-1 if dim == "row" else 0)
     k = max(1, int((1 - sparsity) * score.numel()))
     keep = score >= torch.topk(score, k).values[-1]
     if dim == "all":

@@ -75,7 +75,7 @@ def _keep(d: torch.Tensor, k: int, opts: dict, thr, keys, cut: int) -> torch.Ten
     dim = opts["dim"]
     if opts["prune"] == "magnitude":
         return _expand(_scores(d, dim) >= thr[k], d.shape, dim)
-    count = {"all": d.numel(), "row": d.shape[0], "column": d.shape[-1]}[dim]
+    count = d.numel() if dim == "all" else d.shape[0] if dim == "row" else d.shape[-1]
     idx = torch.arange(count, device=d.device, dtype=torch.int64)
     return _expand(mix32_tensor(idx ^ int(keys[k])) >= cut, d.shape, dim)
 
