@@ -15,13 +15,16 @@ their own worker's Δ, `ShardedIsoLoCo` serves Iso-C (other merges over ranks ar
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
 from .merges import check_stacks, merge
 from .merges.options import resolve_options
 from .optim import IsoLoCo
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["MergeLoCo"]
 
@@ -30,11 +33,17 @@ class MergeLoCo(IsoLoCo):
     """IsoLoCo whose aggregation is one of the five merges (module docstring).
 
     Args:
-        params, lr, momentum, dampening, weight_decay, nesterov, SGD's other keywords, method:
-            as `IsoLoCo` (method: the flatten behind iso_c and the polar factors of tsv / iso_cts).
+        params: parameters or param groups, as for `IsoLoCo` (a group with iso=False takes the mean).
+        lr: outer learning rate.
+        momentum: Nesterov momentum μ (0: plain SGD on the merge, as the official merge optimizers run).
+        dampening: SGD's keyword, accepted at 0 (as `IsoLoCo`).
+        weight_decay: SGD's keyword, accepted at 0 (as `IsoLoCo`).
+        nesterov: SGD's keyword (as `IsoLoCo`).
         merge: "iso_c" (default), "mean", "tsv", "iso_cts", "ties" or "dare".
         merge_options: that merge's options (merges/options.py), e.g. {"sparsity": 0.2}. DARE's
             `seed` is offset by the step count, so every outer step draws new drops.
+        method: the flatten behind iso_c and the polar factors of tsv / iso_cts (as `IsoLoCo`).
+        **kwargs: SGD's other keywords and IsoLoCo's (process_group must be None).
 
     Raises:
         ValueError, TypeError: an unknown merge or option, a process group, DTensor params (at
@@ -52,7 +61,7 @@ class MergeLoCo(IsoLoCo):
 
     def __init__(
         self,
-        params,
+        params: ParamsT,
         lr: float = 1.8,
         momentum: float = 0.8,
         dampening: float = 0,
@@ -62,7 +71,7 @@ class MergeLoCo(IsoLoCo):
         merge: str = "iso_c",
         merge_options: Optional[dict] = None,
         method: str = "auto",
-        **kwargs,
+        **kwargs: Any,
     ):
         opts = dict(merge_options or {})
         resolve_options(merge, opts)  # refuses an unknown merge or option by name
