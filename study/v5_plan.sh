@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Study v5, part A: at 16 × 128 tokens per worker step IsoLoCo's gain over a tuned DiLoCo vanished (v3) while it held
+# at 16 × 64 and at K 32. Which of the three changed it: the tokens per step, the sequence length, or a tiny model
+# saturating? Two cells at K 4, H 30 (v3's scoring: 1,024 windows per split, seed-0 picks, seeds 1 and 2 of each
+# method's best), each method tuned cheaply around its v3 optimum at its v3 momentum (DiLoCo μ 0.5, IsoLoCo μ 0.8):
+#   A1  32 × 64 bytes: the tokens per step of 16 × 128 at v1/v2's sequence length (v3 started it and cut it);
+#   A2  16 × 128 with the tiny-wide model (d 256: ~4× the block weights): capacity at the cell that lost the gain.
+# Part B (the paper's merges, `--merge`) and C follow in a later plan. Finished runs are skipped and jobs are
+# claimed (results/.claims), so the plan resumes where it stopped and may run in two processes; a file named STOP in
+# study/results ends a runner before its next run.
+set -u
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+R="nice -n 15 python study/run_study.py --part v3"
+O=study/results
+BEST=best:diloco,isoloco,ddp
+A1="--cells 4:30 --batch 32"
+A2="--cells 4:30 --batch 16 --seq-len 128 --model tiny-wide"
+GRID=diloco=0.7@0.5,diloco=1.0@0.5,diloco=1.4@0.5,isoloco=1.8,isoloco=2.4,isoloco=3.2,ddp=-
+$R $A1 --seeds 0 --lrs $GRID --out $O/v5_tokens.jsonl
+$R $A1 --seeds 1,2 --lrs $BEST --out $O/v5_tokens.jsonl
+$R $A2 --seeds 0 --lrs $GRID --out $O/v5_capacity.jsonl
+$R $A2 --seeds 1,2 --lrs $BEST --out $O/v5_capacity.jsonl
