@@ -21,3 +21,10 @@ $R $A1 --seeds 0 --lrs $GRID --out $O/v5_tokens.jsonl
 $R $A1 --seeds 1,2 --lrs $BEST --out $O/v5_tokens.jsonl
 $R $A2 --seeds 0 --lrs $GRID --out $O/v5_capacity.jsonl
 $R $A2 --seeds 1,2 --lrs $BEST --out $O/v5_capacity.jsonl
+# one point past each A1 seed-0 optimum that sat on its grid's edge (DiLoCo 0.7 @ 0.5 low, IsoLoCo 3.2 high), then
+# seeds 1 and 2 of the best again (the same configs when the edges lose: nothing reruns)
+$R $A1 --seeds 0 --lrs diloco=0.5@0.5,isoloco=4.2 --out $O/v5_tokens.jsonl
+$R $A1 --seeds 1,2 --lrs $BEST --out $O/v5_tokens.jsonl
+# one point past each A2 seed-0 optimum on its grid's edge (DiLoCo 0.7 @ 0.5 low, IsoLoCo 3.2 high), then seeds 1 and 2
+$R $A2 --seeds 0 --lrs diloco=0.5@0.5,isoloco=4.2 --out $O/v5_capacity.jsonl
+$R $A2 --seeds 1,2 --lrs $BEST --out $O/v5_capacity.jsonl
