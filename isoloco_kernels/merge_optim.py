@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from .merges import check_stacks, merge
+from .merges import check_stacks, merge_groups
 from .merges.options import resolve_options
 from .optim import IsoLoCo
 
@@ -104,18 +104,10 @@ class MergeLoCo(IsoLoCo):
                     f"MergeLoCo: stack {i} has shape {tuple(d.shape)} on {d.device}; param {i} needs "
                     f"[K, {', '.join(map(str, p.shape))}] on {p.device}"
                 )
-        opts = dict(self.merge_options)
-        if self.merge == "dare":
-            opts["seed"] = opts.get("seed", 0) + self.merged_steps
-        how = self.merge if self.merge != "iso_c" else "mean"
-        chosen = [i for i in idx if params[i][1]] if how not in ("mean",) else []
-        plain = [i for i in idx if i not in set(chosen)]
-        out = {}
-        if chosen:
-            merged = merge([deltas[i] for i in chosen], how, flatten_method=self.method, stack_ids=chosen, **opts)
-            out.update(zip(chosen, merged))
-        if plain:
-            out.update(zip(plain, merge([deltas[i] for i in plain], "mean")))
+        merged = {i for i in idx if params[i][1]}
+        out = merge_groups(
+            {i: deltas[i] for i in idx}, merged, self.merge, self.merge_options, self.merged_steps, self.method
+        )
         for i, m in out.items():
             params[i][0].grad = m.to(params[i][0].dtype)
         self.merged_steps += 1

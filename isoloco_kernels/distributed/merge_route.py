@@ -96,22 +96,11 @@ def wire_bytes(plan: ShardPlan) -> dict[str, int]:
     }
 
 
-def merged_updates(opt, stacks: dict[int, torch.Tensor], merge_fn) -> dict[int, torch.Tensor]:
-    """A `ShardedIsoLoCo`'s merge of the [K, *shape] stacks of its own tensors (groups with
-    iso=False: the mean), as `MergeLoCo.set_deltas` computes it: the same stack ids (tensor
-    indices) and DARE seed (offset by the steps taken), so the same result. merge_fn: merges.merge."""
-    opts = dict(opt.merge_options)
-    if opt.merge == "dare":
-        opts["seed"] = opts.get("seed", 0) + opt.merged_steps
-    idx = sorted(stacks)
-    chosen = [i for i in idx if opt.param_groups[opt._group_of[i]]["iso"]]
-    plain = [i for i in idx if i not in set(chosen)]
-    out = {}
-    if chosen:
-        got = merge_fn([stacks[i] for i in chosen], opt.merge, flatten_method=opt.method, stack_ids=chosen, **opts)
-        out.update(zip(chosen, got))
-    if plain:
-        out.update(zip(plain, merge_fn([stacks[i] for i in plain], "mean")))
+def merged_updates(opt, stacks: dict[int, torch.Tensor], merge_groups) -> dict[int, torch.Tensor]:
+    """A `ShardedIsoLoCo`'s merge of the [K, *shape] stacks of its own tensors (`merges.merge_groups`,
+    as `MergeLoCo.set_deltas` runs it: the same stack ids and DARE seed, so the same result)."""
+    merged = {i for i in stacks if opt.param_groups[opt._group_of[i]]["iso"]}
+    out = merge_groups(stacks, merged, opt.merge, opt.merge_options, opt.merged_steps, opt.method)
     return {i: m.to(opt._params[i].dtype) for i, m in out.items()}
 
 

@@ -17,7 +17,7 @@ import torch
 from .. import outer
 from .._validate import amaxes, check_amax_finite
 from ..buckets import BucketPlan
-from ..merges import merge as merge_stacks
+from ..merges import merge_groups
 from ..merges.options import resolve_options
 from ..nd import warn_nd_params
 from . import pipeline
@@ -246,7 +246,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             segments, stacks = exchange_workers(
                 self.plan, lambda i: flat[i], self.rank, self.process_group, bufs or {}, ag.attempt, self._data_device
             )
-            means = ag.attempt(merged_updates, self, stacks, merge_stacks) or {}
+            means = ag.attempt(merged_updates, self, stacks, merge_groups) or {}
         else:
             segments, means = self._reduce(grads or [], bufs or {}, ag.attempt)
         write = ag.attempt(self._compute, means)

@@ -27,7 +27,7 @@ from .options import MERGES, resolve_options
 from .sparse import sparse_merge
 from .spectral import iso_cts_merge, tsv_merge
 
-__all__ = ["MERGES", "merge", "merge_", "check_stacks"]
+__all__ = ["MERGES", "merge", "merge_", "merge_groups", "check_stacks"]
 
 
 def check_stacks(stacks: Sequence[torch.Tensor], where: str = "merge") -> int:
@@ -180,3 +180,25 @@ def merge_(stacks: Sequence[torch.Tensor], method: str = "iso_c", **kwargs) -> l
     for slot, m in zip(slots, merged):
         slot.copy_(m)
     return slots
+
+
+def merge_groups(
+    stacks: dict, merged: set, method: str, options: dict, step: int, flatten_method: str = "auto"
+) -> dict:
+    """The outer optimizers' merge of their params' stacks ({param index: [K, *shape]}): `method` for
+    the indices in `merged`, the mean for the others (param groups with iso=False); the param index is
+    each stack's id in DARE's stream and DARE's seed is offset by `step`, so one process (`MergeLoCo`)
+    and a sharded step (`ShardedIsoLoCo(merge=...)`) draw the same drops. Returns {index: result}."""
+    opts = dict(options)
+    if method == "dare":
+        opts["seed"] = opts.get("seed", 0) + step
+    idx = sorted(stacks)
+    chosen = [i for i in idx if i in merged] if method not in ("iso_c", "mean") else []
+    plain = [i for i in idx if i not in set(chosen)]
+    out = {}
+    if chosen:
+        got = merge([stacks[i] for i in chosen], method, flatten_method=flatten_method, stack_ids=chosen, **opts)
+        out.update(zip(chosen, got))
+    if plain:
+        out.update(zip(plain, merge([stacks[i] for i in plain], "mean")))
+    return out
