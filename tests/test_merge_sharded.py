@@ -45,7 +45,7 @@ def _equal_to_one_process(rank, world, merge, opts, dtype, solo_above):
 
 for world, table in TABLES.items():
     for merge, opts in MERGE_CASES:
-        for dtype in (torch.float32, torch.bfloat16, torch.float16) if world == 2 else (torch.float32,):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for solo in (1.0, 0.2) if merge in ("tsv", "dare") else (1.0,):
                 name = f"{merge}-{str(dtype)[6:]}-solo{solo}"
                 table.add(
