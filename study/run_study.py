@@ -73,6 +73,12 @@ VARIANTS = {  # the embedding and head unflattened, at IsoLoCo's outer lr or wit
     "isoloco-noemb": ("isoloco", {"iso_skip": ("tok.", "head.")}),
     "isoloco-noemb-dl": ("isoloco", {"iso_skip": ("tok.", "head."), "iso_skip_outer": (0.35, 0.9)}),
 }
+# study v5 part B: the paper's other merges as study methods, each an Iso-C mode with TrainConfig.merge set:
+# "tsv" with the Nesterov outer step (the isoloco mode, μ 0.8), "tsv-sgd" with outer SGD (isoloco-sgd, μ 0)
+MERGE_VARIANTS = ("tsv", "iso_cts", "ties", "dare")
+for _merge in MERGE_VARIANTS:
+    VARIANTS[_merge] = ("isoloco", {"merge": _merge})
+    VARIANTS[f"{_merge}-sgd"] = ("isoloco-sgd", {"merge": _merge})
 # study v2's "torch" init is the loop's torch-pos1 today (the position table N(0, 1)); its records
 # keep the name "torch", so a v2 run is repeated, and found finished, under the meaning it had
 V2_INITS = {"torch": "torch-pos1"}
@@ -331,6 +337,7 @@ def main() -> None:
             )
         recs = [r for f in sorted(out.parent.glob("*.jsonl")) for r in read_jsonl(f)]
         mu0 = {m: mu for m, (_, mu) in OUTER_DEFAULTS.items()}
+        mu0.update({v: mu0.get(run) for v, (run, _) in VARIANTS.items()})
         setting = tuple(v3[k] for k in ("batch", "seq_len", "inner", "inner_lr", "model"))
         todo = [
             (K, H, mode, lr, mu, init, seed, None)
