@@ -205,9 +205,9 @@ def roofline(flops: dict[str, float] | None, nbytes: float, ceilings: dict) -> d
     t_flop = 0.0
     for dt, f in (flops or {}).items():
         peak = ceilings["matmul_TFLOPs"].get(dt)
-        if dt == "tf32x3":  # three TF32 GEMMs per product; float32 where there is no TF32 (CPU)
+        if dt in ("tf32x3", "tf32x2"):  # three (two) TF32 GEMMs per product; float32 where there is no TF32
             tf32 = ceilings["matmul_TFLOPs"].get("tf32")
-            peak = tf32 / 3 if tf32 else ceilings["matmul_TFLOPs"].get("fp32")
+            peak = tf32 / int(dt[-1]) if tf32 else ceilings["matmul_TFLOPs"].get("fp32")
         if peak is None:  # no ceiling measured for this dtype here: the bound is left out
             continue
         t_flop += f / (peak * 1e12)

@@ -4,11 +4,12 @@
 
 FLOPs per GEMM unit come from the registry's models (`isoloco_kernels.flatten.METHODS[...].flops`,
 `polar.polar_flops`, `gram.gram_flops`, `fast.fast_work`) per bucket of a set in bench/shapes.py.
-Units: "fp32" (float32 without tensor cores), "tf32x3" (three TF32 GEMMs: ceiling TF32 / 3), "bf16",
+Units: "fp32" (float32 without tensor cores), "tf32x3" (three TF32 GEMMs: ceiling TF32 / 3), "tf32x2"
+(the symmetric products X·Xᵀ and A² of a 3xTF32 step, two TF32 GEMMs: ceiling TF32 / 2), "bf16",
 "fp64" (the float64 tensor cores). Ceilings are those a device run measured (its JSON's
 "isoloco" → "ceilings"); efficiencies are fitted to that run's medians of fp32 input:
 fp32 from "polar", fp64 from "gram", bf16 from "polar_bf16" (its float32 steps at the fp32 fit).
-"tf32x3" has no measurement yet and takes the bf16 fit (both are tensor-core GEMMs of the same
+"tf32x3" and "tf32x2" have no measurement yet and take the bf16 fit (both are tensor-core GEMMs of the same
 shapes; the split's elementwise passes are ~0.2 % of a step's FLOPs at r = 1024 and are ignored).
 
     python bench/time_model.py                       # the table, from the 2026-12-04 H200 run
@@ -30,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.shapes import SETS, bucket_shapes, decoder_weight_shapes  # noqa: E402
-from isoloco_kernels import fast, flatten, polar  # noqa: E402
+from isoloco_kernels import fast, fast_gram, flatten, polar  # noqa: E402
 
 RUN = ROOT / "bench" / "results" / "2026-12-04-NVIDIA-H200.json"
 SET_NAMES = ("llama-178m", "llama-1b", "llama-8b")
@@ -50,13 +51,22 @@ def _units(unit: str, steps: int = polar.STEPS):
 
 
 def _fast_variant(precise_steps: int):
-    def work(k, r):
-        w = fast.fast_work(k, r)
-        w[polar.TF32X3] = polar.polar_flops(k, r, precise_steps)
-        w["bf16"] = polar.polar_flops(k, r, polar.STEPS - precise_steps)
-        return w
+    return lambda k, r: fast_gram.direct_work(k, r, precise_steps, polar.STEPS)
 
-    return work
+
+def _fast_gram_everywhere(k, r):
+    return fast_gram.gram_work(k, r)
+
+
+def _fast_one_triangle(k, r):
+    """fast's routes with every symmetric product (X·Xᵀ, A², the Gram route's A₀ and r×r products)
+    computed as its lower triangle only: half their FLOPs (a kernel not built yet)."""
+    if fast.route_for(r, k, "cuda") == "gram":
+        w = fast_gram.gram_work(k, r)
+        return {u: (f / 2 if u == "fp64" else f) for u, f in w.items()}
+    w = fast_gram.direct_work(k, r, fast.PRECISE_STEPS, polar.STEPS)
+    sym = (polar.STEPS - fast.PRECISE_STEPS) * (2.0 * k * r * r + 2.0 * r**3)
+    return dict(w, **{polar.TF32X2: w[polar.TF32X2] / 2, "bf16": w["bf16"] - sym / 2})
 
 
 def _polar_bf16_as_run(k, r):
@@ -76,8 +86,14 @@ CANDIDATES = {
     "auto with polar_tf32x3": ((AUTO, "polar_tf32x3"), "not the default: gram or polar_tf32x3, the cheaper"),
     "polar_bf16 as run": (_polar_bf16_as_run, "8 bf16 + 2 float32 steps, no rank certificate"),
     "polar_bf16": (_registry("polar_bf16"), "now: + float64 rank certificate"),
-    "fast": (_registry("fast"), "3 steps 3xTF32, 7 bf16, float64 certificate"),
+    "fast": (_registry("fast"), "per bucket the faster route: direct, or Gram (fast_gram.py) from k ≈ 4.4·r"),
+    "fast, direct only": (
+        _fast_variant(fast.PRECISE_STEPS),
+        "before the Gram route: 3 steps 3xTF32, 7 bf16, fp64 cert",
+    ),
+    "fast, Gram route only": (_fast_gram_everywhere, "fast_gram.py on every bucket (square ones too)"),
     "fast, 2 precise steps": (_fast_variant(2), "not implemented: certified floor 4.2e-4"),
+    "fast, one-triangle products": (_fast_one_triangle, "not built: fast with symmetric products at half"),
     "bf16 only": (_units("bf16"), "not a method: 10 bf16 steps, misses the contract (a lower bound)"),
 }
 #: Tensor-core efficiency of a tuned GEMM path, the optimistic side of the bracket.
@@ -97,6 +113,7 @@ def ceilings_of(run: dict) -> dict[str, float]:
     return {
         "fp32": mm["fp32"] * 1e12,
         "tf32x3": mm["tf32"] * 1e12 / 3,
+        "tf32x2": mm["tf32"] * 1e12 / 2,
         "bf16": mm["bf16"] * 1e12,
         "fp64": mm["fp64"] * 1e12,
     }
@@ -128,7 +145,7 @@ def fit_efficiency(run: dict) -> dict[str, float]:
             t_fp32 = e["flops"]["fp32"] / (ceil["fp32"] * eff["fp32"])
             bf.append(e["flops"]["bf16"] / ceil["bf16"] / (e["median_s"] - t_fp32))
     eff["bf16"] = mean(bf)
-    eff["tf32x3"] = eff["bf16"]
+    eff["tf32x3"] = eff["tf32x2"] = eff["bf16"]
     return eff
 
 
@@ -167,7 +184,7 @@ def table(run: dict, measured: dict | None = None, names: dict | None = None) ->
     at TUNED_TC_EFFICIENCY on the tensor-core units, beside what a run measured."""
     ceil = ceilings_of(run)
     eff = fit_efficiency(run)
-    tuned = dict(eff, bf16=TUNED_TC_EFFICIENCY, tf32x3=TUNED_TC_EFFICIENCY)
+    tuned = dict(eff, bf16=TUNED_TC_EFFICIENCY, tf32x3=TUNED_TC_EFFICIENCY, tf32x2=TUNED_TC_EFFICIENCY)
     src = measured if measured is not None else _medians(run)
     names = names if names is not None else {v: k for k, v in MEASURED_NAMES.items()}
     names = {v: k for k, v in names.items()}  # candidate -> measured impl
@@ -193,8 +210,8 @@ def table(run: dict, measured: dict | None = None, names: dict | None = None) ->
             )
     head = [
         f"Ceilings (TFLOP/s): {', '.join(f'{u} {v / 1e12:.1f}' for u, v in ceil.items())}.",
-        f"Fitted efficiencies: {', '.join(f'{u} {v:.2f}' for u, v in eff.items())} (tf32x3 has no "
-        f"measurement: it takes bf16's); tuned: {TUNED_TC_EFFICIENCY} on bf16 and tf32x3.",
+        f"Fitted efficiencies: {', '.join(f'{u} {v:.2f}' for u, v in eff.items())} (tf32x3 and tf32x2 "
+        f"have no measurement: they take bf16's); tuned: {TUNED_TC_EFFICIENCY} on bf16, tf32x3 and tf32x2.",
         "",
     ]
     return "\n".join(head + lines) + "\n"

@@ -213,10 +213,16 @@ def workspace_bytes() -> int:
     return value
 
 
-def method_workspace(method: str, m: int, n: int, dtype: torch.dtype) -> int:
+def method_workspace(method: str, m: int, n: int, dtype: torch.dtype, kind: str = "cuda") -> int:
     """Modelled peak scratch (bytes) of flattening one m×n matrix whose compute dtype is `dtype`
     with `method` (a registry name other than "auto"; `WORKSPACE_MODEL`, its largest coefficients
-    for a method it has no row for)."""
+    for a method it has no row for). "fast" on a shape its Gram route serves on a device of `kind`
+    (fast.route_for) takes that route's model instead (fast_gram.workspace: O(r²) and one block)."""
+    if method == "fast":
+        from . import fast, fast_gram
+
+        if fast.route_for(m, n, kind) == "gram":
+            return fast_gram.workspace(m, n, 8 if compute_dtype(dtype) == torch.float64 else 4)
     table = WORKSPACE_MODEL[torch.float64 if compute_dtype(dtype) == torch.float64 else torch.float32]
     # a method without a row: the largest of every row's coefficients (an upper bound, not a model)
     a, b = table.get(method) or (max(a for a, _ in table.values()), max(b for _, b in table.values()))
@@ -231,7 +237,9 @@ def chunk_rows(method: str, x3: torch.Tensor, workspace: Optional[int] = None) -
 
     _, m, n = x3.shape
     resolved = resolve_method(method, x3[:1])
-    per = method_workspace(resolved, m, n, x3.dtype)
+    from .fast import device_kind
+
+    per = method_workspace(resolved, m, n, x3.dtype, device_kind(x3))
     if resolved == "polar" or resolved == "polar_bf16":  # the matrices missing its check go to gram
         per = max(per, method_workspace("gram", m, n, x3.dtype))
     budget = workspace_bytes() if workspace is None else workspace

@@ -23,6 +23,16 @@ steps to fill. A matrix that fails it (rank-deficient, or condition number beyon
 recomputed by "polar" (float32-accurate, residual-checked, itself falling back to gram/SVD), with
 a FlattenFallbackWarning. So "fast" never returns a spread spectrum or a filled null space.
 
+Two routes, chosen per bucket by the modelled time of its shape (`route_for`): the direct iteration
+above, and the Gram route of fast_gram.py: the short side's Gram matrix once in float64, its r×r
+part (on CUDA the schedule, certified from the Gram matrix it formed anyway; on the CPU LAPACK's
+eigh), one float32-accurate application; same contract, far fewer FLOPs on wide matrices. On an
+H200 the Gram route serves buckets from k ≈ 5.2·r (the vocabulary matrices), on a CPU nearly all.
+
+The bfloat16 steps run in bfloat16 on CUDA and on CPUs with bfloat16 units (AVX512-BF16, AMX:
+faster than float32 there); on other CPUs bfloat16 GEMMs are several times slower than float32, so
+those steps run in float32 (`low_dtype`; more accurate, same contract). Tests pass low= to pick.
+
 Contract (tests/helpers.py, row "fast"): every output singular value within ±10 % of s̄ outside the
 rank cut (measured ≤ 1 %), relative Frobenius error vs reference.py ≤ 5e-2 at condition number
 ≤ 1e2, ≤ 0.15 at 1e3, ≤ 0.3 on real pseudo-gradients (bench/data/captured; measured 0.02–0.05).
@@ -34,11 +44,21 @@ import functools
 
 import torch
 
-from . import polar
+from . import fast_gram, polar
 from ._validate import compute_dtype
 from .iteration_stats import Recorder
 
-__all__ = ["PRECISE_STEPS", "LIFT_FLOOR", "flatten_fast_", "fast_work", "lift_floor", "last_stats"]
+__all__ = [
+    "PRECISE_STEPS",
+    "LIFT_FLOOR",
+    "ROUTES",
+    "flatten_fast_",
+    "fast_work",
+    "lift_floor",
+    "low_dtype",
+    "route_for",
+    "last_stats",
+]
 
 PRECISE_STEPS = 3  # float32-accurate steps before the bfloat16 ones
 LIFT_FLOOR = 0.5  # certify σ ≥ LIFT_FLOOR·ℓ_h after them: the exact schedule ends ≥ 0.9957 there
@@ -57,28 +77,69 @@ def lift_floor(steps: int = PRECISE_STEPS) -> float:
     return LIFT_FLOOR * s
 
 
-def fast_work(k: int, r: int) -> dict[str, float]:
-    """Modelled FLOPs of one r×k matrix (r ≤ k) per GEMM unit: the precise steps ("tf32x3", as a
-    tensor-core GPU runs them; the CPU runs them in float32), the bfloat16 steps, and the
-    certificate's float64 Gram and Cholesky."""
-    return {
-        polar.TF32X3: polar.polar_flops(k, r, PRECISE_STEPS),
-        "bf16": polar.polar_flops(k, r, polar.STEPS - PRECISE_STEPS),
-        "fp64": polar.certificate_flops(k, r),
-    }
+ROUTES = ("direct", "gram")
 
 
-def flatten_fast_(x3: torch.Tensor, *, precise=None) -> None:
+@functools.lru_cache(maxsize=None)
+def _cpu_has_bf16() -> bool:
+    """Whether this CPU has bfloat16 GEMM units (oneDNN's own check: AVX512-BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def device_kind(x: torch.Tensor) -> str:
+    """The key of fast_gram.RATES that prices routes for x's device."""
+    if x.is_cuda:
+        return "cuda"
+    return "cpu" if _cpu_has_bf16() else "cpu-no-bf16"
+
+
+def low_dtype(x: torch.Tensor) -> torch.dtype:
+    """The GEMM dtype of the steps after the certificate: bfloat16 where it is fast (CUDA, CPUs with
+    bfloat16 units), else x's compute dtype (module docstring)."""
+    return torch.bfloat16 if device_kind(x) != "cpu-no-bf16" else compute_dtype(x.dtype)
+
+
+def route_for(m: int, n: int, kind: str = "cuda") -> str:
+    """ "gram" where fast_gram.py's route is modelled faster for an m×n matrix on a device of `kind`
+    (fast_gram.RATES), else "direct"."""
+    k, r = max(m, n), min(m, n)
+    return "gram" if r > 0 and fast_gram.prefers_gram(k, r, kind, PRECISE_STEPS, polar.STEPS) else "direct"
+
+
+def fast_work(k: int, r: int, kind: str = "cuda") -> dict[str, float]:
+    """Modelled FLOPs of one r×k matrix (r ≤ k) on the route `route_for` picks on a device of `kind`:
+    direct, the precise steps ("tf32x3", as a tensor-core GPU runs them; the CPU runs them in
+    float32), the bfloat16 steps, and the certificate's float64 Gram and Cholesky; or the Gram
+    route's (fast_gram.gram_work)."""
+    if route_for(r, k, kind) == "gram":
+        return fast_gram.gram_work(k, r, "iterate" if kind == "cuda" else "eigh")
+    return fast_gram.direct_work(k, r, PRECISE_STEPS, polar.STEPS)
+
+
+def flatten_fast_(x3: torch.Tensor, *, precise=None, low=None, route: str | None = None) -> None:
     """In place Iso-C of a [B, m, n] batch at training grade (module docstring); all-or-nothing.
 
-    precise: the GEMM mode of the precise steps (a dtype, or polar.TF32X3); default
-    `polar.precise_mode(x3)` (3xTF32 on CUDA with TF32 tensor cores, else the compute dtype).
-    Tests pass polar.TF32X3 on the CPU to run the GPU's numerics (emulated).
+    precise: the GEMM mode of the direct route's precise steps (a dtype, or polar.TF32X3); default
+    `polar.precise_mode(x3)` (3xTF32 on CUDA with TF32 tensor cores, else the compute dtype);
+    low: the GEMM dtype of its other steps, default `low_dtype(x3)`. Tests pass polar.TF32X3 and
+    torch.bfloat16 on the CPU to run the GPU's numerics (emulated).
+    route: "direct" or "gram" (fast_gram.py); default `route_for` the bucket's shape and device.
     """
+    if route is None:
+        route = route_for(x3.shape[-2], x3.shape[-1], device_kind(x3))
+    if route not in ROUTES:
+        raise ValueError(f"flatten_fast_: route must be one of {ROUTES}, got {route!r}")
+    if route == "gram":
+        fast_gram.flatten_fast_gram_(x3, _fallback, RECORDER)
+        return
     cd = compute_dtype(x3.dtype)
     hi = polar.precise_mode(x3) if precise is None else precise
+    lo = low_dtype(x3) if low is None else low
     steps = polar.STEPS
-    gd = (hi,) * PRECISE_STEPS + (torch.bfloat16,) * (steps - PRECISE_STEPS)
+    gd = (hi,) * PRECISE_STEPS + (lo,) * (steps - PRECISE_STEPS)
     floor = lift_floor()
     verdict = {}
 

@@ -47,6 +47,9 @@ CHECK_TOL = 5e-4  # flag a matrix when |r − ‖X‖_F²| > CHECK_TOL·√r (re
 CHECK_TOL_F64 = 1e-9
 BF16_FP32_STEPS = 2  # "polar_bf16": all steps but the last two run their GEMMs in bfloat16
 TF32X3 = "tf32x3"  # a GEMM mode of `polar_factor`: float32 through three TF32 GEMMs (tf32.py)
+TF32X2 = (
+    "tf32x2"  # a work unit: X·Xᵀ and A² in that mode, two TF32 GEMMs (the cross terms are one GEMM and its transpose)
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -96,13 +99,14 @@ def polar_flops(k: int, r: int, steps: int = STEPS) -> float:
 
 def polar_work(k: int, r: int, mode: str = "fp32") -> dict[str, float]:
     """Modelled FLOPs of one r×k matrix per GEMM dtype: "compute" (the input's compute dtype) for
-    every step of mode "fp32"; "tf32x3" for every step of mode "tf32x3" (three TF32 GEMMs per
-    product, counted once: the unit's ceiling is a third of TF32's); mode "bf16" runs all but the
+    every step of mode "fp32"; for mode "tf32x3" the products of a step split by how many TF32 GEMMs
+    they take: (bA + cA²)·X as "tf32x3" (three, counted once: the unit's ceiling is a third of TF32's),
+    X·Xᵀ and A² as "tf32x2" (symmetric: two, tf32.py); mode "bf16" runs all but the
     last `BF16_FP32_STEPS` in "bf16", and its rank certificate in "fp64"."""
     if mode == "fp32":
         return {"compute": polar_flops(k, r)}
     if mode == "tf32x3":
-        return {TF32X3: polar_flops(k, r)}
+        return {TF32X3: STEPS * 2.0 * k * r * r, TF32X2: STEPS * (2.0 * k * r * r + 2.0 * r**3)}
     hi = min(BF16_FP32_STEPS, STEPS)
     return {"bf16": polar_flops(k, r, STEPS - hi), "compute": polar_flops(k, r, hi), "fp64": certificate_flops(k, r)}
 

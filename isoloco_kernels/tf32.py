@@ -149,7 +149,7 @@ class Tf32x3Steps:
     @staticmethod
     def step(x, a_mat, a2, a: float, b: float, c: float) -> torch.Tensor:
         """a·X + (b·A + c·A²)·X; A² is formed here unless given."""
-        if a2 is None:
-            a2 = mm_tf32x3(a_mat, a_mat)
+        if a2 is None:  # A is symmetric: A² = A·Aᵀ in two GEMMs
+            a2 = _symmetric(*_split(a_mat))
         bm = b * a_mat + c * a2
         return mm_tf32x3(bm, x).add_(x, alpha=a)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
-from isoloco_kernels import fast, polar
+from isoloco_kernels import fast, fast_gram, polar
 from isoloco_kernels.iteration_stats import FlattenFallbackWarning
 from isoloco_kernels.reference import iso_flatten_ref
 from tests.helpers import (
@@ -33,12 +33,13 @@ PRECISE = [pytest.param(None, id="native"), pytest.param(polar.TF32X3, id="tf32x
 
 
 def _fast(x: torch.Tensor, precise=None) -> tuple[torch.Tensor, tuple]:
-    """(result, indices the certificate sent to the fallback) of fast on a copy of x."""
+    """(result, indices the certificate sent to the fallback) of fast's direct route on a copy of x,
+    its later steps in bfloat16 as on a GPU (the Gram route: tests/test_fast_gram.py)."""
     y = x.clone()
     fast.reset_stats()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FlattenFallbackWarning)
-        fast.flatten_fast_(y if y.ndim == 3 else y.unsqueeze(0), precise=precise)
+        fast.flatten_fast_(y if y.ndim == 3 else y.unsqueeze(0), precise=precise, low=torch.bfloat16, route="direct")
     return y, fast.last_stats().last_recomputed
 
 
@@ -147,10 +148,13 @@ def test_lift_floor_follows_the_schedule():
 
 
 def test_work_model_counts_every_gemm_dtype():
-    w = fast.fast_work(4096, 1024)
-    assert w[polar.TF32X3] == polar.polar_flops(4096, 1024, fast.PRECISE_STEPS)
-    assert w["bf16"] == polar.polar_flops(4096, 1024, polar.STEPS - fast.PRECISE_STEPS)
-    assert w["fp64"] == 2.0 * 4096 * 1024**2 + 1024**3 / 3
+    k, r = 4096, 1024  # direct on an H200 (the model's device)
+    w = fast.fast_work(k, r)
+    assert w[polar.TF32X3] + w[polar.TF32X2] == polar.polar_flops(k, r, fast.PRECISE_STEPS)
+    assert w[polar.TF32X2] == fast.PRECISE_STEPS * (2.0 * k * r * r + 2.0 * r**3)  # X·Xᵀ and A²: two GEMMs
+    assert w["bf16"] == polar.polar_flops(k, r, polar.STEPS - fast.PRECISE_STEPS)
+    assert w["fp64"] == 2.0 * k * r**2 + r**3 / 3
+    assert fast.fast_work(32 * r, r) == fast_gram.gram_work(32 * r, r)  # a vocabulary matrix: the Gram route
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -262,8 +266,11 @@ def _assert_fast_precisions(spy: _GemmSpy, calls: list) -> None:
 @pytest.mark.parametrize("shape", [(6, 10), (10, 6), (3, 5, 8)], ids=["wide", "tall", "batched"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_fast_runs_its_first_steps_in_float32_and_the_rest_in_bfloat16(monkeypatch, dtype, shape):
-    """iso_flatten(method="fast") on the CPU, through the op: the operands of each step's pieces."""
+    """iso_flatten(method="fast") on the CPU, through the op: the operands of each step's pieces
+    (the direct route, on a CPU with bfloat16 units, as a GPU runs it)."""
     x = torch.randn(shape, generator=gen(("spy", shape))).to(dtype)  # well conditioned: no fallback
+    monkeypatch.setattr(fast, "route_for", lambda *a, **k: "direct")
+    monkeypatch.setattr(fast, "_cpu_has_bf16", lambda: True)
     spy = _GemmSpy(monkeypatch)
     ik.iso_flatten(x, method="fast")
     _assert_fast_precisions(spy, spy.pieces)
@@ -277,7 +284,7 @@ def test_fast_gemms_run_in_the_claimed_precision_step_by_step(monkeypatch, preci
     x = torch.randn(2, 6, 9, generator=gen("spy-gemms"))
     with warnings.catch_warnings(), _GemmSpy(monkeypatch) as spy:
         warnings.simplefilter("error", FlattenFallbackWarning)
-        fast.flatten_fast_(x, precise=precise)
+        fast.flatten_fast_(x, precise=precise, low=torch.bfloat16, route="direct")
     _assert_fast_precisions(spy, spy.gemms)
     _assert_fast_precisions(spy, spy.pieces)
     assert spy.certificate, "the rank certificate ran no GEMM"

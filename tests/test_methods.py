@@ -410,7 +410,9 @@ def test_registry_facts_hold_together():
             assert m.flops is None and m.stats is None
             continue
         work = m.flops(4096, 512)
-        assert work and set(work) <= {"fp64", "bf16", "tf32x3", flatten.COMPUTE} and min(work.values()) > 0, name
+        assert work and set(work) <= {"fp64", "bf16", "tf32x3", "tf32x2", flatten.COMPUTE} and min(work.values()) > 0, (
+            name
+        )
         if m.exact:
             assert m.stats is None and m.fallback is None and not m.checks_finite, name
         if m.stats is not None:

@@ -20,7 +20,7 @@ def run():
 
 def test_fitted_efficiencies_are_fractions_of_the_ceilings(run):
     eff = tm.fit_efficiency(run)
-    assert set(eff) == {"fp32", "fp64", "bf16", "tf32x3"}
+    assert set(eff) == {"fp32", "fp64", "bf16", "tf32x3", "tf32x2"}
     assert all(0.05 < e <= 1.0 for e in eff.values()), eff
 
 
@@ -46,7 +46,7 @@ def test_candidates_are_priced_from_the_registry(run):
         for u, f in flatten.flops_per_dtype("fast", max(m, n), min(m, n), "fp32").items():
             want[u] = want.get(u, 0.0) + b * f
     assert flops == pytest.approx(want)
-    assert set(flops) == {polar.TF32X3, "bf16", "fp64"}
+    assert set(flops) == {polar.TF32X3, polar.TF32X2, "bf16", "fp64"}
     # more work on a slower unit never predicts less time
     t_fast, _ = tm.predict("fast", "llama-1b", ceil, eff)
     t_bf16, _ = tm.predict("bf16 only", "llama-1b", ceil, eff)
