@@ -27,7 +27,7 @@ Two routes, chosen per bucket by the modelled time of its shape (`route_for`): t
 above, and the Gram route of fast_gram.py: the short side's Gram matrix once in float64, its r×r
 part (on CUDA the schedule, certified from the Gram matrix it formed anyway; on the CPU LAPACK's
 eigh), one float32-accurate application; same contract, far fewer FLOPs on wide matrices. On an
-H200 the Gram route serves buckets from k ≈ 5.2·r (the vocabulary matrices), on a CPU nearly all.
+H200 the Gram route serves buckets from k ≈ 5.2·r (the vocabulary matrices), on a CPU all but square ones.
 
 The bfloat16 steps run in bfloat16 on CUDA and on CPUs with bfloat16 units (AVX512-BF16, AMX:
 faster than float32 there); on other CPUs bfloat16 GEMMs are several times slower than float32, so

@@ -91,14 +91,14 @@ def direct_work(k: int, r: int, precise_steps: int, steps: int) -> dict[str, flo
 
 # Relative rates per unit, for the route only (bench/time_model.py prices the methods): an H200's
 # fitted rates (bench/results/time_model.md: fp64 43, 3xTF32 42 and its two-GEMM symmetric products 63,
-# bf16 244 TFLOP/s); a CPU's float32 BLAS as 1, float64 at half of it, LAPACK's eigh at ~0.22 (its
-# ~9r³ FLOPs took as long as ~20r³ of float64 GEMMs on the 2-core reference machine, r 256–512), and
+# bf16 244 TFLOP/s); a CPU's float32 BLAS as 1, float64 at half of it, LAPACK's eigh's ~9r³ FLOPs at ~0.3
+# (fitted where the two routes tie end to end on the 2-core reference machine: k ≈ r at r 256), and
 # bfloat16 at 2.5 where the CPU has bfloat16 units (AVX512-BF16 / AMX; measured 2.6×), else those steps
 # run in float32 (fast.low_dtype), at 1.
 RATES = {
     "cuda": {"fp64": 43.0, TF32X3: 42.0, TF32X2: 63.0, "bf16": 244.0},
-    "cpu": {"fp64": 0.5, "eigh": 0.22, TF32X3: 1.0, TF32X2: 1.0, "bf16": 2.5},
-    "cpu-no-bf16": {"fp64": 0.5, "eigh": 0.22, TF32X3: 1.0, TF32X2: 1.0, "bf16": 1.0},
+    "cpu": {"fp64": 0.5, "eigh": 0.3, TF32X3: 1.0, TF32X2: 1.0, "bf16": 2.5},
+    "cpu-no-bf16": {"fp64": 0.5, "eigh": 0.3, TF32X3: 1.0, TF32X2: 1.0, "bf16": 1.0},
 }
 
 
@@ -117,7 +117,8 @@ def modelled_time(work: dict[str, float], rates: dict[str, float]) -> float:
 def prefers_gram(k: int, r: int, kind: str, precise_steps: int, steps: int) -> bool:
     """Whether the Gram route is modelled faster than the direct one for an r×k matrix (k ≥ r) on a
     device of `kind` (a key of RATES), its r×r part as that device runs it (`small_side_for`): from
-    k ≈ 5.2·r on an H200; on a CPU with bfloat16 units from k ≈ 1.6·r, on one without at every shape."""
+    k ≈ 5.2·r on an H200; on a CPU from k ≈ r (every shape but square ones where it has bfloat16
+    units: there the two tie)."""
     rates = RATES[kind]
     work = gram_work(k, r, "iterate" if kind == "cuda" else "eigh")
     return modelled_time(work, rates) < modelled_time(direct_work(k, r, precise_steps, steps), rates)
