@@ -18,3 +18,7 @@ $R --seeds 0 --lrs $NESTEROV --out $O
 $R --seeds 1,2 --lrs best:tsv,iso_cts,ties,dare --out $O
 $R --seeds 0 --lrs $SGD --out $O
 $R --seeds 1,2 --lrs best:isoloco-sgd,tsv-sgd,iso_cts-sgd,ties-sgd,dare-sgd --out $O
+# one point past each seed-0 optimum on its grid's edge (tsv, iso_cts 2.4 low; ties, dare 0.35 low; isoloco-sgd and
+# iso_cts-sgd 4.2 high; ties-sgd 0.5 low), then seeds 1 and 2 of the best again (nothing reruns where the edge loses)
+$R --seeds 0 --lrs tsv=1.8,iso_cts=1.8,ties=0.25,dare=0.25,isoloco-sgd=5.6,iso_cts-sgd=5.6,ties-sgd=0.35 --out $O
+$R --seeds 1,2 --lrs best:tsv,iso_cts,ties,dare,isoloco-sgd,tsv-sgd,iso_cts-sgd,ties-sgd,dare-sgd --out $O
