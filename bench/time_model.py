@@ -50,8 +50,8 @@ def _units(unit: str, steps: int = polar.STEPS):
     return lambda k, r: {unit: polar.polar_flops(k, r, steps)}
 
 
-def _fast_variant(precise_steps: int):
-    return lambda k, r: fast_gram.direct_work(k, r, precise_steps, polar.STEPS)
+def _fast_variant(precise_steps: int, steps: int = fast.STEPS):
+    return lambda k, r: fast_gram.direct_work(k, r, precise_steps, steps)
 
 
 def _fast_gram_everywhere(k, r):
@@ -64,8 +64,8 @@ def _fast_one_triangle(k, r):
     if fast.route_for(r, k, "cuda") == "gram":
         w = fast_gram.gram_work(k, r)
         return {u: (f / 2 if u == "fp64" else f) for u, f in w.items()}
-    w = fast_gram.direct_work(k, r, fast.PRECISE_STEPS, polar.STEPS)
-    sym = (polar.STEPS - fast.PRECISE_STEPS) * (2.0 * k * r * r + 2.0 * r**3)
+    w = fast_gram.direct_work(k, r, fast.PRECISE_STEPS, fast.STEPS)
+    sym = (fast.STEPS - fast.PRECISE_STEPS) * (2.0 * k * r * r + 2.0 * r**3)
     return dict(w, **{polar.TF32X2: w[polar.TF32X2] / 2, "bf16": w["bf16"] - sym / 2})
 
 
@@ -86,13 +86,10 @@ CANDIDATES = {
     "auto with polar_tf32x3": ((AUTO, "polar_tf32x3"), "not the default: gram or polar_tf32x3, the cheaper"),
     "polar_bf16 as run": (_polar_bf16_as_run, "8 bf16 + 2 float32 steps, no rank certificate"),
     "polar_bf16": (_registry("polar_bf16"), "now: + float64 rank certificate"),
-    "fast": (_registry("fast"), "per bucket the faster route: direct, or Gram (fast_gram.py) from k ≈ 4.4·r"),
-    "fast, direct only": (
-        _fast_variant(fast.PRECISE_STEPS),
-        "before the Gram route: 3 steps 3xTF32, 7 bf16, fp64 cert",
-    ),
+    "fast": (_registry("fast"), "direct (9 steps) or, from k ≈ 5.5·r, the Gram route (fast_gram.py)"),
+    "fast before": (_fast_variant(fast.PRECISE_STEPS, polar.STEPS), "direct only, 10 steps: 3 3xTF32, 7 bf16"),
     "fast, Gram route only": (_fast_gram_everywhere, "fast_gram.py on every bucket (square ones too)"),
-    "fast, 2 precise steps": (_fast_variant(2), "not implemented: certified floor 4.2e-4"),
+    "fast, 2 precise steps": (_fast_variant(2), "not implemented: direct only, 2 precise steps, a lower floor"),
     "fast, one-triangle products": (_fast_one_triangle, "not built: fast with symmetric products at half"),
     "bf16 only": (_units("bf16"), "not a method: 10 bf16 steps, misses the contract (a lower bound)"),
 }

@@ -92,7 +92,8 @@ def direct_work(k: int, r: int, precise_steps: int, steps: int) -> dict[str, flo
 # Relative rates per unit, for the route only (bench/time_model.py prices the methods): an H200's
 # fitted rates (bench/results/time_model.md: fp64 43, 3xTF32 42 and its two-GEMM symmetric products 63,
 # bf16 244 TFLOP/s); a CPU's float32 BLAS as 1, float64 at half of it, LAPACK's eigh's ~9r³ FLOPs at ~0.3
-# (fitted where the two routes tie end to end on the 2-core reference machine: k ≈ r at r 256), and
+# (fitted where the two routes tied end to end on the 2-core reference machine, k ≈ r at r 256, with
+# the 10-step direct route), and
 # bfloat16 at 2.5 where the CPU has bfloat16 units (AVX512-BF16 / AMX; measured 2.6×), else those steps
 # run in float32 (fast.low_dtype), at 1.
 RATES = {
@@ -117,8 +118,8 @@ def modelled_time(work: dict[str, float], rates: dict[str, float]) -> float:
 def prefers_gram(k: int, r: int, kind: str, precise_steps: int, steps: int) -> bool:
     """Whether the Gram route is modelled faster than the direct one for an r×k matrix (k ≥ r) on a
     device of `kind` (a key of RATES), its r×r part as that device runs it (`small_side_for`): from
-    k ≈ 5.2·r on an H200; on a CPU from k ≈ r (every shape but square ones where it has bfloat16
-    units: there the two tie)."""
+    k ≈ 5.5·r on an H200; on a CPU with bfloat16 units from k ≈ 1.15·r, on one without at every
+    shape."""
     rates = RATES[kind]
     work = gram_work(k, r, "iterate" if kind == "cuda" else "eigh")
     return modelled_time(work, rates) < modelled_time(direct_work(k, r, precise_steps, steps), rates)

@@ -129,7 +129,7 @@ def test_the_precision_placement_is_what_keeps_the_contract():
     are rounded away before they are lifted), and the certificate alone cannot see that: this is
     what the float32-accurate first steps buy, and what the band test above would catch."""
     x = with_spectrum(2, 64, 160, spectrum("lowrank_noise", 64, 1e3), gen("placement")).float()
-    q, _ = polar.polar_factor(x, gemm_dtypes=(torch.bfloat16,) * polar.STEPS)
+    q, _ = polar.polar_factor(x, fast.COEFFS, gemm_dtypes=(torch.bfloat16,) * fast.STEPS)
     sbar = (x.double() * q.double()).sum((-2, -1), keepdim=True) / 64
     assert rel_err(sbar * q.double(), iso_flatten_ref(x)) > method_tol("fast", x.dtype, 1e3)
     out, _ = _fast(x)
@@ -138,21 +138,26 @@ def test_the_precision_placement_is_what_keeps_the_contract():
 
 def test_lift_floor_follows_the_schedule():
     """The certified floor is LIFT_FLOOR × where the precise steps take ELL, and a singular value
-    that starts at LIFT_FLOOR·ELL still ends within 0.5 % of 1 in exact arithmetic."""
+    that starts at LIFT_FLOOR·ELL still ends within 0.8 % of 1 in exact arithmetic; fast's schedule is
+    the one derived for polar's range in its number of steps."""
+    from isoloco_kernels import coefficients
+
+    sched = coefficients.schedule(polar.ELL, fast.STEPS)
+    assert all(got == pytest.approx(want, rel=1e-12) for got, want in zip(fast.COEFFS, sched.coeffs))
     s = torch.tensor(polar.ELL * fast.LIFT_FLOOR, dtype=torch.float64)
-    for t, (a, b, c) in enumerate(polar.COEFFS):
+    for t, (a, b, c) in enumerate(fast.COEFFS):
         s = a * s + b * s**3 + c * s**5
         if t == fast.PRECISE_STEPS - 1:
             assert float(s) == pytest.approx(fast.lift_floor(), rel=1e-3)
-    assert abs(float(s) - 1) <= 5e-3
+    assert abs(float(s) - 1) <= 8e-3
 
 
 def test_work_model_counts_every_gemm_dtype():
     k, r = 4096, 1024  # direct on an H200 (the model's device)
     w = fast.fast_work(k, r)
     assert w[polar.TF32X3] + w[polar.TF32X2] == polar.polar_flops(k, r, fast.PRECISE_STEPS)
+    assert fast.STEPS == 9 and w["bf16"] == polar.polar_flops(k, r, fast.STEPS - fast.PRECISE_STEPS)
     assert w[polar.TF32X2] == fast.PRECISE_STEPS * (2.0 * k * r * r + 2.0 * r**3)  # X·Xᵀ and A²: two GEMMs
-    assert w["bf16"] == polar.polar_flops(k, r, polar.STEPS - fast.PRECISE_STEPS)
     assert w["fp64"] == 2.0 * k * r**2 + r**3 / 3
     assert fast.fast_work(32 * r, r) == fast_gram.gram_work(32 * r, r)  # a vocabulary matrix: the Gram route
 
@@ -254,11 +259,11 @@ def _assert_fast_precisions(spy: _GemmSpy, calls: list) -> None:
     """Steps 0..PRECISE_STEPS-1 on float32 operands (float32-accurate: IEEE float32 on the CPU,
     float32 split into TF32 parts for 3xTF32), the rest on bfloat16, every GEMM of a step in one
     dtype; exactly the schedule's steps (no fallback ran)."""
-    assert spy.step == polar.STEPS, f"{spy.step} steps ran; the schedule has {polar.STEPS}"
+    assert spy.step == fast.STEPS, f"{spy.step} steps ran; the schedule has {fast.STEPS}"
     per_step: dict[int, set] = {}
     for t, dtypes in calls:
         per_step.setdefault(t, set()).update(dtypes)
-    for t in range(polar.STEPS):
+    for t in range(fast.STEPS):
         want = torch.float32 if t < fast.PRECISE_STEPS else torch.bfloat16
         assert per_step.get(t) == {want}, f"step {t}: GEMM operands {per_step.get(t)}, want {want} only"
 
