@@ -15,6 +15,7 @@
 #      iso_merge_ per method (with its error against reference.py) on the llama-178m and
 #      llama-1b bucket sets until the budget ends;
 #   9. a short table, printed last.
+# (Between 5 and 6: the merges at K 8; one-triangle products against cuBLAS and fast's two routes.)
 # Everything goes under $OUT (default bench/results): <date>-<device>.{log,tests.log,json,md},
 # <date>-<device>-{fsdp2.json,step.json,memory.jsonl}, <date>-<device>-train/results.json.
 #
@@ -150,6 +151,37 @@ timeout -k 10 "$(cap 45 40)" "$PY" bench/fsdp2_step.py $FSDP_ARGS --json "$RES/$
 step "the five merges, K 8 (bench/test_bench_merges.py: batched vs a per-matrix loop)"
 if [ "$DRY_RUN" = 1 ]; then MERGE_SETS=ref-tiny; MERGE_SEL="8 and (tsv or ties)"; else MERGE_SETS=llama-178m; MERGE_SEL=""; fi
 bench "$(cap 45 40)" "$RES/$NAME-merges.json" bench/test_bench_merges.py "$MERGE_SETS" "$MERGE_SEL"
+
+step "one-triangle products and fast's routes (triton/sym_gram.py vs torch's GEMM; fast direct vs Gram)"
+timeout "$(cap 40 60)" env DRY_RUN="$DRY_RUN" "$PY" - <<'EOF' || echo "sym / route probe failed"
+import os, time, torch, warnings
+from isoloco_kernels import fast
+warnings.simplefilter("ignore")
+dry = os.environ.get("DRY_RUN") == "1"
+dev = torch.device("cpu" if dry else "cuda")
+sync = (lambda: None) if dry else torch.cuda.synchronize
+def t(f, n=3):
+    f(); sync(); t0 = time.perf_counter()
+    for _ in range(n): f()
+    sync(); return (time.perf_counter() - t0) / n
+if not dry:  # Triton runs only on the GPU here (the interpreter is for the tests)
+    from isoloco_kernels.triton.sym_gram import sym_gram
+    for shape in [(48, 2048, 8192), (64, 2048, 2048), (2, 2048, 128256)]:
+        for dt, prec in [(torch.bfloat16, "ieee"), (torch.float32, "tf32x3")]:
+            x = torch.randn(shape, device=dev).to(dt)
+            full = t(lambda: torch.matmul(x, x.mT))
+            tri = t(lambda: sym_gram(x, precision=prec))
+            ref = x.float() @ x.float().mT
+            err = float((sym_gram(x, precision=prec) - ref).norm() / ref.norm())
+            print(f"X·Xᵀ {shape} {dt} {prec}: torch {full * 1e3:.2f} ms, one-triangle {tri * 1e3:.2f} ms "
+                  f"({full / tri:.2f}×), rel. diff {err:.1e}")
+shapes = [(2, 32, 512)] if dry else [(8, 2048, 8192), (2, 2048, 128256), (8, 2048, 2048)]
+for shape in shapes:
+    x = torch.randn(shape, device=dev)
+    row = {r: t(lambda: fast.flatten_fast_(x.clone(), route=r), 2) for r in fast.ROUTES}
+    print(f"fast {shape}: direct {row['direct'] * 1e3:.1f} ms, gram {row['gram'] * 1e3:.1f} ms, "
+          f"route_for picks {fast.route_for(*shape[1:], fast.device_kind(x))}")
+EOF
 
 step "gram vs polar here (float64 Gram space vs float32 direct iteration; auto's choice)"
 timeout "$(cap 40 60)" env DRY_RUN="$DRY_RUN" "$PY" - <<'EOF' || echo "gram probe failed"

@@ -59,14 +59,14 @@ def _fast_gram_everywhere(k, r):
 
 
 def _fast_one_triangle(k, r):
-    """fast's routes with every symmetric product (X·Xᵀ, A², the Gram route's A₀ and r×r products)
-    computed as its lower triangle only: half their FLOPs (a kernel not built yet)."""
+    """fast with sym="triton" (triton/sym_gram.py): the direct route's bfloat16 steps compute X·Xᵀ
+    and the polynomial in A one triangle at a time, half their FLOPs, at the tensor-core efficiency
+    of the GEMMs they replace (unmeasured); the 3xTF32 steps and the Gram route as they are."""
     if fast.route_for(r, k, "cuda") == "gram":
-        w = fast_gram.gram_work(k, r)
-        return {u: (f / 2 if u == "fp64" else f) for u, f in w.items()}
+        return fast_gram.gram_work(k, r)
     w = fast_gram.direct_work(k, r, fast.PRECISE_STEPS, fast.STEPS)
     sym = (fast.STEPS - fast.PRECISE_STEPS) * (2.0 * k * r * r + 2.0 * r**3)
-    return dict(w, **{polar.TF32X2: w[polar.TF32X2] / 2, "bf16": w["bf16"] - sym / 2})
+    return dict(w, bf16=w["bf16"] - sym / 2)
 
 
 def _polar_bf16_as_run(k, r):
@@ -90,7 +90,7 @@ CANDIDATES = {
     "fast before": (_fast_variant(fast.PRECISE_STEPS, polar.STEPS), "direct only, 10 steps: 3 3xTF32, 7 bf16"),
     "fast, Gram route only": (_fast_gram_everywhere, "fast_gram.py on every bucket (square ones too)"),
     "fast, 2 precise steps": (_fast_variant(2), "not implemented: direct only, 2 precise steps, a lower floor"),
-    "fast, one-triangle products": (_fast_one_triangle, "not built: fast with symmetric products at half"),
+    "fast, sym='triton'": (_fast_one_triangle, "one-triangle bf16 products (sym_gram.py, opt-in, unmeasured)"),
     "bf16 only": (_units("bf16"), "not a method: 10 bf16 steps, misses the contract (a lower bound)"),
 }
 #: Tensor-core efficiency of a tuned GEMM path, the optimistic side of the bracket.

@@ -124,7 +124,10 @@ def fast_work(k: int, r: int, kind: str = "cuda") -> dict[str, float]:
     return fast_gram.direct_work(k, r, PRECISE_STEPS, STEPS)
 
 
-def flatten_fast_(x3: torch.Tensor, *, precise=None, low=None, route: str | None = None) -> None:
+SYM_GEMMS = ("torch", "triton")
+
+
+def flatten_fast_(x3: torch.Tensor, *, precise=None, low=None, route: str | None = None, sym: str = "torch") -> None:
     """In place Iso-C of a [B, m, n] batch at training grade (module docstring); all-or-nothing.
 
     precise: the GEMM mode of the direct route's precise steps (a dtype, or polar.TF32X3); default
@@ -132,7 +135,12 @@ def flatten_fast_(x3: torch.Tensor, *, precise=None, low=None, route: str | None
     low: the GEMM dtype of its other steps, default `low_dtype(x3)`. Tests pass polar.TF32X3 and
     torch.bfloat16 on the CPU to run the GPU's numerics (emulated).
     route: "direct" or "gram" (fast_gram.py); default `route_for` the bucket's shape and device.
+    sym: the direct route's symmetric products (X·Xᵀ and the polynomial in A) outside the 3xTF32
+    steps: "torch" (a full GEMM, the default) or "triton" (triton/sym_gram.py: one triangle, half
+    the FLOPs; the default once a GPU run measures it faster, bench/device_check.sh times both).
     """
+    if sym not in SYM_GEMMS:
+        raise ValueError(f"flatten_fast_: sym must be one of {SYM_GEMMS}, got {sym!r}")
     if route is None:
         route = route_for(x3.shape[-2], x3.shape[-1], device_kind(x3))
     if route not in ROUTES:
@@ -152,7 +160,7 @@ def flatten_fast_(x3: torch.Tensor, *, precise=None, low=None, route: str | None
             verdict["ok"] = polar.certify(x, floor)
 
     with polar.ieee_fp32_matmul(x3.is_cuda and cd == torch.float32):
-        q, resid = polar.polar_factor(x3, COEFFS, gemm_dtypes=gd, observe=observe)
+        q, resid = polar.polar_factor(x3, COEFFS, gemm_dtypes=gd, observe=observe, steps=_sym_steps(sym, x3))
     ok = verdict["ok"]
     flagged = (~ok).nonzero().flatten()
     polar.finish_flatten_(
@@ -166,6 +174,19 @@ def flatten_fast_(x3: torch.Tensor, *, precise=None, low=None, route: str | None
         why="a singular value below the certified floor: rank-deficient or condition number beyond ~1e5",
         by='by "polar"',
     )
+
+
+def _sym_steps(sym: str, x: torch.Tensor):
+    """polar_factor's step pieces for `sym` (None: its own torch GEMMs)."""
+    if sym == "torch":
+        return None
+    from . import triton as tk
+
+    if not tk.usable_for(x):
+        raise RuntimeError(f"flatten_fast_: sym='triton' cannot run on this {x.device.type} tensor here (Triton)")
+    from .triton.sym_gram import SymSteps
+
+    return SymSteps
 
 
 def _fallback(sub: torch.Tensor) -> None:

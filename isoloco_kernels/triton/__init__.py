@@ -2,11 +2,14 @@
 
     iso_scale.py   _iso_dot_kernel / _iso_write_kernel: s̄ = ⟨Δ, Q⟩ / min(m, n), Δ ← s̄·Q
     nesterov.py    the multi-tensor Nesterov outer update (see that file)
+    sparse_merge.py  the fused TIES / DARE merge of one worker stack
+    sym_gram.py    one-triangle symmetric products α·X·Xᵀ + β·B + γ·I (fast(sym="triton"), opt-in)
 
 AVAILABLE says whether triton imports. With TRITON_INTERPRET=1 set when these modules are first
 imported, the kernels are built for Triton's interpreter and take CPU tensors (that is how the
 tests run them without a GPU); `interpreted()` says which kind was built. The polar iteration's
-GEMMs run on cuBLAS (Triton GEMM kernels for it were removed: never measured faster).
+GEMMs run on cuBLAS (Triton GEMM kernels for it were removed: never measured faster); sym_gram's
+one-triangle products are opt-in until a GPU run measures them against cuBLAS.
 """
 
 from __future__ import annotations
