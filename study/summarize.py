@@ -620,6 +620,13 @@ def main() -> None:
         plot_v3(v3, HERE / "study_v3.png")
         print("\n<!-- v3 -->\n" + markdown_by_question(v3) + "\n\n" + markdown_grids(v3))
         print(f"\n{len(v3_recs)} v3 runs, {sum(r.get('cpu_s', 0.0) for r in v3_recs) / 60:.1f} CPU-min")
+        from v5 import markdown_merges, plot_merges, summarize_merges  # study v5 part B: the paper's merges
+
+        merges = summarize_merges(v3, v3_recs, paired_bootstrap_ci)
+        if merges:
+            (HERE / "summary_v5_merges.json").write_text(json.dumps(merges, indent=1))
+            plot_merges(merges, HERE / "study_v5_merges.png")
+            print("\n<!-- v5 merges -->\n" + markdown_merges(merges))
     v4_recs = [r for r in recs if r.get("study") == "v4"]
     if v4_recs:
         from v4 import markdown_v4, markdown_verdict, plot_v4, summarize_v4, verdict  # study/ is on sys.path

@@ -36,17 +36,21 @@ CELLS = {
 
 
 def spectrum_stats(d: torch.Tensor) -> dict:
-    s = torch.linalg.svdvals(d.double())
-    s = s[s > 0]
+    """r (the short side), eff_rank and iso_move over the directions above reference.py's rank cut,
+    flat = s̄ / σ₁ with s̄ over all r singular values (Iso-C's)."""
+    from isoloco_kernels.reference import rank_tol
+
     r = min(d.shape)
-    if s.numel() == 0:
+    s_all = torch.linalg.svdvals(d.double())
+    if s_all.numel() == 0 or float(s_all[0]) == 0:
         return {"r": r, "eff_rank": 0.0, "flat": 0.0, "iso_move": 0.0}
+    s = s_all[s_all > rank_tol(*d.shape, d.dtype) * s_all[0]]
     p = s / s.sum()
     iso_cos = float(s.sum() / (s.norm() * math.sqrt(s.numel())))  # ⟨Δ, s̄·UVᵀ⟩ / (‖Δ‖ ‖s̄·UVᵀ‖)
     return {
         "r": r,
         "eff_rank": float(torch.exp(-(p * p.log()).sum())),
-        "flat": float(s.mean() / s[0]),
+        "flat": float(s_all.mean() / s_all[0]),
         "iso_move": 1.0 - iso_cos,
     }
 

@@ -22,3 +22,7 @@ $R --seeds 1,2 --lrs best:isoloco-sgd,tsv-sgd,iso_cts-sgd,ties-sgd,dare-sgd --ou
 # iso_cts-sgd 4.2 high; ties-sgd 0.5 low), then seeds 1 and 2 of the best again (nothing reruns where the edge loses)
 $R --seeds 0 --lrs tsv=1.8,iso_cts=1.8,ties=0.25,dare=0.25,isoloco-sgd=5.6,iso_cts-sgd=5.6,ties-sgd=0.35 --out $O
 $R --seeds 1,2 --lrs best:tsv,iso_cts,ties,dare,isoloco-sgd,tsv-sgd,iso_cts-sgd,ties-sgd,dare-sgd --out $O
+# a second point past the optima still on an edge after the first (tsv, iso_cts 1.8 low; ties 0.25 low;
+# isoloco-sgd, iso_cts-sgd 5.6 high), then seeds 1 and 2 of the best again; what stays on an edge is reported so
+$R --seeds 0 --lrs tsv=1.2,iso_cts=1.2,ties=0.18,isoloco-sgd=7.5,iso_cts-sgd=7.5 --out $O
+$R --seeds 1,2 --lrs best:tsv,iso_cts,ties,isoloco-sgd,iso_cts-sgd --out $O
