@@ -193,8 +193,9 @@ def run_timed(
 NAMED_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dt: name for name, dt in NAMED_DTYPES.items()}
 
-#: The torch.linalg.svd baselines (bench/test_bench_flatten.py): the svd model, in the input dtype.
-BASELINES = ("svd-loop", "svd-batched")
+#: The torch baselines (bench/test_bench_flatten.py): torch.linalg.svd per matrix and batched, and
+#: torch.linalg.polar (torch ≥ 2.14; LAPACK / cuSOLVER's SVD inside) where torch has it; the svd model.
+BASELINES = ("svd-loop", "svd-batched") + (("linalg-polar",) if hasattr(torch.linalg, "polar") else ())
 
 
 def roofline(flops: dict[str, float] | None, nbytes: float, ceilings: dict) -> dict:

@@ -4,6 +4,7 @@ One case = (implementation, bucket set, device, dtype). Implementations:
   svd-loop     the published Iso-C / IsoLoCo code's way: one torch.linalg.svd per weight,
                then U · diag(mean σ) · Vᵀ (written as (U·mean σ)·Vᵀ, the cheaper equal form)
   svd-batched  one batched torch.linalg.svd per bucket, same formula
+  linalg-polar one batched torch.linalg.polar per bucket (torch ≥ 2.14), then s̄ = ⟨Δ, Q⟩ / min(m, n)
   <method>     isoloco_kernels.iso_merge_(buckets, method=<method>) for every method in
                isoloco_kernels.flatten.METHODS ("auto" last), so new methods join automatically
                (a residual-checked method's fallback count is recorded as <its recorder>_fallbacks:
@@ -61,7 +62,18 @@ def _svd_batched_(buckets):
         b.copy_((u * s.mean(-1)[:, None, None]) @ vh)
 
 
+def _linalg_polar_(buckets):
+    for b in buckets:
+        tall = b.shape[-2] >= b.shape[-1]
+        q, _ = torch.linalg.polar(b if tall else b.mT)  # batched; m ≥ n only
+        q = q if tall else q.mT
+        sbar = (b * q).sum((-2, -1), keepdim=True) / min(b.shape[-2:])
+        b.copy_(q * sbar)
+
+
 def _impl_fn(impl: str):
+    if impl == "linalg-polar":
+        return _linalg_polar_
     if impl == "svd-loop":
         return _svd_loop_
     if impl == "svd-batched":
@@ -130,7 +142,7 @@ def test_flatten(benchmark, impl, set_name, device, dtype, bench_seconds, bench_
             "~15x slower than fp32 polar); GPU only"
         )
     if impl in BASELINES and dtype != "fp32":
-        pytest.skip("the torch.linalg.svd baselines run in fp32 only")
+        pytest.skip("the torch.linalg baselines run in fp32 only")
 
     shapes = bucket_shapes(s for _, s in decoder_weight_shapes(spec))
     resolved = harness.resolved_methods(impl, shapes, device)
