@@ -38,6 +38,9 @@ from isoloco_kernels import buckets  # noqa: E402
 GIB = float(1 << 30)
 #: The methods the model covers (every registry method with a row; "auto" resolves to one).
 METHODS = ("svd", "eigh", "polar", "polar_bf16", "polar_tf32x3", "gram", "fast")
+#: modelled too: "auto" as it resolves per bucket on an H200 (gram where flatten.gram_beats_polar says so, else
+#: polar, whose fallback is gram: the larger of the two)
+MODEL_METHODS = METHODS + ("auto",)
 FIT_SHAPES = (
     (3, 64, 512),
     (3, 128, 128),
@@ -94,7 +97,17 @@ def model(spec_name: str, method: str, workspace: int | None, elem: int = 4) -> 
     grads = float(sum(sizes))
 
     def rows(b, m, n):
-        per = buckets.method_workspace(method, m, n, dtype)
+        if method == "auto":
+            from isoloco_kernels import flatten
+
+            gram = buckets.method_workspace("gram", m, n, dtype)
+            per = (
+                gram
+                if flatten.gram_beats_polar(m, n, 1.0)
+                else max(gram, buckets.method_workspace("polar", m, n, dtype))
+            )
+        else:
+            per = buckets.method_workspace(method, m, n, dtype)
         return b if workspace is None else max(1, min(b, workspace // per)), per
 
     scratch = 0.0
@@ -119,7 +132,7 @@ def table(sets=("llama-1b", "llama-8b")) -> str:
         "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for name in sets:
-        for method in METHODS:
+        for method in MODEL_METHODS:
             s, whole = model(name, method, w), model(name, method, None)
             lines.append(
                 f"| {name} | {s['grads'] / GIB:.1f} | {method} | {s['iso_merge_'] / GIB:.1f} | "

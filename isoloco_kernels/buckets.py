@@ -227,6 +227,10 @@ def method_workspace(method: str, m: int, n: int, dtype: torch.dtype, kind: str 
     # a method without a row: the largest of every row's coefficients (an upper bound, not a model)
     a, b = table.get(method) or (max(a for a, _ in table.values()), max(b for _, b in table.values()))
     r, k = min(m, n), max(m, n)
+    if method == "gram":  # its column blocks stop growing at gram.COLUMN_BLOCK_BYTES (the fit's a·r·k below)
+        from .gram import COLUMN_BLOCK_BYTES
+
+        return math.ceil(min(a * r * k, COLUMN_BLOCK_BYTES) + b * r * r)
     return math.ceil(a * r * k + b * r * r)
 
 

@@ -42,7 +42,7 @@ TF32X3, TF32X2 = "tf32x3", "tf32x2"  # polar's work units (3xTF32 products; symm
 ELL = 2.5e-5  # polar.ELL: the direct route's range (σ ≥ 2.5e-5 of the σ_max bound, which is ≤ r^(1/16)·σ_max)
 STEPS = 9  # fewest steps that take [ELL, 1] within 1e-4 of 1 (8 leave 4.0e-2)
 BOUND = 5.6e-5  # |1 − p(σ)| after the schedule, for every σ in [ELL, 1]
-COLUMN_BLOCK_BYTES = 256 << 20  # the passes over X read float64 column blocks of at most this (with slack)
+COLUMN_BLOCK_BYTES = gram.COLUMN_BLOCK_BYTES  # the passes over X read float64 column blocks of at most this
 RESID_SLACK = 4.0  # flag when |r − ‖Q‖_F²| / √r > RESID_SLACK·BOUND·√r: a certified matrix has ≤ 2·BOUND·√r
 
 # coefficients.schedule(2.5e-5, 9) (tests/test_fast_gram.py regenerates and compares; print it with
@@ -106,9 +106,9 @@ RATES = {
 def workspace(m: int, n: int, elem: int = 4) -> int:
     """Modelled peak scratch (bytes) of one m×n matrix on this route: ~8 r×r float64 matrices (A₀,
     the iteration's A, p, Y, Y·Ã₀ and products; eigh's V and P) and the column blocks of the passes
-    over X (gram._plan: at most COLUMN_BLOCK_BYTES of float64, or half the matrix)."""
+    over X (gram._plan: at most COLUMN_BLOCK_BYTES, or half the matrix, for the four it counts)."""
     r, k = min(m, n), max(m, n)
-    return 8 * 8 * r * r + min(COLUMN_BLOCK_BYTES, r * k * elem // 2) * 2
+    return 8 * 8 * r * r + min(COLUMN_BLOCK_BYTES, r * k * elem // 2)
 
 
 def modelled_time(work: dict[str, float], rates: dict[str, float]) -> float:
@@ -192,13 +192,16 @@ def flatten_fast_gram_(
     cd = compute_dtype(x3.dtype)
     x = x3.mT if m0 > n0 else x3
     _, m, n = x.shape
-    if budget is None:  # half the bucket (gram.py's default), at most COLUMN_BLOCK_BYTES: O(r²) + one block
-        budget = min(nb * m * n * x3.element_size() // 2, COLUMN_BLOCK_BYTES)
     sub_b, cols = gram._plan(nb, m, n, x3.element_size(), budget)
     f64 = torch.float64
     part = _small_iterate if small == "iterate" else _small_eigh
 
-    amax = x.abs().amax((-2, -1)).to(f64)  # a reduction: no copy of the bucket
+    amax = torch.zeros(nb, dtype=f64, device=x3.device)  # column block by block: no copy of the bucket
+    for i in range(0, nb, sub_b):
+        for sl in gram._chunks(n, cols):
+            amax[i : i + sub_b] = torch.maximum(
+                amax[i : i + sub_b], x[i : i + sub_b, :, sl].abs().amax((-2, -1)).to(f64)
+            )
     if not bool(torch.isfinite(amax).all()):
         raise ValueError(_describe_nonfinite(x3, "iso_flatten_ (fast)") + "; nothing was written")
     div = torch.where(amax > 0, amax, 1)[:, None, None]
