@@ -10,7 +10,7 @@ learning curve, so the gap per round), and in rounds 1, 5 and 10 records of ever
 Records go to study/results/mechanism/v5_mechanism.jsonl (not a run-record folder: the v3 grids do not read it).
 
     python study/v5_mechanism.py              # every cell not yet recorded (~8 CPU-min a 16 × 128 run)
-    python study/v5_mechanism.py --report     # the table docs/study.md shows
+    python study/v5_mechanism.py --report     # the table docs/study.md shows, and study/study_v5_mechanism.png
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -128,12 +129,44 @@ def report() -> str:
     return "\n".join(lines)
 
 
+def plot(path) -> None:
+    """Per cell, IsoLoCo − DiLoCo on the selection split after every round (seed 0), and DiLoCo's Δ
+    effective rank / r in the rounds recorded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = {(r["cell"], r["mode"]): r for r in map(json.loads, OUT.read_text().splitlines())}
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for cell in CELLS:
+        d, i = recs.get((cell, "diloco")), recs.get((cell, "isoloco"))
+        if d is None or i is None:
+            continue
+        gap = [b - a for a, b in zip(d["heldout_loss"][1:], i["heldout_loss"][1:])]
+        a1.plot(range(1, len(gap) + 1), gap, marker="o", ms=3, label=cell)
+        rounds = sorted(int(r) for r in d["spectra"])
+        er = [statistics.fmean(v["eff_rank"] / v["r"] for v in d["spectra"][str(r)].values()) for r in rounds]
+        a2.plot(rounds, er, marker="s", ms=3, label=cell)
+    a1.axhline(0, color="k", lw=0.8)
+    a1.set_xlabel("round")
+    a1.set_ylabel("IsoLoCo − DiLoCo (selection split)")
+    a2.set_xlabel("round")
+    a2.set_ylabel("DiLoCo's Δ: effective rank / r (mean)")
+    a1.legend(fontsize=7)
+    fig.suptitle("Study v5 part A: learning-curve gap and pseudo-gradient spectra (seed 0)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--report", action="store_true")
     a = ap.parse_args(argv)
     if a.report:
         print(report())
+        plot(HERE / "study_v5_mechanism.png")
         return 0
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)

@@ -112,3 +112,5 @@ def test_mechanism_report_reads_its_records(tmp_path, monkeypatch):
     text = vm.report()
     assert f"| {cell} | -0.100 / -0.100 / -0.100 | 0.50 → 0.50 | 0.500 → 0.500 | 0.100 → 0.100 |" in text
     assert vm.done() == {(cell, "diloco"), (cell, "isoloco")}
+    vm.plot(tmp_path / "m.png")
+    assert (tmp_path / "m.png").stat().st_size > 1000
