@@ -29,7 +29,8 @@ a FlattenFallbackWarning. So "fast" never returns a spread spectrum or a filled 
 Two routes, chosen per bucket by the modelled time of its shape (`route_for`): the direct iteration
 above, and the Gram route of fast_gram.py: the short side's Gram matrix once in float64, its r×r
 part (on CUDA the schedule, certified from the Gram matrix it formed anyway; on the CPU LAPACK's
-eigh), one float32-accurate application; same contract, far fewer FLOPs on wide matrices. On an
+eigh; what neither certifies, gram.py's exact float64 schedule on the same Gram matrix, then the
+SVD), one float32-accurate application; same contract, far fewer FLOPs on wide matrices. On an
 H200 the Gram route serves buckets from k ≈ 5.5·r (the vocabulary matrices), a CPU from k ≈ 1.15·r.
 
 The bfloat16 steps run in bfloat16 on CUDA and on CPUs with bfloat16 units (AVX512-BF16, AMX:
@@ -47,7 +48,7 @@ import functools
 
 import torch
 
-from . import fast_gram, polar
+from . import exact, fast_gram, polar
 from ._validate import compute_dtype
 from .iteration_stats import Recorder
 
@@ -135,9 +136,11 @@ def flatten_fast_(x3: torch.Tensor, *, precise=None, low=None, route: str | None
     low: the GEMM dtype of its other steps, default `low_dtype(x3)`. Tests pass polar.TF32X3 and
     torch.bfloat16 on the CPU to run the GPU's numerics (emulated).
     route: "direct" or "gram" (fast_gram.py); default `route_for` the bucket's shape and device.
-    sym: the direct route's symmetric products (X·Xᵀ and the polynomial in A) outside the 3xTF32
-    steps: "torch" (a full GEMM, the default) or "triton" (triton/sym_gram.py: one triangle, half
-    the FLOPs; the default once a GPU run measures it faster, bench/device_check.sh times both).
+    sym: the direct route's symmetric products (X·Xᵀ and the polynomial in A) in every step not run
+    as 3xTF32 (the bfloat16 steps; on the CPU and GPUs without TF32 the float32 ones too; float64
+    input's stay on torch): "torch" (a full GEMM, the default) or "triton" (triton/sym_gram.py: one
+    triangle, half the FLOPs; the default once a GPU run measures it faster, bench/device_check.sh
+    times both). precise, low and sym are the direct route's: the Gram route ignores them.
     """
     if sym not in SYM_GEMMS:
         raise ValueError(f"flatten_fast_: sym must be one of {SYM_GEMMS}, got {sym!r}")
@@ -146,7 +149,7 @@ def flatten_fast_(x3: torch.Tensor, *, precise=None, low=None, route: str | None
     if route not in ROUTES:
         raise ValueError(f"flatten_fast_: route must be one of {ROUTES}, got {route!r}")
     if route == "gram":
-        fast_gram.flatten_fast_gram_(x3, _fallback, RECORDER)
+        fast_gram.flatten_fast_gram_(x3, exact.flatten_svd_, RECORDER)
         return
     cd = compute_dtype(x3.dtype)
     hi = polar.precise_mode(x3) if precise is None else precise

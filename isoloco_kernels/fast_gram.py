@@ -22,9 +22,12 @@ The certificate costs one r×r Cholesky on a matrix the iteration formed anyway:
 every singular value of X̃/c is ≥ ELL (off zero rows), so the schedule maps it within BOUND of 1 and
 the output spectrum is flat to ~BOUND + u·κ. A matrix that fails it (rank-deficient off its zero
 rows, condition number beyond ~1/(ELL·r^(1/16)), ~2e4 at r 2048), or whose Frobenius residual
-|r − ‖Q‖_F²| / √r exceeds RESID_SLACK·BOUND·√r (NaN included), is recomputed by fast's fallback ("polar") with
-a FlattenFallbackWarning, before anything is written. Scratch: r×r float64 matrices per matrix of a
-sub-batch plus one column chunk (gram.py's plan): never a copy of the bucket.
+|r − ‖Q‖_F²| / √r exceeds RESID_SLACK·BOUND·√r (NaN included), is recomputed from the same A₀ by
+gram.py's exact float64 schedule (to κ ~1e7, its residual and rank-cut checks) and written by the same
+streaming pass in float64; what that misses too (rank-deficient off its zero lines, κ beyond ~1e7) goes
+to the SVD. Each with a FlattenFallbackWarning, before anything is written. Scratch: r×r float64
+matrices per matrix of a sub-batch plus one column block (gram.py's plan): never a copy of the bucket,
+except of a matrix the SVD recomputes (its input, aside).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 
 from . import exact, gram, tf32
 from ._validate import ResultOverflowError, _describe_nonfinite, compute_dtype, overflow_limit
+from .reference import rank_tol
 
 __all__ = ["ELL", "STEPS", "BOUND", "COEFFS", "flatten_fast_gram_", "gram_work", "direct_work", "prefers_gram"]
 
@@ -176,9 +180,12 @@ def flatten_fast_gram_(
 ) -> None:
     """In place Iso-C of a [B, m, n] batch on the Gram route (module docstring); all-or-nothing.
 
-    fallback: an in-place flatten of a [b, m, n] compute-dtype batch for the matrices that fail the
-    certificate or the residual check; recorder: the `Recorder` of the method ("fast"), which warns
-    about them before anything is written; small: "iterate" or "eigh" for the r×r part (default
+    A matrix the r×r part cannot certify (or resolve) gets gram.py's exact float64 schedule on the same
+    A₀ (15 steps to κ ~1e7, residual- and rank-cut-checked) and is written by the same streaming pass:
+    no copy of it. Only what that also misses (rank-deficient off its zero lines, κ beyond ~1e7) is
+    copied aside and recomputed by `fallback`, an in-place flatten of a [b, m, n] compute-dtype batch
+    (fast passes the SVD). recorder: the `Recorder` of the method ("fast"), which warns about every
+    recomputed matrix before anything is written; small: "iterate" or "eigh" for the r×r part (default
     `small_side_for` the device). Non-finite input raises ValueError naming the matrix.
     """
     if x3.ndim != 3:
@@ -206,7 +213,7 @@ def flatten_fast_gram_(
         raise ValueError(_describe_nonfinite(x3, "iso_flatten_ (fast)") + "; nothing was written")
     div = torch.where(amax > 0, amax, 1)[:, None, None]
 
-    ws, resid, sbar_all, oks = [], [], [], []
+    ws, resid, sbar_all, oks, exact_ok = [], [], [], [], []
     for i in range(0, nb, sub_b):
         j = min(nb, i + sub_b)
         a0 = torch.zeros(j - i, m, m, dtype=f64, device=x3.device)
@@ -217,18 +224,30 @@ def flatten_fast_gram_(
             col_nz += (ch != 0).any(-2).sum(-1)
             del ch
         zero_rows = a0.diagonal(dim1=-2, dim2=-1) == 0
+        keep = a0.clone()  # for what the r×r part cannot certify: gram.py's exact schedule on the same A₀
         w_i, ok_i, sbar_i, res_i = part(a0, zero_rows, col_nz, m, n, x3.dtype)
         del a0
+        ex_i = ok_i.clone()
+        bad = (~ok_i).nonzero().flatten()
+        if bad.numel():
+            rank = torch.minimum((~zero_rows[bad]).sum(-1), col_nz[bad]).to(f64)
+            y, tq, res, sc = gram._iterate(keep[bad], rank, gram.COEFFS, "pap", tau=rank_tol(m, n, x3.dtype))
+            good = res <= gram.CHECK_TOL  # NaN fails
+            w_i[bad[good]] = y[good] * tq[good][:, None, None]
+            sbar_i[bad[good]] = (sc * tq)[good]
+            ex_i[bad[good]] = True
+        del keep
         ws.append(w_i)
         oks.append(ok_i)
+        exact_ok.append(ex_i)
         sbar_all.append(sbar_i)
         resid.append(res_i)
     w = torch.cat(ws) if len(ws) > 1 else ws[0]
     del ws
     resid = torch.cat(resid)
-    ok = torch.cat(oks)
+    recomputed = (~torch.cat(oks)).nonzero().flatten()  # missed the route's certificate or check
+    flagged = (~torch.cat(exact_ok)).nonzero().flatten()  # missed gram.py's too: the SVD, aside
     sbar = amax * torch.cat(sbar_all)  # s̄ of X: every output entry is at most ~s̄ in size
-    flagged = (~ok).nonzero().flatten()
 
     # Fit: |s̄·Q_ij| ≤ s̄·(1 + BOUND + rounding); where that bound reaches the dtype's limit, the
     # largest entry decides (computed chunk by chunk, nothing written).
@@ -268,20 +287,24 @@ def flatten_fast_gram_(
 
     recorder.finish(
         x3.shape,
-        flagged.tolist(),
+        recomputed.tolist(),
         float(resid.max()),
         why="a singular value below the Gram route's certified floor: rank-deficient or condition number beyond ~2e4",
-        by='by "polar"',
+        by="by gram.py's float64 schedule (the SVD beyond it)",
         stacklevel=4,
     )
 
-    # The write: t·Y·X̃·max|X|, chunk by chunk, straight into the bucket.
+    # The write: t·Y·X̃·max|X|, chunk by chunk, straight into the bucket; the matrices gram.py's schedule
+    # resolved in float64 (as gram.py writes them: their u·κ in float32 would be ~1e-2 at κ 1e6).
     wc = w.to(cd)
+    in_f64 = set(recomputed.tolist()) - set(flagged.tolist())
     for sl in gram._chunks(n, cols):
         for i in range(0, nb, sub_b):
             j = min(nb, i + sub_b)
             ch = x[i:j, :, sl].to(cd, copy=True).div_(div[i:j].to(cd))
             out = _apply(wc[i:j], ch, cd).mul_(div[i:j].to(cd))
+            for k in sorted(in_f64.intersection(range(i, j))):
+                out[k - i] = (w[k] @ (x[k, :, sl].to(f64) / div[k])) * div[k]
             x[i:j, :, sl].copy_(out)
             del ch, out
     if sub is not None:

@@ -151,6 +151,9 @@ def test_fast_on_one_triangle_products_keeps_its_contract():
         assert flatness(y.cpu(), x.cpu()) <= FLATNESS["fast"]
         assert rel_err(y.cpu(), iso_flatten_ref(x.cpu())) <= method_tol("fast", torch.float32, 1e2)
     assert rel_err(outs["triton"], outs["torch"]) <= 2e-2
+    y = x.double()  # float64 steps (which sym_gram does not take) stay on torch's GEMMs
+    fast.flatten_fast_(y, route="direct", sym="triton")
+    assert rel_err(y.cpu(), iso_flatten_ref(x.double().cpu())) <= method_tol("fast", torch.float64, 1e2)
     with pytest.raises(ValueError, match="sym must be one of"):
         fast.flatten_fast_(x.clone(), route="direct", sym="cublas")
 

@@ -155,21 +155,26 @@ def _null():
 class SymSteps:
     """The polar iteration's step pieces (polar.TorchSteps' interface) with every symmetric product
     from `sym_gram` (half the FLOPs of a GEMM) and the product with X from torch.baddbmm. Results in
-    the operands' dtype, as TorchSteps gives them."""
+    the operands' dtype, as TorchSteps gives them; float64 operands (which sym_gram does not take)
+    go to full torch GEMMs."""
 
     precision = "ieee"
 
     @classmethod
     def gram(cls, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float64:
+            return torch.matmul(x, x.mT)
         return sym_gram(x, precision=cls.precision).to(x.dtype)
 
     @classmethod
     def square(cls, a: torch.Tensor) -> torch.Tensor:
-        return sym_gram(a, precision=cls.precision).to(a.dtype)
+        return cls.gram(a)  # A symmetric: A² = A·Aᵀ
 
     @classmethod
     def step(cls, x, a_mat, a2, a: float, b: float, c: float) -> torch.Tensor:
         """a·X + (b·A + c·A²)·X; the polynomial in one sym_gram call unless A² is given."""
+        if a2 is None and a_mat.dtype == torch.float64:
+            a2 = torch.matmul(a_mat, a_mat)
         if a2 is None:
             bm = sym_gram(a_mat, alpha=c, b=a_mat, beta=b, precision=cls.precision).to(x.dtype)
         else:
