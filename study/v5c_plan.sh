@@ -10,3 +10,6 @@ R="nice -n 15 python study/run_study.py --part v3 --cells 4:30 --model small"
 O=study/results/v5_depth.jsonl
 $R --seeds 0 --lrs diloco=0.5@0,diloco=0.7@0,diloco=1.0@0,isoloco=2.4,isoloco=3.2,isoloco=4.2,ddp=- --out $O
 $R --seeds 1,2 --lrs best:diloco,isoloco,ddp --out $O
+# one point past DiLoCo's seed-0 optimum on its grid's edge (1.0 @ 0, high), then seeds 1 and 2 of the best again
+$R --seeds 0 --lrs diloco=1.4@0 --out $O
+$R --seeds 1,2 --lrs best:diloco,isoloco,ddp --out $O
