@@ -10,3 +10,7 @@ O=study/results/v5_merges_k16.jsonl
 $R --seeds 0 --lrs diloco=0.5@0,diloco=0.7@0,diloco=1.0@0,isoloco=2.4,isoloco=3.2,isoloco=4.2 --out $O
 $R --seeds 0 --lrs iso_cts=1.2,iso_cts=1.8,iso_cts=2.4 --out $O
 $R --seeds 1,2 --lrs best:diloco,isoloco,iso_cts --out $O
+# one point past each seed-0 optimum on its grid's top edge (DiLoCo 1.0 @ 0, Iso-C 4.2, Iso-CTS 2.4), then seeds 1
+# and 2 of the best again
+$R --seeds 0 --lrs diloco=1.4@0,isoloco=5.6,iso_cts=3.2 --out $O
+$R --seeds 1,2 --lrs best:diloco,isoloco,iso_cts --out $O
