@@ -266,3 +266,17 @@ def rerun_under_interpreter(test_file: str, min_passed: int, timeout: int = 900)
     passed = re.search(r"(\d+) passed", proc.stdout)
     assert passed and int(passed.group(1)) >= min_passed, tail
     assert "failed" not in proc.stdout.splitlines()[-1], tail
+
+
+def study_module(name: str):
+    """A module of study/ (its scripts import each other by plain name, so study/ is on sys.path while
+    it loads)."""
+    import importlib
+    import sys
+
+    study = str(Path(__file__).resolve().parents[1] / "study")
+    sys.path.insert(0, study)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(study)

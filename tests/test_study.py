@@ -3,7 +3,6 @@ loop's eval_every that serves them."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -14,22 +13,14 @@ import torch
 
 from isoloco_kernels.train import Setup, TrainConfig, run_mode
 from isoloco_kernels.train.data import Corpus
+from tests.helpers import study_module  # noqa: E402
 
 STUDY = Path(__file__).resolve().parents[1] / "study"
 
 
-def _study_module(name: str):
-    """A module of study/ (its scripts import each other by plain name)."""
-    sys.path.insert(0, str(STUDY))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(STUDY))
-
-
 @pytest.fixture(scope="module")
 def run_study():
-    return _study_module("run_study")
+    return study_module("run_study")
 
 
 def _corpus() -> Corpus:
@@ -68,7 +59,7 @@ def test_best_jobs_wait_for_their_own_cells_grid_jobs_in_flight(run_study, tmp_p
 
 
 def test_v3_records_are_told_apart_by_their_settings():
-    key = _study_module("summarize").run_key
+    key = study_module("summarize").run_key
     base = dict(
         seed=0,
         workers=4,
@@ -168,7 +159,7 @@ def test_v3_settings_need_part_v3(tmp_path):
 
 @pytest.fixture(scope="module")
 def v3():
-    return _study_module("v3")
+    return study_module("v3")
 
 
 def _rec(mode, lr, mu, seed, sel, test, **v3):
@@ -190,7 +181,7 @@ def _rec(mode, lr, mu, seed, sel, test, **v3):
 
 
 def test_v3_tunes_on_selection_reports_test_and_marks_edges(v3):
-    paired_bootstrap_ci = _study_module("summarize").paired_bootstrap_ci
+    paired_bootstrap_ci = study_module("summarize").paired_bootstrap_ci
     recs = [_rec("diloco", 0.35, 0.9, s, 2.50 + s / 100, 2.60) for s in (0, 1, 2)]
     recs += [_rec("diloco", 0.7, 0.9, s, 2.40 + s / 100, 2.70 + s / 100) for s in (0, 1, 2)]
     recs += [_rec("diloco", 1.0, 0.9, 0, None, None)]  # diverged: ranked last
@@ -212,7 +203,7 @@ def test_v3_tunes_on_selection_reports_test_and_marks_edges(v3):
 
 
 def test_v3_reports_an_ablation_against_isoloco_each_tuned(v3):
-    paired_bootstrap_ci = _study_module("summarize").paired_bootstrap_ci
+    paired_bootstrap_ci = study_module("summarize").paired_bootstrap_ci
     recs = [_rec("isoloco", lr, 0.8, s, 2.3 - lr / 10, 2.0 + s / 100) for lr in (1.8, 2.4) for s in (0, 1)]
     # the ablation's best (selection) is its lr 3.2, inside its grid; its test losses are 0.1 and 0.12 worse
     recs += [_rec("isoloco-noemb", lr, 0.8, 0, 2.5 + abs(lr - 3.2), 2.1) for lr in (2.4, 3.2, 4.2)]

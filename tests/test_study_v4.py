@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import torch
 
 from isoloco_kernels import flatten
 from isoloco_kernels.reference import iso_flatten_ref
+from tests.helpers import study_module  # noqa: E402
 
 from .helpers import flatness as helpers_flatness
 from .helpers import rel_err
@@ -22,17 +22,9 @@ from .helpers import rel_err
 STUDY = Path(__file__).resolve().parents[1] / "study"
 
 
-def _study_module(name: str):
-    sys.path.insert(0, str(STUDY))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(STUDY))
-
-
 @pytest.fixture(scope="module")
 def F():
-    return _study_module("flattens")
+    return study_module("flattens")
 
 
 def _matrix(m: int, n: int, sigma, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -167,7 +159,7 @@ def test_v4_runs_keep_methods_apart_and_measure_spectra(tmp_path):
     assert [(r["study"], r["iso_method"], r["v3"]["iso_method"]) for r in recs] == [
         ("v4", m, m) for m in ("svd", "fast", "ns5")
     ]
-    key = _study_module("summarize").run_key
+    key = study_module("summarize").run_key
     assert len({key(r) for r in recs}) == 3
     assert recs[1]["flatten_stats"]["matrices"] > 0 and "flatten_stats" not in recs[2]
     lines = [json.loads(x) for x in spectra.read_text().splitlines()]
@@ -176,7 +168,7 @@ def test_v4_runs_keep_methods_apart_and_measure_spectra(tmp_path):
     mat = lines[0]["matrices"]["head.weight"]
     assert mat["methods"]["svd"][0] < 1e-6 and mat["methods"]["svd_cut1e-2"][1] > 0.5
     assert {"fast", "ns5", "pe_bf16", "polar_bf16", "svd_noise3e-1"} <= set(mat["methods"])
-    v4 = _study_module("v4")
+    v4 = study_module("v4")
     s = v4.summarize_v4(recs, lines)
     (row,) = s.values()
     assert row["methods"]["svd"]["change"] is None and row["methods"]["ns5"]["change"]["seeds"] == [0]
@@ -217,7 +209,7 @@ def _rec(method, seed, test, study="v4", lr=3.2, **extra):
 
 
 def test_v4_pairs_each_method_with_svd_and_picks_the_loosest_within_budget():
-    v4 = _study_module("v4")
+    v4 = study_module("v4")
     base = [2.26, 2.27, 2.28]
     recs = [_rec("svd", s, base[s]) for s in range(3)]
     recs += [_rec("auto", s, base[s] + 1e-8, study="v3") for s in range(3)]  # v3's exact runs join as "auto"

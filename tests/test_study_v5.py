@@ -3,28 +3,20 @@ synthetic records whose answer is known, and part A's mechanism measures (study/
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import study_module  # noqa: E402
+
 STUDY = Path(__file__).resolve().parents[1] / "study"
 
 
-def _study_module(name: str):
-    sys.path.insert(0, str(STUDY))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(STUDY))
-
-
 def test_every_merge_is_a_study_method_on_both_outer_steps():
-    rs = _study_module("run_study")
+    rs = study_module("run_study")
     from isoloco_kernels.merges import MERGES
 
     for merge in rs.MERGE_VARIANTS:
@@ -54,8 +46,8 @@ def _rec(mode, lr, mu, seed, sel, test, outer_s=None):
 
 
 def test_the_merge_table_pairs_each_pick_with_tuned_diloco():
-    v3, v5 = _study_module("v3"), _study_module("v5")
-    summarize = _study_module("summarize")
+    v3, v5 = study_module("v3"), study_module("v5")
+    summarize = study_module("summarize")
     recs = [
         _rec("diloco", 0.7, 0.0, 0, 2.50, 2.40),
         _rec("diloco", 1.0, 0.0, 0, 2.55, 2.45),
@@ -83,7 +75,7 @@ def test_the_merge_table_pairs_each_pick_with_tuned_diloco():
 
 
 def test_mechanism_measures_of_known_spectra():
-    vm = _study_module("v5_mechanism")
+    vm = study_module("v5_mechanism")
     g = torch.Generator().manual_seed(0)
     u, _ = torch.linalg.qr(torch.randn(40, 8, generator=g, dtype=torch.float64))
     v, _ = torch.linalg.qr(torch.randn(8, 8, generator=g, dtype=torch.float64))  # Δ is 40 × 8: r = 8
@@ -100,7 +92,7 @@ def test_mechanism_measures_of_known_spectra():
 
 
 def test_mechanism_report_reads_its_records(tmp_path, monkeypatch):
-    vm = _study_module("v5_mechanism")
+    vm = study_module("v5_mechanism")
     out = tmp_path / "m.jsonl"
     monkeypatch.setattr(vm, "OUT", out)
     spectra = {str(r): {"w": {"r": 8, "eff_rank": 4.0, "flat": 0.5, "iso_move": 0.1}} for r in vm.ROUNDS_SEEN}
