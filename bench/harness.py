@@ -193,9 +193,36 @@ def run_timed(
 NAMED_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dt: name for name, dt in NAMED_DTYPES.items()}
 
-#: The torch baselines (bench/test_bench_flatten.py): torch.linalg.svd per matrix and batched, and
-#: torch.linalg.polar (torch ≥ 2.14; LAPACK / cuSOLVER's SVD inside) where torch has it; the svd model.
-BASELINES = ("svd-loop", "svd-batched") + (("linalg-polar",) if hasattr(torch.linalg, "polar") else ())
+
+def _svd_loop_(buckets):
+    for b in buckets:
+        for x in b:
+            u, s, vh = torch.linalg.svd(x, full_matrices=False)
+            x.copy_((u * s.mean()) @ vh)
+
+
+def _svd_batched_(buckets):
+    for b in buckets:
+        u, s, vh = torch.linalg.svd(b, full_matrices=False)
+        b.copy_((u * s.mean(-1)[:, None, None]) @ vh)
+
+
+def _linalg_polar_(buckets):
+    for b in buckets:
+        tall = b.shape[-2] >= b.shape[-1]
+        q, _ = torch.linalg.polar(b if tall else b.mT)  # batched; m ≥ n only
+        q = q if tall else q.mT
+        sbar = (b * q).sum((-2, -1), keepdim=True) / min(b.shape[-2:])
+        b.copy_(q * sbar)
+
+
+#: The torch baselines of the flatten benchmarks, in place on a list of [B, m, n] buckets: torch.linalg.svd
+#: per matrix (the published code's way) and batched, then (U·mean σ)·Vᵀ; torch.linalg.polar (torch ≥ 2.14;
+#: LAPACK / cuSOLVER's SVD inside) where torch has it, then s̄ = ⟨Δ, Q⟩ / min(m, n). Work: the svd model.
+BASELINE_FNS = {"svd-loop": _svd_loop_, "svd-batched": _svd_batched_}
+if hasattr(torch.linalg, "polar"):
+    BASELINE_FNS["linalg-polar"] = _linalg_polar_
+BASELINES = tuple(BASELINE_FNS)
 
 
 def roofline(flops: dict[str, float] | None, nbytes: float, ceilings: dict) -> dict:

@@ -5,7 +5,7 @@ One case = (implementation, set). Implementations, all in place on float32 bucke
                   bfloat16 on CPUs with bfloat16 units, the float64 certificate)
   fast            fast as it routes now (fast.route_for: the Gram route on wide buckets)
   svd-batched     one batched torch.linalg.svd per bucket, (U·mean σ)·Vᵀ (the exact baseline)
-  linalg-polar    torch.linalg.polar (where torch has it) for Q, then s̄ = ⟨Δ, Q⟩ / r
+  linalg-polar    torch.linalg.polar (where torch has it), batched, for Q, then s̄ = ⟨Δ, Q⟩ / r
 Sets (CPU-sized, the shapes of the 1B model's buckets scaled down 8× on each side):
   wide-1b/8       6 × 256×1024 (its MLP matrices, k = 4r) and 1 × 256×16032 (its vocabulary, k = 62.6r)
   square-1b/8     8 × 256×256 (its attention matrices)
@@ -25,12 +25,13 @@ import warnings
 import pytest
 import torch
 
+from bench import harness
 from isoloco_kernels import fast, fast_gram, polar
 from isoloco_kernels.iteration_stats import FlattenFallbackWarning
 from isoloco_kernels.reference import iso_flatten_ref
 
 SETS = {"wide-1b/8": [(6, 256, 1024), (1, 256, 16032)], "square-1b/8": [(8, 256, 256)]}
-IMPLS = ["fast-direct", "fast", "svd-batched"] + (["linalg-polar"] if hasattr(torch.linalg, "polar") else [])
+IMPLS = ["fast-direct", "fast"] + [b for b in harness.BASELINES if b != "svd-loop"]
 ERROR_SANITY = 0.3  # the training grade's band on real pseudo-gradients; garbage gives ~1
 
 
@@ -47,26 +48,14 @@ def _src(set_name: str) -> list[torch.Tensor]:
     return out
 
 
-def _linalg_polar_(x3: torch.Tensor) -> None:
-    for i in range(x3.shape[0]):
-        x = x3[i]
-        tall = x.shape[0] >= x.shape[1]
-        q, _ = torch.linalg.polar(x if tall else x.mT)
-        q = q if tall else q.mT
-        x.copy_(q * ((x * q).sum() / min(x.shape)))
-
-
 def _run(impl: str, buckets: list[torch.Tensor]) -> None:
     for b in buckets:
         if impl == "fast-direct":
             fast.flatten_fast_(b, route="direct")
         elif impl == "fast":
             fast.flatten_fast_(b)
-        elif impl == "svd-batched":
-            u, s, vh = torch.linalg.svd(b, full_matrices=False)
-            b.copy_((u * s.mean(-1)[:, None, None]) @ vh)
         else:
-            _linalg_polar_(b)
+            harness.BASELINE_FNS[impl]([b])
 
 
 @pytest.mark.parametrize("impl", IMPLS)

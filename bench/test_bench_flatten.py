@@ -49,35 +49,9 @@ SAMPLE_ALL_MAX_ELEMENTS = 1 << 23
 REF_MAX_KR2 = 5e10
 
 
-def _svd_loop_(buckets):
-    for b in buckets:
-        for x in b:
-            u, s, vh = torch.linalg.svd(x, full_matrices=False)
-            x.copy_((u * s.mean()) @ vh)
-
-
-def _svd_batched_(buckets):
-    for b in buckets:
-        u, s, vh = torch.linalg.svd(b, full_matrices=False)
-        b.copy_((u * s.mean(-1)[:, None, None]) @ vh)
-
-
-def _linalg_polar_(buckets):
-    for b in buckets:
-        tall = b.shape[-2] >= b.shape[-1]
-        q, _ = torch.linalg.polar(b if tall else b.mT)  # batched; m ≥ n only
-        q = q if tall else q.mT
-        sbar = (b * q).sum((-2, -1), keepdim=True) / min(b.shape[-2:])
-        b.copy_(q * sbar)
-
-
 def _impl_fn(impl: str):
-    if impl == "linalg-polar":
-        return _linalg_polar_
-    if impl == "svd-loop":
-        return _svd_loop_
-    if impl == "svd-batched":
-        return _svd_batched_
+    if impl in BASELINES:
+        return harness.BASELINE_FNS[impl]
     return lambda buckets: ik.iso_merge_(buckets, method=impl)
 
 

@@ -38,15 +38,14 @@ import torch
 
 from . import exact, gram, tf32
 from ._validate import ResultOverflowError, _describe_nonfinite, compute_dtype, overflow_limit
+from .polar import TF32X2, TF32X3, certificate_flops, polar_flops
 from .reference import rank_tol
 
 __all__ = ["ELL", "STEPS", "BOUND", "COEFFS", "flatten_fast_gram_", "gram_work", "direct_work", "prefers_gram"]
 
-TF32X3, TF32X2 = "tf32x3", "tf32x2"  # polar's work units (3xTF32 products; symmetric ones in two GEMMs)
 ELL = 2.5e-5  # polar.ELL: the direct route's range (σ ≥ 2.5e-5 of the σ_max bound, which is ≤ r^(1/16)·σ_max)
 STEPS = 9  # fewest steps that take [ELL, 1] within 1e-4 of 1 (8 leave 4.0e-2)
 BOUND = 5.6e-5  # |1 − p(σ)| after the schedule, for every σ in [ELL, 1]
-COLUMN_BLOCK_BYTES = gram.COLUMN_BLOCK_BYTES  # the passes over X read float64 column blocks of at most this
 RESID_SLACK = 4.0  # flag when |r − ‖Q‖_F²| / √r > RESID_SLACK·BOUND·√r: a certified matrix has ≤ 2·BOUND·√r
 
 # coefficients.schedule(2.5e-5, 9) (tests/test_fast_gram.py regenerates and compares; print it with
@@ -84,12 +83,12 @@ def direct_work(k: int, r: int, precise_steps: int, steps: int) -> dict[str, flo
     """Modelled FLOPs of the direct route (fast.py): `precise_steps` 3xTF32 steps (X·Xᵀ and A² in
     two TF32 GEMMs, "tf32x2"; the product with X in three, "tf32x3"), the rest bfloat16, the float64
     certificate; 4kr² + 2r³ a step."""
-    step = 4.0 * k * r * r + 2.0 * r**3
+    sym = 2.0 * k * r * r + 2.0 * r**3  # X·Xᵀ and A² of one step
     return {
-        TF32X3: precise_steps * 2.0 * k * r * r,
-        TF32X2: precise_steps * (2.0 * k * r * r + 2.0 * r**3),
-        "bf16": (steps - precise_steps) * step,
-        "fp64": 2.0 * k * r * r + r**3 / 3,
+        TF32X3: polar_flops(k, r, precise_steps) - precise_steps * sym,
+        TF32X2: precise_steps * sym,
+        "bf16": polar_flops(k, r, steps - precise_steps),
+        "fp64": certificate_flops(k, r),
     }
 
 
@@ -110,9 +109,9 @@ RATES = {
 def workspace(m: int, n: int, elem: int = 4) -> int:
     """Modelled peak scratch (bytes) of one m×n matrix on this route: ~8 r×r float64 matrices (A₀,
     the iteration's A, p, Y, Y·Ã₀ and products; eigh's V and P) and the column blocks of the passes
-    over X (gram._plan: at most COLUMN_BLOCK_BYTES, or half the matrix, for the four it counts)."""
+    over X (gram._plan: at most gram.COLUMN_BLOCK_BYTES, or half the matrix, for the four it counts)."""
     r, k = min(m, n), max(m, n)
-    return 8 * 8 * r * r + min(COLUMN_BLOCK_BYTES, r * k * elem // 2)
+    return 8 * 8 * r * r + min(gram.COLUMN_BLOCK_BYTES, r * k * elem // 2)
 
 
 def modelled_time(work: dict[str, float], rates: dict[str, float]) -> float:

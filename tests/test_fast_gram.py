@@ -36,12 +36,27 @@ def _gram(x: torch.Tensor, small: str, **kw) -> tuple[torch.Tensor, tuple]:
     """(result, indices sent to the fallback) of fast's Gram route on a copy of x."""
     y = x.clone()
     fast.reset_stats()
+    _gram_in_place(y if y.ndim == 3 else y.unsqueeze(0), small, **kw)
+    return y, fast.last_stats().last_recomputed
+
+
+def _gram_in_place(x3, small, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FlattenFallbackWarning)
-        fast_gram.flatten_fast_gram_(
-            y if y.ndim == 3 else y.unsqueeze(0), fast._fallback, fast.RECORDER, small=small, **kw
-        )
-    return y, fast.last_stats().last_recomputed
+        fast_gram.flatten_fast_gram_(x3, fast._fallback, fast.RECORDER, small=small, **kw)
+
+
+def _scratch(x: torch.Tensor, run) -> int:
+    """Peak bytes run() allocates beside x (torch's MemTracker counts a tensor's whole storage once it
+    sees a view of it, so x is made seen first and subtracted)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    mt = MemTracker()
+    with mt:
+        x[..., :1].sum()
+        run()
+    peak = sum(v for per in mt.get_tracker_snapshot("peak").values() for k, v in per.items() if k == "Total")
+    return peak - x.numel() * x.element_size()
 
 
 def test_the_schedule_is_the_one_derived_for_its_range():
@@ -96,12 +111,6 @@ def test_non_contiguous_views_are_written_in_place(small):
     untouched = torch.ones_like(base, dtype=torch.bool)
     untouched[:, ::2, :20] = False
     assert torch.equal(base[untouched], keep[untouched])  # nothing outside the view moved
-
-
-def _gram_in_place(x3, small):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FlattenFallbackWarning)
-        fast_gram.flatten_fast_gram_(x3, fast._fallback, fast.RECORDER, small=small)
 
 
 @pytest.mark.parametrize("small", SMALL)
@@ -370,16 +379,9 @@ def test_the_scratch_is_within_its_model(small, shape):
     """MemTracker's peak of the route beside the bucket (every tensor it allocates) ≤ fast_gram.workspace:
     r×r matrices and column blocks, never a copy of the bucket beyond half of it (and at most
     COLUMN_BLOCK_BYTES of float64 blocks for large matrices)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     b, m, n = shape
     x = with_spectrum(b, m, n, spectrum("geometric", min(m, n), 1e2), gen(("mem", shape))).float()
-    mt = MemTracker()
-    with mt:
-        x[..., :1].sum()  # the tracker counts a tensor's whole storage once it sees a view of it: from here
-        _gram_in_place(x, small)
-    peak = sum(v for per in mt.get_tracker_snapshot("peak").values() for k, v in per.items() if k == "Total")
-    scratch = peak - x.numel() * x.element_size()
+    scratch = _scratch(x, lambda: _gram_in_place(x, small))
     assert 0 < scratch <= b * fast_gram.workspace(m, n), (scratch, b * fast_gram.workspace(m, n))
 
 
@@ -388,25 +390,17 @@ def test_a_large_matrix_is_read_in_capped_blocks(monkeypatch, method):
     """With gram.COLUMN_BLOCK_BYTES scaled down to 64 KiB, a 1 MB matrix is read in blocks: the
     scratch stays near the cap and the r×r matrices, far below the half-the-matrix default of before
     (the cap is what bounds llama-8b's 128256 × 4096 matrices), and buckets.method_workspace bounds it."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from isoloco_kernels import buckets
 
     cap = 64 << 10
     monkeypatch.setattr(gram, "COLUMN_BLOCK_BYTES", cap)
-    monkeypatch.setattr(fast_gram, "COLUMN_BLOCK_BYTES", cap)
     x = with_spectrum(1, 16, 16000, spectrum("geometric", 16, 1e2), gen("capped")).float()
     want = iso_flatten_ref(x)
-    mt = MemTracker()
-    with mt, warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", FlattenFallbackWarning)
-        x[..., :1].sum()  # count the bucket from here, so the peak minus it is the scratch
-        if method == "gram":
-            gram.flatten_gram_(x)
-        else:
-            fast_gram.flatten_fast_gram_(x, fast._fallback, fast.RECORDER, small="iterate")
-    peak = sum(v for per in mt.get_tracker_snapshot("peak").values() for k, v in per.items() if k == "Total")
-    scratch = peak - x.numel() * 4
+        scratch = _scratch(
+            x, (lambda: gram.flatten_gram_(x)) if method == "gram" else (lambda: _gram_in_place(x, "iterate"))
+        )
     bound = (
         buckets.method_workspace("gram", 16, 16000, torch.float32)
         if method == "gram"
