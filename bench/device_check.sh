@@ -153,68 +153,12 @@ if [ "$DRY_RUN" = 1 ]; then MERGE_SETS=ref-tiny; MERGE_SEL="8 and (tsv or ties)"
 bench "$(cap 45 40)" "$RES/$NAME-merges.json" bench/test_bench_merges.py "$MERGE_SETS" "$MERGE_SEL"
 
 step "one-triangle products and fast's routes (triton/sym_gram.py vs torch's GEMM; fast direct vs Gram)"
-timeout "$(cap 40 60)" env DRY_RUN="$DRY_RUN" "$PY" - <<'EOF' || echo "sym / route probe failed"
-import os, time, torch, warnings
-from isoloco_kernels import fast
-warnings.simplefilter("ignore")
-dry = os.environ.get("DRY_RUN") == "1"
-dev = torch.device("cpu" if dry else "cuda")
-sync = (lambda: None) if dry else torch.cuda.synchronize
-def t(f, n=3):
-    f(); sync(); t0 = time.perf_counter()
-    for _ in range(n): f()
-    sync(); return (time.perf_counter() - t0) / n
-if not dry:  # Triton runs only on the GPU here (the interpreter is for the tests)
-    from isoloco_kernels.triton.sym_gram import sym_gram
-    for shape in [(48, 2048, 8192), (64, 2048, 2048), (2, 2048, 128256)]:
-        for dt, prec in [(torch.bfloat16, "ieee"), (torch.float32, "tf32x3")]:
-            x = torch.randn(shape, device=dev).to(dt)
-            full = t(lambda: torch.matmul(x, x.mT))
-            tri = t(lambda: sym_gram(x, precision=prec))
-            ref = x.float() @ x.float().mT
-            err = float((sym_gram(x, precision=prec) - ref).norm() / ref.norm())
-            print(f"X·Xᵀ {shape} {dt} {prec}: torch {full * 1e3:.2f} ms, one-triangle {tri * 1e3:.2f} ms "
-                  f"({full / tri:.2f}×), rel. diff {err:.1e}")
-shapes = [(2, 32, 512)] if dry else [(8, 2048, 8192), (2, 2048, 128256), (8, 2048, 2048)]
-for shape in shapes:
-    x = torch.randn(shape, device=dev)
-    row = {r: t(lambda: fast.flatten_fast_(x.clone(), route=r), 2) for r in fast.ROUTES}
-    print(f"fast {shape}: direct {row['direct'] * 1e3:.1f} ms, gram {row['gram'] * 1e3:.1f} ms, "
-          f"route_for picks {fast.route_for(*shape[1:], fast.device_kind(x))}")
-EOF
+# bench/probes.py; the dry run takes Triton's interpreter for the one-triangle kernel (tiny shapes)
+PROBE_ARGS=$( [ "$DRY_RUN" = 1 ] && echo --dry-run )
+timeout "$(cap 40 60)" env TRITON_INTERPRET="$DRY_RUN" "$PY" bench/probes.py sym-routes $PROBE_ARGS || echo "sym / route probe failed"
 
 step "gram vs polar here (float64 Gram space vs float32 direct iteration; auto's choice)"
-timeout "$(cap 40 60)" env DRY_RUN="$DRY_RUN" "$PY" - <<'EOF' || echo "gram probe failed"
-import os, time, torch, warnings
-import isoloco_kernels as ik
-from isoloco_kernels import flatten
-from isoloco_kernels.reference import iso_flatten_ref
-warnings.simplefilter("ignore")
-dry = os.environ.get("DRY_RUN") == "1"
-dev = torch.device("cpu" if dry else "cuda")
-sync = (lambda: None) if dry else torch.cuda.synchronize
-if dev.type == "cuda":
-    print("compute capability", torch.cuda.get_device_capability(dev), "| float64 rate auto assumes:",
-          flatten._fp64_rate(dev))
-shapes = [(2, 64, 64), (2, 32, 256)] if dry else [(8, 1024, 1024), (4, 1024, 4096), (2, 2048, 32000), (16, 256, 256)]
-for shape in shapes:
-    g = torch.Generator(device=dev).manual_seed(0)
-    b, m, n = shape
-    u, _ = torch.linalg.qr(torch.randn(b, m, m, device=dev, generator=g))
-    v, _ = torch.linalg.qr(torch.randn(b, n, m, device=dev, generator=g))
-    x = (u * torch.logspace(0, -4, m, device=dev)) @ v.mT  # cond 1e4
-    ref = iso_flatten_ref(x[:1])
-    row = []
-    for meth in ("polar", "gram"):
-        y = x.clone(); ik.iso_merge_([y], method=meth); sync()
-        err = float((y[:1].double().cpu() - ref).norm() / ref.norm())
-        ts = []
-        for _ in range(5):
-            y.copy_(x); sync(); t = time.perf_counter()
-            ik.iso_merge_([y], method=meth); sync(); ts.append(time.perf_counter() - t)
-        row.append(f"{meth} {min(ts) * 1e3:.2f} ms err {err:.1e}")
-    print(shape, " | ".join(row), "| auto ->", flatten.resolve_method("auto", x))
-EOF
+timeout "$(cap 40 60)" "$PY" bench/probes.py gram-polar $PROBE_ARGS || echo "gram probe failed"
 
 step "benchmarks ($(( $(left) - 25 )) s left for them)"
 if [ "$DRY_RUN" = 1 ]; then
