@@ -251,20 +251,18 @@ def flatten_fast_gram_(
     # Fit: |s̄·Q_ij| ≤ s̄·(1 + BOUND + rounding); where that bound reaches the dtype's limit, the
     # largest entry decides (computed chunk by chunk, nothing written).
     big = math.inf if x3.dtype == f64 else overflow_limit(x3.dtype)
-    flag_set = set(flagged.tolist())
-    for i in (~(sbar * 1.01 < big)).nonzero().flatten().tolist():
-        if i in flag_set:
-            continue
-        top = max(
+    gram.check_fit(
+        (~(sbar * 1.01 < big)).nonzero().flatten().tolist(),
+        set(flagged.tolist()),
+        lambda i: max(
             float(_apply(w[i : i + 1].to(cd), x[i : i + 1, :, sl].to(cd) / div[i].to(cd), cd).abs().max())
             for sl in gram._chunks(n, cols)
-        )
-        if not top * float(amax[i]) < big:
-            raise ResultOverflowError(
-                f"iso_flatten_ (fast): matrix {i}: the Iso-C result does not fit {x3.dtype} (largest entry "
-                f"{top * float(amax[i]):.4g}, the input is finite); nothing was written",
-                matrix=i,
-            )
+        ),
+        amax,
+        big,
+        x3.dtype,
+        "fast",
+    )
 
     # The flagged matrices, recomputed aside (the fallback is all-or-nothing on its own copy).
     sub = None

@@ -119,6 +119,23 @@ def _chunk64(x: torch.Tensor) -> torch.Tensor:
     return out.copy_(x)
 
 
+def check_fit(suspects, skip: set, largest, amax: torch.Tensor, big: float, dtype: torch.dtype, method: str) -> None:
+    """The fit check of a streaming write, before it: for each matrix i in `suspects` (its bound on the
+    result reaches `big`) and not in `skip` (recomputed aside, checked there), `largest(i)` is the
+    largest entry of its scaled result, computed chunk by chunk; raise ResultOverflowError naming
+    the first whose result times amax[i] does not fit `dtype` (nothing was written)."""
+    for i in suspects:
+        if i in skip:
+            continue
+        top = largest(i) * float(amax[i])
+        if not top < big:
+            raise ResultOverflowError(
+                f"iso_flatten_ ({method}): matrix {i}: the Iso-C result does not fit {dtype} (largest "
+                f"entry {top:.4g}, the input is finite); nothing was written",
+                matrix=i,
+            )
+
+
 # ----------------------------------------------------------------------------------------------
 # The iteration
 
@@ -273,19 +290,15 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
     flagged = (~(resid <= CHECK_TOL)).nonzero().flatten()
     flag_set = set(flagged.tolist())
     suspects = (~((c * tq) * 1.001 < big)).nonzero().flatten().tolist()
-    for i in suspects:
-        if i in flag_set:
-            continue
-        top = 0.0
-        for sl in _chunks(n, cols):
-            ch = _chunk64(x[i, :, sl]).div_(amax[i])
-            top = max(top, float((w[i] @ ch).abs().max()))
-        if not top * float(amax[i]) < big:
-            raise ResultOverflowError(
-                f"iso_flatten_ (gram): matrix {i}: the Iso-C result does not fit {x3.dtype} (largest "
-                f"entry {top * float(amax[i]):.4g}, the input is finite); nothing was written",
-                matrix=i,
-            )
+    check_fit(
+        suspects,
+        flag_set,
+        lambda i: max(float((w[i] @ _chunk64(x[i, :, sl]).div_(amax[i])).abs().max()) for sl in _chunks(n, cols)),
+        amax,
+        big,
+        x3.dtype,
+        "gram",
+    )
 
     # The exact fallback for flagged matrices (float64 SVD, its own power-of-two scaling),
     # computed aside; it must fit too.
