@@ -13,7 +13,7 @@ import torch
 
 from isoloco_kernels.train import Setup, TrainConfig, run_mode
 from isoloco_kernels.train.data import Corpus
-from tests.helpers import study_module  # noqa: E402
+from tests.helpers import study_module, study_record  # noqa: E402
 
 STUDY = Path(__file__).resolve().parents[1] / "study"
 
@@ -162,32 +162,18 @@ def v3():
     return study_module("v3")
 
 
-def _rec(mode, lr, mu, seed, sel, test, **v3):
-    return {
-        "study": "v3",
-        "mode": mode,
-        "outer_lr": lr,
-        "outer_momentum": mu,
-        "seed": seed,
-        "workers": 4,
-        "inner_steps": 30,
-        "rounds": 10,
-        "vocab": 256,
-        "init": "gpt2",
-        "final_loss": sel,
-        "final_test_loss": test,
-        "v3": {"batch": 16, "seq_len": 64, "inner": "adamw", "inner_lr": 3e-3, "model": "tiny", **v3},
-    }
-
-
 def test_v3_tunes_on_selection_reports_test_and_marks_edges(v3):
     paired_bootstrap_ci = study_module("summarize").paired_bootstrap_ci
-    recs = [_rec("diloco", 0.35, 0.9, s, 2.50 + s / 100, 2.60) for s in (0, 1, 2)]
-    recs += [_rec("diloco", 0.7, 0.9, s, 2.40 + s / 100, 2.70 + s / 100) for s in (0, 1, 2)]
-    recs += [_rec("diloco", 1.0, 0.9, 0, None, None)]  # diverged: ranked last
-    recs += [_rec("diloco", 0.7, 0.5, 0, 2.45, 2.0)]  # only seed 0: ranked on seed 0 with the rest
-    recs += [_rec("isoloco", lr, 0.8, s, 2.3 - lr / 10, 2.5 - lr / 10 + s / 1000) for lr in (1.2, 1.8) for s in (0, 1)]
-    recs += [_rec("isoloco", 1.8, 0.8, 0, 9.0, 9.0, batch=4)]  # another cell
+    recs = [study_record("diloco", 0.35, 0.9, s, 2.50 + s / 100, 2.60) for s in (0, 1, 2)]
+    recs += [study_record("diloco", 0.7, 0.9, s, 2.40 + s / 100, 2.70 + s / 100) for s in (0, 1, 2)]
+    recs += [study_record("diloco", 1.0, 0.9, 0, None, None)]  # diverged: ranked last
+    recs += [study_record("diloco", 0.7, 0.5, 0, 2.45, 2.0)]  # only seed 0: ranked on seed 0 with the rest
+    recs += [
+        study_record("isoloco", lr, 0.8, s, 2.3 - lr / 10, 2.5 - lr / 10 + s / 1000)
+        for lr in (1.2, 1.8)
+        for s in (0, 1)
+    ]
+    recs += [study_record("isoloco", 1.8, 0.8, 0, 9.0, 9.0, batch=4)]  # another cell
     s = v3.summarize_v3(recs, paired_bootstrap_ci)
     assert len(s) == 2
     row = next(r for r in s.values() if r["cell"]["batch"] == 16)
@@ -204,10 +190,10 @@ def test_v3_tunes_on_selection_reports_test_and_marks_edges(v3):
 
 def test_v3_reports_an_ablation_against_isoloco_each_tuned(v3):
     paired_bootstrap_ci = study_module("summarize").paired_bootstrap_ci
-    recs = [_rec("isoloco", lr, 0.8, s, 2.3 - lr / 10, 2.0 + s / 100) for lr in (1.8, 2.4) for s in (0, 1)]
+    recs = [study_record("isoloco", lr, 0.8, s, 2.3 - lr / 10, 2.0 + s / 100) for lr in (1.8, 2.4) for s in (0, 1)]
     # the ablation's best (selection) is its lr 3.2, inside its grid; its test losses are 0.1 and 0.12 worse
-    recs += [_rec("isoloco-noemb", lr, 0.8, 0, 2.5 + abs(lr - 3.2), 2.1) for lr in (2.4, 3.2, 4.2)]
-    recs += [_rec("isoloco-noemb", 3.2, 0.8, 1, 2.5, 2.13)]
+    recs += [study_record("isoloco-noemb", lr, 0.8, 0, 2.5 + abs(lr - 3.2), 2.1) for lr in (2.4, 3.2, 4.2)]
+    recs += [study_record("isoloco-noemb", 3.2, 0.8, 1, 2.5, 2.13)]
     s = v3.summarize_v3(recs, paired_bootstrap_ci)
     (row,) = s.values()
     assert (row["isoloco-noemb"]["lr"], row["isoloco-noemb"]["edge"]) == (3.2, False)

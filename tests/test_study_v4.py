@@ -14,7 +14,7 @@ import torch
 
 from isoloco_kernels import flatten
 from isoloco_kernels.reference import iso_flatten_ref
-from tests.helpers import study_module  # noqa: E402
+from tests.helpers import study_module, study_record  # noqa: E402
 
 from .helpers import flatness as helpers_flatness
 from .helpers import rel_err
@@ -187,22 +187,7 @@ def test_v4_settings_need_part_v4(tmp_path):
 
 
 def _rec(method, seed, test, study="v4", lr=3.2, **extra):
-    r = {
-        "study": study,
-        "mode": "isoloco",
-        "outer_lr": lr,
-        "outer_momentum": 0.8,
-        "seed": seed,
-        "workers": 4,
-        "inner_steps": 30,
-        "rounds": 10,
-        "vocab": 256,
-        "init": "gpt2",
-        "final_loss": test,
-        "final_test_loss": test,
-        "v3": {"batch": 4, "seq_len": 64, "inner": "adamw", "inner_lr": 3e-3, "model": "tiny", "mu": None},
-        **extra,
-    }
+    r = study_record("isoloco", lr, 0.8, seed, test, test, batch=4, mu=None) | {"study": study, **extra}
     if study == "v4":
         r["iso_method"] = r["v3"]["iso_method"] = method
     return r

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import study_module  # noqa: E402
+from tests.helpers import study_module, study_record  # noqa: E402
 
 STUDY = Path(__file__).resolve().parents[1] / "study"
 
@@ -27,22 +27,8 @@ def test_every_merge_is_a_study_method_on_both_outer_steps():
 
 
 def _rec(mode, lr, mu, seed, sel, test, outer_s=None):
-    return {
-        "study": "v3",
-        "mode": mode,
-        "outer_lr": lr,
-        "outer_momentum": mu,
-        "seed": seed,
-        "final_loss": sel,
-        "final_test_loss": test,
-        "workers": 4,
-        "inner_steps": 30,
-        "rounds": 10,
-        "vocab": 256,
-        "init": "gpt2",
-        "outer_step_s": outer_s,
-        "v3": {"batch": 4, "seq_len": 64, "inner": "adamw", "inner_lr": 3e-3, "model": "tiny", "mu": None},
-    }
+    """A record of the base cell (v1/v2: 4 × 64 bytes), as part B's merges ran it."""
+    return study_record(mode, lr, mu, seed, sel, test, outer_s=outer_s, batch=4, mu=None)
 
 
 def test_the_merge_table_pairs_each_pick_with_tuned_diloco():
