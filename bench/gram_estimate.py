@@ -5,7 +5,7 @@
 Per bucket [B, m, n] (r = short side, k = long side), the FLOP models of the method registry
 (isoloco_kernels.flatten.METHODS, which bench/harness.py reads too):
     polar   T'·(4kr² + 2r³) float32 FLOPs, T' = polar.STEPS (GEMMs at full float32 precision)
-    gram    4kr² + (8T + 5)·r³ float64 FLOPs, T = gram.STEPS (isoloco_kernels.gram.gram_flops)
+    gram    4kr² + (8T + 5)·r³ float64 FLOPs, T = gram.STEPS (isoloco_kernels.flatten.gram.gram_flops)
 and the bytes each moves through memory at least:
     polar   per step X is read twice (X·Xᵀ and B·X) and written once, plus ⟨Δ, Q⟩ and the write:
             (3T' + 3)·|bucket in float32|
@@ -22,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.shapes import SETS, bucket_shapes, decoder_weight_shapes  # noqa: E402
-from isoloco_kernels import flatten, gram, polar  # noqa: E402
+from isoloco_kernels.flatten import gram, polar
+from isoloco_kernels.flatten import registry as flatten  # noqa: E402
 
 # (value, source). Source words: "data sheet" = NVIDIA's H200 SXM data sheet; "assumed" = not
 # measured here (no GPU was available for this estimate).
@@ -71,8 +72,8 @@ def main() -> None:
         v, src = H200[key]
         unit = "TB/s" if key == "bw" else "TFLOP/s"
         print(f"| {label} | {v / 1e12:g} {unit} | {src} |")
-    print(f"| polar steps T' | {polar.STEPS} | isoloco_kernels.polar (float32) |")
-    print(f"| gram steps T | {gram.STEPS} | isoloco_kernels.gram (float64, ℓ₀ = {gram.ELL:g}) |")
+    print(f"| polar steps T' | {polar.STEPS} | isoloco_kernels.flatten.polar (float32) |")
+    print(f"| gram steps T | {gram.STEPS} | isoloco_kernels.flatten.gram (float64, ℓ₀ = {gram.ELL:g}) |")
     print()
     for name in ("llama-178m", "llama-1b"):
         rows, tot = set_rows(name)

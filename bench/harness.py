@@ -263,7 +263,7 @@ def resolved_methods(impl: str, shapes, device) -> list[str]:
     """The method each [B, m, n] bucket runs: isoloco methods ask flatten.resolve_method (which
     looks at shape and device only; a zero-stride stand-in avoids allocating), others are
     themselves (the baselines)."""
-    from isoloco_kernels import flatten
+    from isoloco_kernels.flatten import registry as flatten
 
     if impl not in flatten.METHODS:
         return [impl] * len(shapes)
@@ -277,7 +277,7 @@ resolved_backends = resolved_methods  # the old name (bench/test_bench_optim.py)
 def fallback_recorders(resolved: Sequence[str]) -> dict:
     """{recorder name: (Recorder, the method its flagged matrices go to)} of every residual-checked
     method these methods reach, their fallbacks included (registry: Method.stats, Method.fallback)."""
-    from isoloco_kernels import flatten
+    from isoloco_kernels.flatten import registry as flatten
 
     out, todo, seen = {}, list(resolved), set()
     while todo:
@@ -294,7 +294,7 @@ def fallback_recorders(resolved: Sequence[str]) -> dict:
 
 def recorder_names() -> list[str]:
     """The names of every residual-checked method's statistics (the *_fallbacks fields)."""
-    from isoloco_kernels import flatten
+    from isoloco_kernels.flatten import registry as flatten
 
     return sorted({m.stats.name for m in flatten.METHODS.values() if m.stats is not None})
 
@@ -302,7 +302,8 @@ def recorder_names() -> list[str]:
 def flatten_work(resolved: Sequence[str], shapes, dtype: str) -> dict[str, float] | None:
     """Modelled flops per GEMM dtype of flattening `shapes` with these methods (the registry's
     models; None where one is not modelled)."""
-    from isoloco_kernels import exact, flatten
+    from isoloco_kernels.flatten import exact
+    from isoloco_kernels.flatten import registry as flatten
     from isoloco_kernels.reference import compute_dtype
 
     cd = DTYPE_NAMES[compute_dtype(NAMED_DTYPES[dtype])]

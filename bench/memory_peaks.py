@@ -122,7 +122,7 @@ def step_peak(spec_name: str, method: str, device) -> dict:
 def _modelled(spec_name: str, method: str, device) -> dict:
     """bench/memory_model.py's numbers at the current workspace; "auto" as the larger of what it
     resolves to (on a GPU gram or polar per shape, on the CPU eigh or svd)."""
-    from isoloco_kernels.buckets import workspace_bytes
+    from isoloco_kernels.flatten.buckets import workspace_bytes
 
     auto = ("gram", "polar") if torch.device(device).type == "cuda" else ("eigh", "svd")
     names = auto if method == "auto" else (method,)

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from isoloco_kernels import polar  # noqa: E402
+from isoloco_kernels.flatten import polar  # noqa: E402
 from isoloco_kernels.reference import iso_flatten_ref  # noqa: E402
 from tests.helpers import rel_err, spectrum, with_spectrum  # noqa: E402
 

@@ -38,8 +38,8 @@ def timed(f, sync, n: int = 3, reset=None) -> float:
 
 
 def sym_routes(dry: bool) -> list[str]:
-    from isoloco_kernels import fast
     from isoloco_kernels import triton as tk
+    from isoloco_kernels.flatten import fast
 
     dev, sync = _device(dry)
     lines = []
@@ -78,7 +78,7 @@ def sym_routes(dry: bool) -> list[str]:
 
 def gram_polar(dry: bool) -> list[str]:
     import isoloco_kernels as ik
-    from isoloco_kernels import flatten
+    from isoloco_kernels.flatten import registry as flatten
     from isoloco_kernels.reference import iso_flatten_ref
 
     dev, sync = _device(dry)

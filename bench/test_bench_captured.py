@@ -17,7 +17,8 @@ import torch
 
 import isoloco_kernels as ik
 from bench.captured import load_captured_sets
-from isoloco_kernels import flatten, gram, polar
+from isoloco_kernels.flatten import gram, polar
+from isoloco_kernels.flatten import registry as flatten
 from isoloco_kernels.reference import iso_flatten_ref
 
 METHODS = tuple(m for m in flatten.METHODS if m not in ("auto", "polar_bf16")) + ("auto",)

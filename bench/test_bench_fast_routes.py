@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from bench import harness
-from isoloco_kernels import fast, fast_gram, polar
-from isoloco_kernels.iteration_stats import FlattenFallbackWarning
+from isoloco_kernels.flatten import fast, fast_gram, polar
+from isoloco_kernels.flatten.iteration_stats import FlattenFallbackWarning
 from isoloco_kernels.reference import iso_flatten_ref
 
 SETS = {"wide-1b/8": [(6, 256, 1024), (1, 256, 16032)], "square-1b/8": [(8, 256, 256)]}

@@ -22,7 +22,7 @@ import torch
 import isoloco_kernels as ik
 from bench import harness
 from bench.shapes import SETS, bucket_shapes, cpu_variant, decoder_weight_shapes, pseudo_gradient
-from isoloco_kernels import flatten
+from isoloco_kernels.flatten import registry as flatten
 from isoloco_kernels.reference import iso_flatten_ref
 
 METHODS = tuple(m for m in flatten.METHODS if m != "auto") + ("auto",)

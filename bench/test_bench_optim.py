@@ -28,7 +28,7 @@ import torch
 
 from bench import harness
 from bench.shapes import SETS, bucket_shapes, cpu_variant, decoder_param_shapes, pseudo_gradient
-from isoloco_kernels import flatten
+from isoloco_kernels.flatten import registry as flatten
 from isoloco_kernels.reference import iso_flatten_ref, nesterov_ref
 
 NESTEROV_IMPLS = ("fused", "fused+scales", "sgd-foreach", "sgd-fused", "sgd-forloop", "scale+sgd-foreach")
@@ -230,7 +230,7 @@ def _make_outer(impl: str, ps, grads):
     """(step, reset) of one outer step of `impl` over params ps whose pseudo-gradients are grads
     (never modified: SGD, which writes into p.grad, steps copies that reset() restores)."""
     if impl.startswith("isoloco-"):
-        from isoloco_kernels.optim import IsoLoCo
+        from isoloco_kernels.optim.isoloco import IsoLoCo
 
         opt = IsoLoCo(ps, lr=ISOLOCO_LR, momentum=ISOLOCO_MU, method=impl.removeprefix("isoloco-"))
         for p, g in zip(ps, grads):

@@ -25,7 +25,8 @@ import torch
 
 from bench import harness
 from bench.shapes import SETS, bucket_shapes, decoder_param_shapes, pseudo_gradient
-from isoloco_kernels import flatten, outer
+from isoloco_kernels.flatten import registry as flatten
+from isoloco_kernels.outer.core import core as outer
 
 METHODS = ("auto",) + tuple(m for m in flatten.METHODS if m != "auto")
 LR, MU = 1.8, 0.8

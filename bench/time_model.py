@@ -31,7 +31,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.shapes import SETS, bucket_shapes, decoder_weight_shapes  # noqa: E402
-from isoloco_kernels import fast, fast_gram, flatten, polar  # noqa: E402
+from isoloco_kernels.flatten import fast, fast_gram, polar  # noqa: E402
+from isoloco_kernels.flatten import registry as flatten
 
 RUN = ROOT / "bench" / "results" / "2026-12-04-NVIDIA-H200.json"
 SET_NAMES = ("llama-178m", "llama-1b", "llama-8b")

@@ -2,12 +2,11 @@
 
 from ._validate import ResultOverflowError
 from .distributed import DistributedStepError, ShardedIsoLoCo, average_, sharded_iso_merge_
-from .gram import GramFallbackWarning
-from .iteration_stats import FlattenFallbackWarning
-from .merge_optim import MergeLoCo
+from .flatten.gram import GramFallbackWarning
+from .flatten.iteration_stats import FlattenFallbackWarning
 from .merges import merge, merge_
 from .ops import backends, iso_flatten, iso_merge_
-from .optim import IsoLoCo
+from .optim import IsoLoCo, MergeLoCo
 
 __version__ = "0.1.0"
 

@@ -13,7 +13,6 @@ from typing import Sequence
 
 import torch
 
-from . import _ext, dispatch, flatten
 from ._validate import (
     SUPPORTED_DTYPES,
     ResultOverflowError,
@@ -22,8 +21,10 @@ from ._validate import (
     check_writable,
     is_fake,
 )
-from .buckets import chunk_rows, flatten_chunked_
-from .flatten import check_method
+from .backends import _ext, dispatch
+from .flatten import registry as flatten
+from .flatten.buckets import chunk_rows, flatten_chunked_
+from .flatten.registry import check_method
 
 __all__ = ["backends", "iso_flatten", "iso_merge_", "iso_merge_unchecked_"]
 

@@ -23,7 +23,6 @@ from typing import Callable
 
 import torch
 
-from . import _ext, dispatch
 from ._validate import (
     SUPPORTED_DTYPES,
     ResultOverflowError,
@@ -36,8 +35,9 @@ from ._validate import (
     read_write_overlaps,
 )
 from .api import backends, iso_flatten, iso_merge_, iso_merge_unchecked_  # noqa: F401  (the Python API, re-exported)
-from .flatten import check_method, iso_flatten_impl
-from .nesterov import update_compute_dtype
+from .backends import _ext, dispatch
+from .backends.torch_nesterov import update_compute_dtype
+from .flatten.registry import check_method, iso_flatten_impl
 
 _lib = torch.library.Library("isoloco", "DEF")  # noqa: TOR901 (owned by this module)
 

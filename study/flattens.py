@@ -1,6 +1,6 @@
 """Study v4's comparison flattens: how exact must Iso-C be for training? Study-only, not exported.
 
-Each is an in-place flatten of a [B, m, n] batch, like the library's methods (isoloco_kernels/flatten.py),
+Each is an in-place flatten of a [B, m, n] batch, like the library's methods (isoloco_kernels/flatten/registry.py),
 and `register()` adds them to the library's registry for one process, so `IsoLoCo(method=...)` and the
 training loop's `iso_method` can run them:
 
@@ -29,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from isoloco_kernels import flatten, polar
+from isoloco_kernels.flatten import polar
+from isoloco_kernels.flatten import registry as flatten
 from isoloco_kernels.reference import iso_flatten_ref, rank_tol
 
 NS5_COEFFS = (3.4445, -4.7750, 2.0315)  # Muon's quintic (Jordan et al., 2024)

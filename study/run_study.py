@@ -251,8 +251,8 @@ def main() -> None:
         import flattens  # study/ is on sys.path
 
         names = flattens.register()
-        from isoloco_kernels.flatten import METHODS
-        from isoloco_kernels.iteration_stats import FlattenFallbackWarning
+        from isoloco_kernels.flatten.iteration_stats import FlattenFallbackWarning
+        from isoloco_kernels.flatten.registry import METHODS
 
         iso_methods = [m for m in (a.iso_method or "").split(",") if m]
         if not iso_methods or any(m not in METHODS for m in iso_methods):

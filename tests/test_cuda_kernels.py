@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from isoloco_kernels import dispatch
+from isoloco_kernels.backends import dispatch
 from isoloco_kernels.reference import iso_flatten_ref, nesterov_ref, polar_ref
 
 from .helpers import DTYPES, TOL, rel_err, reset_tf32, spectrum, with_spectrum
@@ -361,7 +361,7 @@ POLAR_IEEE_TOL = 1e-4
 @pytest.mark.parametrize("shape", FLATTEN_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_cuda_flatten_float32_with_tf32_on(tf32_restored, tf32, method, shape):
     import isoloco_kernels as ik
-    from isoloco_kernels.flatten import resolve_method
+    from isoloco_kernels.flatten.registry import resolve_method
 
     from .helpers import gram_tol
 
@@ -384,7 +384,7 @@ def test_cuda_flatten_float32_with_tf32_on(tf32_restored, tf32, method, shape):
 def test_cuda_flatten_float64(method, shape):
     """float64 on CUDA: every method within its float64 contract (auto: exact, as on the CPU)."""
     import isoloco_kernels as ik
-    from isoloco_kernels.exact import EIGH_MIN_RATIO
+    from isoloco_kernels.flatten.exact import EIGH_MIN_RATIO
 
     from .helpers import gram_tol, method_tol
 
@@ -425,7 +425,7 @@ def tc_contract(method: str, dtype: torch.dtype, shape, device) -> torch.Tensor:
     """`method` on a κ-1e2 input of `shape` and `dtype` on `device`: its error row and flatness (no
     fallback: well-conditioned input); returns the output."""
     import isoloco_kernels as ik
-    from isoloco_kernels.flatten import METHODS
+    from isoloco_kernels.flatten.registry import METHODS
 
     from .helpers import FLATNESS, flatness, method_tol
 
@@ -444,7 +444,7 @@ def tc_rank_deficient(method: str, device) -> None:
     """Rank 3 of 128 (512 × 128, float32): a bfloat16 step would fill the null space; the method
     certifies the rank and recomputes both matrices exactly, with its warning."""
     import isoloco_kernels as ik
-    from isoloco_kernels.flatten import METHODS
+    from isoloco_kernels.flatten.registry import METHODS
 
     g = torch.Generator().manual_seed(zlib.crc32(f"rank3{method}".encode()))
     x = (torch.randn(2, 512, 3, generator=g) @ torch.randn(2, 3, 128, generator=g)).to(device)

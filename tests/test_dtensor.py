@@ -25,11 +25,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
-from isoloco_kernels import IsoLoCo, outer
+from isoloco_kernels import IsoLoCo
 from isoloco_kernels.distributed import DistributedStepError, ShardedIsoLoCo, gram_route
 from isoloco_kernels.distributed import dtensor as DT
 from isoloco_kernels.distributed import routes as R
 from isoloco_kernels.distributed.plan import ShardLayout, plan_shards, shard_sizes
+from isoloco_kernels.outer.core import core as outer
 from tests.helpers import TOL, rel_err, spectrum, with_spectrum
 from tests.spawn import PG_TIMEOUT_S, Checks, groups, params
 
@@ -617,7 +618,7 @@ def test_routes_and_bytes():
 def test_gram_from_a0_matches_flatten_gram_and_falls_back_deterministically():
     """gram.gram_from_a0 (the Gram route's method "gram") on A₀ alone equals flatten_gram_ on X, in
     both orientations; a rank-deficient A₀ misses the check the same way every time it is asked."""
-    from isoloco_kernels import gram
+    from isoloco_kernels.flatten import gram
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 24, 150, generator=g)
@@ -655,7 +656,7 @@ def test_gram_from_a0_certifies_the_rank_cut_like_flatten_gram(kind, cond, certi
     the DTensor Gram route sends it to the exact path as flatten_gram_ sends it to the SVD."""
     import warnings
 
-    from isoloco_kernels import gram
+    from isoloco_kernels.flatten import gram
 
     g = torch.Generator().manual_seed(11)
     x = with_spectrum(1, 32, 200, spectrum(kind, 32, cond), g).float()

@@ -1,4 +1,4 @@
-"""method="fast", the training grade (isoloco_kernels/fast.py): a flat spectrum on every input, its
+"""method="fast", the training grade (isoloco_kernels/flatten/fast.py): a flat spectrum on every input, its
 error bands by condition number, the rank certificate and its fallback, on the CPU with the GPU's
 numerics (the precise steps as emulated 3xTF32, the rest bfloat16), and each step's GEMMs spied for
 the precision they run in. The registry-wide contract
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
-from isoloco_kernels import fast, fast_gram, polar
-from isoloco_kernels.iteration_stats import FlattenFallbackWarning
+from isoloco_kernels.flatten import fast, fast_gram, polar
+from isoloco_kernels.flatten.iteration_stats import FlattenFallbackWarning
 from isoloco_kernels.reference import iso_flatten_ref
 from tests.helpers import (
     FLATNESS,
@@ -140,7 +140,7 @@ def test_lift_floor_follows_the_schedule():
     """The certified floor is LIFT_FLOOR × where the precise steps take ELL, and a singular value
     that starts at LIFT_FLOOR·ELL still ends within 0.8 % of 1 in exact arithmetic; fast's schedule is
     the one derived for polar's range in its number of steps."""
-    from isoloco_kernels import coefficients
+    from isoloco_kernels.flatten import coefficients
 
     sched = coefficients.schedule(polar.ELL, fast.STEPS)
     assert all(got == pytest.approx(want, rel=1e-12) for got, want in zip(fast.COEFFS, sched.coeffs))
@@ -214,7 +214,7 @@ class _GemmSpy(torch.overrides.TorchFunctionMode):
     GEMMS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "baddbmm_", "addmm", "addmm_", "einsum"}
 
     def __init__(self, monkeypatch):
-        from isoloco_kernels import tf32
+        from isoloco_kernels.flatten import tf32
 
         super().__init__()
         self.step, self.in_certificate = 0, False

@@ -1,4 +1,4 @@
-"""The Gram route of method "fast" (isoloco_kernels/fast_gram.py) and how "fast" picks its route: the
+"""The Gram route of method "fast" (isoloco_kernels/flatten/fast_gram.py) and how "fast" picks its route: the
 training-grade contract on the route's own (wide) inputs against reference.py, its certificate on the
 planted cases (rank-deficient, κ 1e5–1e7, zero rows, a NaN inside the iteration), all-or-nothing,
 bounded scratch, the GEMM precisions it claims, the CPU's bfloat16 choice and the route rule."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
-from isoloco_kernels import coefficients, fast, fast_gram, gram, polar
-from isoloco_kernels.iteration_stats import FlattenFallbackWarning
+from isoloco_kernels.flatten import coefficients, fast, fast_gram, gram, polar
+from isoloco_kernels.flatten.iteration_stats import FlattenFallbackWarning
 from isoloco_kernels.reference import iso_flatten_ref
 from tests.helpers import (
     FLATNESS,
@@ -306,7 +306,7 @@ def test_the_cpu_runs_the_low_steps_where_they_are_fastest(monkeypatch, has_bf16
 
 def test_a_nan_from_eigh_is_caught(monkeypatch):
     """The CPU's r×r part: a non-finite P (a LAPACK fault) flags the matrix for the fallback."""
-    from isoloco_kernels import exact
+    from isoloco_kernels.flatten import exact
 
     real = exact.eigh_polar
 
@@ -390,7 +390,7 @@ def test_a_large_matrix_is_read_in_capped_blocks(monkeypatch, method):
     """With gram.COLUMN_BLOCK_BYTES scaled down to 64 KiB, a 1 MB matrix is read in blocks: the
     scratch stays near the cap and the r×r matrices, far below the half-the-matrix default of before
     (the cap is what bounds llama-8b's 128256 × 4096 matrices), and buckets.method_workspace bounds it."""
-    from isoloco_kernels import buckets
+    from isoloco_kernels.flatten import buckets
 
     cap = 64 << 10
     monkeypatch.setattr(gram, "COLUMN_BLOCK_BYTES", cap)

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
-from isoloco_kernels import flatten, gram
 from isoloco_kernels._validate import ResultOverflowError
-from isoloco_kernels.iteration_stats import FlattenFallbackWarning
+from isoloco_kernels.flatten import gram
+from isoloco_kernels.flatten import registry as flatten
+from isoloco_kernels.flatten.iteration_stats import FlattenFallbackWarning
 from isoloco_kernels.reference import iso_flatten_ref
 from tests.helpers import (
     TOL,

@@ -1,4 +1,4 @@
-"""MergeLoCo (isoloco_kernels/merge_optim.py) and the reference loop's --merge: each merge, then
+"""MergeLoCo (isoloco_kernels/optim/mergeloco.py) and the reference loop's --merge: each merge, then
 Nesterov exactly as IsoLoCo; iso_c is IsoLoCo step for step."""
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from isoloco_kernels import IsoLoCo, buckets, flatten
+from isoloco_kernels import IsoLoCo
+from isoloco_kernels.flatten import buckets
+from isoloco_kernels.flatten import registry as flatten
 from tests.spawn import Checks, groups, params
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")

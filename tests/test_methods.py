@@ -18,21 +18,11 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
-from isoloco_kernels import exact, flatten, iteration_stats
-from isoloco_kernels.flatten import METHODS, Method, resolve_method
+from isoloco_kernels.flatten import exact, iteration_stats
+from isoloco_kernels.flatten import registry as flatten
+from isoloco_kernels.flatten.registry import METHODS, Method, resolve_method
 from isoloco_kernels.reference import iso_flatten_ref, isoloco_step_ref
-from tests.helpers import (
-    COND_BANDS,
-    DTYPES,
-    PER_COND2,
-    TOL,
-    TOL_ROWS,
-    cond,
-    gen,
-    method_tol,
-    randn,
-    rel_err,
-)
+from tests.helpers import COND_BANDS, DTYPES, PER_COND2, TOL, TOL_ROWS, cond, gen, method_tol, randn, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small computations (tests/conftest.py)
 
@@ -150,7 +140,7 @@ def check_a_fallback_warning_raised_as_an_error_changes_nothing(method):
     was; a method that warns about nothing writes its result."""
     import os
 
-    from isoloco_kernels import buckets as bk
+    from isoloco_kernels.flatten import buckets as bk
 
     g = gen("warn-as-error")
     x = torch.randn(3, 12, 20, generator=g, dtype=torch.float64).float()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import isoloco_kernels  # noqa: F401  (registers torch.ops.isoloco)
-from isoloco_kernels import nesterov
+from isoloco_kernels.backends import torch_nesterov as nesterov
 from isoloco_kernels.reference import nesterov_ref
 from tests.helpers import TOL, rel_err
 
@@ -204,8 +204,8 @@ def test_cuda_table_takes_triton_for_contiguous_and_torch_for_strided(interp, mo
     """The CUDA table of nesterov_outer_ (dispatch.py): the Triton kernel for contiguous params and
     bufs, torch foreach when one is strided; both give the reference result (CPU tensors, the
     interpreted kernel)."""
-    from isoloco_kernels import dispatch
     from isoloco_kernels import triton as tk
+    from isoloco_kernels.backends import dispatch
 
     monkeypatch.setattr(tk, "usable_for", lambda t: True)
     monkeypatch.setattr(dispatch, "_triton_nesterov", lambda *a: interp.nesterov_outer_triton(*a))

@@ -210,7 +210,7 @@ def test_a_checkpoint_that_switches_iso_warns():
     with pytest.warns(UserWarning, match=r"sets iso=True over this optimizer's iso=False"):
         plain.load_state_dict(ik.IsoLoCo(ps, iso=True).state_dict())
     sgd = torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)
-    from isoloco_kernels.nd import NDParamWarning
+    from isoloco_kernels.outer.nd import NDParamWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -475,7 +475,7 @@ def test_bucket_flatten_batches_by_shape_reuses_its_plan_and_names_an_overflow()
     routes: transposed twins share a bucket, each result is iso() of its tensor in its own
     orientation, the plan is kept while the shapes hold, and an overflowing result is named."""
     from isoloco_kernels._validate import ResultOverflowError
-    from isoloco_kernels.outer import bucket_flatten
+    from isoloco_kernels.outer.core import bucket_flatten
 
     g = torch.Generator().manual_seed(4)
     mats = [torch.randn(5, 3, generator=g), torch.randn(3, 5, generator=g), torch.randn(4, 4, generator=g)]
@@ -500,7 +500,7 @@ def test_bucket_flatten_batches_by_shape_reuses_its_plan_and_names_an_overflow()
 def test_outer_defaults_checks_in_order_for_both_optimizers():
     """outer.outer_defaults: one constructor check for IsoLoCo and ShardedIsoLoCo (lr, momentum,
     then SGD's keys, then method, then iso)."""
-    from isoloco_kernels.outer import SGD_KEYS, outer_defaults
+    from isoloco_kernels.outer.core import SGD_KEYS, outer_defaults
 
     assert outer_defaults("X", 1.0, 0.5, True, "auto") == dict(lr=1.0, momentum=0.5, iso=True, **SGD_KEYS)
     with pytest.raises(ValueError, match="X: invalid learning rate"):

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
-from isoloco_kernels import buckets, flatten, ops
+from isoloco_kernels import ops
 from isoloco_kernels._validate import ResultOverflowError
+from isoloco_kernels.flatten import buckets
+from isoloco_kernels.flatten import registry as flatten
 from isoloco_kernels.reference import isoloco_step_ref
 
 from .helpers import rel_err

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
-from isoloco_kernels import coefficients, exact, gram, polar
-from isoloco_kernels.flatten import resolve_method
-from isoloco_kernels.gram import GramFallbackWarning
-from isoloco_kernels.iteration_stats import FlattenFallbackWarning
+from isoloco_kernels.flatten import coefficients, exact, gram, polar
+from isoloco_kernels.flatten.gram import GramFallbackWarning
+from isoloco_kernels.flatten.iteration_stats import FlattenFallbackWarning
+from isoloco_kernels.flatten.registry import resolve_method
 from isoloco_kernels.reference import iso_flatten_ref
 from tests.helpers import DTYPES, TOL, gen, method_tol, rel_err, reset_tf32, spectrum, with_spectrum
 from tests.helpers import cond as condition_number
@@ -345,7 +345,7 @@ def test_ieee_fp32_matmul_restores_after_an_error(restore_tf32, state):
 
 def test_ieee_fp32_matmul_on_torch_without_the_new_api(restore_tf32, monkeypatch):
     """Torch < 2.9 (no fp32_precision settings): the legacy setting alone, saved and restored."""
-    from isoloco_kernels import tf32
+    from isoloco_kernels.flatten import tf32
 
     monkeypatch.setattr(tf32, "_fp32_precision_props", lambda: None)
     torch.set_float32_matmul_precision("medium")
@@ -370,7 +370,7 @@ def test_polar_flatten_runs_under_every_user_tf32_state(restore_tf32, state):
 # ---------------------------------------------------------------------------------------------
 # auto's float64 rate per CUDA device (flatten._fp64_rate), device properties mocked.
 
-from isoloco_kernels import flatten  # noqa: E402
+from isoloco_kernels.flatten import registry as flatten  # noqa: E402
 
 
 @pytest.fixture

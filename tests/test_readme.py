@@ -125,7 +125,7 @@ def test_documented_keywords_work():
 
 
 def test_the_readme_names_every_flatten_method():
-    from isoloco_kernels.flatten import METHODS
+    from isoloco_kernels.flatten.registry import METHODS
 
     line = re.search(r"^Methods: (.*?)\(\[docs/methods.md\]", _section("API at a glance"), re.M | re.S).group(1)
     assert set(re.findall(r'`"(\w+)"`', line)) == set(METHODS), "README's method list differs from flatten.METHODS"

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
-from isoloco_kernels import exact, flatten
 from isoloco_kernels._validate import ResultOverflowError
+from isoloco_kernels.flatten import exact
+from isoloco_kernels.flatten import registry as flatten
 from isoloco_kernels.reference import iso_flatten_ref, isoloco_step_ref, nesterov_ref, rank_tol
 from tests.helpers import TOL, gram_tol, rel_err, spectrum, with_spectrum
 
@@ -21,7 +22,7 @@ METHODS = ("svd", "eigh", "polar", "gram", "auto")
 ops = torch.ops.isoloco
 
 # matrices handed on to an exact method warn; expected here
-pytestmark = pytest.mark.filterwarnings("ignore::isoloco_kernels.iteration_stats.FlattenFallbackWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::isoloco_kernels.flatten.iteration_stats.FlattenFallbackWarning")
 
 
 @pytest.fixture(autouse=True, scope="module")

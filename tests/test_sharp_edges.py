@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import isoloco_kernels as ik
-from isoloco_kernels.nd import NDParamWarning
+from isoloco_kernels.outer.nd import NDParamWarning
 from isoloco_kernels.reference import iso_flatten_ref, nesterov_ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from isoloco_kernels import flatten
+from isoloco_kernels.flatten import registry as flatten
 from isoloco_kernels.reference import iso_flatten_ref
 from tests.helpers import study_module, study_record  # noqa: E402
 

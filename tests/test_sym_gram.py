@@ -90,7 +90,7 @@ def test_the_epilogue_forms_the_polynomial_in_one_kernel():
 @kernels
 def test_the_polar_iteration_on_its_pieces_matches_torch():
     """polar.polar_factor with SymSteps (every symmetric product one-triangle) against TorchSteps."""
-    from isoloco_kernels import polar
+    from isoloco_kernels.flatten import polar
     from isoloco_kernels.triton.sym_gram import SymSteps
 
     x = torch.randn(3, 48, 160, generator=gen("sym-polar")).to(DEVICE)
@@ -138,7 +138,7 @@ def test_fast_on_one_triangle_products_keeps_its_contract():
     """fast's direct route with sym="triton" (its bfloat16 steps' symmetric products one-triangle)
     against the same route on torch's GEMMs: the same certificate decisions, results within the
     bfloat16 steps' noise, and both inside fast's band."""
-    from isoloco_kernels import fast
+    from isoloco_kernels.flatten import fast
     from isoloco_kernels.reference import iso_flatten_ref
     from tests.helpers import FLATNESS, flatness, method_tol, spectrum, with_spectrum
 
@@ -160,7 +160,7 @@ def test_fast_on_one_triangle_products_keeps_its_contract():
 
 @pytest.mark.skipif(CUDA or INTERPRETER, reason="Triton can run here")
 def test_fast_refuses_triton_products_where_triton_cannot_run():
-    from isoloco_kernels import fast
+    from isoloco_kernels.flatten import fast
 
     with pytest.raises(RuntimeError, match="sym='triton' cannot run on this cpu tensor"):
         fast.flatten_fast_(torch.randn(1, 4, 6), route="direct", sym="triton")

@@ -1,4 +1,4 @@
-"""3xTF32 (isoloco_kernels/tf32.py): the TF32 rounding, the split product's accuracy, and polar's
+"""3xTF32 (isoloco_kernels/flatten/tf32.py): the TF32 rounding, the split product's accuracy, and polar's
 float32 contract with its GEMMs so (the mode "fp32" takes on CUDA devices with TF32 tensor cores),
 all on the CPU through the emulation; on a GPU the same checks run on the tensor cores."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isoloco_kernels import polar, tf32
+from isoloco_kernels.flatten import polar, tf32
 from isoloco_kernels.reference import iso_flatten_ref
 from tests.helpers import gen, method_tol, rel_err, reset_tf32, spectrum, with_spectrum
 

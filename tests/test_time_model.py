@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from bench import time_model as tm
-from isoloco_kernels import flatten, polar
+from isoloco_kernels.flatten import polar
+from isoloco_kernels.flatten import registry as flatten
 
 ROOT = Path(__file__).resolve().parents[1]
 

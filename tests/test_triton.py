@@ -21,7 +21,7 @@ CUDA = torch.cuda.is_available()
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and not CUDA
 triton = pytest.importorskip("triton")
 
-from isoloco_kernels import polar  # noqa: E402
+from isoloco_kernels.flatten import polar  # noqa: E402
 from isoloco_kernels.reference import iso_flatten_ref, polar_ref  # noqa: E402
 from tests.helpers import TOL, rel_err, rerun_under_interpreter, spectrum, with_spectrum  # noqa: E402
 
@@ -294,8 +294,8 @@ def test_iso_scale_splits_fill_the_gpu_for_few_huge_matrices():
 def test_iso_scale_dispatch_takes_triton_where_it_runs_and_torch_last():
     """The CUDA table's Triton candidate runs (here on CPU tensors under the interpreter) and gives
     the reference result; the torch candidate serves what no kernel takes."""
-    from isoloco_kernels import dispatch
     from isoloco_kernels import triton as tk
+    from isoloco_kernels.backends import dispatch
 
     x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(3))
     q, _ = polar_ref(x)

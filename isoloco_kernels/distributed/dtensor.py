@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .._validate import _overlap, _span, compute_dtype
-from ..outer import Entry, collect, is_dtensor, local, nesterov_rows, prepare_nesterov
+from ..outer.core import Entry, collect, is_dtensor, local, nesterov_rows, prepare_nesterov
 from .agree import Agreement, fingerprint, largest_mesh, optimizer_settings
 from .collectives import GatherSegments, OwnerSplits, gather_buffers, owner_buffers
 from .plan import ShardLayout, shard_sizes

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .._validate import check_all_finite, compute_dtype
-from ..outer import local
+from ..outer.core import local
 from . import pipeline
 from .agree import comm_device
 
@@ -107,7 +107,7 @@ def _gram_method(method: str, d: int, n: int, device, dtype) -> str:
     if method == "gram":
         return "gram"
     if method == "auto":
-        from ..flatten import resolve_method
+        from ..flatten.registry import resolve_method
 
         probe = torch.empty((), dtype=dtype, device=device).expand(1, d, n)  # no allocation
         return "gram" if resolve_method("auto", probe) == "gram" else "eigh"
@@ -117,7 +117,7 @@ def _gram_method(method: str, d: int, n: int, device, dtype) -> str:
 def _gram_iterate(its, a: torch.Tensor, n: int, dtype, stats) -> dict[int, torch.Tensor]:
     """{entry index: s̄·Qᵀ's rows on this rank} by gram.py's iteration on the stacked A₀ `a`, for
     the matrices that pass its checks; the others are left out."""
-    from ..gram import gram_from_a0
+    from ..flatten.gram import gram_from_a0
 
     yg, sbar, _, ok = gram_from_a0(a, long_side=n, dtype=dtype)
     w = yg * sbar[:, None, None]  # s̄·Qᵀ = Xᵀ·Wᵀ; y: this rank's rows of Xᵀ (long side down)
@@ -131,7 +131,7 @@ def _gram_eigh(its, a: torch.Tensor, n: int, dtype) -> dict[int, torch.Tensor]:
     """{entry index: s̄·Qᵀ's rows on this rank} by float64 eigh of the stacked A₀ `a` for the
     matrices it resolves (`exact.eigh_polar`: the rank bound is A₀'s nonzero diagonal, the cut
     reference.py's); the others are left out."""
-    from ..exact import eigh_polar
+    from ..flatten.exact import eigh_polar
 
     d = a.shape[-1]
     nzd = a.diagonal(dim1=-2, dim2=-1) != 0  # X's nonzero short-side lines

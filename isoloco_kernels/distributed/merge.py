@@ -12,7 +12,7 @@ import torch
 
 from .._validate import check_all_finite, check_matrix_tensor, check_writable
 from ..api import iso_merge_unchecked_
-from ..flatten import check_method
+from ..flatten.registry import check_method
 from . import pipeline
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, renamed_keyword
 from .pipeline import CHUNK_BYTES, broadcast_into, check_chunk_bytes, scatter_into

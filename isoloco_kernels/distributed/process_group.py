@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from ..bits import bit_fingerprints
 from .agree import Agreement, DistributedStepError, group_info
+from .bits import bit_fingerprints
 
 __all__ = ["AVERAGED", "check_averaged", "grad_bits", "momentum_bits", "step_"]
 

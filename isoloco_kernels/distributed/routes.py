@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..outer import Entry, bucket_flatten, local
+from ..outer.core import Entry, bucket_flatten, local
 from .collectives import (
     GatherSegments,
     all_gather_shards,
@@ -72,7 +72,7 @@ def route_seconds(route: str, shape, dim: int, world: int, elem_size: int) -> fl
     """Modelled seconds of the owner route or the gather for one matrix, per rank: its bytes over
     the link (`LINK_BYTES_PER_S`) plus its share of the flatten (`FLATTEN_FLOPS_PER_S`): 1/W of it
     for the owner route (owners balanced over the ranks), all of it for the gather."""
-    from ..flatten import flops_per_dtype
+    from ..flatten.registry import flops_per_dtype
 
     r, k = min(shape), max(shape)
     work = sum((flops_per_dtype("polar", k, r) or {}).values()) / FLATTEN_FLOPS_PER_S

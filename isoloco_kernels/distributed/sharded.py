@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from .. import outer
 from .._validate import amaxes, check_amax_finite
-from ..buckets import BucketPlan
+from ..flatten.buckets import BucketPlan
 from ..merges import merge_groups
 from ..merges.options import resolve_options
-from ..nd import warn_nd_params
+from ..outer import core as outer
+from ..outer.nd import warn_nd_params
 from . import pipeline
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, optimizer_settings, renamed_keyword
 from .merge import PLAN_MISMATCH

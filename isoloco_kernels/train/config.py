@@ -119,7 +119,7 @@ class TrainConfig:
                     raise ValueError(f"outer {what} for {mode} must be {rule}, got {v!r}")
         if self.inner not in INNERS:
             raise ValueError(f"inner must be one of {INNERS}, got {self.inner!r}")
-        from ..flatten import METHODS
+        from ..flatten.registry import METHODS
 
         if self.iso_method not in METHODS:
             raise ValueError(f"iso_method must be one of {METHODS}, got {self.iso_method!r}")

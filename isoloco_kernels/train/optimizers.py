@@ -99,9 +99,9 @@ def outer_optimizer(mode: str, params, cfg: TrainConfig) -> torch.optim.Optimize
     if mode in SGD_MODES:
         return torch.optim.SGD(params, lr=lr, momentum=mom, nesterov=mom > 0)
     if cfg.merge != "iso_c":
-        from ..merge_optim import MergeLoCo
+        from ..optim.mergeloco import MergeLoCo
 
         return MergeLoCo(params, lr=lr, momentum=mom, merge=cfg.merge, method=cfg.iso_method)
-    from ..optim import IsoLoCo
+    from ..optim.isoloco import IsoLoCo
 
     return IsoLoCo(params, lr=lr, momentum=mom, iso=True, method=cfg.iso_method)

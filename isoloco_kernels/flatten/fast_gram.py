@@ -36,10 +36,10 @@ import math
 
 import torch
 
+from .._validate import ResultOverflowError, _describe_nonfinite, compute_dtype, overflow_limit
+from ..reference import rank_tol
 from . import exact, gram, tf32
-from ._validate import ResultOverflowError, _describe_nonfinite, compute_dtype, overflow_limit
 from .polar import TF32X2, TF32X3, certificate_flops, polar_flops
-from .reference import rank_tol
 
 __all__ = ["ELL", "STEPS", "BOUND", "COEFFS", "flatten_fast_gram_", "gram_work", "direct_work", "prefers_gram"]
 
@@ -49,7 +49,7 @@ BOUND = 5.6e-5  # |1 − p(σ)| after the schedule, for every σ in [ELL, 1]
 RESID_SLACK = 4.0  # flag when |r − ‖Q‖_F²| / √r > RESID_SLACK·BOUND·√r: a certified matrix has ≤ 2·BOUND·√r
 
 # coefficients.schedule(2.5e-5, 9) (tests/test_fast_gram.py regenerates and compares; print it with
-# `python -m isoloco_kernels.coefficients 2.5e-5 9`)
+# `python -m isoloco_kernels.flatten.coefficients 2.5e-5 9`)
 COEFFS = (
     (8.239027264703385, -22.99944761343482, 16.531457811585994),  # |1 − σ| ≤ 1.0e+00
     (4.118601331055141, -2.8748863999847085, 0.516706474424161),  # |1 − σ| ≤ 1.0e+00

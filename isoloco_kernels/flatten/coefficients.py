@@ -12,7 +12,7 @@ Two ways to get that quintic, chosen by how well float64 can resolve it:
   the scaled Chebyshev cubic (p'''(1)/6)·(δ³/4)·T₃((x − 1)/δ) to leading order: the minimax up to
   O(δ⁴) (≤ 1e-11 here), which is below the Remez answer's own noise at that width.
 
-`python -m isoloco_kernels.coefficients [ell steps]` prints a table in the form polar.py keeps it.
+`python -m isoloco_kernels.flatten.coefficients [ell steps]` prints a table in the form polar.py keeps it.
 """
 
 from __future__ import annotations

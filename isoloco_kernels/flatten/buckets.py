@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._validate import SUPPORTED_DTYPES, ResultOverflowError, check_writable, compute_dtype
+from .._validate import SUPPORTED_DTYPES, ResultOverflowError, check_writable, compute_dtype
 
 __all__ = [
     "WORKSPACE_BYTES",
@@ -237,7 +237,7 @@ def method_workspace(method: str, m: int, n: int, dtype: torch.dtype, kind: str 
 def chunk_rows(method: str, x3: torch.Tensor, workspace: Optional[int] = None) -> int:
     """How many matrices of the [B, m, n] batch x3 one call of `method` may take so that its
     modelled scratch stays within `workspace` (default `workspace_bytes()`); at least 1."""
-    from .flatten import resolve_method
+    from .registry import resolve_method
 
     _, m, n = x3.shape
     resolved = resolve_method(method, x3[:1])
@@ -256,7 +256,7 @@ def flatten_chunked_(x: torch.Tensor, method: str, workspace: Optional[int] = No
     `workspace` instead of growing with B. A slice whose result does not fit its dtype raises
     ResultOverflowError with the matrix index in x; the slices before it are already written, so
     callers flatten scratch buffers (IsoLoCo's buckets) or copies (iso_merge_)."""
-    from .flatten import iso_flatten_impl
+    from .registry import iso_flatten_impl
 
     if x.numel() == 0:
         return

@@ -18,8 +18,8 @@ import warnings
 
 import torch
 
+from .._validate import check_result_fits, compute_dtype, pow2_scale
 from . import iteration_stats, tf32
-from ._validate import check_result_fits, compute_dtype, pow2_scale
 from .certificates import CERTIFY_BLOCK_BYTES, RANK_FLOOR, certificate_flops, certify, full_rank  # noqa: F401
 from .iteration_stats import FlattenFallbackWarning, FlattenStats, Recorder
 
@@ -57,7 +57,7 @@ TF32X2 = (
 
 
 # The Polar Express schedule for ℓ_0 = ELL, STEPS steps, derived offline by
-# isoloco_kernels/coefficients.py (`python -m isoloco_kernels.coefficients 2.5e-5 10` prints it;
+# isoloco_kernels/flatten/coefficients.py (`python -m isoloco_kernels.flatten.coefficients 2.5e-5 10` prints it;
 # tests/test_polar.py regenerates and compares). The comment on each row bounds |1 − σ| after
 # that step for every σ that started in [ELL, 1] (all steps but the last keep a safety margin).
 COEFFS = (
@@ -138,7 +138,7 @@ def _gemm_name(gemm: str | None, backend: str | None) -> str | None:
 def _gemm_steps(x: torch.Tensor, gemm: str | None):
     """The GEMMs of the iteration: `gemm` "torch" (cuBLAS / CPU BLAS), by default the dispatch
     table's "polar_gemm" choice."""
-    from . import dispatch
+    from ..backends import dispatch
 
     if gemm is None:
         if os.environ.get(GEMM_ENV, "torch") == "triton":

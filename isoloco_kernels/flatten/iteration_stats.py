@@ -100,7 +100,7 @@ def old_name(module: str, name: str):
     if new is None:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
     warnings.warn(
-        f"{module}.{name} is deprecated: it is {new} (isoloco_kernels.iteration_stats), which serves "
+        f"{module}.{name} is deprecated: it is {new} (isoloco_kernels.flatten.iteration_stats), which serves "
         f"every residual-checked flatten method",
         DeprecationWarning,
         stacklevel=3,

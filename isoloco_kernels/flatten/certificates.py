@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import pow2_scale
+from .._validate import pow2_scale
 
 __all__ = ["CERTIFY_BLOCK_BYTES", "RANK_FLOOR", "certificate_flops", "certify", "full_rank"]
 

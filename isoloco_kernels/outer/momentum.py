@@ -19,8 +19,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ._validate import compute_dtype
-from .ops import prepare_nesterov_outer_
+from .._validate import compute_dtype
+from ..ops import prepare_nesterov_outer_
 from .sgd_state import is_dtensor, local
 
 __all__ = ["iso_bound", "nesterov_rows", "prepare_nesterov"]

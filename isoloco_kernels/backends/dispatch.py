@@ -77,7 +77,7 @@ def _cupy_available() -> tuple[bool, str]:
 
 
 def _triton_available() -> tuple[bool, str]:
-    from . import triton as tk
+    from .. import triton as tk
 
     return OK if tk.AVAILABLE else (False, "triton does not import")
 
@@ -103,7 +103,7 @@ def _params_on_cuda(extension: bool) -> Callable[..., tuple[bool, str]]:
 
 
 def _triton_nesterov_supports(params, bufs, *_rest) -> tuple[bool, str]:
-    from . import triton as tk
+    from .. import triton as tk
 
     if params and not tk.usable_for(params[0]):
         return False, "the Triton kernels cannot run on these tensors here"
@@ -112,7 +112,7 @@ def _triton_nesterov_supports(params, bufs, *_rest) -> tuple[bool, str]:
 
 
 def _triton_iso_scale_supports(x, q) -> tuple[bool, str]:
-    from . import triton as tk
+    from .. import triton as tk
 
     return OK if tk.usable_for(x) else (False, "the Triton kernels cannot run on these tensors here")
 
@@ -141,25 +141,25 @@ def _cupy_nesterov(*args):
 
 
 def _triton_iso_scale(x, q):
-    from .triton.iso_scale import iso_scale_triton
+    from ..triton.iso_scale import iso_scale_triton
 
     return iso_scale_triton(x, q)
 
 
 def _triton_nesterov(*args):
-    from .triton.nesterov import nesterov_outer_triton
+    from ..triton.nesterov import nesterov_outer_triton
 
     nesterov_outer_triton(*args)
 
 
 def _torch_iso_scale(x, q):
-    from .iso_scale import iso_scale_torch
+    from .torch_iso_scale import iso_scale_torch
 
     return iso_scale_torch(x, q)
 
 
 def _torch_nesterov(*args):
-    from .nesterov import nesterov_outer_torch
+    from .torch_nesterov import nesterov_outer_torch
 
     nesterov_outer_torch(*args)
 

@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from . import distributed
-from .buckets import BucketPlan
-from .distributed import dtensor, process_group
-from .distributed.agree import agreed_init, describe, optimizer_settings
-from .nd import as_matrix, warn_nd_params
-from .outer import (
+from .. import distributed
+from ..distributed import dtensor, process_group
+from ..distributed.agree import agreed_init, describe, optimizer_settings
+from ..flatten.buckets import BucketPlan
+from ..outer.core import (
     SGD_KEYS,
     Entry,
     bucket_flatten,
@@ -36,6 +35,7 @@ from .outer import (
     prepare_nesterov,
     sgd_keywords,
 )
+from ..outer.nd import as_matrix, warn_nd_params
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

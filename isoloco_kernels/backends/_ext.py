@@ -16,7 +16,7 @@ import shutil
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package folder, beside _C*.so
 _BUILD_HINT = "ISOLOCO_CUDA=1 pip install --no-build-isolation [-e] ."
 
 LOADED = False

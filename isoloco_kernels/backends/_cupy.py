@@ -19,7 +19,7 @@ import re
 import numpy as np
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package folder
 
 # Must match csrc/kernels/common.cuh and nesterov.cuh.
 BLOCK = 256

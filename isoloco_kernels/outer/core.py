@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ._validate import (
+from .._validate import (
     SUPPORTED_DTYPES,
     ResultOverflowError,
     amaxes,
@@ -34,7 +34,7 @@ from ._validate import (
     compute_dtype,
     read_write_overlaps,
 )
-from .buckets import BucketPlan, flatten_chunked_
+from ..flatten.buckets import BucketPlan, flatten_chunked_
 from .momentum import _trusted_bound, iso_bound, nesterov_rows, prepare_nesterov
 from .sgd_state import (
     SGD_KEYS,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import compute_dtype
+from .._validate import compute_dtype
 
 
 def iso_scale_torch(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from .merges import check_stacks, merge_groups
-from .merges.options import resolve_options
-from .optim import IsoLoCo
+from ..merges import check_stacks, merge_groups
+from ..merges.options import resolve_options
+from .isoloco import IsoLoCo
 
 if TYPE_CHECKING:
     from torch.optim.optimizer import ParamsT
@@ -79,7 +79,7 @@ class MergeLoCo(IsoLoCo):
             raise ValueError("MergeLoCo runs its K workers in one process: process_group must be None")
         self.merge, self.merge_options, self.merged_steps = merge, opts, 0
         super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, method=method, **kwargs)
-        from .outer import is_dtensor
+        from ..outer.core import is_dtensor
 
         if any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
             raise ValueError("MergeLoCo: DTensor params are not supported (merge their full tensors, or use IsoLoCo)")

@@ -18,14 +18,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ._validate import (
-    SUPPORTED_DTYPES,
-    check_all_finite,
-    check_writable,
-    compute_dtype,
-    overflow_limit,
-)
-from .flatten import check_method
+from .._validate import SUPPORTED_DTYPES, check_all_finite, check_writable, compute_dtype, overflow_limit
+from ..flatten.registry import check_method
 
 __all__ = [
     "SGD_KEYS",

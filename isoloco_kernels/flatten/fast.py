@@ -48,8 +48,8 @@ import functools
 
 import torch
 
+from .._validate import compute_dtype
 from . import exact, fast_gram, polar
-from ._validate import compute_dtype
 from .iteration_stats import Recorder
 
 __all__ = [
@@ -183,11 +183,11 @@ def _sym_steps(sym: str, x: torch.Tensor):
     """polar_factor's step pieces for `sym` (None: its own torch GEMMs)."""
     if sym == "torch":
         return None
-    from . import triton as tk
+    from .. import triton as tk
 
     if not tk.usable_for(x):
         raise RuntimeError(f"flatten_fast_: sym='triton' cannot run on this {x.device.type} tensor here (Triton)")
-    from .triton.sym_gram import SymSteps
+    from ..triton.sym_gram import SymSteps
 
     return SymSteps
 
