@@ -6,7 +6,7 @@ divergence measurements averaged over rounds (summarize_v2, markdown_v2), with t
 and correlations between DiLoCo's divergence and the gap (gap_points, correlations). v1 runs join the
 v2 cells as GPT-2-init byte-level runs without divergence measurements (the loop is deterministic: a
 v2 run that repeats a v1 configuration gives the same loss, checked in summary_v2, whose result is
-what study/summary_v2.json holds). The figures are summarize.py's.
+what study/summary_v2.json holds). The figures are v2_plots.py's.
 """
 
 from __future__ import annotations
