@@ -4,7 +4,7 @@ lr 1.8, μ 0.8, steady state: the bucket buffers and momentum exist).
 The whole step is timed with pytest-benchmark; its phases are timed apart on the same optimizer
 and data (best of a few runs each, synced), and recorded in the case's JSON:
   checks    `collect`: every grad and param (and any buffer not written by the step itself) in one
-            fused pass, one host sync (outer.py, "The trust boundary")
+            fused pass, one host sync (outer/core.py, "The trust boundary")
   pack      the 2-D grads copied into the [B, m, n] bucket buffers
   flatten   Iso-C of the buckets (`outer.iso_merge_unchecked_`, in slices of bounded scratch)
   prepare   the Nesterov update's checks from the numbers `collect` found (reads no tensor)
@@ -26,7 +26,7 @@ import torch
 from bench import harness
 from bench.shapes import SETS, bucket_shapes, decoder_param_shapes, pseudo_gradient
 from isoloco_kernels.flatten import registry as flatten
-from isoloco_kernels.outer.core import core as outer
+from isoloco_kernels.outer import core as outer
 
 METHODS = ("auto",) + tuple(m for m in flatten.METHODS if m != "auto")
 LR, MU = 1.8, 0.8

@@ -3,7 +3,7 @@ buckets), `iso_flatten` (out of place), `backends()` (what serves each op here),
 `iso_merge_unchecked_` for callers that checked their buckets already (`sharded_iso_merge_`).
 
 They call the ops through `torch.ops.isoloco` (registered by ops.py, which the package imports
-first and which re-exports these names) and read the dispatch tables (dispatch.py); nothing here
+first and which re-exports these names) and read the dispatch tables (dispatch/table.py); nothing here
 registers or dispatches.
 """
 
@@ -21,7 +21,8 @@ from ._validate import (
     check_writable,
     is_fake,
 )
-from .backends import _ext, dispatch
+from .dispatch import _ext
+from .dispatch import table as dispatch
 from .flatten import registry as flatten
 from .flatten.buckets import chunk_rows, flatten_chunked_
 from .flatten.registry import check_method
@@ -154,7 +155,7 @@ def iso_flatten(x: torch.Tensor, *, method: str = "auto") -> torch.Tensor:
 
 
 def backends() -> dict[str, str]:
-    """What serves each op here, from the dispatch tables (dispatch.py) that choose it: per op and
+    """What serves each op here, from the dispatch tables (dispatch/table.py) that choose it: per op and
     device, the candidate `select` takes for a plain call, and why each one before it does not.
 
     Returns a dict of plain strings (also "cuda_extension", "cupy", "triton", "methods", "dtypes");

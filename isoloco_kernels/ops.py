@@ -35,8 +35,9 @@ from ._validate import (
     read_write_overlaps,
 )
 from .api import backends, iso_flatten, iso_merge_, iso_merge_unchecked_  # noqa: F401  (the Python API, re-exported)
-from .backends import _ext, dispatch
-from .backends.torch_nesterov import update_compute_dtype
+from .dispatch import _ext
+from .dispatch import table as dispatch
+from .dispatch.torch_nesterov import update_compute_dtype
 from .flatten.registry import check_method, iso_flatten_impl
 
 _lib = torch.library.Library("isoloco", "DEF")  # noqa: TOR901 (owned by this module)
@@ -46,7 +47,7 @@ _lib = torch.library.Library("isoloco", "DEF")  # noqa: TOR901 (owned by this mo
 # graphs skip graphs holding these ops (torch >= 2.8 has the tag; older torch: none).
 _HOST_BOUND = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
-# One flatten for every device: the method registry and "auto" live in flatten.py; the default is
+# One flatten for every device: the method registry and "auto" live in flatten/registry.py; the default is
 # the Python API's, so `torch.ops.isoloco.iso_flatten_(x)` means `iso_merge_([x])`.
 _lib.define('iso_flatten_(Tensor(a!) x, str method="auto") -> ()', tags=_HOST_BOUND)
 # Iso-C epilogue; CUDA kernel in csrc/iso_scale.cu.
@@ -58,7 +59,7 @@ _lib.define(
     tags=_HOST_BOUND,
 )
 
-# The compiled extension's kernels, behind the checks of the public ops (called by dispatch.py only).
+# The compiled extension's kernels, behind the checks of the public ops (called by dispatch/table.py only).
 _lib.define("csrc_iso_scale_(Tensor(a!) x, Tensor q) -> Tensor")
 _lib.define(
     "csrc_nesterov_outer_(Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor[] updates, "
@@ -266,7 +267,7 @@ def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales, names=N
     returns the function that writes. names[i] names tensor i in errors (default
     "nesterov_outer_: tensor i"). One fused pass and one host sync per device.
 
-    amax: for callers that already know them (the optimizers: outer.py), a finite upper bound
+    amax: for callers that already know them (the optimizers: outer/core.py), a finite upper bound
     on the largest |entry| of each of params, bufs, updates (3n entries, that order; None where
     unknown): those tensors are not read here. A tensor whose bound is too loose to show its
     update fits is read once more (its exact largest entry) before it is sent to the float64 path.

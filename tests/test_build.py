@@ -2,7 +2,7 @@
 
 Runs without a GPU. When the extension was built (ISOLOCO_CUDA=1), its CUDA kernels must be
 registered for both ops; the kernel sources must compile with NVRTC alone (no CUDA headers), which
-is what the CuPy path (isoloco_kernels/backends/_cupy.py) relies on.
+is what the CuPy path (isoloco_kernels/dispatch/_cupy.py) relies on.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import isoloco_kernels
-from isoloco_kernels.backends import _cupy, _ext
+from isoloco_kernels.dispatch import _cupy, _ext
 
 OPS = ("csrc_iso_scale_", "csrc_nesterov_outer_")  # the extension's kernels, behind the public ops
 

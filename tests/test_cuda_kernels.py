@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from isoloco_kernels.backends import dispatch
+from isoloco_kernels.dispatch import table as dispatch
 from isoloco_kernels.reference import iso_flatten_ref, nesterov_ref, polar_ref
 
 from .helpers import DTYPES, TOL, rel_err, reset_tf32, spectrum, with_spectrum

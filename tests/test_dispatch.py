@@ -1,4 +1,4 @@
-"""dispatch.py: one table per (op, device) chooses the backend; backends() reports that same choice;
+"""dispatch/table.py: one table per (op, device) chooses the backend; backends() reports that same choice;
 every backend sees arguments checked by the one check of its op."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
-from isoloco_kernels.backends import dispatch
+from isoloco_kernels.dispatch import table as dispatch
 
 
 def _fake(name: str, ok: bool, takes: bool = True, log=None):
@@ -115,7 +115,7 @@ def test_polar_gemm_is_torch_whatever_the_old_switch_says(monkeypatch, env):
 # The csrc kernels (extension and CuPy) only where they can run: sm_80 or newer (bfloat16
 # conversions), and for the extension a cubin or PTX the device loads. Device properties mocked.
 
-from isoloco_kernels.backends import _cupy, _ext  # noqa: E402
+from isoloco_kernels.dispatch import _cupy, _ext  # noqa: E402
 
 DEFAULT_BUILD = ("sm_80", "sm_90", "compute_90")  # TORCH_CUDA_ARCH_LIST="8.0;9.0+PTX"
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import IsoLoCo
 from isoloco_kernels import distributed as D
-from isoloco_kernels.outer.core import core as outer
+from isoloco_kernels.outer import core as outer
 from isoloco_kernels.reference import iso_flatten_ref, isoloco_step_ref
 from tests.helpers import TOL, rel_err
 from tests.spawn import PG_TIMEOUT_S, Checks, finished, groups, record

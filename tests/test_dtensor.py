@@ -30,7 +30,7 @@ from isoloco_kernels.distributed import DistributedStepError, ShardedIsoLoCo, gr
 from isoloco_kernels.distributed import dtensor as DT
 from isoloco_kernels.distributed import routes as R
 from isoloco_kernels.distributed.plan import ShardLayout, plan_shards, shard_sizes
-from isoloco_kernels.outer.core import core as outer
+from isoloco_kernels.outer import core as outer
 from tests.helpers import TOL, rel_err, spectrum, with_spectrum
 from tests.spawn import PG_TIMEOUT_S, Checks, groups, params
 

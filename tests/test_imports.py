@@ -7,6 +7,8 @@ import pkgutil
 import subprocess
 import sys
 
+import pytest
+
 import isoloco_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,10 +166,13 @@ def test_find_cycle_sees_a_lazy_cycle():
 MAX_MODULE_LINES = 450
 
 
-def test_every_module_fits_its_room():
-    pkg = os.path.join(ROOT, "isoloco_kernels")
+#: The top floor (DESIGN.md, "The house"): the public face and little else; everything else lives in a subpackage.
+MAX_TOP_MODULES = 9
+
+
+def _oversized(folder: str) -> list[str]:
     over = []
-    for dirpath, _, files in os.walk(pkg):
+    for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
         for f in files:
             if f.endswith(".py"):
                 path = os.path.join(dirpath, f)
@@ -175,4 +180,77 @@ def test_every_module_fits_its_room():
                     n = sum(1 for _ in fh)
                 if n > MAX_MODULE_LINES:
                     over.append(f"{os.path.relpath(path, ROOT)}: {n} lines")
+    return over
+
+
+@pytest.mark.parametrize("folder", ["isoloco_kernels", "bench", "study"])
+def test_every_module_fits_its_room(folder):
+    over = _oversized(folder)
     assert not over, f"modules over {MAX_MODULE_LINES} lines: " + ", ".join(over)
+
+
+def test_the_room_check_sees_a_big_module(tmp_path, monkeypatch):
+    """The check can fail: a module one line over the limit is named."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "big.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    assert _oversized("pkg") == [f"{os.path.join('pkg', 'big.py')}: {MAX_MODULE_LINES + 1} lines"]
+
+
+def test_the_top_floor_keeps_few_modules():
+    top = sorted(f for f in os.listdir(os.path.join(ROOT, "isoloco_kernels")) if f.endswith(".py"))
+    assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules directly in isoloco_kernels/: {top}"
+    subpackages = {"dispatch", "distributed", "flatten", "merges", "optim", "outer", "train", "triton"}
+    assert all(os.path.isfile(os.path.join(ROOT, "isoloco_kernels", d, "__init__.py")) for d in subpackages)
+
+
+@pytest.mark.parametrize("pkg", ["dispatch", "distributed", "flatten", "merges", "optim", "outer", "train", "triton"])
+def test_every_subpackage_says_what_lives_there(pkg):
+    """Each subpackage's __init__ opens with a docstring: what lives there (and what it may import)."""
+    import ast
+
+    path = os.path.join(ROOT, "isoloco_kernels", pkg, "__init__.py")
+    doc = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read()))
+    assert doc and len(doc) > 80, f"isoloco_kernels/{pkg}/__init__.py has no docstring saying what lives there"
+
+
+#: The floors of the house, lowest first (DESIGN.md, "The house"): a room imports only rooms on its own floor or below.
+FLOORS = {
+    "reference": 0,
+    "_validate": 0,
+    "triton": 1,
+    "dispatch": 2,
+    "flatten": 3,
+    "api": 4,
+    "ops": 4,
+    "merges": 5,
+    "outer": 5,
+    "distributed": 6,
+    "optim": 7,
+    "train": 8,
+    "__init__": 9,
+}
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a room to a room on a higher floor (a module's room: its first name under the package)."""
+
+    def room(m: str) -> str:
+        parts = m.split(".")
+        return parts[1] if len(parts) > 1 else "__init__"
+
+    return sorted(
+        f"{a} -> {b}" for a, bs in graph.items() for b in bs if room(a) != room(b) and FLOORS[room(b)] > FLOORS[room(a)]
+    )
+
+
+def test_no_arrow_up():
+    graph = import_graph()
+    rooms = {m.split(".")[1] if "." in m else "__init__" for m in graph}
+    assert rooms <= set(FLOORS), f"rooms without a floor: {sorted(rooms - set(FLOORS))}"
+    assert arrows_up(graph) == []
+
+
+def test_arrows_up_sees_one():
+    graph = {"isoloco_kernels.flatten.polar": {"isoloco_kernels.optim.isoloco"}}
+    assert arrows_up(graph) == ["isoloco_kernels.flatten.polar -> isoloco_kernels.optim.isoloco"]

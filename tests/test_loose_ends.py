@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from isoloco_kernels.backends import _cupy
+from isoloco_kernels.dispatch import _cupy
 from isoloco_kernels.distributed import routes as R
 
 

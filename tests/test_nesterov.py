@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import isoloco_kernels  # noqa: F401  (registers torch.ops.isoloco)
-from isoloco_kernels.backends import torch_nesterov as nesterov
+from isoloco_kernels.dispatch import torch_nesterov as nesterov
 from isoloco_kernels.reference import nesterov_ref
 from tests.helpers import TOL, rel_err
 
@@ -138,7 +138,7 @@ def test_opcheck():
 # kernel is defined, so a private copy of triton/nesterov.py is loaded with TRITON_INTERPRET=1 set
 # for the duration of the import; the package's own copy (and other tests) are left as they are.
 
-_KERNEL_FILE = pathlib.Path(nesterov.__file__).parent / "triton" / "nesterov.py"
+_KERNEL_FILE = pathlib.Path(nesterov.__file__).parent.parent / "triton" / "nesterov.py"
 
 
 @pytest.fixture(scope="module")
@@ -201,11 +201,11 @@ def test_triton_kernel_interpreted_mixed_groups_and_strided_updates(interp):
 
 
 def test_cuda_table_takes_triton_for_contiguous_and_torch_for_strided(interp, monkeypatch):
-    """The CUDA table of nesterov_outer_ (dispatch.py): the Triton kernel for contiguous params and
+    """The CUDA table of nesterov_outer_ (dispatch/table.py): the Triton kernel for contiguous params and
     bufs, torch foreach when one is strided; both give the reference result (CPU tensors, the
     interpreted kernel)."""
     from isoloco_kernels import triton as tk
-    from isoloco_kernels.backends import dispatch
+    from isoloco_kernels.dispatch import table as dispatch
 
     monkeypatch.setattr(tk, "usable_for", lambda t: True)
     monkeypatch.setattr(dispatch, "_triton_nesterov", lambda *a: interp.nesterov_outer_triton(*a))

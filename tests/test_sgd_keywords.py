@@ -156,3 +156,90 @@ def test_refuses_sgd_checkpoints_it_cannot_continue(kwargs, fix):
     assert after["param_groups"] == before["param_groups"] and after["state"].keys() == before["state"].keys()
     for k, v in before["state"].items():
         assert torch.equal(after["state"][k]["momentum_buffer"], v["momentum_buffer"])
+
+
+# -- one SGD-shaped constructor for the three optimizers (outer/sgd_state.py: sgd_shaped) --------
+
+OPTIMIZERS = [ik.IsoLoCo, ik.MergeLoCo, ik.ShardedIsoLoCo]
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_every_optimizer_has_sgds_signature(cls):
+    """SGD's parameters in SGD's positions and kinds, IsoLoCo's defaults, then the optimizer's own keywords."""
+    import inspect
+
+    sgd = list(inspect.signature(torch.optim.SGD).parameters.values())
+    ours = list(inspect.signature(cls).parameters.values())
+    assert [(p.name, p.kind) for p in ours[: len(sgd)]] == [(p.name, p.kind) for p in sgd]
+    defaults = {p.name: p.default for p in ours[: len(sgd)]}
+    assert defaults == dict(
+        params=inspect.Parameter.empty,
+        lr=1.8,
+        momentum=0.8,
+        dampening=0,
+        weight_decay=0,
+        nesterov=True,
+        maximize=False,
+        foreach=None,
+        differentiable=False,
+        fused=None,
+    )
+    assert all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in ours[len(sgd) :])
+    assert {"iso", "method", "process_group"} <= {p.name for p in ours[len(sgd) :]}
+
+
+_REFUSALS = [  # (args after [w], kwargs, error type, the message after the optimizer's name)
+    ((1.0, 0.9, 0.5), {}, ValueError, r"{}: dampening=0.5"),
+    ((), {"nesterov": False}, ValueError, r"{}: nesterov=False"),
+    ((), {"lr": -1.0}, ValueError, r"{}: invalid learning rate"),
+    ((), {"betas": (0.9, 0.99)}, TypeError, r"{}\(\) got an unexpected keyword argument 'betas'"),
+    ((1.0, 0.9, 0, 0, True, False), {}, TypeError, r"{}\(\): too many positional arguments"),
+]
+
+
+def _check_refusals(cls) -> None:
+    import re
+
+    for args, kwargs, err, msg in _REFUSALS:
+        try:
+            cls([nn.Parameter(torch.randn(4, 3))], *args, **kwargs)
+        except err as e:
+            assert re.search(msg.format(cls.__name__), str(e)), (args, kwargs, str(e))
+        else:
+            raise AssertionError(f"{cls.__name__}{args} {kwargs} was accepted")
+
+
+@pytest.mark.parametrize("cls", [ik.IsoLoCo, ik.MergeLoCo], ids=lambda c: c.__name__)
+def test_every_optimizer_checks_sgds_keywords_alike(cls):
+    """The same refusals, positional or by keyword, in each optimizer's own name."""
+    _check_refusals(cls)
+
+
+@pytest.mark.slow
+def test_sharded_checks_sgds_keywords_alike():
+    """ShardedIsoLoCo needs a process group: one gloo rank in a process of its own."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = (
+        "import sys, torch.distributed as dist\n"
+        f"sys.path.insert(0, {os.path.join(root, 'tests')!r})\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:0')\n"
+        "import isoloco_kernels as ik, test_sgd_keywords as t\n"
+        "t._check_refusals(ik.ShardedIsoLoCo)\n"
+        "dist.destroy_process_group()\nprint('REFUSED ALL')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert "REFUSED ALL" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("cls", [ik.IsoLoCo, ik.MergeLoCo], ids=lambda c: c.__name__)
+def test_positional_and_keyword_calls_build_the_same_groups(cls):
+    w = nn.Parameter(torch.randn(4, 3))
+    a = cls([w], 0.7, 0.5, 0, 0, True, foreach=False, iso=False)
+    b = cls([w], lr=0.7, momentum=0.5, foreach=False, iso=False)
+    ga, gb = ({k: v for k, v in o.param_groups[0].items() if k != "params"} for o in (a, b))
+    assert ga == gb and ga["lr"] == 0.7 and ga["momentum"] == 0.5 and ga["foreach"] is False and ga["iso"] is False

@@ -295,7 +295,7 @@ def test_iso_scale_dispatch_takes_triton_where_it_runs_and_torch_last():
     """The CUDA table's Triton candidate runs (here on CPU tensors under the interpreter) and gives
     the reference result; the torch candidate serves what no kernel takes."""
     from isoloco_kernels import triton as tk
-    from isoloco_kernels.backends import dispatch
+    from isoloco_kernels.dispatch import table as dispatch
 
     x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(3))
     q, _ = polar_ref(x)

@@ -20,6 +20,7 @@ from ..merges import merge_groups
 from ..merges.options import resolve_options
 from ..outer import core as outer
 from ..outer.nd import warn_nd_params
+from ..outer.sgd_state import SGDArgs, sgd_shaped
 from . import pipeline
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, optimizer_settings, renamed_keyword
 from .merge import PLAN_MISMATCH
@@ -84,39 +85,32 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         >>> outer.step(); outer.zero_grad()
     """
 
+    @sgd_shaped(
+        var_keyword="old",
+        iso=True,
+        method="auto",
+        process_group=None,
+        chunk_bytes=CHUNK_BYTES,
+        solo_above=1.0,
+        merge="iso_c",
+        merge_options=None,
+    )
     def __init__(
         self,
         params: ParamsT,
-        lr: float = 1.8,
-        momentum: float = 0.8,
-        dampening: float = 0,
-        weight_decay: float = 0,
-        nesterov: bool = True,
+        sgd: SGDArgs,
         *,
-        maximize: bool = False,
-        foreach: Optional[bool] = None,
-        differentiable: bool = False,
-        fused: Optional[bool] = None,
-        iso: bool = True,
-        method: str = "auto",
-        process_group: Optional[ProcessGroup] = None,
-        chunk_bytes: int = CHUNK_BYTES,
-        solo_above: Optional[float] = 1.0,
-        merge: str = "iso_c",
-        merge_options: Optional[dict] = None,
+        iso: bool,
+        method: str,
+        process_group: Optional[ProcessGroup],
+        chunk_bytes: int,
+        solo_above: Optional[float],
+        merge: str,
+        merge_options: Optional[dict],
         **old: Any,
     ):
         # group= was this keyword's first name (deprecated; the README promised it keeps working)
         process_group = renamed_keyword(old, "group", "process_group", process_group, None, "ShardedIsoLoCo")
-        sgd = dict(
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-            maximize=maximize,
-            foreach=foreach,
-            differentiable=differentiable,
-            fused=fused,
-        )
         self.process_group = process_group
         self.rank, self.world_size = group_info(process_group)
         self._built = False
@@ -125,19 +119,17 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         # refused raises its error after the agreement, the others DistributedStepError naming it;
         # settings that differ between ranks raise DistributedStepError everywhere, naming them.
         ag = Agreement("ShardedIsoLoCo()", process_group, alone=self.world_size == 1, mismatch=PLAN_MISMATCH)
-        ag.attempt(self._build, params, lr, momentum, sgd, iso, method, chunk_bytes, solo_above)
+        ag.attempt(self._build, params, sgd, iso, method, chunk_bytes, solo_above)
         ag.settle(settings=ag.attempt(self._settings), own_error=True)
         self._built = True
 
-    def _build(self, params, lr, momentum, sgd, iso, method, chunk_bytes, solo_above) -> None:
+    def _build(self, params, sgd: SGDArgs, iso, method, chunk_bytes, solo_above) -> None:
         resolve_options(self.merge, self.merge_options)  # an unknown merge or option, by name
         if self.merge not in ("iso_c", "mean") and self.world_size < 2:
             raise ValueError(
                 f"ShardedIsoLoCo: merge {self.merge!r} needs K >= 2 ranks (one worker each); world size is 1"
             )
-        defaults = outer.outer_defaults(
-            "ShardedIsoLoCo", lr, momentum, iso, method, lambda: outer.sgd_keywords("ShardedIsoLoCo", **sgd)
-        )
+        defaults = sgd.defaults("ShardedIsoLoCo", iso, method)
         check_chunk_bytes(chunk_bytes, "ShardedIsoLoCo: chunk_bytes")
         super().__init__(params, defaults)
         for k, g in enumerate(self.param_groups):
@@ -163,7 +155,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             if self.param_groups[self._group_of[i]]["iso"]
         ]
         hint = "IsoLoCo(iso_nd=True) flattens them as matrices; iso=False in their param group silences this"
-        warn_nd_params("ShardedIsoLoCo", iso_params, hint, stacklevel=5)  # the user's line
+        warn_nd_params("ShardedIsoLoCo", iso_params, hint)  # at the user's line
         if self.world_size > 1:  # the collectives carry the params' own memory (broadcasts)
             check_on_comm_device(
                 self._params, [f"ShardedIsoLoCo: param {i}" for i in range(len(self._params))], self.process_group

@@ -138,7 +138,7 @@ def _gemm_name(gemm: str | None, backend: str | None) -> str | None:
 def _gemm_steps(x: torch.Tensor, gemm: str | None):
     """The GEMMs of the iteration: `gemm` "torch" (cuBLAS / CPU BLAS), by default the dispatch
     table's "polar_gemm" choice."""
-    from ..backends import dispatch
+    from ..dispatch import table as dispatch
 
     if gemm is None:
         if os.environ.get(GEMM_ENV, "torch") == "triton":

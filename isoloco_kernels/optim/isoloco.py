@@ -7,13 +7,14 @@ A drop-in for `torch.optim.SGD(lr, momentum, nesterov=True)`: write the averaged
 
 The 2-D grads are packed into one [B, m, n] buffer per shape and flattened (`outer.bucket_flatten`),
 and one fused `nesterov_outer_` call per (device, lr, momentum) applies the update. State is SGD's; checks,
-buffers and state handling are the shared core (outer.py); DTensor params step in
+buffers and state handling are the shared core (outer/core.py); DTensor params step in
 distributed/dtensor.py, over a process group in distributed/process_group.py. docs/drop-in.md ("The outer
 optimizer") has the contract.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -31,11 +32,11 @@ from ..outer.core import (
     collect,
     load_sgd_state,
     nesterov_rows,
-    outer_defaults,
     prepare_nesterov,
     sgd_keywords,
 )
 from ..outer.nd import as_matrix, warn_nd_params
+from ..outer.sgd_state import SGDArgs, sgd_shaped
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -48,9 +49,9 @@ def _name(gi: int, pi: int, p: torch.Tensor) -> str:
     return f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
 
 
-def _check_plain(p: torch.Tensor, g: torch.Tensor, name: str) -> None:
+def _check_plain(where: str, p: torch.Tensor, g: torch.Tensor, name: str) -> None:
     if g.shape != p.shape or g.device != p.device:
-        raise ValueError(f"IsoLoCo: {name}: grad has shape {tuple(g.shape)} on {g.device}, param is on {p.device}")
+        raise ValueError(f"{where}: {name}: grad has shape {tuple(g.shape)} on {g.device}, param is on {p.device}")
 
 
 class IsoLoCo(torch.optim.Optimizer):
@@ -99,37 +100,22 @@ class IsoLoCo(torch.optim.Optimizer):
     """
 
     @agreed_init("IsoLoCo()", lambda opt: opt._settings())
+    @sgd_shaped(iso=True, method="auto", process_group=None, dtensor_route="auto", iso_nd=False)
     def __init__(
         self,
         params: ParamsT,
-        lr: float = 1.8,
-        momentum: float = 0.8,
-        dampening: float = 0,
-        weight_decay: float = 0,
-        nesterov: bool = True,
+        sgd: SGDArgs,
         *,
-        maximize: bool = False,
-        foreach: Optional[bool] = None,
-        differentiable: bool = False,
-        fused: Optional[bool] = None,
-        iso: bool = True,
-        method: str = "auto",
-        process_group: Optional[ProcessGroup] = None,
-        dtensor_route: str = "auto",
-        iso_nd: bool = False,
+        iso: bool,
+        method: str,
+        process_group: Optional[ProcessGroup],
+        dtensor_route: str,
+        iso_nd: bool,
     ):
-        defaults = outer_defaults(
-            "IsoLoCo",
-            lr,
-            momentum,
-            iso,
-            method,
-            lambda: sgd_keywords(
-                "IsoLoCo", dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused
-            ),
-        )
+        who = type(self).__name__  # errors name the optimizer that raised (MergeLoCo is one)
+        defaults = sgd.defaults(who, iso, method)
         if not isinstance(iso_nd, bool):
-            raise ValueError(f"IsoLoCo: iso_nd must be a bool, got {iso_nd!r}")
+            raise ValueError(f"{who}: iso_nd must be a bool, got {iso_nd!r}")
         self.method = method
         self.iso_nd = iso_nd
         self.dtensor_route = dtensor_route
@@ -139,7 +125,7 @@ class IsoLoCo(torch.optim.Optimizer):
         self._plan: Optional[BucketPlan] = None  # bucket buffers, reused while the grads' shapes hold
         self._state_loaded = False  # set by load_state_dict: over a process group, checked replicated once
         super().__init__(params, defaults)
-        if not iso_nd:  # N-D params get the plain update: said once, here (the user's line: stacklevel 4)
+        if not iso_nd:  # N-D params get the plain update: said once, at the user's line
             named = [
                 (_name(gi, pi, p), p)
                 for gi, g in enumerate(self.param_groups)
@@ -147,7 +133,7 @@ class IsoLoCo(torch.optim.Optimizer):
                 for pi, p in enumerate(g["params"])
             ]
             hint = "pass iso_nd=True to flatten each as the matrix dim 0 × the rest, or iso=False in their param group"
-            warn_nd_params("IsoLoCo", named, hint, stacklevel=4)
+            warn_nd_params(who, named, hint)
 
     @property
     def process_group(self):
@@ -166,7 +152,7 @@ class IsoLoCo(torch.optim.Optimizer):
     @dtensor_route.setter
     def dtensor_route(self, route: str) -> None:
         if not isinstance(route, str) or route not in dtensor.ROUTES:
-            raise ValueError(f"IsoLoCo: dtensor_route must be one of {dtensor.ROUTES}, got {route!r}")
+            raise ValueError(f"{type(self).__name__}: dtensor_route must be one of {dtensor.ROUTES}, got {route!r}")
         self._dtensor_route = route
 
     # -- copies: deepcopy and pickle keep `method`, rebuild the plan, drop the process group --
@@ -217,7 +203,7 @@ class IsoLoCo(torch.optim.Optimizer):
         return out
 
     def add_param_group(self, param_group: dict) -> None:
-        where = f"IsoLoCo: param group {len(self.param_groups)}"
+        where = f"{type(self).__name__}: param group {len(self.param_groups)}"
         settings = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         sgd_keywords(where, **{k: settings[k] for k in SGD_KEYS if k in settings})
         check_group(settings, where)
@@ -246,12 +232,16 @@ class IsoLoCo(torch.optim.Optimizer):
             >>> sgd = torch.optim.SGD([w], lr=0.7, momentum=0.9, nesterov=True)
             >>> IsoLoCo([w]).load_state_dict(sgd.state_dict())  # an SGD checkpoint loads
         """
-        dtensor.check_loaded_state(self, state_dict, "IsoLoCo.load_state_dict")  # aliasing, DTensor layout
+        dtensor.check_loaded_state(
+            self, state_dict, f"{type(self).__name__}.load_state_dict"
+        )  # aliasing, DTensor layout
         saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         for gi, g in enumerate(saved if isinstance(saved, (list, tuple)) else []):
             if isinstance(g, dict):
-                sgd_keywords(f"IsoLoCo.load_state_dict: param group {gi}", **{k: g[k] for k in SGD_KEYS if k in g})
-        load_sgd_state(self, state_dict, "IsoLoCo.load_state_dict", super().load_state_dict)
+                sgd_keywords(
+                    f"{type(self).__name__}.load_state_dict: param group {gi}", **{k: g[k] for k in SGD_KEYS if k in g}
+                )
+        load_sgd_state(self, state_dict, f"{type(self).__name__}.load_state_dict", super().load_state_dict)
         self._plan = None
         self._state_loaded = True  # over a process group, the next step agrees on the loaded momentum
 
@@ -259,7 +249,8 @@ class IsoLoCo(torch.optim.Optimizer):
 
     def _collect_grads(self) -> list[Entry]:
         """Every param with a grad, all checked (`outer.collect`)."""
-        return collect(self, "IsoLoCo", _name, _check_plain)
+        who = type(self).__name__
+        return collect(self, who, _name, functools.partial(_check_plain, who))
 
     def _iso_updates(self, entries, ag=None) -> dict[int, torch.Tensor]:
         """Iso-C of every 2-D grad in an iso group, batched by shape (`outer.bucket_flatten`, the
@@ -271,7 +262,7 @@ class IsoLoCo(torch.optim.Optimizer):
         chosen = [k for k, e in enumerate(entries) if e.iso or (nd and e.group["iso"] and e.g.ndim > 2 and e.g.numel())]
         mats = [entries[k].g if entries[k].g.ndim == 2 else as_matrix(entries[k].g) for k in chosen]  # checked
         if ag is None:
-            names = [f"IsoLoCo: {entries[k].name}" for k in chosen]
+            names = [f"{type(self).__name__}: {entries[k].name}" for k in chosen]
             self._plan, views = bucket_flatten(mats, self.method, names, self._plan)
         elif not mats:
             return {}
@@ -302,7 +293,7 @@ class IsoLoCo(torch.optim.Optimizer):
 
     def _prepare_nesterov(self, entries: list[Entry], iso: dict[int, torch.Tensor]) -> Callable[[], None]:
         """The Nesterov update, checked and ready to write (`outer.prepare_nesterov`)."""
-        return prepare_nesterov(self, nesterov_rows(entries, iso, "IsoLoCo: "))
+        return prepare_nesterov(self, nesterov_rows(entries, iso, f"{type(self).__name__}: "))
 
     def state_dict(self) -> dict:
         """torch.optim.SGD's state dict: param_groups hold SGD's keys plus `iso` (numbers and bools

@@ -15,12 +15,14 @@ their own worker's Δ, `ShardedIsoLoCo` serves Iso-C (other merges over ranks ar
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
 from ..merges import check_stacks, merge_groups
 from ..merges.options import resolve_options
+from ..outer.sgd_state import SGDArgs, sgd_shaped
 from .isoloco import IsoLoCo
 
 if TYPE_CHECKING:
@@ -43,7 +45,8 @@ class MergeLoCo(IsoLoCo):
         merge_options: that merge's options (merges/options.py), e.g. {"sparsity": 0.2}. DARE's
             `seed` is offset by the step count, so every outer step draws new drops.
         method: the flatten behind iso_c and the polar factors of tsv / iso_cts (as `IsoLoCo`).
-        **kwargs: SGD's other keywords and IsoLoCo's (process_group must be None).
+        process_group: must be None: MergeLoCo runs its K workers in one process. SGD's other keywords
+            and IsoLoCo's `iso`, `iso_nd` and `dtensor_route` are taken as `IsoLoCo` takes them.
 
     Raises:
         ValueError, TypeError: an unknown merge or option, a process group, DTensor params (at
@@ -59,26 +62,34 @@ class MergeLoCo(IsoLoCo):
         True
     """
 
+    @sgd_shaped(
+        merge="iso_c",
+        merge_options=None,
+        iso=True,
+        method="auto",
+        process_group=None,
+        dtensor_route="auto",
+        iso_nd=False,
+    )
     def __init__(
         self,
         params: ParamsT,
-        lr: float = 1.8,
-        momentum: float = 0.8,
-        dampening: float = 0,
-        weight_decay: float = 0,
-        nesterov: bool = True,
+        sgd: SGDArgs,
         *,
-        merge: str = "iso_c",
-        merge_options: Optional[dict] = None,
-        method: str = "auto",
-        **kwargs: Any,
+        merge: str,
+        merge_options: Optional[dict],
+        iso: bool,
+        method: str,
+        process_group: None,
+        dtensor_route: str,
+        iso_nd: bool,
     ):
         opts = dict(merge_options or {})
         resolve_options(merge, opts)  # refuses an unknown merge or option by name
-        if kwargs.get("process_group") is not None:
+        if process_group is not None:
             raise ValueError("MergeLoCo runs its K workers in one process: process_group must be None")
         self.merge, self.merge_options, self.merged_steps = merge, opts, 0
-        super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, method=method, **kwargs)
+        super().__init__(params, **asdict(sgd), iso=iso, method=method, dtensor_route=dtensor_route, iso_nd=iso_nd)
         from ..outer.core import is_dtensor
 
         if any(is_dtensor(p) for g in self.param_groups for p in g["params"]):

@@ -1,4 +1,4 @@
-"""The outer-step core shared by `IsoLoCo` (optim.py), `ShardedIsoLoCo` and the DTensor step.
+"""The outer-step core shared by `IsoLoCo` (optim/isoloco.py), `ShardedIsoLoCo` and the DTensor step.
 
 One place for what every outer optimizer of this package does alike, so each check has one
 behaviour: grad collection with every input check before any write (`collect`), and Iso-C of the

@@ -8,7 +8,7 @@ once written), runs every check of the fused `nesterov_outer_` call before any w
 with the buffer's version counter (`_record_bounds`): while nothing else writes the buffer, the
 next step's `collect` takes that bound instead of reading it (`_trusted_bound`). Every bound must
 be ≥ the buffer's true largest entry, or an overflow could be written unseen (tests/test_bounds.py).
-Re-exported by outer.py, the outer-step core.
+Re-exported by core.py, the outer-step core.
 """
 
 from __future__ import annotations
@@ -88,11 +88,18 @@ def prepare_nesterov(opt: torch.optim.Optimizer, rows) -> Callable[[], None]:
     (`_trusted_bound`): the next step need not read a buffer nothing else wrote."""
     calls: dict[tuple, tuple[list, list, list, list, list]] = {}
     fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+    scratch: set[int] = set()
     for row in rows:
         p, u, lr, momentum, name = row[:5]
         ap, ab, au = row[5] if len(row) > 5 else (None, None, None)
         buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
-        if buf is None:
+        if float(momentum) == 0:
+            # torch.optim.SGD at μ = 0 takes θ ← θ − lr·M and neither makes nor touches a momentum buffer, so a
+            # schedule through μ = 0 finds the buffer as it was: the fused op writes a scratch buffer instead
+            buf = torch.zeros_like(local(p), dtype=compute_dtype(p.dtype))
+            scratch.add(id(buf))
+            ab = 0.0
+        elif buf is None:
             buf = torch.zeros_like(p, dtype=compute_dtype(p.dtype))
             fresh.append((p, buf))
             ab = 0.0
@@ -115,7 +122,11 @@ def prepare_nesterov(opt: torch.optim.Optimizer, rows) -> Callable[[], None]:
         for fn, bs, mu in applies:
             fn()
             n = len(bs)
-            written += [(b, _BOUND_SLACK * (mu * fn.amax[n + i] + fn.amax[2 * n + i])) for i, b in enumerate(bs)]
+            written += [
+                (b, _BOUND_SLACK * (mu * fn.amax[n + i] + fn.amax[2 * n + i]))
+                for i, b in enumerate(bs)
+                if id(b) not in scratch
+            ]
         for p, buf in fresh:
             opt.state[p]["momentum_buffer"] = buf
         _record_bounds(opt, written)

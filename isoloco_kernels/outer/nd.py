@@ -9,6 +9,8 @@ Muon-style optimizers take of convolutions.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import Iterable
 
@@ -26,8 +28,18 @@ def as_matrix(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1)
 
 
-def warn_nd_params(where: str, named: Iterable[tuple[str, torch.Tensor]], hint: str, stacklevel: int = 3) -> bool:
-    """Warn once (NDParamWarning) if any of the (name, param) pairs, the params of groups with
+def user_stacklevel() -> int:
+    """The stacklevel of warnings.warn, called from here, that points at the first frame outside this package: the
+    user's line, however many of the package's wrappers (constructors, agreements) stand between."""
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(pkg):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_nd_params(where: str, named: Iterable[tuple[str, torch.Tensor]], hint: str) -> bool:
+    """Warn once (NDParamWarning, at the user's line) if any of the (name, param) pairs, the params of groups with
     iso=True, has 3 or more dims and elements (the first named, with its shape); True when it warned."""
     nd = [(name, p) for name, p in named if p.ndim >= 3 and p.numel() > 0]
     if not nd:
@@ -37,6 +49,6 @@ def warn_nd_params(where: str, named: Iterable[tuple[str, torch.Tensor]], hint: 
         f"{where}: {len(nd)} param(s) with 3 or more dims (first: {name}) get "
         f"DiLoCo's plain averaged update, without Iso-C (Iso-C is defined on matrices); {hint}",
         NDParamWarning,
-        stacklevel=stacklevel,
+        stacklevel=user_stacklevel(),
     )
     return True

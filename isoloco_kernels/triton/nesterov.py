@@ -12,7 +12,7 @@ launch per (param, buf, update) dtype triple. Program c handles BLOCK elements o
 address is 16-byte aligned (the usual case), with that alignment declared, so loads and stores
 vectorize although the pointers come from a table. Works under TRITON_INTERPRET=1 on CPU tensors.
 
-Requirements (dispatch.py offers this backend only such tensors; the others go to torch): params
+Requirements (dispatch/table.py offers this backend only such tensors; the others go to torch): params
 and bufs contiguous; updates are made contiguous here.
 
 This module has no package-relative imports, so a test may load a second copy of it with the

@@ -2,7 +2,7 @@
 
 Since Q = U_r V_rᵀ is the polar factor of Δ, ⟨Δ, Q⟩ = Σσ is the nuclear norm, so this turns a
 polar factor into the Iso-C result without an SVD. This is the torch implementation (the CPU path and
-the last CUDA fallback); csrc/, CuPy and Triton serve CUDA first (dispatch.py).
+the last CUDA fallback); csrc/, CuPy and Triton serve CUDA first (dispatch/table.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ float16 params with float32 momentum buffers are updated in float32 and rounded 
 
 `nesterov_outer_torch` is the torch implementation (torch._foreach_* per (device, dtypes); torch's
 fused CPU SGD kernel for unscaled contiguous float32/float64 CPU groups); csrc/, CuPy and Triton
-serve CUDA first (dispatch.py). Arguments and the finiteness rule are checked in ops.py (before
+serve CUDA first (dispatch/table.py). Arguments and the finiteness rule are checked in ops.py (before
 any backend runs; ops.prepare_nesterov_outer_ is the optimizers' checked call).
 """
 
