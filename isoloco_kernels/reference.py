@@ -79,7 +79,8 @@ def nesterov_ref(p, buf, update, lr: float, momentum: float, scale=1.0):
     """One Nesterov outer step in float64; returns (new_p, new_buf).
 
     buf ← μ·buf + s·u ;  p ← p − lr·(s·u + μ·buf). With buf starting at zero the first step gives
-    buf = s·u, exactly as torch.optim.SGD(nesterov=True, dampening=0) does.
+    buf = s·u, exactly as torch.optim.SGD(nesterov=True, dampening=0) does. This is the rule of the
+    `nesterov_outer_` op for every μ; the optimizers follow SGD at μ = 0 (`sgd_nesterov_ref`).
     """
     p64, b64, u64 = (t.detach().to("cpu", torch.float64) for t in (p, buf, update))
     g = u64 * float(scale)
@@ -87,12 +88,22 @@ def nesterov_ref(p, buf, update, lr: float, momentum: float, scale=1.0):
     return p64 - lr * (g + momentum * b64), b64
 
 
+def sgd_nesterov_ref(p, buf, update, lr: float, momentum: float):
+    """The outer optimizers' Nesterov step in float64, torch.optim.SGD(nesterov=True)'s rule for any μ set
+    between steps: at μ = 0, p ← p − lr·u and the buffer is neither made nor touched (returned as given, None
+    when there is none); else `nesterov_ref` from the buffer (zeros when there is none). Returns (new_p, new_buf)."""
+    if momentum == 0:
+        return p.detach().to("cpu", torch.float64) - lr * update.detach().to("cpu", torch.float64), buf
+    return nesterov_ref(p, torch.zeros_like(p) if buf is None else buf, update, lr, momentum)
+
+
 def isoloco_step_ref(params, bufs, grads, lr: float, momentum: float, iso: bool = True):
-    """The whole IsoLoCo outer step in float64: M = iso(Δ) for 2-D params (else Δ), then Nesterov."""
+    """The whole IsoLoCo outer step in float64: M = iso(Δ) for 2-D params (else Δ), then Nesterov
+    (`sgd_nesterov_ref`: bufs may hold None, where a param has no buffer yet)."""
     new_p, new_b = [], []
     for p, b, g in zip(params, bufs, grads):
         m = iso_flatten_ref(g) if (iso and g.ndim == 2) else g.detach().to("cpu", torch.float64)
-        np_, nb = nesterov_ref(p, b, m, lr, momentum)
+        np_, nb = sgd_nesterov_ref(p, b, m, lr, momentum)
         new_p.append(np_)
         new_b.append(nb)
     return new_p, new_b

@@ -30,6 +30,7 @@ def pytest_configure(config):
 SLOW_FILES = {
     "test_agreement.py",
     "test_alloc_failure.py",
+    "test_checkpoints_dist.py",
     "test_distributed.py",
     "test_dtensor.py",
     "test_dtensor_half.py",

@@ -65,9 +65,9 @@ def test_dare_draws_new_drops_each_step():
     params = _params()
     opt = MergeLoCo(params, lr=1.0, momentum=0.0, merge="dare", merge_options={"sparsity": 0.5})
     d = _deltas(params, 4, "dare-steps")
-    opt.set_deltas(d)
-    g0 = params[0].grad.clone()
-    opt.set_deltas(d)
+    opt.step(deltas=d)
+    g0 = params[0].grad.clone()  # the merge the step took
+    opt.step(deltas=d)
     assert not torch.equal(g0, params[0].grad)
     assert torch.equal(g0, merge([d[0]], "dare", sparsity=0.5, seed=0, stack_ids=[0])[0])
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
-from isoloco_kernels.reference import iso_flatten_ref, nesterov_ref
+from isoloco_kernels.reference import iso_flatten_ref, nesterov_ref, sgd_nesterov_ref
 from tests.helpers import TOL, rel_err
 
 ops = torch.ops.isoloco
@@ -150,12 +150,13 @@ def test_isoloco_grad_that_is_its_momentum_buffer_gets_the_reference_step(moment
     g = _gen(4)
     p = torch.randn(6, generator=g)
     p.grad = torch.randn(6, generator=g)
-    opt = ik.IsoLoCo([p], momentum=momentum)
-    opt.step()
+    opt = ik.IsoLoCo([p], momentum=0.8)
+    opt.step()  # makes the buffer
+    opt.param_groups[0]["momentum"] = momentum  # μ 0: SGD's rule, the buffer is read as the grad and left alone
     buf = opt.state[p]["momentum_buffer"]
     p.grad = buf
     p0, b0 = p.detach().double().clone(), buf.double().clone()
-    want_p, want_b = nesterov_ref(p0, b0, b0, 1.8, momentum)
+    want_p, want_b = sgd_nesterov_ref(p0, b0, b0, 1.8, momentum)
     opt.step()
     assert rel_err(p, want_p) <= 1e-6 and rel_err(opt.state[p]["momentum_buffer"], want_b) <= 1e-6
 

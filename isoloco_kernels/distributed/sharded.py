@@ -21,10 +21,10 @@ from ..merges.options import resolve_options
 from ..outer import core as outer
 from ..outer.nd import warn_nd_params
 from ..outer.sgd_state import SGDArgs, sgd_shaped
-from . import pipeline
+from . import checkpoint, pipeline
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, optimizer_settings, renamed_keyword
 from .merge import PLAN_MISMATCH
-from .merge_route import check_sharded_state, exchange_workers, merge_buffers, merged_updates
+from .merge_route import exchange_workers, merge_buffers, merged_updates
 from .pipeline import (
     CHUNK_BYTES,
     broadcast_into,
@@ -46,6 +46,11 @@ if TYPE_CHECKING:
 __all__ = ["ShardedIsoLoCo"]
 
 
+#: ShardedIsoLoCo's own keywords after SGD's (`sgd_shaped`), with their defaults.
+_OWN_KEYWORDS = dict(iso=True, method="auto", process_group=None, chunk_bytes=CHUNK_BYTES, solo_above=1.0)
+_OWN_KEYWORDS.update(merge="iso_c", merge_options=None)
+
+
 class ShardedIsoLoCo(torch.optim.Optimizer):
     """IsoLoCo's outer step for DiLoCo over a process group, each tensor's work done by one rank.
 
@@ -57,11 +62,10 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     `merge` ("tsv", "iso_cts", "ties", "dare", "mean"; options in `merge_options`) takes the paper's
     other merges instead: each owner receives every rank's Δ of its own tensors (merge_route.py).
 
-    Momentum is kept only by the owner, so state_dict() is per rank; it carries the plan's
-    fingerprint and rank, and load_state_dict refuses a state saved under another plan or rank. The
-    arguments are IsoLoCo's, SGD's keywords in SGD's positions with the same checks (so
-    `partial(ShardedIsoLoCo, ...)` works where `partial(IsoLoCo, ...)` does); half-precision params
-    keep float32 momentum; float16/bfloat16 means are summed in float32 and rounded once.
+    Momentum is kept only by the owner: state_dict() is per rank (plan fingerprint and rank; another
+    plan's or rank's is refused), consolidated_state_dict() the whole model's for any world size or
+    IsoLoCo. The arguments are IsoLoCo's, in SGD's positions with the same checks; half-precision
+    params keep float32 momentum; float16/bfloat16 means are summed in float32 and rounded once.
 
     Bad input on any rank (missing grad, wrong shape or dtype, NaN/Inf, a failed flatten or merge)
     makes every rank raise DistributedStepError with nothing changed on any rank. The ranks agree on
@@ -85,16 +89,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         >>> outer.step(); outer.zero_grad()
     """
 
-    @sgd_shaped(
-        var_keyword="old",
-        iso=True,
-        method="auto",
-        process_group=None,
-        chunk_bytes=CHUNK_BYTES,
-        solo_above=1.0,
-        merge="iso_c",
-        merge_options=None,
-    )
+    @sgd_shaped(var_keyword="old", **_OWN_KEYWORDS)
     def __init__(
         self,
         params: ParamsT,
@@ -110,7 +105,22 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         **old: Any,
     ):
         # group= was this keyword's first name (deprecated; the README promised it keeps working)
-        process_group = renamed_keyword(old, "group", "process_group", process_group, None, "ShardedIsoLoCo")
+        chunk_bytes = renamed_keyword(  # bucket_bytes=: chunk_bytes' old name, as sharded_iso_merge_ takes it
+            {k: v for k, v in old.items() if k == "bucket_bytes"},
+            "bucket_bytes",
+            "chunk_bytes",
+            chunk_bytes,
+            CHUNK_BYTES,
+            "ShardedIsoLoCo",
+        )
+        process_group = renamed_keyword(
+            {k: v for k, v in old.items() if k != "bucket_bytes"},
+            "group",
+            "process_group",
+            process_group,
+            None,
+            "ShardedIsoLoCo",
+        )
         self.process_group = process_group
         self.rank, self.world_size = group_info(process_group)
         self._built = False
@@ -125,10 +135,6 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
 
     def _build(self, params, sgd: SGDArgs, iso, method, chunk_bytes, solo_above) -> None:
         resolve_options(self.merge, self.merge_options)  # an unknown merge or option, by name
-        if self.merge not in ("iso_c", "mean") and self.world_size < 2:
-            raise ValueError(
-                f"ShardedIsoLoCo: merge {self.merge!r} needs K >= 2 ranks (one worker each); world size is 1"
-            )
         defaults = sgd.defaults("ShardedIsoLoCo", iso, method)
         check_chunk_bytes(chunk_bytes, "ShardedIsoLoCo: chunk_bytes")
         super().__init__(params, defaults)
@@ -413,30 +419,30 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     # -- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """torch.optim.SGD's state dict of this rank's momentum (only the owner keeps a param's), plus
-        a "sharding" entry (the plan's fingerprint, the rank, the world size). Raises nothing.
+        """torch.optim.SGD's state dict of this rank's momentum (only the owner keeps a param's), plus a
+        "sharding" entry (the plan's fingerprint, the rank, the world size) and a "merge" entry (the merge,
+        its options, the step count). It loads back into the same rank of the same plan; for another world
+        size or IsoLoCo, `consolidated_state_dict()`. Raises nothing.
 
         Examples:
             >>> outer = ShardedIsoLoCo([torch.nn.Parameter(torch.randn(6, 4))])
             >>> sorted(outer.state_dict())
-            ['param_groups', 'sharding', 'state']
+            ['merge', 'param_groups', 'sharding', 'state']
         """
-        sd = super().state_dict()
-        sd["sharding"] = {"fingerprint": self.plan.fingerprint, "rank": self.rank, "world_size": self.world_size}
-        return sd
+        return checkpoint.rank_state_dict(self, super().state_dict())
+
+    def consolidated_state_dict(self) -> dict:
+        """The whole model's state (every param's momentum, gathered from its owner), on every rank: it loads
+        into ShardedIsoLoCo at any world size, IsoLoCo or SGD (distributed/checkpoint.py). A collective."""
+        return checkpoint.consolidated_state_dict(self)
 
     def load_state_dict(self, state_dict) -> None:
-        """A state saved by `state_dict()` of the same rank under the same plan; checked first.
-
-        Raises:
-            TypeError: state_dict is not a dict.
-            ValueError: it has no "sharding" entry, or was saved by another rank or under another plan
-                (params, shapes, world size); nothing is loaded.
+        """This rank's own `state_dict()` (same rank, same plan), or a whole state (`consolidated_state_dict()`,
+        IsoLoCo's, SGD's) of which this rank keeps what it owns; checked first: a refused state (TypeError: not
+        a dict; ValueError: another rank or plan, buffers unlike their params) loads nothing.
 
         Examples:
             >>> outer = ShardedIsoLoCo([torch.nn.Parameter(torch.randn(6, 4))])
             >>> outer.load_state_dict(outer.state_dict())
         """
-        where = "ShardedIsoLoCo.load_state_dict"
-        rest = check_sharded_state(self, state_dict, where)
-        outer.load_sgd_state(self, rest, where, super().load_state_dict)
+        checkpoint.load_state(self, state_dict, super().load_state_dict)

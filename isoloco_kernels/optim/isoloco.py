@@ -22,6 +22,7 @@ import torch
 from .. import distributed
 from ..distributed import dtensor, process_group
 from ..distributed.agree import agreed_init, describe, optimizer_settings
+from ..distributed.checkpoint import refuse_rank_state
 from ..flatten.buckets import BucketPlan
 from ..outer.core import (
     SGD_KEYS,
@@ -36,7 +37,7 @@ from ..outer.core import (
     sgd_keywords,
 )
 from ..outer.nd import as_matrix, warn_nd_params
-from ..outer.sgd_state import SGDArgs, sgd_shaped
+from ..outer.sgd_state import SGDArgs, refuse_foreign_state, sgd_shaped
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -232,6 +233,8 @@ class IsoLoCo(torch.optim.Optimizer):
             >>> sgd = torch.optim.SGD([w], lr=0.7, momentum=0.9, nesterov=True)
             >>> IsoLoCo([w]).load_state_dict(sgd.state_dict())  # an SGD checkpoint loads
         """
+        refuse_rank_state(state_dict, f"{type(self).__name__}.load_state_dict")  # one rank's is not the whole
+        refuse_foreign_state(state_dict, f"{type(self).__name__}.load_state_dict")  # the inner AdamW's, say
         dtensor.check_loaded_state(
             self, state_dict, f"{type(self).__name__}.load_state_dict"
         )  # aliasing, DTensor layout

@@ -2,15 +2,17 @@
 
 IsoLoCo's outer step reads the *averaged* pseudo-gradient, which is all Iso-C needs. TSV-M, Iso-CTS,
 TIES and DARE need every worker's own Δ_k: give them as `[K, *p.shape]` stacks, one per param, and
-MergeLoCo merges them (merges.merge) into p.grad, then takes IsoLoCo's Nesterov step on the merge
-(momentum 0: plain SGD, as the official code's merge optimizers run):
+MergeLoCo merges them (merges.merge) and takes IsoLoCo's Nesterov step on the merge (momentum 0: plain
+SGD, as the official code's merge optimizers run):
 
     M = merge(Δ_1..Δ_K)      (params of groups with iso=False: the mean)
     buf ← μ·buf + M;  θ ← θ − lr·(M + μ·buf)
 
-`merge="iso_c"` is IsoLoCo on the mean, step for step. State dicts are IsoLoCo's (SGD's); the merge,
-its options and the flatten method live on the optimizer. One process: for ranks that each hold
-their own worker's Δ, `ShardedIsoLoCo` serves Iso-C (other merges over ranks are not built yet).
+`merge="iso_c"` is IsoLoCo on the mean, step for step; K = 1 is each merge's value for one worker. The
+step reads only the stacks (never a param's own `.grad`), is all or nothing (a refused step changes no
+param, buffer, `.grad` or step count) and its state dict is IsoLoCo's (SGD's) plus a "merge" entry (the
+merge, its options and the step count DARE's draws follow), so a resumed run continues bit for bit. For
+ranks that each hold their own worker's Δ, `ShardedIsoLoCo(merge=...)` runs the same merges over ranks.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from ..merges import check_stacks, merge_groups
 from ..merges.options import resolve_options
-from ..outer.sgd_state import SGDArgs, sgd_shaped
+from ..outer.sgd_state import SGDArgs, check_merge_entry, merge_entry, sgd_shaped
 from .isoloco import IsoLoCo
 
 if TYPE_CHECKING:
@@ -51,7 +53,7 @@ class MergeLoCo(IsoLoCo):
     Raises:
         ValueError, TypeError: an unknown merge or option, a process group, DTensor params (at
             construction); at `step`/`set_deltas`, stacks that do not match the params (shape,
-            device, K < 2, NaN/Inf), named, with no grad set and nothing stepped.
+            device, K < 1, NaN/Inf), named, with nothing changed.
 
     Examples:
         >>> w = torch.nn.Parameter(torch.zeros(8, 4))
@@ -89,6 +91,7 @@ class MergeLoCo(IsoLoCo):
         if process_group is not None:
             raise ValueError("MergeLoCo runs its K workers in one process: process_group must be None")
         self.merge, self.merge_options, self.merged_steps = merge, opts, 0
+        self._pending: Optional[list] = None  # stacks set_deltas checked, for the next step
         super().__init__(params, **asdict(sgd), iso=iso, method=method, dtensor_route=dtensor_route, iso_nd=iso_nd)
         from ..outer.core import is_dtensor
 
@@ -96,37 +99,120 @@ class MergeLoCo(IsoLoCo):
             raise ValueError("MergeLoCo: DTensor params are not supported (merge their full tensors, or use IsoLoCo)")
 
     def _iso_updates(self, entries, ag=None):
-        # iso_c flattens the mean as IsoLoCo does; every other merge already wrote p.grad
+        # iso_c flattens the mean as IsoLoCo does; every other merge already is the update
         return super()._iso_updates(entries, ag) if self.merge == "iso_c" else {}
 
-    def set_deltas(self, deltas: Sequence[Optional[torch.Tensor]]) -> None:
-        """p.grad ← the merge of each param's worker stack [K, *p.shape] (params in param_groups
-        order; None for a param without one). All stacks are checked before any grad is set."""
-        params = [(p, g.get("iso", True)) for g in self.param_groups for p in g["params"]]
+    def _params(self) -> list[tuple[torch.Tensor, bool]]:
+        return [(p, g.get("iso", True)) for g in self.param_groups for p in g["params"]]
+
+    def _checked(self, deltas: Sequence[Optional[torch.Tensor]], where: str) -> list:
+        """The stacks, one per param in param_groups order (None: that param is not stepped), all checked."""
+        params = self._params()
+        if isinstance(deltas, torch.Tensor) or not isinstance(deltas, Sequence):
+            raise TypeError(f"{where}: deltas must be a list of [K, *p.shape] stacks (None for a param without one)")
         deltas = list(deltas)
         if len(deltas) != len(params):
-            raise ValueError(f"MergeLoCo: {len(deltas)} delta stacks for {len(params)} params")
+            raise ValueError(f"{where}: {len(deltas)} delta stacks for {len(params)} params")
         idx = [i for i, d in enumerate(deltas) if d is not None]
         check_stacks([deltas[i] for i in idx], "MergeLoCo")
         for i in idx:
             p, d = params[i][0], deltas[i]
             if tuple(d.shape[1:]) != tuple(p.shape) or d.device != p.device:
                 raise ValueError(
-                    f"MergeLoCo: stack {i} has shape {tuple(d.shape)} on {d.device}; param {i} needs "
+                    f"{where}: stack {i} has shape {tuple(d.shape)} on {d.device}; param {i} needs "
                     f"[K, {', '.join(map(str, p.shape))}] on {p.device}"
                 )
-        merged = {i for i in idx if params[i][1]}
-        out = merge_groups(
-            {i: deltas[i] for i in idx}, merged, self.merge, self.merge_options, self.merged_steps, self.method
-        )
-        for i, m in out.items():
-            params[i][0].grad = m.to(params[i][0].dtype)
-        self.merged_steps += 1
+        return deltas
+
+    def set_deltas(self, deltas: Sequence[Optional[torch.Tensor]]) -> None:
+        """Check each param's worker stack [K, *p.shape] (params in param_groups order; None for a param
+        that this step leaves alone) and keep them for the next `step()`. Nothing else changes."""
+        self._pending = self._checked(deltas, "MergeLoCo.set_deltas")
 
     def step(
         self, closure: Optional[Callable[[], float]] = None, *, deltas: Optional[Sequence] = None
     ) -> Optional[float]:
-        """One outer step: with `deltas`, set_deltas(deltas) first; else from the grads set_deltas left."""
+        """One outer step on the merge of `deltas` (or of the stacks `set_deltas` kept): each param with a
+        stack moves by the Nesterov step on its merge, every other param stays as it is. The params' own
+        `.grad` is never read; after the step each stepped param's `.grad` holds the merge it took.
+
+        closure: evaluated first, for its loss only (the update is the merge, whatever the closure does to
+        `.grad`). All or nothing: a step that fails (bad stacks, a NaN or an overflow in the update, a
+        closure that raises) changes no param, momentum buffer, `.grad` or step count.
+
+        Raises:
+            ValueError: no stacks (neither `deltas=` nor `set_deltas`), or stacks that do not match the
+                params; a merge or update that is not finite or does not fit (named).
+        """
+        where = "MergeLoCo.step"
         if deltas is not None:
-            self.set_deltas(deltas)
-        return super().step(closure)
+            stacks = self._checked(deltas, where)
+        elif self._pending is not None:
+            stacks = self._pending
+        else:
+            raise ValueError(
+                f"{where}: no worker deltas: pass step(deltas=[one [K, *p.shape] stack per param]) or call "
+                "set_deltas first; MergeLoCo merges the K workers' pseudo-gradients and never steps from .grad "
+                "(for one averaged pseudo-gradient in .grad use IsoLoCo)"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = self._params()
+        idx = [i for i, d in enumerate(stacks) if d is not None]
+        merged = merge_groups(
+            {i: stacks[i] for i in idx},
+            {i for i in idx if params[i][1]},
+            self.merge,
+            self.merge_options,
+            self.merged_steps,
+            self.method,
+        )
+        saved = [p.grad for p, _ in params]
+        try:
+            for i, (p, _) in enumerate(params):
+                p.grad = merged[i].to(p.dtype) if i in merged else None
+            super().step(None)
+        except BaseException:
+            for (p, _), g in zip(params, saved):
+                p.grad = g
+            raise
+        for i, (p, _) in enumerate(params):
+            if i not in merged:
+                p.grad = saved[i]  # not stepped: left as it was
+        self.merged_steps += 1
+        self._pending = None
+        return loss
+
+    # -- state: SGD's plus the merge, so a resumed run draws what the uninterrupted one would --------
+
+    def state_dict(self) -> dict:
+        """IsoLoCo's (SGD's) state dict plus a "merge" entry: {"merge", "options", "steps"}. Raises nothing."""
+        sd = super().state_dict()
+        sd["merge"] = merge_entry(self.merge, self.merge_options, self.merged_steps)
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A MergeLoCo, IsoLoCo or SGD state dict, checked first; the step count comes back with it (a
+        checkpoint of another merge or options loads with a warning naming both)."""
+        info = check_merge_entry(self, state_dict, "MergeLoCo.load_state_dict")
+        rest = {k: v for k, v in state_dict.items() if k != "merge"} if isinstance(state_dict, dict) else state_dict
+        super().load_state_dict(rest)
+        if info is not None:
+            self.merged_steps = int(info["steps"])
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.update(merge=self.merge, merge_options=dict(self.merge_options), merged_steps=self.merged_steps)
+        state["pending"] = self._pending
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        copied = "merge" in state
+        merge, options = state.pop("merge", None), state.pop("merge_options", None)
+        steps, pending = state.pop("merged_steps", None), state.pop("pending", None)
+        super().__setstate__(state)
+        if copied:  # deepcopy / pickle (torch's load_state_dict passes only "state" and "param_groups")
+            self.merge, self.merge_options, self.merged_steps, self._pending = merge, options, steps, pending

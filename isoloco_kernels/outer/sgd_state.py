@@ -30,11 +30,14 @@ __all__ = [
     "SGD_KEYS",
     "check_group",
     "check_hyper",
+    "check_merge_entry",
     "check_param_dtypes",
     "check_state_dict",
     "is_dtensor",
     "load_sgd_state",
+    "refuse_foreign_state",
     "local",
+    "merge_entry",
     "outer_defaults",
     "sgd_keywords",
     "sgd_shaped",
@@ -263,6 +266,36 @@ def check_param_dtypes(params: Sequence[torch.Tensor], where: str) -> None:
 # -- SGD-shaped state -----------------------------------------------------------------------------
 
 
+#: Group keys that only other optimizers' state dicts carry (Adam/AdamW, RMSprop, Adagrad, ...).
+_FOREIGN_GROUP_KEYS = ("betas", "eps", "amsgrad", "alpha", "centered", "lr_decay", "initial_accumulator_value", "rho")
+
+
+def refuse_foreign_state(state_dict: Any, where: str) -> None:
+    """ValueError for a state dict that is not SGD-shaped (per-param state other than momentum_buffer, or
+    another optimizer's group keys): most often the inner optimizer's checkpoint loaded by mistake."""
+    if not isinstance(state_dict, dict):
+        return
+    groups = state_dict.get("param_groups")
+    keys = (
+        sorted({k for g in groups if isinstance(g, dict) for k in g if k in _FOREIGN_GROUP_KEYS})
+        if isinstance(groups, (list, tuple))
+        else []
+    )
+    states = state_dict.get("state")
+    extra = (
+        sorted({k for st in states.values() if isinstance(st, dict) for k in st if k != "momentum_buffer"})
+        if isinstance(states, dict)
+        else []
+    )
+    if keys or extra:
+        found = ", ".join([f"group key '{k}'" for k in keys] + [f"per-param state '{k}'" for k in extra])
+        raise ValueError(
+            f"{where}: this is not an SGD-shaped state dict ({found}: another optimizer's, e.g. the inner AdamW's); "
+            "the outer optimizers load their own or torch.optim.SGD(nesterov=True)'s, whose per-param state is "
+            "only 'momentum_buffer'"
+        )
+
+
 def check_state_dict(opt: torch.optim.Optimizer, state_dict: Any, where: str) -> None:
     """Everything a (torch.optim.SGD or IsoLoCo) state dict must hold for `opt` to load it and
     step, checked before anything is loaded: the 'state' and 'param_groups' entries, each group's
@@ -270,6 +303,7 @@ def check_state_dict(opt: torch.optim.Optimizer, state_dict: Any, where: str) ->
     param, with its own memory)."""
     if not isinstance(state_dict, dict):
         raise TypeError(f"{where}: expected a dict, got {type(state_dict).__name__}")
+    refuse_foreign_state(state_dict, where)
     for key, kind in (("state", dict), ("param_groups", (list, tuple))):
         if key not in state_dict:
             raise ValueError(f"{where}: the state dict has no '{key}' entry")
@@ -363,3 +397,50 @@ def _restore_half_momentum(opt: torch.optim.Optimizer, state_dict: dict) -> None
             src = state_dict["state"].get(pid, {}).get("momentum_buffer")
             if isinstance(src, torch.Tensor) and want != p.dtype:
                 opt.state[p]["momentum_buffer"] = src.detach().to(device=p.device, dtype=want, copy=True)
+
+
+# -- the merge entry of MergeLoCo and ShardedIsoLoCo state dicts ---------------------------------
+
+
+def merge_entry(merge: str, options: dict, steps: int) -> dict:
+    """The "merge" entry of a MergeLoCo / ShardedIsoLoCo state dict: which merge wrote it, with which
+    options, after how many merged steps (DARE offsets its seed by it)."""
+    return {"merge": merge, "options": dict(options), "steps": int(steps)}
+
+
+def check_merge_entry(opt, state_dict: dict, where: str) -> Optional[dict]:
+    """The state dict's "merge" entry, checked (None when it has none: an SGD / IsoLoCo checkpoint); a
+    checkpoint written by another merge or other options loads with a warning naming both, as a change
+    of `iso` does. Raises ValueError on a malformed entry (before anything loads)."""
+    info = state_dict.get("merge") if isinstance(state_dict, dict) else None
+    if info is None:
+        if opt.merge == "dare":
+            warnings.warn(
+                f"{where}: the state dict has no 'merge' entry (it was not written by MergeLoCo or "
+                f"ShardedIsoLoCo(merge=...)): DARE's drops continue from this optimizer's step count "
+                f"{opt.merged_steps}, not the checkpoint's",
+                UserWarning,
+                stacklevel=3,
+            )
+        return None
+    steps = info.get("steps") if isinstance(info, dict) else None
+    if (
+        not isinstance(info, dict)
+        or not isinstance(info.get("merge"), str)
+        or not isinstance(info.get("options"), dict)
+        or isinstance(steps, bool)
+        or not isinstance(steps, numbers.Integral)
+        or steps < 0
+    ):
+        raise ValueError(
+            f"{where}: the 'merge' entry must be {{'merge': str, 'options': dict, 'steps': int >= 0}}, got {info!r}"
+        )
+    if (info["merge"], info["options"]) != (opt.merge, opt.merge_options):
+        warnings.warn(
+            f"{where}: the checkpoint was written by merge={info['merge']!r} with options {info['options']}; "
+            f"this optimizer continues as merge={opt.merge!r} with options {opt.merge_options} (the momentum "
+            "and the step count load as saved)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return info

@@ -374,9 +374,10 @@ def run_mode(
                 for p, d in zip(params, delta):
                     p.grad = d
                 with clock.time("outer"):
-                    if per_worker:
-                        outer.set_deltas([torch.stack(st) for st in stacks])
-                    outer.step()
+                    if per_worker:  # MergeLoCo merges the stacks (it never reads .grad)
+                        outer.step(deltas=[torch.stack(st) for st in stacks])
+                    else:
+                        outer.step()
                     outer.zero_grad(set_to_none=True)
                 if not _scored(r + 1, cfg):
                     continue
