@@ -53,14 +53,14 @@ def _kernel_used(monkeypatch) -> list:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_kernel_matches_torch_path_and_definition(monkeypatch, method, opts, dtype):
     calls = _kernel_used(monkeypatch)
-    for K, shape in ((2, (37, 29)), (4, (5, 300)), (3, (1030,))):  # a partial block, 1-D too
+    for K, shape in ((2, (37, 29)), (4, (5, 300)), (3, (1030,)), (1, (300,))):  # a partial block, 1-D, K = 1
         x = torch.randn(K, *shape, generator=gen((method, K, shape)), dtype=torch.float64).to(dtype).to(DEVICE)
         full = resolve_options(method, opts)
         got = sparse_merge(x, full, stack=2)
         assert torch.isfinite(got).all()
         ref = merge_ref(x.cpu(), method, stack=2, **opts)
         assert rel_err(got, ref) <= merge_tol(method, dtype), (method, K, shape, rel_err(got, ref))
-    assert len(calls) == 3  # the kernel, not the torch loop, served every call
+    assert len(calls) == 4  # the kernel, not the torch loop, served every call
 
 
 @kernels

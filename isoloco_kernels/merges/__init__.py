@@ -12,7 +12,10 @@ and compares five merges; this module runs all of them on the library's kernels:
 
 Definitions and their departures from the official code: merges/reference.py, docs/merges.md.
 Options per merge: merges/options.py. Tensors that are not 2-D get the mean under iso_c, tsv and
-iso_cts, and are pruned like any tensor under ties and dare (as in the official code).
+iso_cts, and are pruned like any tensor under ties and dare (as in the official code). One worker
+(K = 1) is each merge's value for its delta: the delta (mean; tsv up to rounding: ⌊r/1⌋ = r triplets),
+its Iso-C (iso_c; iso_cts, whose common and own spaces then span all of the delta's directions), its
+trimmed entries (ties), its DARE drops rescaled (dare).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ __all__ = ["MERGES", "merge", "merge_", "merge_groups", "check_stacks"]
 
 
 def check_stacks(stacks: Sequence[torch.Tensor], where: str = "merge") -> int:
-    """Type, dtype, rank and worker count of every stack [K, *shape]; returns K. Refuses K < 2 and
-    stacks whose K differ, naming the stack."""
+    """Type, dtype, rank and worker count of every stack [K, *shape]; returns K (0 for no stacks).
+    Refuses K = 0 and stacks whose K differ, naming the stack. K = 1 is a merge of one worker."""
     K = None
     for j, s in enumerate(stacks):
         if not isinstance(s, torch.Tensor):
@@ -51,8 +54,10 @@ def check_stacks(stacks: Sequence[torch.Tensor], where: str = "merge") -> int:
             raise ValueError(
                 f"{where}: stack {j} has {s.shape[0]} workers, stack 0 has {K}: every stack needs the same K"
             )
-    if K is not None and K < 2:
-        raise ValueError(f"{where}: K = {K} worker(s): a merge needs at least 2 (with one worker use its delta)")
+    if K == 0:
+        raise ValueError(
+            f"{where}: stack 0 has K = 0 workers (shape {tuple(stacks[0].shape)}): a merge needs at least one delta"
+        )
     return K or 0
 
 
@@ -115,7 +120,7 @@ def merge(
     tensors in each stack's dtype. Nothing is written.
 
     stacks: one tensor per parameter, its K workers' pseudo-gradients (global − local) on dim 0;
-        every stack must have the same K ≥ 2, a supported float dtype, finite values.
+        every stack must have the same K ≥ 1, a supported float dtype, finite values.
     method: one of MERGES ("mean", "iso_c", "tsv", "iso_cts", "ties", "dare"); options: that
         merge's (merges/options.py), e.g. `merge(stacks, "ties", sparsity=0.8)`.
     flatten_method: the Iso-C flatten behind iso_c and every orthogonal polar factor (tsv, iso_cts).
@@ -124,7 +129,7 @@ def merge(
 
     Raises:
         TypeError, ValueError: naming the stack, worker or option (a stack that is not a tensor of
-            a supported float dtype, K < 2 or K differing between stacks, NaN/Inf, an unknown merge
+            a supported float dtype, K = 0 or K differing between stacks, NaN/Inf, an unknown merge
             or option); nothing is computed.
         ResultOverflowError: a result does not fit its dtype (DARE's rescale can push one past it).
 

@@ -1,0 +1,76 @@
+"""The merges' contracts at their edges (isoloco_kernels/merges): one worker (K = 1) is each merge's
+value for that worker's delta; merge_ is all or nothing; stack_ids are ints; the mean of finite
+stacks near the dtype's max is computed without overflow, and an overflow names its merge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from isoloco_kernels.merges import MERGES, check_stacks, merge, merge_, merge_groups
+from isoloco_kernels.merges.reference import keep_mask, merge_ref
+from isoloco_kernels.reference import iso_flatten_ref
+from tests.helpers import gen, merge_tol, rel_err
+
+SHAPES = [(12, 16), (16, 12), (16, 16), (1, 9), (9, 1), (7,), (), (2, 3, 4)]
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+OPTS = {"ties": {"sparsity": 0.5}, "dare": {"sparsity": 0.5, "seed": 3}}
+#: merges/reference.py vs the definitions at K = 1: both float64 on the same (rounded) input, so only
+#: float64 SVDs recombined differ (measured ≤ 1e-15)
+REF_TOL = 1e-12
+
+
+# -- K = 1: each merge's value for one worker -------------------------------------------------------
+
+
+def _trimmed(d: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """TIES of one delta: its k = max(1, ⌊(1 − p)·n⌋) largest entries by magnitude, their own sign."""
+    d64 = d.double()
+    k = max(1, int((1 - sparsity) * d64.numel()))
+    cut = torch.topk(d64.abs().flatten(), k).values[-1]
+    return torch.where(d64.abs() >= cut, d64, 0)
+
+
+def _definition(method: str, d: torch.Tensor) -> torch.Tensor:
+    """The merge of the one-worker stack [d], from its definition (not merges/reference.py)."""
+    d64 = d.double()
+    if method in ("mean", "tsv") or (method in ("iso_c", "iso_cts") and d.ndim != 2):
+        return d64  # the mean; TSV-M with ⌊r/1⌋ = r triplets recombines the full SVD
+    if method in ("iso_c", "iso_cts"):  # Iso-CTS at K = 1: the common space plus the rest of Δ's own
+        return iso_flatten_ref(d64)  # directions, every σ set to their mean: Iso-C of Δ
+    if method == "ties":
+        return _trimmed(d, OPTS["ties"]["sparsity"])
+    p = OPTS["dare"]["sparsity"]
+    return d64 * keep_mask(d.shape, p, OPTS["dare"]["seed"], 0, 0) / (1 - p)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", list(MERGES))
+def test_one_worker_is_each_merge_of_its_delta(method, dtype):
+    for shape in SHAPES:
+        x = torch.randn(1, *shape, generator=gen(("k1", method, shape)), dtype=torch.float64).to(dtype)
+        out = merge([x], method, **OPTS.get(method, {}))[0]
+        assert out.shape == x.shape[1:] and out.dtype == dtype
+        want = _definition(method, x[0])
+        ref = merge_ref(x, method, **OPTS.get(method, {}))  # the float64 reference at K = 1 too
+        tol = merge_tol(method, dtype)
+        assert rel_err(ref, want) <= REF_TOL, (method, shape, rel_err(ref, want))
+        assert rel_err(out, want) <= tol, (method, shape, dtype, rel_err(out, want), tol)
+        if method in ("mean", "ties") or x[0].ndim != 2 and method != "dare":
+            assert torch.equal(out, want.to(dtype)), (method, shape, dtype)  # exact: nothing rounds
+
+
+def test_one_worker_in_place_in_groups_and_checks():
+    x = torch.randn(1, 8, 6, generator=gen("k1-inplace"))
+    want = merge([x], "iso_cts")[0]
+    (slot,) = merge_([x], "iso_cts")
+    assert slot.data_ptr() == x.data_ptr() and torch.equal(slot, want)
+    assert check_stacks([torch.randn(1, 3), torch.randn(1)]) == 1
+    stacks = {0: torch.randn(1, 5, 4, generator=gen("k1-groups")), 1: torch.randn(1, 3)}
+    for method in MERGES:
+        got = merge_groups(stacks, {0, 1}, method, OPTS.get(method, {}), step=2)
+        assert set(got) == {0, 1} and all(torch.isfinite(t).all() for t in got.values())
+        if method in ("mean", "iso_c", "tsv", "iso_cts"):  # a vector: the mean, i.e. the delta
+            assert torch.equal(got[1], stacks[1][0]), method
+    with pytest.raises(ValueError, match=r"stack 0 .*K = 0"):
+        merge([torch.randn(0, 4, 4)], "tsv")
