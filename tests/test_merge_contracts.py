@@ -74,3 +74,49 @@ def test_one_worker_in_place_in_groups_and_checks():
             assert torch.equal(got[1], stacks[1][0]), method
     with pytest.raises(ValueError, match=r"stack 0 .*K = 0"):
         merge([torch.randn(0, 4, 4)], "tsv")
+
+
+# -- merge_: every check of every stack before the first write --------------------------------------
+
+
+@pytest.mark.parametrize("make", ["leaf", "view of a leaf"])
+def test_merge_in_place_refuses_a_stack_that_requires_grad_before_writing_any(make):
+    g = gen(("grad", make))
+    first = torch.randn(3, 6, 5, generator=g)
+    w = torch.randn(3, 6, 5, generator=g, requires_grad=True)
+    second = w if make == "leaf" else w.view(3, 6, 5)
+    before = first.clone()
+    with pytest.raises(RuntimeError, match=r"merge_: stack 1 requires grad"):
+        merge_([first, second], "mean")
+    assert torch.equal(first, before)
+    assert torch.equal(w.detach(), second.detach())
+    with torch.no_grad():  # under no_grad both are written
+        merge_([first, second], "mean")
+    assert torch.equal(first[0], before.mean(0)) and not torch.equal(w[0].detach(), w[1].detach())
+
+
+# -- stack_ids ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ids,pos,shown", [([0.0, 0.9], 0, "0.0"), ([0, 0.9], 1, "0.9"), ([True, 1], 0, "True")])
+def test_stack_ids_must_be_ints(ids, pos, shown):
+    x = torch.randn(3, 6, 5, generator=gen("ids"))
+    with pytest.raises(TypeError, match=rf"stack_ids\[{pos}\] .*{shown}"):
+        merge([x, x.clone()], "dare", stack_ids=ids)
+    before = x.clone()
+    with pytest.raises(TypeError, match=rf"stack_ids\[{pos}\]"):
+        merge_([x, x.clone()], "dare", stack_ids=ids)
+    assert torch.equal(x, before)
+    with pytest.raises(TypeError, match="stack_ids must be"):
+        merge([x], "dare", stack_ids=3)
+    with pytest.raises(ValueError, match="1 stack_ids for 2 stacks"):
+        merge([x, x], "dare", stack_ids=[0])
+
+
+def test_integer_stack_ids_of_any_integer_type_draw_their_stream():
+    x = torch.randn(2, 30, generator=gen("ids-ok"))
+    want = merge([x, x], "dare", sparsity=0.5, stack_ids=[4, 7])
+    for ids in ([torch.tensor(4), torch.tensor(7)], (4, 7), range(4, 10, 3)):
+        got = merge([x, x], "dare", sparsity=0.5, stack_ids=ids)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(want[0], want[1])  # two ids, two draws

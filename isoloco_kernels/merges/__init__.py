@@ -20,6 +20,7 @@ trimmed entries (ties), its DARE drops rescaled (dare).
 
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence
 
 import torch
@@ -59,6 +60,31 @@ def check_stacks(stacks: Sequence[torch.Tensor], where: str = "merge") -> int:
             f"{where}: stack 0 has K = 0 workers (shape {tuple(stacks[0].shape)}): a merge needs at least one delta"
         )
     return K or 0
+
+
+def _stack_ids(stack_ids, count: int, where: str) -> list[int]:
+    """The stacks' ids in DARE's stream (default: their positions): ints only, one per stack."""
+    if stack_ids is None:
+        return list(range(count))
+    try:
+        listed = None if isinstance(stack_ids, (str, bytes)) else list(stack_ids)
+    except TypeError:  # not iterable (a number, a 0-d tensor)
+        listed = None
+    if listed is None:
+        raise TypeError(f"{where}: stack_ids must be a sequence of ints, one per stack, got {stack_ids!r}")
+    ids = []
+    for i, v in enumerate(listed):
+        try:
+            if isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
+                raise TypeError
+            ids.append(operator.index(v))
+        except TypeError:
+            raise TypeError(
+                f"{where}: stack_ids[{i}] must be an int (stack {i}'s id in DARE's stream), got {v!r}"
+            ) from None
+    if len(ids) != count:
+        raise ValueError(f"{where}: {len(ids)} stack_ids for {count} stacks")
+    return ids
 
 
 def _check_finite(stacks: Sequence[torch.Tensor], where: str) -> None:
@@ -124,13 +150,13 @@ def merge(
     method: one of MERGES ("mean", "iso_c", "tsv", "iso_cts", "ties", "dare"); options: that
         merge's (merges/options.py), e.g. `merge(stacks, "ties", sparsity=0.8)`.
     flatten_method: the Iso-C flatten behind iso_c and every orthogonal polar factor (tsv, iso_cts).
-    stack_ids: each stack's identity in DARE's random stream (default: its position), so a subset
-        of stacks merged elsewhere draws the same drops.
+    stack_ids: each stack's identity in DARE's random stream (ints; default: its position), so a
+        subset of stacks merged elsewhere draws the same drops.
 
     Raises:
         TypeError, ValueError: naming the stack, worker or option (a stack that is not a tensor of
             a supported float dtype, K = 0 or K differing between stacks, NaN/Inf, an unknown merge
-            or option); nothing is computed.
+            or option, a stack id that is not an int); nothing is computed.
         ResultOverflowError: a result does not fit its dtype (DARE's rescale can push one past it).
 
     Examples:
@@ -145,11 +171,7 @@ def merge(
     stacks = list(stacks)
     opts = resolve_options(method, options)
     check_stacks(stacks)
-    if stack_ids is None:
-        stack_ids = range(len(stacks))
-    stack_ids = [int(i) for i in stack_ids]
-    if len(stack_ids) != len(stacks):
-        raise ValueError(f"merge: {len(stack_ids)} stack_ids for {len(stacks)} stacks")
+    stack_ids = _stack_ids(stack_ids, len(stacks), "merge")
     _check_finite(stacks, "merge")
     results = _compute(stacks, method, opts, flatten_method, stack_ids)
     out = []
@@ -167,8 +189,10 @@ def merge_(stacks: Sequence[torch.Tensor], method: str = "iso_c", **kwargs) -> l
     All or nothing: every stack is checked and merged aside before the first write.
 
     Raises:
-        TypeError, ValueError, ResultOverflowError: as `merge`, and for a slot that cannot be
-            written (inference tensor, expanded view, two slots sharing memory); nothing is written.
+        TypeError, ValueError, ResultOverflowError: as `merge`; nothing is written.
+        RuntimeError: a slot that cannot be written (a stack that requires grad while grad mode
+            is on, an inference tensor, an expanded view, two slots sharing memory), named; nothing
+            is written.
 
     Examples:
         >>> stack = torch.randn(4, 16, 8)
@@ -179,6 +203,12 @@ def merge_(stacks: Sequence[torch.Tensor], method: str = "iso_c", **kwargs) -> l
     """
     stacks = list(stacks)
     check_stacks(stacks, "merge_")
+    for j, s in enumerate(stacks):
+        if s.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"merge_: stack {j} requires grad, but the merges have no backward (its worker-0 slot cannot be "
+                "written under autograd); pass .detach() or call merge_ under torch.no_grad(); nothing was written"
+            )
     slots = [s[0] for s in stacks]
     check_writable(slots, [f"merge_: stack {j} (its worker-0 slot)" for j in range(len(stacks))])
     merged = merge(stacks, method, **kwargs)
