@@ -4,9 +4,13 @@ stacks near the dtype's max is computed without overflow, and an overflow names 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+import isoloco_kernels.merges as M
+from isoloco_kernels import ResultOverflowError
 from isoloco_kernels.merges import MERGES, check_stacks, merge, merge_, merge_groups
 from isoloco_kernels.merges.reference import keep_mask, merge_ref
 from isoloco_kernels.reference import iso_flatten_ref
@@ -120,3 +124,59 @@ def test_integer_stack_ids_of_any_integer_type_draw_their_stream():
         got = merge([x, x], "dare", sparsity=0.5, stack_ids=ids)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert not torch.equal(want[0], want[1])  # two ids, two draws
+
+
+# -- the mean near the dtype's max; overflow errors name their merge -------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
+@pytest.mark.parametrize("method", ["mean", "iso_c", "tsv"])
+def test_mean_of_finite_stacks_near_the_max_fits(dtype, method):
+    top = torch.finfo(dtype).max
+    g = gen(("near-max", dtype))
+    x = (top * (0.9 + 0.1 * torch.rand(4, 5, generator=g, dtype=torch.float64))).to(dtype)
+    x[1, 2] = -x[1, 2]  # one mixed-sign column: its mean is small
+    stacks = [x, x[:, :3].clone()] if method == "mean" else [x]  # iso_c, tsv: not 2-D, so the mean
+    for s, out in zip(stacks, merge(stacks, method)):
+        want = (s.double() / s.shape[0]).sum(0)  # each term divided first: float64's own max too
+        assert torch.isfinite(out).all()
+        err = rel_err(out.double() / top, want / top)  # scaled: a norm of these would overflow
+        assert err <= merge_tol("mean", dtype), err
+
+
+def test_mean_of_ordinary_stacks_is_torch_mean_bit_for_bit():
+    g = gen("mean-bits")
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(5, 33, 7, generator=g, dtype=dtype)
+        assert torch.equal(merge([x], "mean")[0], x.mean(0))
+
+
+_NAMED = {"mean": "mean", "iso_c": "Iso-C", "tsv": "TSV-M", "iso_cts": "Iso-CTS", "ties": "TIES", "dare": "DARE"}
+
+
+@pytest.mark.parametrize("method", list(MERGES))
+def test_an_overflow_names_the_merge_that_produced_it(method, monkeypatch):
+    x = torch.randn(2, 4, 3, generator=gen("ovf-name"))
+    v = torch.randn(2, 5, generator=gen("ovf-name-1d"))
+    real = M._compute
+
+    def huge(stacks, *args):  # a result past float32's max in every stack
+        return [r * math.inf for r in real(stacks, *args)]
+
+    monkeypatch.setattr(M, "_compute", huge)
+    with pytest.raises(ResultOverflowError) as e:
+        merge([v, x], method)
+    msg = str(e.value)
+    assert "stack 0" in msg and f"merge {method!r}" in msg
+    one_d = _NAMED[method] if method in ("ties", "dare") else "mean"  # not 2-D: the mean under the others
+    assert f"the {one_d} result" in msg and ("Iso-C" not in msg or method == "iso_c"), msg
+    with pytest.raises(ResultOverflowError, match=f"stack 0: the {_NAMED[method]} result"):
+        merge([x], method)
+
+
+def test_real_overflows_name_their_merge():
+    big = torch.full((2, 4, 4), 3.0e38)
+    with pytest.raises(ResultOverflowError, match=r"merge 'dare': stack 0: the DARE result does not fit"):
+        merge([big], "dare", sparsity=0.5, seed=3)
+    with pytest.raises(ResultOverflowError, match=r"merge 'ties': stack 0: the TIES result does not fit"):
+        merge([big], "ties", sparsity=0.5, rescale=True)

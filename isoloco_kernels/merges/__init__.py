@@ -20,12 +20,20 @@ trimmed entries (ties), its DARE drops rescaled (dare).
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Optional, Sequence
 
 import torch
 
-from .._validate import SUPPORTED_DTYPES, check_all_finite, check_result_fits, check_writable, compute_dtype
+from .._validate import (
+    SUPPORTED_DTYPES,
+    ResultOverflowError,
+    check_all_finite,
+    check_writable,
+    compute_dtype,
+    overflow_limit,
+)
 from ..ops import iso_flatten
 from .options import MERGES, resolve_options
 from .sparse import sparse_merge
@@ -96,6 +104,18 @@ def _check_finite(stacks: Sequence[torch.Tensor], where: str) -> None:
     check_all_finite(views, names)
 
 
+def _mean(s: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
+    """The mean over dim 0 in the compute dtype: torch's mean (bit for bit), except where its K-term
+    sum overflowed although every input is finite; those entries again in float64, each term
+    divided by K first (the mean of finite values fits: it is at most their largest magnitude)."""
+    x = s.to(cd)
+    out = x.mean(0)
+    bad = ~torch.isfinite(out).reshape(-1)
+    if bool(bad.any()):
+        out.view(-1)[bad] = (x.reshape(x.shape[0], -1)[:, bad].to(torch.float64) / x.shape[0]).sum(0).to(cd)
+    return out
+
+
 def _spectral(method: str, bucket: list[torch.Tensor], opts: dict, flatten_method: str) -> torch.Tensor:
     """One batched spectral merge of same-shaped 2-D stacks; [B, m, n] in the compute dtype."""
     dtype = bucket[0].dtype
@@ -124,7 +144,7 @@ def _compute(stacks, method: str, opts: dict, flatten_method: str, stack_ids) ->
         elif method in ("ties", "dare"):
             results[j] = sparse_merge(s, opts, stack_ids[j])
         elif method == "mean" or s.ndim != 3:
-            results[j] = s.to(cd).mean(0)
+            results[j] = _mean(s, cd)
         else:
             buckets.setdefault((tuple(s.shape), s.dtype, s.device), []).append(j)
     for idx in buckets.values():
@@ -132,6 +152,25 @@ def _compute(stacks, method: str, opts: dict, flatten_method: str, stack_ids) ->
         for j, o in zip(idx, out):
             results[j] = o
     return results
+
+
+_NAMES = {"mean": "mean", "iso_c": "Iso-C", "tsv": "TSV-M", "iso_cts": "Iso-CTS", "ties": "TIES", "dare": "DARE"}
+
+
+def _check_fits(r: torch.Tensor, s: torch.Tensor, method: str, j: int) -> None:
+    """Raise ResultOverflowError naming the merge and the stack when result r (compute dtype) does
+    not fit stack s's dtype; `method`'s own name, or the mean for a tensor it averages (not 2-D)."""
+    if not r.numel():
+        return
+    amax = float(r.abs().amax())
+    wider = r.dtype != s.dtype and torch.finfo(r.dtype).max > torch.finfo(s.dtype).max
+    if amax < (overflow_limit(s.dtype) if wider else math.inf):
+        return
+    name = _NAMES[method] if method in ("ties", "dare") or s.ndim == 3 else "mean"
+    raise ResultOverflowError(
+        f"merge {method!r}: stack {j}: the {name} result does not fit {s.dtype} (largest entry {amax:.4g}, "
+        "the input is finite); nothing was written"
+    )
 
 
 def merge(
@@ -157,7 +196,8 @@ def merge(
         TypeError, ValueError: naming the stack, worker or option (a stack that is not a tensor of
             a supported float dtype, K = 0 or K differing between stacks, NaN/Inf, an unknown merge
             or option, a stack id that is not an int); nothing is computed.
-        ResultOverflowError: a result does not fit its dtype (DARE's rescale can push one past it).
+        ResultOverflowError: a result does not fit its dtype (DARE's rescale can push one past it),
+            naming the merge and the stack. The mean of finite stacks always fits.
 
     Examples:
         >>> deltas = torch.randn(4, 64, 32)             # K = 4 workers' deltas of one matrix
@@ -174,14 +214,9 @@ def merge(
     stack_ids = _stack_ids(stack_ids, len(stacks), "merge")
     _check_finite(stacks, "merge")
     results = _compute(stacks, method, opts, flatten_method, stack_ids)
-    out = []
     for j, (s, r) in enumerate(zip(stacks, results)):
-        try:
-            check_result_fits(r.reshape(1, 1, -1), s.dtype, f"merge {method!r}")
-        except ValueError as e:
-            raise type(e)(f"stack {j}: {e}") from None
-        out.append(r.to(s.dtype))
-    return out
+        _check_fits(r, s, method, j)
+    return [r.to(s.dtype) for s, r in zip(stacks, results)]
 
 
 def merge_(stacks: Sequence[torch.Tensor], method: str = "iso_c", **kwargs) -> list[torch.Tensor]:
