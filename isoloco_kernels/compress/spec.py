@@ -1,0 +1,224 @@
+"""The compression spec: what a compressed pseudo-gradient exchange sends, and how many bytes that is.
+
+Formats (every one blockwise: one float32 absmax scale per `block` consecutive entries of a flat
+tensor, s = absmax / vmax, the block's entries coded as grid levels ℓ with x ≈ ℓ·s):
+
+    format  bits  grid levels ℓ (all of them; symmetric, 0 included)          vmax   half step at ℓ
+    int8    8     −127 … 127 (integers; the code −128 is never sent)          127    0.5
+    fp8     8     float8 e4m3fn values: ±{0, 2⁻⁹·1 … 2⁻⁹·7, 2⁻⁶ … 448}         448    2^(e−4), e = max(⌊log2|ℓ|⌋, −6)
+    int4    4     −7 … 7 (the code −8 is never sent)                          7      0.5
+    fp4     4     e2m1 values: ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}                   6      2^(e−2), e = max(⌊log2|ℓ|⌋, 0)
+    int2    2     −1, 0, +1 (ternary; the code −2 is never sent)               1      0.5
+
+Rounding: "nearest" rounds x/s to the nearest level, ties to the even neighbour (the one whose last
+code bit is 0, as IEEE round-to-nearest-even); "stochastic" rounds up with probability equal to
+the distance to the lower neighbour over the step, so E[ℓ]·s = x, from random bits that are a
+counter-based hash of (seed, step, tensor index, element index in the tensor) — the same bits on
+every rank and for every world size (compress/codec.py, `random_bits`).
+
+Error feedback (β = `ef_beta`, None = off): c = Q(Δ + e), e ← β·(Δ + e − c), e kept per worker in
+`residual_dtype` (None: the parameter's dtype). Bytes on the wire per tensor of n entries:
+ceil(n·bits/8) code bytes + 4·ceil(n/block) scale bytes (`bytes_of`); at block 128 that is
+0.258× (8-bit), 0.133× (4-bit) and 0.070× (2-bit) of the same tensor in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "Format",
+    "FORMATS",
+    "ROUNDINGS",
+    "UPDATES",
+    "RESIDUAL_DTYPES",
+    "SCALE_BYTES",
+    "Compression",
+    "parse",
+    "bytes_of",
+    "residual_bytes",
+    "allreduce_bytes",
+    "exchange_bytes",
+]
+
+
+@dataclass(frozen=True)
+class Format:
+    """One element format: `bits` per entry, integer or float grid, and the float grid's shape.
+
+    Float grids (IEEE-like, no inf/NaN codes used): `mant` mantissa bits, `emin` the smallest
+    normal exponent; below 2^emin the levels are the subnormals k·2^(emin − mant)."""
+
+    name: str
+    bits: int
+    is_float: bool
+    vmax: float
+    mant: int = 0
+    emin: int = 0
+
+
+FORMATS = {
+    "int8": Format("int8", 8, False, 127.0),
+    "fp8": Format("fp8", 8, True, 448.0, mant=3, emin=-6),
+    "int4": Format("int4", 4, False, 7.0),
+    "fp4": Format("fp4", 4, True, 6.0, mant=1, emin=0),
+    "int2": Format("int2", 2, False, 1.0),
+}
+ROUNDINGS = ("nearest", "stochastic")
+#: How the owner's update travels back: in the spec's format, or in the parameters' dtype.
+UPDATES = ("compressed", "full")
+RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BLOCKS = (32, 64, 128, 256)
+#: Scales are float32: 4 bytes per block.
+SCALE_BYTES = 4
+_U32 = 1 << 32
+
+
+def _check_u32(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int in [0, 2^32), got {value!r}")
+    if not 0 <= value < _U32:
+        raise ValueError(f"{what} must be in [0, 2^32), got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Compression:
+    """How one pseudo-gradient is compressed (module docstring: formats, rounding, bytes).
+
+    format          "int8", "fp8", "int4", "fp4" or "int2"
+    block           entries per float32 absmax scale: 32, 64, 128 or 256
+    rounding        "nearest" (ties to even) or "stochastic" (unbiased, counter-hash bits)
+    ef_beta         error feedback decay β in (0, 1], or None (off: no residual kept)
+    residual_dtype  None (the parameter's dtype), torch.float32, torch.bfloat16 or torch.float16
+    update          "compressed": the owner's update goes back in `format` too; "full": in the
+                    parameters' dtype
+    seed            mixed into the stochastic rounding bits (an int in [0, 2^32))
+
+    Raises TypeError / ValueError naming the field for any other value.
+    """
+
+    format: str = "int8"
+    block: int = 128
+    rounding: str = "nearest"
+    ef_beta: Optional[float] = None
+    residual_dtype: Optional[torch.dtype] = None
+    update: str = "compressed"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"Compression.format must be one of {list(FORMATS)}, got {self.format!r}")
+        if isinstance(self.block, bool) or not isinstance(self.block, int):
+            raise TypeError(f"Compression.block must be an int, got {self.block!r}")
+        if self.block not in BLOCKS:
+            raise ValueError(f"Compression.block must be one of {list(BLOCKS)} (a power of two), got {self.block}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"Compression.rounding must be one of {list(ROUNDINGS)}, got {self.rounding!r}")
+        beta = self.ef_beta
+        if beta is not None:
+            if isinstance(beta, bool) or not isinstance(beta, (int, float)):
+                raise TypeError(f"Compression.ef_beta must be a float in (0, 1] or None, got {beta!r}")
+            if not (math.isfinite(beta) and 0.0 < beta <= 1.0):
+                raise ValueError(
+                    f"Compression.ef_beta must be in (0, 1] (None switches error feedback off), got {beta}"
+                )
+            object.__setattr__(self, "ef_beta", float(beta))
+        if self.residual_dtype is not None:
+            if self.ef_beta is None:
+                raise ValueError("Compression.residual_dtype is set but ef_beta is None: error feedback is off")
+            if self.residual_dtype not in RESIDUAL_DTYPES:
+                raise ValueError(
+                    f"Compression.residual_dtype must be None (the parameter's dtype) or one of "
+                    f"{[str(d) for d in RESIDUAL_DTYPES]}, got {self.residual_dtype!r}"
+                )
+        if self.update not in UPDATES:
+            raise ValueError(f"Compression.update must be one of {list(UPDATES)}, got {self.update!r}")
+        _check_u32(self.seed, "Compression.seed")
+
+    @property
+    def fmt(self) -> Format:
+        return FORMATS[self.format]
+
+    @property
+    def bits(self) -> int:
+        return FORMATS[self.format].bits
+
+    def cli(self) -> str:
+        """The `parse` string of this spec's format, block, β and rounding ("int4:128:0.95")."""
+        beta = "none" if self.ef_beta is None else f"{self.ef_beta:g}"
+        tail = ":stochastic" if self.rounding == "stochastic" else ""
+        return f"{self.format}:{self.block}:{beta}{tail}"
+
+
+def parse(text: str, **fields) -> Compression:
+    """A spec from a CLI string "format[:block[:beta[:rounding]]]", e.g. "int4:128:0.95" (4-bit ints,
+    128 entries per scale, error feedback with β 0.95) or "fp8" (the defaults for the rest); beta
+    "none" or "off" switches error feedback off. Keyword `fields` set the other Compression fields.
+    Raises ValueError naming the string for a malformed one."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"--compress: expected 'format[:block[:beta[:rounding]]]', got {text!r}")
+    parts = text.strip().split(":")
+    if len(parts) > 4:
+        raise ValueError(f"--compress {text!r}: at most 4 fields (format:block:beta:rounding), got {len(parts)}")
+    kw = dict(fields, format=parts[0].lower())
+    try:
+        if len(parts) > 1 and parts[1]:
+            kw["block"] = int(parts[1])
+        if len(parts) > 2 and parts[2]:
+            kw["ef_beta"] = None if parts[2].lower() in ("none", "off") else float(parts[2])
+    except ValueError as e:
+        raise ValueError(f"--compress {text!r}: block must be an int and beta a float or 'none' ({e})") from None
+    if len(parts) > 3 and parts[3]:
+        kw["rounding"] = parts[3].lower()
+    try:
+        return Compression(**kw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--compress {text!r}: {e}") from None
+
+
+def _numel(numel) -> int:
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    return numel
+
+
+def bytes_of(spec: Compression, numel: int) -> int:
+    """Exact bytes of one compressed tensor of `numel` entries: packed codes plus float32 scales."""
+    n = _numel(numel)
+    return (n * spec.bits + 7) // 8 + SCALE_BYTES * (-(-n // spec.block))
+
+
+def residual_bytes(spec: Compression, numel: int, param_dtype: torch.dtype) -> int:
+    """Memory of one tensor's error-feedback residual (0 when error feedback is off)."""
+    if spec.ef_beta is None:
+        return 0
+    dt = spec.residual_dtype or param_dtype
+    return _numel(numel) * torch.empty((), dtype=dt).element_size()
+
+
+def allreduce_bytes(numel: int, world: int, itemsize: int = 4) -> float:
+    """Bytes one rank sends in a ring all-reduce of `numel` entries of `itemsize` bytes:
+    2·(W − 1)/W·itemsize·numel (reduce-scatter + all-gather) — the uncompressed baseline."""
+    if world < 1:
+        raise ValueError(f"world must be ≥ 1, got {world}")
+    return 2 * (world - 1) / world * itemsize * _numel(numel)
+
+
+def exchange_bytes(spec: Compression, numel: int, world: int, param_dtype: torch.dtype = torch.float32) -> float:
+    """Bytes one rank sends in the compressed owner route (the model the collectives should meet):
+    (W − 1)/W of the compressed Δ in the all-to-all, and (W − 1)/W of the update back in the
+    all-gather, compressed (`update="compressed"`) or in `param_dtype` (`update="full"`)."""
+    if world < 1:
+        raise ValueError(f"world must be ≥ 1, got {world}")
+    share = (world - 1) / world
+    back = (
+        bytes_of(spec, numel)
+        if spec.update == "compressed"
+        else numel * torch.empty((), dtype=param_dtype).element_size()
+    )
+    return share * (bytes_of(spec, numel) + back)
