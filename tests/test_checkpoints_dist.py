@@ -172,7 +172,18 @@ def _check_bucket_bytes_is_chunk_bytes_old_name(rank, world):
     assert opt.chunk_bytes == 1 << 16
 
 
+def _check_a_param_shape_that_differs_is_named_with_both_shapes(rank, world):
+    from isoloco_kernels import DistributedStepError
+
+    shapes = [(6, 4), (5,)] if rank else [(6, 4), (7,)]
+    with pytest.raises(
+        DistributedStepError, match=r"param 1 \(shape, dtype\): '\(7,\) torch.float32' on rank 0, '\(5,\)"
+    ):
+        ShardedIsoLoCo([torch.zeros(s) for s in shapes])
+
+
 for _table in TABLES.values():
+    _table(_check_a_param_shape_that_differs_is_named_with_both_shapes)
     _table(_check_a_ranks_own_state_is_refused_where_a_whole_one_is_expected)
     _table(_check_iso_false_is_sgd_under_a_momentum_schedule)
     _table(_check_bucket_bytes_is_chunk_bytes_old_name)

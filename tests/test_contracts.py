@@ -341,3 +341,33 @@ def test_merge_of_one_worker_is_its_definition():
     """K = 1: each merge has a value for one worker (the mean: the delta itself)."""
     d = torch.randn(1, 6, 4, generator=gen("k1"))
     assert torch.equal(merge([d], "mean")[0], d[0])
+
+
+# -- 5. the CLI checks every combination before any training -------------------------------------------
+
+CLI_SMALL = "-H 2 -R 1 --batch 2 --seq-len 16 --eval-windows 8 --max-bytes 60000 --quiet --threads 1".split()
+
+
+def test_merge_with_no_merging_mode_is_refused_before_training(capsys, tmp_path):
+    from isoloco_kernels.train.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(CLI_SMALL + ["--mode", "ddp,diloco", "--merge", "tsv", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--merge tsv applies to the Iso-C modes" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_each_outer_step_runs_once_before_training(monkeypatch):
+    from isoloco_kernels.train.config import TrainConfig
+    from isoloco_kernels.train.optimizers import check_outer_step
+
+    cfg = TrainConfig(workers=1, merge="tsv")
+    check_outer_step("isoloco", cfg)  # K = 1 is a merge's value for one worker: it runs
+    check_outer_step("ddp", cfg)  # no outer step: nothing to check
+
+    def refuse(self, *a, **k):
+        raise ValueError("this merge cannot run here")
+
+    monkeypatch.setattr(ik.MergeLoCo, "step", refuse)
+    with pytest.raises(ValueError, match="--mode isoloco with K=1, merge 'tsv': its outer step cannot run: this merge"):
+        check_outer_step("isoloco", cfg)

@@ -59,7 +59,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     `IsoLoCo(process_group=...)`). The step averages them itself (reduce-scatter); each rank applies
     M = iso(mean Δ) (2-D params, iso on) or mean Δ, then Nesterov (reference.nesterov_ref), to the
     params it owns; an all-gather gives every rank the new θ: the replicated IsoLoCo step on the mean.
-    `merge` ("tsv", "iso_cts", "ties", "dare", "mean"; options in `merge_options`) takes the paper's
+    `merge` ("iso_c" default, "mean", "tsv", "iso_cts", "ties", "dare"; `merge_options`) takes the paper's
     other merges instead: each owner receives every rank's Δ of its own tensors (merge_route.py).
 
     Momentum is kept only by the owner: state_dict() is per rank (plan fingerprint and rank; another
@@ -185,19 +185,19 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         """What every rank must share for the step to run the same collectives and write the same
         values: each group's hyper-parameters, the method, the chunk size and the shard plan."""
         plan = {"shard plan (shapes, dtypes, iso, solo_above)": f"{self.plan.fingerprint:#x}"}
+        plan.update({f"param {i} (shape, dtype)": f"{tuple(p.shape)} {p.dtype}" for i, p in enumerate(self._params)})
         merge = {"merge": self.merge, "merge_options": repr(sorted(self.merge_options.items()))}
         return optimizer_settings(
             self, method=self.method, chunk_bytes=self.chunk_bytes, solo_above=self.solo_above, **plan, **merge
         )
 
     def add_param_group(self, param_group: dict) -> None:
-        """Only while constructing: the shard plan (which rank steps which param and keeps its
-        momentum) is fixed then, so a group added later is refused, nothing changed."""
+        """Only while constructing: the shard plan is fixed then, so a group added later is refused."""
         if self._built:
             raise ValueError(
-                "ShardedIsoLoCo.add_param_group: the shard plan (which rank steps which param and holds "
-                "its momentum) is fixed at construction; pass every param group to ShardedIsoLoCo(...), or "
-                "build a new ShardedIsoLoCo (on every rank) for the new params"
+                "ShardedIsoLoCo.add_param_group: the shard plan (which rank steps which param and holds its momentum) "
+                "is fixed at construction; pass every param group to ShardedIsoLoCo(...), or build a new one (on every "
+                "rank) for the new params"
             )
         super().add_param_group(param_group)
 
@@ -419,10 +419,10 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     # -- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """torch.optim.SGD's state dict of this rank's momentum (only the owner keeps a param's), plus a
-        "sharding" entry (the plan's fingerprint, the rank, the world size) and a "merge" entry (the merge,
-        its options, the step count). It loads back into the same rank of the same plan; for another world
-        size or IsoLoCo, `consolidated_state_dict()`. Raises nothing.
+        """SGD's state dict of this rank's momentum (only the owner keeps a param's), plus "sharding" (the plan's
+        fingerprint, rank, world size) and "merge" (the merge, its options, the step count) entries: it loads
+        back into the same rank of the same plan; for another world size or IsoLoCo, `consolidated_state_dict()`.
+        Raises nothing.
 
         Examples:
             >>> outer = ShardedIsoLoCo([torch.nn.Parameter(torch.randn(6, 4))])
@@ -437,9 +437,11 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         return checkpoint.consolidated_state_dict(self)
 
     def load_state_dict(self, state_dict) -> None:
-        """This rank's own `state_dict()` (same rank, same plan), or a whole state (`consolidated_state_dict()`,
-        IsoLoCo's, SGD's) of which this rank keeps what it owns; checked first: a refused state (TypeError: not
-        a dict; ValueError: another rank or plan, buffers unlike their params) loads nothing.
+        """This rank's own `state_dict()`, or a whole state (`consolidated_state_dict()`, IsoLoCo's, SGD's) of
+        which this rank keeps what it owns; checked first, a refused state loads nothing.
+
+        Raises:
+            ValueError: another rank's or plan's state, or buffers unlike their params (TypeError: not a dict).
 
         Examples:
             >>> outer = ShardedIsoLoCo([torch.nn.Parameter(torch.randn(6, 4))])

@@ -74,7 +74,8 @@ class IsoLoCo(torch.optim.Optimizer):
             matrix dim 0 × the rest, as Muon-style optimizers do. False (default): they get
             DiLoCo's plain update, as 1-D ones do, and the constructor says so once
             (`nd.NDParamWarning`). Refused (ValueError) for N-D DTensor params.
-        method: flatten method ("auto", "svd", "eigh", "polar", "polar_bf16", "gram"; see `iso_merge_`);
+        method: flatten method ("auto", "svd", "eigh", "polar", "polar_tf32x3", "gram", "fast", "polar_bf16";
+            see `iso_merge_`);
             kept on the optimizer, not in the state dict.
         process_group: a torch.distributed group whose ranks all hold the same, ALREADY AVERAGED
             grads (torchft, OpenDiLoCo, or after `average_`): the flatten work is split across its

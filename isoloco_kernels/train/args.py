@@ -97,7 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", choices=sorted(PRESETS), default=d.model, help="tiny ~0.5M params (CPU), small ~5M, base ~100M (GPU)"
     )
-    p.add_argument("--workers", "-K", type=int, default=d.workers, help="K workers (default %(default)s)")
+    p.add_argument(
+        "--workers",
+        "-K",
+        type=int,
+        default=d.workers,
+        help="K workers (default %(default)s; under torchrun one worker per rank: omit it or pass the world size)",
+    )
     p.add_argument("--inner-steps", "-H", type=int, default=d.inner_steps, help="H inner steps per round")
     p.add_argument("--rounds", "-R", type=int, default=d.rounds, help="outer steps (default %(default)s)")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per worker per inner step")
@@ -141,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.merge,
         choices=("iso_c", "mean", "tsv", "iso_cts", "ties", "dare"),
         help="how the Iso-C modes (isoloco: Nesterov outer, isoloco-sgd: SGD outer) merge the K workers' "
-        "deltas (default %(default)s; docs/merges.md)",
+        "deltas (default %(default)s; docs/merges.md); ddp, diloco and avg do not merge (refused with none of "
+        "the Iso-C modes)",
     )
     p.add_argument(
         "--iso-skip",
@@ -169,7 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sweep", type=_parse_sweep, default=None, help="NAME=V1,V2,... e.g. workers=2,4,8,16 or inner-steps=30,100"
     )
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="fixes the global init and every worker's data order, the same for every mode (default %(default)s)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out", default="runs/latest", help="folder for results.json and loss.png")

@@ -31,10 +31,11 @@ import torch
 
 from .args import SWEEPABLE, build_parser
 from .capture import SAVE_DTYPES, PseudoGradientWriter, parse_rounds
-from .config import OUTER_DEFAULTS, TrainConfig, check_device
+from .config import MERGING_MODES, OUTER_DEFAULTS, TrainConfig, check_device
 from .data import check_fits, load_corpus
 from .dist import check_outer, torchrun_launch
 from .loop import Comm, Setup, check_memory, run_mode
+from .optimizers import check_outer_step
 from .report import mode_table, plot, sweep_table
 from .tokenizer import tokenize
 
@@ -164,6 +165,13 @@ def main(argv=None) -> int:
         check_device(device)
         for c in cfgs:
             c.validate()
+            for m in a.mode:  # each outer step once, on stand-in params: a combination it cannot run fails now
+                check_outer_step(m, c)
+        if a.merge != "iso_c" and not any(m in MERGING_MODES for m in a.mode):
+            raise ValueError(
+                f"--merge {a.merge} applies to the Iso-C modes ({', '.join(MERGING_MODES)}); --mode {','.join(a.mode)} "
+                "has none of them, so it would be ignored"
+            )
         check_outer(launch, cfgs, param, device, a.outer)
         check_folder("--out", a.out, ["results.json", "loss.png"])
         if a.save_pseudo_gradients is not None:

@@ -19,6 +19,7 @@ DEFAULT_MODES = ("ddp", "diloco", "isoloco", "isoloco-sgd")  # the CLI's default
 # (outer lr, outer momentum) per mode; ddp has no outer step.
 OUTER_DEFAULTS = {"diloco": (0.7, 0.9), "isoloco": (1.8, 0.8), "isoloco-sgd": (3.0, 0.0), "avg": (1.0, 0.0)}
 SGD_MODES = ("diloco", "avg")  # outer torch.optim.SGD (no Iso-C)
+MERGING_MODES = ("isoloco", "isoloco-sgd")  # the modes --merge applies to
 INNERS = ("adamw", "muon")  # the inner optimizer (inner_optimizer)
 
 

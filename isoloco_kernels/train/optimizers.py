@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from .config import SGD_MODES, TrainConfig
+from .config import OUTER_DEFAULTS, SGD_MODES, TrainConfig
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -105,3 +105,26 @@ def outer_optimizer(mode: str, params, cfg: TrainConfig) -> torch.optim.Optimize
     from ..optim.isoloco import IsoLoCo
 
     return IsoLoCo(params, lr=lr, momentum=mom, iso=True, method=cfg.iso_method)
+
+
+def check_outer_step(mode: str, cfg: TrainConfig) -> None:
+    """Build `mode`'s outer optimizer with cfg's settings on two small stand-in params and take one step on
+    K = cfg.workers zero pseudo-gradients, so a setting the outer step cannot run (a merge, its options, the
+    flatten method, K) fails here, before any training, instead of after the modes before it trained.
+    Raises ValueError naming the mode."""
+    if mode not in OUTER_DEFAULTS:
+        return
+    params = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(3))]
+    try:
+        opt = outer_optimizer(mode, params, cfg)
+        stacks = [torch.zeros(cfg.workers, *p.shape) for p in params]
+        if getattr(opt, "merge", "iso_c") != "iso_c":
+            opt.step(deltas=stacks)
+        else:
+            for p, st in zip(params, stacks):
+                p.grad = st.mean(0)
+            opt.step()
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"--mode {mode} with K={cfg.workers}, merge {cfg.merge!r}: its outer step cannot run: {e}"
+        ) from e
