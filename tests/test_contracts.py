@@ -371,3 +371,31 @@ def test_each_outer_step_runs_once_before_training(monkeypatch):
     monkeypatch.setattr(ik.MergeLoCo, "step", refuse)
     with pytest.raises(ValueError, match="--mode isoloco with K=1, merge 'tsv': its outer step cannot run: this merge"):
         check_outer_step("isoloco", cfg)
+
+
+@pytest.mark.parametrize("cls", [ik.IsoLoCo, ik.MergeLoCo], ids=lambda c: c.__name__)
+def test_torch_lr_schedulers_drive_the_outer_lr_as_sgds(cls):
+    """A warm-up then cosine decay (torch's schedulers, as the reference loop's --outer-schedule uses): the lr
+    is read every step, bit-equal to SGD under the same schedulers."""
+    a, b, mine, sgd = _sgd_twins(cls, torch.float32, {"merge": "mean"} if cls is ik.MergeLoCo else None)
+    scheds = []
+    for o in (mine, sgd):
+        warm = torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=3)
+        cos = torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=6, eta_min=0.07)
+        scheds.append(torch.optim.lr_scheduler.SequentialLR(o, [warm, cos], milestones=[3]))
+    g = gen("scheduled")
+    for step in range(9):
+        grads = [torch.randn(p.shape, generator=g) for p in a]
+        for p, gr in zip(b, grads):
+            p.grad = gr.clone()
+        if cls is ik.MergeLoCo:
+            mine.step(deltas=[torch.stack([gr, gr]) for gr in grads])
+        else:
+            for p, gr in zip(a, grads):
+                p.grad = gr.clone()
+            mine.step()
+        sgd.step()
+        for s in scheds:
+            s.step()
+        assert mine.param_groups[0]["lr"] == sgd.param_groups[0]["lr"]
+        assert all(torch.equal(p, q) for p, q in zip(a, b)), f"step {step} left SGD"
