@@ -6,6 +6,10 @@
     pytest bench/ --benchmark-only --bench-devices cuda  the GPU cases only
     pytest bench/ --benchmark-only --bench-sets ref-tiny,llama-178m --bench-seconds 0.5
     ... --benchmark-json bench/results/<date>-<device>.json, then `python bench/report.py`
+    pytest bench/ --benchmark-only --bench-dry-run       every case once at its smallest size, small
+                                                         ceilings: checks that each case runs and
+                                                         reports (tests/test_bench_roofline.py), its
+                                                         numbers measure nothing
 
 Either mode times every implementation beside its torch baseline in the same run, so the ratios
 hold in both. --bench-sets and --bench-seconds, when given, win over the mode's defaults. Cases
@@ -33,6 +37,7 @@ _CEILINGS: dict[str, dict] = {}
 
 QUICK_SETS = ("ref-tiny", "llama-tiny")  # llama-tiny carries the CPU flatten target (bench/report.py)
 QUICK_SECONDS, FULL_SECONDS = 0.3, 1.0
+DRY_SETS = ("dry-tiny",)  # --bench-dry-run's set (bench/shapes.py); the other modes leave it out
 FULL = pytest.mark.bench_full  # a case (or parameter) that runs with --bench-full only
 
 
@@ -58,10 +63,16 @@ def pytest_addoption(parser):
         "--bench-sets",
         default=None,
         help=f"comma-separated bucket sets to run, in this order, from {', '.join(SETS)}; "
-        f"default {','.join(QUICK_SETS)}, all with --bench-full",
+        f"default {','.join(QUICK_SETS)}, all but {DRY_SETS[0]} with --bench-full, {DRY_SETS[0]} with --bench-dry-run",
     )
     g.addoption(
         "--bench-threads", type=int, default=None, help="torch.set_num_threads for the run (default: torch's choice)"
+    )
+    g.addoption(
+        "--bench-dry-run",
+        action="store_true",
+        help=f"every case once at its smallest size (set {DRY_SETS[0]}, one round per case, small ceilings and "
+        "shapes): that each case runs and reports, not a measurement",
     )
 
 
@@ -69,18 +80,30 @@ def _full(config) -> bool:
     return bool(config.getoption("--bench-full", False))
 
 
+def _dry(config) -> bool:
+    return bool(config.getoption("--bench-dry-run", False))
+
+
 def _sets(config) -> list[str]:
     given = config.getoption("--bench-sets", None)
     if given:
         return given.split(",")
-    return list(SETS) if _full(config) else list(QUICK_SETS)
+    if _dry(config):
+        return list(DRY_SETS)
+    return [s for s in SETS if s not in DRY_SETS] if _full(config) else list(QUICK_SETS)
 
 
 def _seconds(config) -> float:
     given = config.getoption("--bench-seconds", None)
     if given is not None:
         return given
+    if _dry(config):
+        return 0.0
     return FULL_SECONDS if _full(config) else QUICK_SECONDS
+
+
+def _mode(config) -> str:
+    return "dry-run" if _dry(config) else "full" if _full(config) else "quick"
 
 
 def pytest_configure(config):
@@ -97,7 +120,7 @@ def pytest_configure(config):
         and not getattr(opt, "benchmark_autosave", False)
     ):
         stamp = time.strftime("%Y-%m-%dT%H%M%SZ", time.gmtime())
-        path = Path(config.rootpath, ".benchmarks", "isoloco", f"{stamp}-{'full' if _full(config) else 'quick'}.json")
+        path = Path(config.rootpath, ".benchmarks", "isoloco", f"{stamp}-{_mode(config)}.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         opt.benchmark_json = path
 
@@ -109,7 +132,7 @@ def pytest_terminal_summary(terminalreporter, config):
         path = path.name  # some pytest-benchmark versions hand --benchmark-json over as an open file
     if not path or not getattr(config.option, "benchmark_only", False):
         return
-    mode = "full" if _full(config) else "quick (--bench-full for every set and case)"
+    mode = {"quick": "quick (--bench-full for every set and case)"}.get(_mode(config), _mode(config))
     rel = os.path.relpath(path)
     if rel.startswith(os.pardir):  # outside the working directory: the absolute path reads better
         rel = os.path.abspath(path)
@@ -165,6 +188,12 @@ def bench_seconds(request) -> float:
     return _seconds(request.config)
 
 
+@pytest.fixture(scope="session")
+def bench_dry(request) -> bool:
+    """True with --bench-dry-run: cases with sizes of their own take their smallest."""
+    return _dry(request.config)
+
+
 @pytest.fixture
 def device(request) -> torch.device:
     """The case's device (parametrised by name); CUDA cases skip without a GPU."""
@@ -175,13 +204,14 @@ def device(request) -> torch.device:
 
 
 @pytest.fixture(scope="session")
-def ceilings():
-    """ceilings(device) -> {"copy_GBps", "matmul_TFLOPs": {dtype: …}, …}, measured once per device."""
+def ceilings(bench_dry):
+    """ceilings(device) -> {"copy_GBps", "matmul_TFLOPs": {dtype: …}, …}, measured once per device
+    (on small buffers with --bench-dry-run)."""
 
     def get(device: torch.device) -> dict:
         key = torch.device(device).type
         if key not in _CEILINGS:
-            _CEILINGS[key] = harness.measure_ceilings(device)
+            _CEILINGS[key] = harness.measure_ceilings(device, dry=bench_dry)
         return _CEILINGS[key]
 
     return get
@@ -227,7 +257,7 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
         "sets": sets,
         "backends": ik.backends(),
         "bench_seconds": _seconds(config),
-        "mode": "full" if _full(config) else "quick",
+        "mode": _mode(config),
         "bench_sets": _sets(config),
         "models": harness.__doc__,
     }

@@ -85,12 +85,16 @@ def _device_time(fn: Callable[[], object], device: torch.device) -> float:
     return do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
 
 
-def measure_ceilings(device: torch.device | str) -> dict:
-    """Copy bandwidth (GB/s) and matmul throughput (TFLOP/s per dtype) of `device`."""
+def measure_ceilings(device: torch.device | str, *, dry: bool = False) -> dict:
+    """Copy bandwidth (GB/s) and matmul throughput (TFLOP/s per dtype) of `device`; dry: on a
+    copy buffer 256× and matrices 16× smaller on a side (--bench-dry-run: cases checked in seconds)."""
     device = torch.device(device)
     gpu = device.type == "cuda"
     out: dict = {"device": _device_name(device)}
     n_copy = (1 << 28) if gpu else (1 << 26)  # fp32 elements: 1 GiB on a GPU, 256 MiB on a CPU
+    if dry:
+        n_copy >>= 8
+        out["dry_run"] = True
     src = torch.randn(n_copy, device=device)
     dst = torch.empty_like(src)
     if gpu:
@@ -118,6 +122,7 @@ def measure_ceilings(device: torch.device | str) -> dict:
     )
     out["matmul_TFLOPs"], out["matmul_n"] = {}, {}
     for name, dt, n, tf32 in plans:
+        n = n // 16 if dry else n
         a = torch.randn(n, n, device=device, dtype=dt)
         b = torch.randn(n, n, device=device, dtype=dt)
         c = torch.empty(n, n, device=device, dtype=dt)

@@ -106,6 +106,9 @@ SETS: dict[str, ModelSpec] = {
             ffn=1024,
             note="synthetic: large vocabulary, small hidden size (wide buckets)",
         ),
+        # The smallest, for --bench-dry-run only (bench/conftest.py: no other mode runs it unless
+        # --bench-sets names it): every case once in seconds, to check that it runs and reports.
+        ModelSpec("dry-tiny", vocab=96, hidden=32, layers=1, ffn=64, note="--bench-dry-run's: a check, not a model"),
     )
 }
 

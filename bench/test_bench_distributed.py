@@ -38,7 +38,11 @@ import torch
 from bench.shapes import SETS, decoder_param_shapes
 
 WORLDS = (1, 2, pytest.param(4, marks=pytest.mark.bench_full))
-CPU_SETS = ("ref-tiny", pytest.param("llama-tiny", marks=pytest.mark.bench_full))
+CPU_SETS = (
+    "ref-tiny",
+    pytest.param("llama-tiny", marks=pytest.mark.bench_full),
+    "dry-tiny",
+)  # dry-tiny: --bench-dry-run
 MODES = ("replicated", "sharded")
 REPLY_TIMEOUT_S = 600
 
@@ -220,7 +224,7 @@ def groups():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("set_name", CPU_SETS)
-def test_outer_step(benchmark, groups, set_name, world, mode):
+def test_outer_step(benchmark, groups, set_name, world, mode, bench_dry):
     if world == 1 and mode == "sharded":
         pytest.skip("one rank: sharded and replicated are the same computation")
     if world not in groups:
@@ -244,4 +248,4 @@ def test_outer_step(benchmark, groups, set_name, world, mode):
     def restore() -> None:  # untimed: pseudo-gradients back (the replicated step averaged them in place)
         g.call("restore")
 
-    benchmark.pedantic(lambda: g.call("step"), setup=restore, rounds=5, iterations=1)
+    benchmark.pedantic(lambda: g.call("step"), setup=restore, rounds=1 if bench_dry else 5, iterations=1)

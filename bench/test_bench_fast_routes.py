@@ -31,15 +31,17 @@ from isoloco_kernels.flatten.iteration_stats import FlattenFallbackWarning
 from isoloco_kernels.reference import iso_flatten_ref
 
 SETS = {"wide-1b/8": [(6, 256, 1024), (1, 256, 16032)], "square-1b/8": [(8, 256, 256)]}
+# --bench-dry-run: the same aspects, 4× smaller on each side and fewer matrices
+DRY_SHAPES = {"wide-1b/8": [(2, 64, 256), (1, 64, 4008)], "square-1b/8": [(2, 64, 64)]}
 IMPLS = ["fast-direct", "fast"] + [b for b in harness.BASELINES if b != "svd-loop"]
 ERROR_SANITY = 0.3  # the training grade's band on real pseudo-gradients; garbage gives ~1
 
 
-def _src(set_name: str) -> list[torch.Tensor]:
+def _src(shapes) -> list[torch.Tensor]:
     """Pseudo-gradient-like buckets: a decaying spectrum (σ_i ∝ 1 / (1 + i/8)) in random bases."""
     g = torch.Generator().manual_seed(7)
     out = []
-    for b, m, n in SETS[set_name]:
+    for b, m, n in shapes:
         r = min(m, n)
         u, _ = torch.linalg.qr(torch.randn(b, m, r, generator=g))
         v, _ = torch.linalg.qr(torch.randn(b, n, r, generator=g))
@@ -60,9 +62,9 @@ def _run(impl: str, buckets: list[torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape_set", list(SETS))  # not "set_name": these are not bench.shapes sets
-def test_fast_routes(benchmark, impl, shape_set, bench_seconds):
+def test_fast_routes(benchmark, impl, shape_set, bench_seconds, bench_dry):
     set_name = shape_set
-    src = _src(set_name)
+    src = _src((DRY_SHAPES if bench_dry else SETS)[set_name])
     bufs = [s.clone() for s in src]
 
     def setup():

@@ -85,6 +85,7 @@ def _loop_one(x: torch.Tensor, method: str) -> torch.Tensor:
 
 
 CASES = [("ref-tiny", 4, "cpu"), ("ref-tiny", 8, "cpu"), ("llama-tiny", 4, "cpu"), ("llama-178m", 8, "cuda")]
+CASES.append(("dry-tiny", 4, "cpu"))  # --bench-dry-run's (bench/conftest.py); no other mode runs it
 
 
 @pytest.mark.parametrize("impl", ["loop", "batched"])

@@ -32,7 +32,7 @@ METHODS = ("auto",) + tuple(m for m in flatten.METHODS if m != "auto")
 LR, MU = 1.8, 0.8
 # CPU: the small sets only (the exact methods take minutes per step beyond them on 2 cores);
 # CUDA: llama-1b with the GPU methods (the exact ones loop over cuSOLVER calls for minutes).
-CPU_SETS = {"ref-tiny", "llama-tiny"}
+CPU_SETS = {"ref-tiny", "llama-tiny", "dry-tiny"}  # dry-tiny: --bench-dry-run's
 GPU_EXACT = {"svd", "eigh"}
 
 
