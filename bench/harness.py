@@ -26,6 +26,12 @@ flatten method's own, `Method.flops` in isoloco_kernels.flatten.METHODS, per GEM
   the torch.linalg.svd baselines: svd's model in the compute dtype (fp32).
   bytes    compulsory traffic only: a flatten reads Δ and writes the result (2 × its size); a
            Nesterov step reads p, buf, u and writes p, buf (5 × the params' size).
+The other suites, each in its module's docstring: a merge of K stacks reads the K and writes one
+((K + 1) × one stack's size, its SVDs not modelled); a captured set is flattened like a synthetic
+one (the registry's flops, 2 × its size); fast's routes count the route they run (fast_gram.py's
+direct_work / fast.fast_work, the svd model for torch's baselines); the distributed step counts the
+bytes handed to its collectives plus its rank's Nesterov and flatten traffic, and that rank's flatten
+flops; a whole IsoLoCo.step (test_bench_step.py) is modelled like test_outer_step's.
 The roofline time of a case is max(Σ flops / matmul ceiling of the dtype the GEMMs run in, bytes / copy bandwidth);
 "frac_roofline" is that time over the measured median, "frac_matmul" and "frac_copy" the two
 bounds alone over the median.
@@ -185,9 +191,12 @@ def run_timed(
     rounds = max(1, min(MAX_ROUNDS, math.ceil(seconds / max(est, 1e-6))))
 
     benchmark.pedantic(target, setup=_setup, rounds=rounds, warmup_rounds=0, iterations=1)
-    if benchmark.stats is None:
-        return None
-    return benchmark.stats.stats.median
+    return median(benchmark)
+
+
+def median(benchmark) -> float | None:
+    """The median of a case timed with benchmark.pedantic; None when benchmarking is disabled."""
+    return None if benchmark.stats is None else benchmark.stats.stats.median
 
 
 # ----------------------------------------------------------------------------------------------

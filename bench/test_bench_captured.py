@@ -4,6 +4,9 @@ The synthetic sets of test_bench_flatten.py have clean spectra; these are the av
 reference loop saved, with condition numbers up to ~5e5. Per case: time, error against
 reference.iso_flatten_ref (float64, every matrix), how many matrices the polar and gram checks
 sent to a fallback, and the condition numbers of the set (median, max).
+Roofline as test_bench_flatten.py's (bench/harness.py): the flops of the method each bucket resolves
+to (the registry's models, float32 compute), and compulsory bytes, the flatten reads every bucket and
+writes it back (2 × the set's float32 size); the work of matrices sent to a fallback is not counted.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
+from bench import harness
 from bench.captured import load_captured_sets
 from isoloco_kernels.flatten import gram, polar
 from isoloco_kernels.flatten import registry as flatten
@@ -36,7 +40,7 @@ def _refs(name: str) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("capture", sorted(_SETS))  # not "set_name": --bench-sets selects synthetic sets
-def test_captured(benchmark, method, capture, bench_seconds):
+def test_captured(benchmark, method, capture, bench_seconds, ceilings):
     set_name = capture
     entry = _SETS[set_name]
     src = entry["src"]
@@ -65,9 +69,19 @@ def test_captured(benchmark, method, capture, bench_seconds):
     err = num / den
     worst = max(float((w.double() - r).norm() / r.norm()) for w, r in zip(work, refs))
     conds = [c for per_bucket in entry["cond_stored"] for c in per_bucket]
+    device = src[0].device
+    resolved = harness.resolved_methods(method, entry["shapes"], device)
+    flops = harness.flatten_work(resolved, entry["shapes"], "fp32")
+    nbytes = 2.0 * sum(b.numel() * b.element_size() for b in src)
+    roof = harness.roofline(flops, nbytes, ceilings(device))
     benchmark.extra_info.update(
+        kind="captured",
+        impl=method,
+        device=device.type,
+        dtype="fp32",
         set=set_name,
         method=method,
+        resolved=resolved,
         matrices=sum(b for b, _, _ in entry["shapes"]),
         err_rel_fro=err,
         err_worst_bucket=worst,
@@ -75,5 +89,9 @@ def test_captured(benchmark, method, capture, bench_seconds):
         gram_fallbacks=gs.recomputed,
         cond_median=statistics.median(conds),
         cond_max=max(conds),
+        flops=flops,
+        bytes=nbytes,
+        **roof,
+        **harness.rates(harness.median(benchmark), flops, nbytes, roof),
     )
     assert err == err and err <= ERROR_SANITY, f"{method} on {set_name}: error {err:.3g}"

@@ -23,6 +23,14 @@ Bytes (extra_info, per rank per step): "payload" counts the tensors handed to ea
 (all_reduce: the tensor; reduce-scatter: the input; all-gather: the output), "ring_wire" what a ring
 algorithm sends from each rank for them: 2(W−1)/W of an all-reduce's payload, (W−1)/W of a
 reduce-scatter's or all-gather's.
+
+Roofline (harness.roofline, the ceilings the parent measured in the same run): each rank's bytes are
+the payload it hands to the collectives plus its step's compulsory traffic, Nesterov over the params
+it keeps momentum for (read p, buf, u; write p, buf: 20 B per float32 element) and the read and write
+of every matrix it flattens (8 B per element); its flops, the flatten work of those matrices (the
+registry's models, harness.flatten_work). The case's bound is the slowest rank's. At one rank no
+collective moves a byte and the bound is the step's own. "collective_GBps" is the payload over the
+median alone. The ranks run with one thread each against ceilings measured with all of them.
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ import time
 import pytest
 import torch
 
-from bench.shapes import SETS, decoder_param_shapes
+from bench import harness
+from bench.shapes import SETS, bucket_shapes, decoder_param_shapes
 
 WORLDS = (1, 2, pytest.param(4, marks=pytest.mark.bench_full))
 CPU_SETS = (
@@ -137,6 +146,7 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
                     )
                 else:
                     info["momentum_elements"] = info["n_params"]
+                info.update(_step_work(params, opt, mode, info["momentum_elements"]))
                 _restore(state)
                 conn.send(("ok", info))
             elif cmd == "restore":
@@ -149,6 +159,15 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
         except Exception as e:  # report, keep serving (the parent fails the case)
             conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}"))
     dist.destroy_process_group()
+
+
+def _step_work(params, opt, mode: str, momentum_elements: int) -> dict:
+    """This rank's flatten flops and its step's compulsory bytes besides the collectives (module docstring)."""
+    mine = range(len(params)) if mode == "replicated" else opt.mine
+    shapes = bucket_shapes(tuple(params[i].shape) for i in mine if params[i].ndim == 2)
+    flops = harness.flatten_work(harness.resolved_methods(opt.method, shapes, "cpu"), shapes, "fp32")
+    flattened = sum(b * m * n for b, m, n in shapes)
+    return {"flops": flops, "step_bytes": 20.0 * momentum_elements + 8.0 * flattened}
 
 
 def _restore(state) -> None:
@@ -224,13 +243,17 @@ def groups():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("set_name", CPU_SETS)
-def test_outer_step(benchmark, groups, set_name, world, mode, bench_dry):
+def test_outer_step(benchmark, groups, set_name, world, mode, ceilings, bench_dry):
     if world == 1 and mode == "sharded":
         pytest.skip("one rank: sharded and replicated are the same computation")
     if world not in groups:
         groups[world] = _Group(world)
     g = groups[world]
-    info = g.call("setup", set_name, mode)[0][1]
+    infos = [reply[1] for reply in g.call("setup", set_name, mode)]
+    ceil = ceilings(torch.device("cpu"))
+    bounds = [harness.roofline(i["flops"], i["payload_bytes"] + i["step_bytes"], ceil) for i in infos]
+    slowest = max(range(world), key=lambda r: bounds[r]["roofline_s"])
+    info = infos[0]
     t0 = time.perf_counter()
     for _ in range(5):
         g.call("noop")
@@ -249,3 +272,19 @@ def test_outer_step(benchmark, groups, set_name, world, mode, bench_dry):
         g.call("restore")
 
     benchmark.pedantic(lambda: g.call("step"), setup=restore, rounds=1 if bench_dry else 5, iterations=1)
+    median = harness.median(benchmark)
+    worst = infos[slowest]
+    flops, nbytes = worst["flops"], worst["payload_bytes"] + worst["step_bytes"]
+    benchmark.extra_info.update(
+        kind="distributed",
+        impl=mode,
+        device="cpu",
+        dtype="fp32",
+        flops=flops,
+        bytes=nbytes,
+        step_bytes=worst["step_bytes"],
+        bound_rank=slowest,
+        collective_GBps=worst["payload_bytes"] / median / 1e9 if median else None,
+        **bounds[slowest],
+        **harness.rates(median, flops, nbytes, bounds[slowest]),
+    )

@@ -12,6 +12,12 @@ Sets (CPU-sized, the shapes of the 1B model's buckets scaled down 8× on each si
 Each case records its error against reference.py (float64) and its flatness, the route fast took
 per bucket, and the modelled FLOPs of both routes (fast_gram.py, checked against
 torch.utils.flop_counter in tests/test_fast_gram.py).
+Roofline (harness.roofline, the ceilings of the same run): the FLOPs of what each impl runs, per GEMM
+unit, fast-direct fast_gram.direct_work at fast's schedule (its precise steps, then the rest in
+bfloat16 where the device has it, float32 on a CPU without, the float64 certificate), fast
+fast.fast_work on the route route_for picks for the device, the torch baselines the svd model in
+float32 (exact.svd_flops); a unit without a measured ceiling (bf16 and the eigensolver on a CPU)
+is left out of the bound. Bytes: read every bucket and write it back, 2 × the set's size.
 
     pytest bench/test_bench_fast_routes.py --benchmark-only --bench-seconds 2 --bench-threads 1
 """
@@ -60,9 +66,26 @@ def _run(impl: str, buckets: list[torch.Tensor]) -> None:
             harness.BASELINE_FNS[impl]([b])
 
 
+def _work(impl: str, shapes, kind: str) -> dict[str, float]:
+    """Modelled FLOPs per GEMM unit of `impl` on these [B, m, n] buckets (module docstring)."""
+    if impl in harness.BASELINES:
+        return harness.flatten_work([impl] * len(shapes), shapes, "fp32")
+    out: dict[str, float] = {}
+    for b, m, n in shapes:
+        k, r = max(m, n), min(m, n)
+        if impl == "fast-direct":
+            w = fast_gram.direct_work(k, r, fast.PRECISE_STEPS, fast.STEPS)
+        else:
+            w = fast.fast_work(k, r, kind)
+        for unit, f in w.items():
+            unit = "fp32" if unit == "bf16" and kind == "cpu-no-bf16" else unit  # fast.low_dtype there
+            out[unit] = out.get(unit, 0.0) + b * f
+    return out
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape_set", list(SETS))  # not "set_name": these are not bench.shapes sets
-def test_fast_routes(benchmark, impl, shape_set, bench_seconds, bench_dry):
+def test_fast_routes(benchmark, impl, shape_set, bench_seconds, bench_dry, ceilings):
     set_name = shape_set
     src = _src((DRY_SHAPES if bench_dry else SETS)[set_name])
     bufs = [s.clone() for s in src]
@@ -92,7 +115,13 @@ def test_fast_routes(benchmark, impl, shape_set, bench_seconds, bench_dry):
     def flops(work) -> float:
         return sum(bb * sum(work(max(m, n), min(m, n)).values()) for bb, m, n in shapes)
 
+    work = _work(impl, shapes, kind)
+    nbytes = 2.0 * sum(s.numel() * s.element_size() for s in src)
+    roof = harness.roofline(work, nbytes, ceilings(src[0].device))
     benchmark.extra_info.update(
+        kind="fast_route",
+        device=src[0].device.type,
+        dtype="fp32",
         set=set_name,
         impl=impl,
         shapes=shapes,
@@ -102,5 +131,9 @@ def test_fast_routes(benchmark, impl, shape_set, bench_seconds, bench_dry):
         device_kind=kind,
         flops_direct=flops(lambda k, r: fast_gram.direct_work(k, r, fast.PRECISE_STEPS, polar.STEPS)),
         flops_now=flops(lambda k, r: fast.fast_work(k, r, kind)),
+        flops=work,
+        bytes=nbytes,
+        **roof,
+        **harness.rates(harness.median(benchmark), work, nbytes, roof),
     )
     assert max(errs) <= ERROR_SANITY, f"{impl}: error {max(errs):.3g}"

@@ -10,6 +10,10 @@ Each case records its error against merges/reference.py (float64) on the first s
 and the bytes one rank sends in a sharded outer step of this merge, against an all-reduce's and an
 all-gather's (isoloco_kernels.distributed is not yet routing merges: the all-to-all route's
 bytes are modelled, ~one copy of the parameters per rank).
+Roofline (harness.roofline, the ceilings of the same run): compulsory bytes only, every merge reads
+its K stacks and writes one merged weight, (K + 1) × one worker's bytes, whatever it computes in
+between; the SVDs and polar factors of iso_c, tsv and iso_cts are not modelled, so their fraction
+is of the bandwidth bound alone (a merge far from it may still be compute-bound).
 The CPU runs the small sets (ref-tiny, and llama-tiny at K 4); a GPU every set up to llama-178m.
 """
 
@@ -22,6 +26,7 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
+from bench import harness
 from bench.shapes import SETS, decoder_weight_shapes
 from isoloco_kernels.merges.reference import merge_ref
 
@@ -91,7 +96,7 @@ CASES.append(("dry-tiny", 4, "cpu"))  # --bench-dry-run's (bench/conftest.py); n
 @pytest.mark.parametrize("impl", ["loop", "batched"])
 @pytest.mark.parametrize("method", MERGES)
 @pytest.mark.parametrize("set_name,K,device", CASES, indirect=["device"])
-def test_merge(benchmark, impl, method, set_name, K, device, bench_seconds):
+def test_merge(benchmark, impl, method, set_name, K, device, bench_seconds, ceilings):
     stacks = _stacks(set_name, K, device)
 
     def run():
@@ -117,7 +122,12 @@ def test_merge(benchmark, impl, method, set_name, K, device, bench_seconds):
         errs.append(float((o.cpu().double() - ref).norm() / ref.norm()))
     numel = sum(x[0].numel() for x in stacks) * 4
     world = K  # one worker per rank
+    nbytes = float((K + 1) * numel)  # read the K stacks, write the merged weights
+    roof = harness.roofline(None, nbytes, ceilings(device))
     benchmark.extra_info.update(
+        kind="merge",
+        device=device.type,
+        dtype="fp32",
         set=set_name,
         K=K,
         method=method,
@@ -127,5 +137,9 @@ def test_merge(benchmark, impl, method, set_name, K, device, bench_seconds):
         bytes_per_rank_all_reduce=2 * numel * (world - 1) / world,
         bytes_per_rank_all_gather=numel * (world - 1),
         bytes_per_rank_all_to_all_model=numel * (world - 1) / world + numel * (world - 1) / world,
+        bytes=nbytes,
+        flops=None,
+        **roof,
+        **harness.rates(harness.median(benchmark), None, nbytes, roof),
     )
     assert not errs or max(errs) <= ERROR_SANITY, f"{impl} {method}: error {max(errs):.3g}"

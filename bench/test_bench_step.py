@@ -13,6 +13,9 @@ and data (best of a few runs each, synced), and recorded in the case's JSON:
   overhead  step − (flatten + nesterov), as a fraction of the step (issue target ≤ 10 %)
   syncs     host syncs in one step (CUDA: torch.cuda.set_sync_debug_mode's warnings; target ≤ 3)
   peak      peak extra memory of one step (torch.cuda.max_memory_allocated on a GPU)
+The whole step's roofline is test_bench_optim.py's test_outer_step's (bench/harness.py): the flatten
+flops of the methods the buckets resolve to; compulsory bytes, Nesterov's 20 B per element plus the
+read and write of every 2-D grad flattened (8 B per element), not the copies into the bucket buffers.
 """
 
 from __future__ import annotations
@@ -153,6 +156,9 @@ def test_step_phases(benchmark, method, set_name, device, bench_seconds, ceiling
     )
     n = sum(p.numel() for p in params)
     nes_bytes = 20.0 * n
+    flops = harness.flatten_work(resolved, shapes2d, "fp32")
+    nbytes = nes_bytes + 8.0 * sum(b * m * k for b, m, k in shapes2d)
+    roof = harness.roofline(flops, nbytes, ceilings(device))
     copy = ceilings(device)["copy_GBps"]
     step_s = median or second_s
     extra = dict(
@@ -167,6 +173,10 @@ def test_step_phases(benchmark, method, set_name, device, bench_seconds, ceiling
         nesterov_frac_copy=nes_bytes / phases["nesterov_s"] / 1e9 / copy,
         overhead_frac=1.0 - (phases["flatten_s"] + phases["nesterov_s"]) / step_s,
         **phases,
+        flops=flops,
+        bytes=nbytes,
+        **roof,
+        **harness.rates(median, flops, nbytes, roof),
     )
     harness.describe(benchmark, "step_phases", f"isoloco-{method}", set_name, spec, device, "fp32", **extra)
     print(
