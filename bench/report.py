@@ -7,7 +7,8 @@
 The JSON files come from `pytest bench/ --benchmark-only --benchmark-json bench/results/<name>.json`;
 besides pytest-benchmark's timings each holds the ceilings measured in the same run (key "isoloco")
 and, per case, the extra_info written by bench/test_bench_*.py. Every speed ratio below divides two
-medians of the same run.
+medians of the same run. Every case's roofline (achieved TFLOP/s and GB/s, fractions of the ceilings
+of the same run) is one row of the page's last table, and with --table one entry of a "roofline" line.
 
 Its phases, one module each: bench/report_data.py reads a run and checks the targets, bench/report_plot.py
 draws its plot, this module writes the tables and the page and holds the command line.
@@ -25,7 +26,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if os.path.dirname(HERE) not in sys.path:  # run as a script: the repository root, for `bench.`
     sys.path.insert(0, os.path.dirname(HERE))
 
-from bench.report_data import check_targets, find, fmt, fmt_t, load, run_title  # noqa: E402
+from bench.report_data import (  # noqa: E402
+    case_label,
+    check_targets,
+    find,
+    fmt,
+    fmt_t,
+    load,
+    roofline_cases,
+    run_title,
+)
 from bench.report_plot import plot  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
@@ -44,6 +54,10 @@ def _mode(iso: dict) -> str:
         return ""
     if mode == "full":
         return ", full run"
+    if mode == "dry-run":
+        return (
+            f", dry run (sets {', '.join(iso.get('bench_sets', []))}; one round per case: the numbers measure nothing)"
+        )
     return f", quick run (sets {', '.join(iso.get('bench_sets', []))}; `--bench-full` for all)"
 
 
@@ -195,7 +209,42 @@ def markdown(run) -> list[str]:
         lines += _md_table(
             ["device", "set", "impl", "median", "× svd-loop+sgd", "time / DiLoCo step", "error", "rounds"], rows
         ) + [""]
+    lines += _roofline_table(run)
     return lines
+
+
+def _roofline_table(run) -> list[str]:
+    """Every case's achieved rates and fractions of the ceilings measured in the same run."""
+    if not run["cases"]:
+        return []
+    rows = [
+        (
+            c["kind"],
+            c.get("device", "?"),
+            c.get("set", "?"),
+            case_label(c),
+            c.get("dtype", "–"),
+            fmt_t(c["median_s"]),
+            fmt(c.get("TFLOPs"), ".3g"),
+            fmt(c.get("GBps"), ".3g"),
+            fmt(c.get("frac_matmul"), pct=True),
+            fmt(c.get("frac_copy"), pct=True),
+            fmt(c.get("frac_roofline"), pct=True),
+        )
+        for c in roofline_cases(run)
+    ]
+    head = ["kind", "device", "set", "case", "dtype", "median", "TFLOP/s", "GB/s", "% matmul", "% copy", "% roofline"]
+    return [
+        "### Roofline of every case",
+        "",
+        "Achieved TFLOP/s and GB/s of the modelled work (each suite's model: bench/harness.py and the "
+        "suite's docstring) and their fractions of the ceilings above: % matmul and % copy are each "
+        "bound alone over the median, % roofline the larger bound over the median ('–': not modelled "
+        "or not recorded).",
+        "",
+        *_md_table(head, rows),
+        "",
+    ]
 
 
 def _fallbacks(c) -> str:
@@ -232,7 +281,16 @@ def short_table(run) -> str:
             f"nesterov {c['device']} {c['set']} {c['impl']}: {fmt_t(c['median_s'])}, "
             f"{c['GBps']:.3g} GB/s ({100 * c['frac_copy']:.0f} % copy)"
         )
-    return "\n".join(out)
+    return "\n".join(out + _roofline_lines(run))
+
+
+def _roofline_lines(run) -> list[str]:
+    """One line per kind, device, set and dtype: every case's fraction of its roofline."""
+    groups: dict[tuple, list[str]] = {}
+    for c in roofline_cases(run):
+        key = (c["kind"], c.get("device", "?"), c.get("set", "?"), c.get("dtype", "–"))
+        groups.setdefault(key, []).append(f"{case_label(c)} {fmt(c.get('frac_roofline'), pct=True)}")
+    return [f"roofline {' '.join(key)}: {', '.join(parts)}" for key, parts in groups.items()]
 
 
 def main(argv=None) -> int:

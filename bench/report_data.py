@@ -155,3 +155,44 @@ def check_targets(run) -> list[tuple[str, str, str]]:
 
 def run_title(run) -> str:
     return os.path.splitext(os.path.basename(run["path"]))[0]
+
+
+#: The order the roofline table lists the kinds of case in (others after, by name).
+KINDS = ("flatten", "captured", "fast_route", "merge", "nesterov", "outer_step", "step_phases", "distributed")
+
+
+def case_label(c: dict) -> str:
+    """What sets a case apart within its kind, set and device: the impl, and the merge, K or world size."""
+    label = c.get("impl", "?")
+    if c.get("method") and c["method"] != label:
+        label = f"{c['method']} {label}"
+    if c.get("K"):
+        label += f" K{c['K']}"
+    if c.get("world"):
+        label += f" ×{c['world']} rank{'s' if c['world'] != 1 else ''}"
+    return label
+
+
+def roofline_cases(run) -> list[dict]:
+    """Every case of the run, in the roofline table's order (kind, device, set, label)."""
+    rank = {k: i for i, k in enumerate(KINDS)}
+    return sorted(
+        run["cases"],
+        key=lambda c: (
+            rank.get(c["kind"], len(KINDS)),
+            c["kind"],
+            c.get("device", ""),
+            c.get("set", ""),
+            case_label(c),
+        ),
+    )
+
+
+def missing_roofline(run) -> list[str]:
+    """The names of the benchmarks in a run (pytest-benchmark's JSON, read or as loaded) whose
+    extra_info holds no roofline fraction ("frac_roofline"): every case should report one."""
+    return [
+        b.get("fullname", b.get("name", "?"))
+        for b in run.get("benchmarks", [])
+        if not isinstance(b.get("extra_info", {}).get("frac_roofline"), (int, float))
+    ]
