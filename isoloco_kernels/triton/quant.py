@@ -1,0 +1,316 @@
+"""Triton kernels of the compressed exchange (compress/): blockwise quantize + error feedback + pack,
+and unpack + accumulate, one pass over the data each.
+
+    _quantize_ef_pack_kernel    v = Δ + e (float32); per block s = float32(absmax / vmax) (0 below
+                                2^-126); codes of v / s, nearest (ties to even) or stochastic from the
+                                counter hash; packed 8/bits per byte; e' = β·(v − level·s)
+    _unpack_accumulate_kernel   out (+)= level(code)·s, the sum in float32, rounded once to out's dtype
+
+The contract is compress/codec.py's (the torch path, which tests compare these to bit for bit):
+every step is exact but the division v / s (div_rn: correctly rounded, as torch's) and the float32
+products and sums, which are launched with fp fusion off so no FMA changes a rounding. Formats
+come in as constexprs (bits, float or int, mantissa bits, smallest normal exponent, vmax).
+Program p handles ROWS blocks of BLOCK entries; offsets are int64. The programs whose entries all
+lie below n run without masks (MASKED=False: vectorized loads and stores), the last partial one in a
+second launch with them. A block holding NaN/Inf writes a
+NaN scale, which the caller checks (one sync) before it hands anything out.
+
+This module has no package-relative imports, so a test may load a second copy of it with the
+Triton interpreter switched on (tests/test_compress_triton.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+#: Entries per program (ROWS = ENTRIES // BLOCK blocks).
+ENTRIES = 2048
+NUM_WARPS = 4
+_MIN_SCALE = 2.0**-126
+
+
+@triton.jit
+def _mix32(x):
+    """lowbias32 on uint32 (wrapping multiplies): compress/codec.py's mix32."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _pow2(k):
+    """2^k as float32, k an int32 tensor in the normal range."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load(ptr, offs, n, MASKED: tl.constexpr):
+    """ptr[offs], with offs ≥ n read as 0 when MASKED (the last program); unmasked loads vectorize."""
+    if MASKED:
+        x = tl.load(ptr + offs, mask=offs < n, other=0)
+    else:
+        x = tl.load(ptr + offs)
+    return x
+
+
+@triton.jit
+def _store(ptr, offs, value, n, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + offs, value, mask=offs < n)
+    else:
+        tl.store(ptr + offs, value)
+
+
+@triton.jit(do_not_specialize=["pid0", "first_block", "key_a", "key_b"])
+def _quantize_ef_pack_kernel(
+    delta_ptr,
+    res_ptr,
+    new_res_ptr,
+    codes_ptr,
+    scales_ptr,
+    pid0,
+    n,
+    n_blocks,
+    n_bytes,
+    first_block,
+    key_a,
+    key_b,
+    beta,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BITS: tl.constexpr,
+    IS_FLOAT: tl.constexpr,
+    MANT: tl.constexpr,
+    EMIN: tl.constexpr,
+    VMAX: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    FEEDBACK: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    rows = (pid0 + tl.program_id(0)).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    j = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    v = _load(delta_ptr, j, n, MASKED).to(tl.float32)
+    if HAS_RES:
+        v = v + _load(res_ptr, j, n, MASKED).to(tl.float32)
+    av = tl.abs(v)
+    bad = tl.sum(((v != v) | (av == float("inf"))).to(tl.int32), 1)
+    s = tl.math.div_rn(tl.max(av, 1), tl.full([ROWS], VMAX, tl.float32))
+    s = tl.where(s < 1.1754943508222875e-38, 0.0, s)  # float32's smallest normal: MIN_SCALE
+    nonzero = s[:, None] > 0
+    y = tl.where(nonzero, tl.math.div_rn(v, tl.where(nonzero, s[:, None], 1.0)), 0.0)
+    a = tl.minimum(tl.abs(y), VMAX)
+    if IS_FLOAT:
+        e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
+        t = a * _pow2(MANT - e)  # exact
+    else:
+        t = a
+    fl = tl.floor(t)
+    frac = t - fl
+    ni = fl.to(tl.int32)
+    if STOCHASTIC:
+        g = first_block.to(tl.int64) * BLOCK + j
+        lo = (g & 0xFFFFFFFF).to(tl.uint32)
+        hi = (g >> 32).to(tl.uint32)
+        h = _mix32(_mix32(lo ^ key_a.to(tl.uint32)) ^ (key_b.to(tl.uint32) + hi))
+        up = (h >> 8).to(tl.float32) * 5.9604644775390625e-08 < frac  # u = bits · 2^-24
+    else:
+        up = (frac > 0.5) | ((frac == 0.5) & ((ni & 1) == 1))
+    ni = ni + up.to(tl.int32)
+    neg = (y < 0) & (ni > 0)
+    if IS_FLOAT:
+        code = (e - EMIN) * (1 << MANT) + ni
+        code = tl.where(neg, code | (1 << (BITS - 1)), code)
+        level = ni.to(tl.float32) * _pow2(e - MANT)
+    else:
+        code = tl.where(neg, -ni, ni) & ((1 << BITS) - 1)
+        level = ni.to(tl.float32)
+    if FEEDBACK:
+        level = tl.where(neg, -level, level)
+        c = level * s[:, None]
+        _store(new_res_ptr, j, (beta * (v - c)).to(new_res_ptr.dtype.element_ty), n, MASKED)
+    _store(scales_ptr, rows, tl.where(bad > 0, float("nan"), s), n_blocks, MASKED)
+    if BITS == 8:
+        _store(codes_ptr, j, code.to(tl.uint8), n, MASKED)
+    else:
+        PER: tl.constexpr = 8 // BITS
+        fields = tl.reshape(code, (ROWS, BLOCK // PER, PER)) << (tl.arange(0, PER) * BITS)[None, None, :]
+        byte = tl.sum(fields, 2)  # the fields do not overlap: sum = or
+        b = rows[:, None] * (BLOCK // PER) + tl.arange(0, BLOCK // PER)[None, :]
+        _store(codes_ptr, b, byte.to(tl.uint8), n_bytes, MASKED)
+
+
+@triton.jit(do_not_specialize=["pid0"])
+def _unpack_accumulate_kernel(
+    codes_ptr,
+    scales_ptr,
+    out_ptr,
+    pid0,
+    n,
+    n_blocks,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BITS: tl.constexpr,
+    IS_FLOAT: tl.constexpr,
+    MANT: tl.constexpr,
+    EMIN: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    rows = (pid0 + tl.program_id(0)).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    j = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    if BITS == 8:
+        code = _load(codes_ptr, j, n, MASKED).to(tl.int32)
+    else:
+        PER: tl.constexpr = 8 // BITS
+        if MASKED:
+            byte = tl.load(codes_ptr + j // PER, mask=j < n, other=0).to(tl.int32)
+        else:
+            byte = tl.load(codes_ptr + j // PER).to(tl.int32)
+        code = (byte >> ((j % PER) * BITS).to(tl.int32)) & ((1 << BITS) - 1)
+    s = _load(scales_ptr, rows, n_blocks, MASKED)
+    if IS_FLOAT:
+        mag = code & ((1 << (BITS - 1)) - 1)
+        f = mag >> MANT
+        m = mag & ((1 << MANT) - 1)
+        level = tl.where(f == 0, m, m + (1 << MANT)).to(tl.float32) * _pow2(tl.maximum(f, 1) - 1 + EMIN - MANT)
+        if NAN_CODE >= 0:
+            level = tl.where(mag == NAN_CODE, float("nan"), level)
+        level = tl.where((code >> (BITS - 1)) != 0, -level, level)
+    else:
+        level = (code - ((code >> (BITS - 1)) << BITS)).to(tl.float32)
+    c = level * s[:, None]
+    if ACCUMULATE:
+        c = _load(out_ptr, j, n, MASKED).to(tl.float32) + c
+    _store(out_ptr, j, c.to(out_ptr.dtype.element_ty), n, MASKED)
+
+
+def _launches(n: int, block: int, rows: int):
+    """(pid0, programs, MASKED) per launch: the programs whose entries all lie below n run unmasked
+    (their loads and stores vectorize), the last, partial one masked; then the number of blocks."""
+    full, per = n // (rows * block), rows * block
+    out = [(0, full, False)] if full else []
+    if full * per < n:
+        out.append((full, 1, True))
+    return out, -(-n // block)
+
+
+def _rows(block: int, rows: Optional[int]) -> int:
+    return rows or max(1, ENTRIES // block)
+
+
+def _i32(k: int) -> int:
+    """A uint32 key as the int32 with the same bits (one kernel signature for every key)."""
+    return k - (1 << 32) if k >= 1 << 31 else k
+
+
+def quantize_ef_pack(
+    delta: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    new_residual: Optional[torch.Tensor],
+    *,
+    bits: int,
+    is_float: bool,
+    mant: int,
+    emin: int,
+    vmax: float,
+    block: int,
+    first_block: int = 0,
+    keys: Optional[tuple[int, int]] = None,
+    beta: Optional[float] = None,
+    rows: Optional[int] = None,
+) -> None:
+    """Fill codes (uint8 [ceil(n·bits/8)]), scales (float32 [ceil(n/block)]) and, with `beta`,
+    new_residual (Δ's shape, any float dtype) from the contiguous Δ (float16/bfloat16/float32) and
+    residual (None: zeros). keys: stream_keys(...) for stochastic rounding, None for nearest."""
+    n = delta.numel()
+    if n == 0:
+        return
+    for t in (delta, residual, codes, scales, new_residual):
+        if t is not None and not t.is_contiguous():
+            raise ValueError("quantize_ef_pack: every tensor must be contiguous")
+    rows = _rows(block, rows)
+    launches, nb = _launches(n, block, rows)
+    ka, kb = keys if keys is not None else (0, 0)
+    for pid0, programs, masked in launches:
+        _quantize_ef_pack_kernel[(programs,)](
+            delta,
+            residual if residual is not None else delta,
+            new_residual if new_residual is not None else delta,
+            codes,
+            scales,
+            pid0,
+            n,
+            nb,
+            codes.numel(),
+            first_block,
+            _i32(ka),
+            _i32(kb),
+            float(beta) if beta is not None else 0.0,
+            BLOCK=block,
+            ROWS=rows,
+            BITS=bits,
+            IS_FLOAT=is_float,
+            MANT=mant,
+            EMIN=emin,
+            VMAX=float(vmax),
+            HAS_RES=residual is not None,
+            FEEDBACK=beta is not None,
+            STOCHASTIC=keys is not None,
+            MASKED=masked,
+            num_warps=NUM_WARPS,
+            enable_fp_fusion=False,
+        )
+
+
+def unpack_accumulate(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    bits: int,
+    is_float: bool,
+    mant: int,
+    emin: int,
+    block: int,
+    accumulate: bool = True,
+    rows: Optional[int] = None,
+) -> None:
+    """out (+)= level·s for the contiguous out (any float dtype, numel entries): accumulate=False
+    writes the dequantized values, True adds them (in float32, one rounding to out's dtype)."""
+    n = out.numel()
+    if n == 0:
+        return
+    if not out.is_contiguous():
+        raise ValueError("unpack_accumulate: out must be contiguous")
+    rows = _rows(block, rows)
+    launches, nb = _launches(n, block, rows)
+    for pid0, programs, masked in launches:
+        _unpack_accumulate_kernel[(programs,)](
+            codes,
+            scales,
+            out,
+            pid0,
+            n,
+            nb,
+            BLOCK=block,
+            ROWS=rows,
+            BITS=bits,
+            IS_FLOAT=is_float,
+            MANT=mant,
+            EMIN=emin,
+            NAN_CODE=0x7F if is_float and bits == 8 else -1,
+            ACCUMULATE=accumulate,
+            MASKED=masked,
+            num_warps=NUM_WARPS,
+            enable_fp_fusion=False,
+        )
