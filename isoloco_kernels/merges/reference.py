@@ -3,9 +3,10 @@
 
 Every function takes one worker stack x = [K, m, n] (Δ_1..Δ_K, global − local; K ≥ 1) and returns the
 merged [m, n] pseudo-gradient in float64 on the CPU, at the scale of the mean (so one outer learning rate
-means the same step size for every merge). At K = 1 each rule below is its value for one worker: tsv
-keeps all r triplets (the delta, recombined), iso_cts's common and own spaces span all of the delta's
-directions (its Iso-C), ties trims the delta, dare drops and rescales it. Tensors that are not 2-D are merged by the mean (`merge_ref`).
+means the same step size for every merge). Tensors that are not 2-D are merged by the mean (`merge_ref`).
+At K = 1 each rule below is its value for one worker: tsv keeps all r triplets (the delta, recombined),
+iso_cts's common and own spaces span all of the delta's directions (its Iso-C), ties trims the delta,
+dare drops and rescales it.
 Orthogonalizations are reference.py's polar factor (U_r V_rᵀ with its rank cut), so every result is
 basis-free: directions whose singular value is zero (σ ≤ τ·σ_1, reference.rank_tol) carry no
 arbitrary LAPACK basis into a result. docs/merges.md says where each departs from the official code.
