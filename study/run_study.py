@@ -108,6 +108,7 @@ V3_SETTINGS = {
     "inner": ("inner", str),
     "model": ("model", str),
     "eval_every": ("eval_every", int),
+    "outer_schedule": ("outer_schedule", str),  # v6: in a run's settings only when not "constant"
 }
 
 
@@ -242,6 +243,11 @@ def main() -> None:
     p.add_argument(
         "--eval-every", type=int, default=None, help="v3: rounds between held-out scores (default: only the last round)"
     )
+    p.add_argument(
+        "--outer-schedule",
+        default="constant",
+        help="v6: the outer optimizer's schedule (train.config.OUTER_SCHEDULES: warmup, warmup-cosine, momentum-warmup)",
+    )
     p.add_argument("--iso-method", default=None, help="v4: comma list of IsoLoCo flatten methods (library or study)")
     p.add_argument("--spectra", default=None, help="v4: JSONL for the error and flatness of every method on Δ")
     a = p.parse_args()
@@ -278,7 +284,17 @@ def main() -> None:
             "model": a.model,
             "eval_every": a.eval_every or a.steps,
         }  # rounds ≤ steps: the last only
-    elif (a.batch, a.seq_len, a.inner_lr, a.inner, a.model, a.eval_every) != (4, 64, 3e-3, "adamw", "tiny", None):
+        if a.outer_schedule != "constant":  # absent otherwise: the run keys of every earlier record stay as they are
+            v3["outer_schedule"] = a.outer_schedule
+    elif (a.batch, a.seq_len, a.inner_lr, a.inner, a.model, a.eval_every, a.outer_schedule) != (
+        4,
+        64,
+        3e-3,
+        "adamw",
+        "tiny",
+        None,
+        "constant",
+    ):
         p.error(
             "--batch, --seq-len, --inner-lr, --inner, --model and --eval-every are study v3 settings: add --part v3 or v4"
         )

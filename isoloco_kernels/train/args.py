@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .capture import SAVE_DTYPES
-from .config import DEFAULT_MODES, INNERS, MODES, OUTER_DEFAULTS, TrainConfig
+from .config import DEFAULT_MODES, INNERS, MODES, OUTER_DEFAULTS, OUTER_SCHEDULES, TrainConfig
 from .dist import OUTER_PLACEMENTS
 from .model import INITS, PRESETS
 from .tokenizer import MAX_VOCAB
@@ -175,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--sweep", type=_parse_sweep, default=None, help="NAME=V1,V2,... e.g. workers=2,4,8,16 or inner-steps=30,100"
+    )
+    p.add_argument(
+        "--outer-schedule",
+        default=d.outer_schedule,
+        choices=OUTER_SCHEDULES,
+        help="the outer lr or momentum over the rounds (default %(default)s): warmup = linear over the first "
+        "5%% of rounds; warmup-cosine = that, then cosine to 0.1x; momentum-warmup = μ linear from 0 over 5%%",
     )
     p.add_argument(
         "--seed",

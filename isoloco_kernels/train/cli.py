@@ -148,6 +148,7 @@ def main(argv=None) -> int:
         inner=a.inner,
         iso_method=a.iso_method,
         merge=a.merge,
+        outer_schedule=a.outer_schedule,
         eval_windows=a.eval_windows,
         seed=a.seed,
         device=device,

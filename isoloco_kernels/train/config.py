@@ -21,6 +21,10 @@ OUTER_DEFAULTS = {"diloco": (0.7, 0.9), "isoloco": (1.8, 0.8), "isoloco-sgd": (3
 SGD_MODES = ("diloco", "avg")  # outer torch.optim.SGD (no Iso-C)
 MERGING_MODES = ("isoloco", "isoloco-sgd")  # the modes --merge applies to
 INNERS = ("adamw", "muon")  # the inner optimizer (inner_optimizer)
+#: The outer optimizer's schedules (optimizers.OuterSchedule): constant; a linear warm-up of the outer lr over
+#: the first 5 % of rounds; that warm-up, then a cosine decay of the outer lr to 0.1×; a linear warm-up of the
+#: outer momentum from 0 over the first 5 % of rounds.
+OUTER_SCHEDULES = ("constant", "warmup", "warmup-cosine", "momentum-warmup")
 
 
 @dataclass
@@ -46,6 +50,7 @@ class TrainConfig:
     # the Iso-C modes' aggregation of the K workers' deltas (merges.MERGES): "iso_c" is IsoLoCo;
     # another keeps every worker's Δ and steps with MergeLoCo (one process only)
     merge: str = "iso_c"
+    outer_schedule: str = "constant"  # OUTER_SCHEDULES: the outer lr or momentum over the rounds
     # held-out windows of seq_len tokens in each of two splits, the same for every mode: the
     # selection split (first half of the held-out stream: heldout_loss, final_loss, to pick lrs on)
     # and the test split (second half: test_loss, final_test_loss, to report)
@@ -128,6 +133,8 @@ class TrainConfig:
 
         if self.merge not in MERGES:
             raise ValueError(f"merge must be one of {tuple(MERGES)}, got {self.merge!r}")
+        if self.outer_schedule not in OUTER_SCHEDULES:
+            raise ValueError(f"outer_schedule must be one of {OUTER_SCHEDULES}, got {self.outer_schedule!r}")
         if self.merge != "iso_c" and self.iso_skip:
             raise ValueError(f"iso_skip keeps matrices out of Iso-C; it cannot combine with merge {self.merge!r}")
         if self.init not in INITS:

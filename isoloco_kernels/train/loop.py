@@ -38,7 +38,15 @@ from .config import DEFAULT_MODES, INNERS, MODES, OUTER_DEFAULTS, SGD_MODES, Tra
 from .data import Batches, Corpus, check_fits, heldout_splits, worker_seed, worker_shards
 from .divergence import DivergenceMeter
 from .model import ByteLM, count_params
-from .optimizers import InnerOptimizers, inner_optimizer, lr_factor, muon_params, outer_optimizer, outer_params
+from .optimizers import (
+    InnerOptimizers,
+    OuterSchedule,
+    inner_optimizer,
+    lr_factor,
+    muon_params,
+    outer_optimizer,
+    outer_params,
+)
 from .tokenizer import tokenize
 
 __all__ = [
@@ -304,6 +312,8 @@ def run_mode(
     out = {"mode": mode}
     if mode != "ddp":
         out["outer_lr"], out["outer_momentum"] = cfg.outer(mode)
+        if cfg.outer_schedule != "constant":
+            out["outer_schedule"] = cfg.outer_schedule
     clock = _Clock(setup.device)
     t0 = time.perf_counter()
     done = 0
@@ -334,6 +344,7 @@ def run_mode(
             params = list(model.parameters())
             names = [n for n, _ in model.named_parameters()]
             outer = comm.outer_optimizer(mode, outer_params(mode, names, params, cfg), cfg)
+            schedule = OuterSchedule(outer, cfg.outer_schedule, R)
             meter = DivergenceMeter(model) if cfg.divergence else None
             if meter is not None:
                 out["divergence"] = []
@@ -379,6 +390,7 @@ def run_mode(
                     else:
                         outer.step()
                     outer.zero_grad(set_to_none=True)
+                    schedule.step()
                 if not _scored(r + 1, cfg):
                     continue
                 with clock.time("eval"):

@@ -107,6 +107,44 @@ def outer_optimizer(mode: str, params, cfg: TrainConfig) -> torch.optim.Optimize
     return IsoLoCo(params, lr=lr, momentum=mom, iso=True, method=cfg.iso_method)
 
 
+class OuterSchedule:
+    """The outer optimizer's schedule over R rounds (TrainConfig.outer_schedule), through torch's LR scheduler
+    (LambdaLR: the lr factor is set in param_groups before each outer step, which the outer optimizers read
+    every step) or, for the momentum warm-up, the groups' momentum set the same way. W = max(1, round(5 % of R))
+    warm-up rounds: round r (0-based) runs at (r + 1)/W of the lr (or of μ) while r < W; warmup-cosine then
+    decays the lr from 1× to 0.1× along a half cosine over the remaining rounds. `step()` after each outer step."""
+
+    def __init__(self, opt: torch.optim.Optimizer, kind: str, rounds: int):
+        self.opt, self.kind, self.rounds = opt, kind, rounds
+        self.warm = max(1, round(0.05 * rounds))
+        self.round = 0
+        self.mu = [g["momentum"] for g in opt.param_groups]
+        self.lr_sched = None
+        if kind in ("warmup", "warmup-cosine"):
+            self.lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_factor)
+        self._set_momentum()
+
+    def lr_factor(self, r: int) -> float:
+        if r < self.warm:
+            return (r + 1) / self.warm
+        if self.kind != "warmup-cosine" or self.rounds <= self.warm + 1:
+            return 1.0
+        t = (r - self.warm) / (self.rounds - self.warm - 1)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
+
+    def _set_momentum(self) -> None:
+        if self.kind == "momentum-warmup":
+            f = min(1.0, (self.round + 1) / self.warm)
+            for g, mu in zip(self.opt.param_groups, self.mu):
+                g["momentum"] = mu * f
+
+    def step(self) -> None:
+        self.round += 1
+        if self.lr_sched is not None:
+            self.lr_sched.step()
+        self._set_momentum()
+
+
 def check_outer_step(mode: str, cfg: TrainConfig) -> None:
     """Build `mode`'s outer optimizer with cfg's settings on two small stand-in params and take one step on
     K = cfg.workers zero pseudo-gradients, so a setting the outer step cannot run (a merge, its options, the
