@@ -150,6 +150,13 @@ def main() -> None:
             (HERE / "summary_v5_merges.json").write_text(json.dumps(merges, indent=1))
             plot_merges(merges, HERE / "study_v5_merges.png")
             print("\n<!-- v5 merges -->\n" + markdown_merges(merges))
+        from v6 import HORIZON, markdown_v6, plot_v6, summarize_v6  # study v6 part A: the horizon
+
+        if any(r.get("rounds") == HORIZON[2] for r in v3_recs):
+            v6 = summarize_v6(v3_recs)
+            (HERE / "summary_v6.json").write_text(json.dumps(v6, indent=1))
+            plot_v6(v6, HERE / "study_v6_horizon.png")
+            print("\n<!-- v6 horizon -->\n" + markdown_v6(v6))
     v4_recs = [r for r in recs if r.get("study") == "v4"]
     if v4_recs:
         from v4 import markdown_v4, markdown_verdict, plot_v4, summarize_v4, verdict  # study/ is on sys.path

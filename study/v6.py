@@ -1,0 +1,130 @@
+"""Study v6, part A: the horizon. IsoLoCo against a DiLoCo tuned over lr and μ at ~20 tokens per parameter.
+
+The base cell (tiny preset, K 4, H 30, 4 × 64 bytes, AdamW inner) trained for 300 outer rounds (9,000 inner
+steps per worker, ≈ 19.7 tokens per parameter), both held-out splits scored every 10 rounds. Each method is
+tuned at that horizon by v3's rule (study/v3.py `best_config`: seed-0 pick on the selection split at the last
+round, seeds 1 and 2 of the pick, the test split reported). The table gives IsoLoCo − DiLoCo on the test
+split at rounds 10, 30, 100 and the end, paired per seed, with a 95 % Student-t interval, and each method's
+gap to DDP at the same tokens; the plot draws the gap against the rounds (per seed and the mean).
+
+    python study/summarize.py     # prints this table among the others, writes study/study_v6_horizon.png
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from v3 import _fmt, best_config, grids, t_interval  # study/ is on sys.path
+
+#: The horizon cell: v3's cell keys (K, H, rounds, vocab, init) and settings (batch, seq_len, inner, inner_lr, model).
+HORIZON = (4, 30, 300, 256, "gpt2", 4, 64, "adamw", 3e-3, "tiny")
+CHECKPOINTS = (10, 30, 100, 300)
+TOKENS_PER_ROUND = 4 * 30 * 4 * 64  # K × H × batch × seq_len
+TINY_PARAMS = 467_584
+
+
+def horizon_picks(recs: list[dict], cell: tuple = HORIZON) -> dict:
+    """method -> its best config at the horizon (v3.best_config) and that config's records by seed."""
+    grid = grids(recs).get(cell, {})
+    out = {}
+    for mode in ("ddp", "diloco", "isoloco"):
+        best = best_config(grid.get(mode, {}))
+        if best is not None:
+            out[mode] = {**best, "runs": grid[mode][(best["lr"], best["momentum"])]}
+    return out
+
+
+def test_at_round(r: dict, rnd: int) -> float | None:
+    """The test-split loss a run recorded after round `rnd` (None if it was not scored then)."""
+    for tokens, loss in zip(r["tokens"], r["test_loss"]):
+        if tokens == rnd * TOKENS_PER_ROUND:
+            return loss
+    return None
+
+
+def _gap(a: dict, b: dict, rnd: int) -> dict | None:
+    """a − b on the test split after round rnd, paired over the seeds both have."""
+    seeds = sorted(set(a["runs"]) & set(b["runs"]))
+    pairs = [(test_at_round(a["runs"][s], rnd), test_at_round(b["runs"][s], rnd)) for s in seeds]
+    d = [x - y for x, y in pairs if x is not None and y is not None]
+    if not d:
+        return None
+    lo, hi = t_interval(d)
+    return {"round": rnd, "seeds": len(d), "mean": statistics.fmean(d), "t_lo": lo, "t_hi": hi, "per_seed": d}
+
+
+def summarize_v6(recs: list[dict], cell: tuple = HORIZON) -> dict:
+    """The horizon's picks, IsoLoCo − DiLoCo at each checkpoint round, each method's gap to DDP at the end."""
+    picks = horizon_picks(recs, cell)
+    out: dict = {
+        "rounds": cell[2],
+        "tokens_per_param": cell[2] * TOKENS_PER_ROUND / TINY_PARAMS,
+        "picks": {m: {k: v for k, v in p.items() if k != "runs"} for m, p in picks.items()},
+    }
+    if "diloco" in picks and "isoloco" in picks:
+        out["gap"] = [g for g in (_gap(picks["isoloco"], picks["diloco"], r) for r in CHECKPOINTS) if g]
+        rounds = sorted({t // TOKENS_PER_ROUND for r in picks["isoloco"]["runs"].values() for t in r["tokens"]} - {0})
+        out["curve"] = [g for g in (_gap(picks["isoloco"], picks["diloco"], r) for r in rounds) if g]
+    if "ddp" in picks:
+        out["to_ddp"] = {m: _gap(picks[m], picks["ddp"], cell[2]) for m in ("diloco", "isoloco") if m in picks}
+    out["cpu_s"] = sum(
+        r.get("cpu_s", 0.0)
+        for cfgs in grids(recs).get(cell, {}).values()
+        for runs in cfgs.values()
+        for r in runs.values()
+    )
+    return out
+
+
+def _interval(g: dict | None) -> str:
+    if not g:
+        return "—"
+    return f"{_fmt(g['mean'])} [{_fmt(g['t_lo'])}, {_fmt(g['t_hi'])}] ({g['seeds']} seeds)"
+
+
+def markdown_v6(s: dict) -> str:
+    picks = s["picks"]
+    lines = [
+        f"Horizon: {s['rounds']} rounds, {s['tokens_per_param']:.1f} tokens per parameter (base cell, K 4, H 30).",
+        "",
+        "| method | pick (lr @ μ) | edge | test loss per seed |",
+        "|---|---|---|---|",
+    ]
+    for m in ("ddp", "diloco", "isoloco"):
+        if m in picks:
+            p = picks[m]
+            cfg = "—" if p["lr"] is None else f"{p['lr']} @ {p['momentum']}"
+            tests = ", ".join(f"{v:.4f}" for _, v in sorted(p["test"].items()) if v is not None)
+            lines.append(f"| {m} | {cfg} | {'yes' if p['edge'] else 'no'} | {tests} |")
+    lines += ["", "| round | IsoLoCo − DiLoCo (test, mean [95 % t]) |", "|---|---|"]
+    lines += [f"| {g['round']} | {_interval(g)} |" for g in s.get("gap", [])]
+    for m, g in (s.get("to_ddp") or {}).items():
+        lines.append(f"\n{m} − DDP at the end: {_interval(g)}")
+    return "\n".join(lines)
+
+
+def plot_v6(s: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = s.get("curve") or []
+    if not curve:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [g["round"] for g in curve]
+    for i in range(max(g["seeds"] for g in curve)):
+        ys = [g["per_seed"][i] if i < len(g["per_seed"]) else float("nan") for g in curve]
+        ax.plot(xs, ys, color="0.7", lw=0.8, label="per seed" if i == 0 else None)
+    ax.plot(xs, [g["mean"] for g in curve], color="C0", lw=2, label="mean")
+    ax.fill_between(xs, [g["t_lo"] for g in curve], [g["t_hi"] for g in curve], color="C0", alpha=0.2, label="95 % t")
+    ax.axhline(0.0, color="k", lw=0.6)
+    ax.set_xscale("log")
+    ax.set_xlabel("outer round (30,720 tokens each)")
+    ax.set_ylabel("IsoLoCo − DiLoCo, test loss (nats/byte)")
+    ax.set_title(f"Study v6: the horizon ({s['tokens_per_param']:.1f} tokens/param at round {s['rounds']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,86 @@
+"""Study v6's code on synthetic records whose answer is known: the horizon table (study/v6.py) and the GPU
+point's dry run (study/gpu_point.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import study_module, study_record
+
+STUDY = Path(__file__).resolve().parents[1] / "study"
+TPR = 4 * 30 * 4 * 64
+
+
+def _rec(mode, lr, mu, seed, sel, curve):
+    """A horizon record: 300 rounds, scored every 10, its test loss after round r given by curve(r)."""
+    r = study_record(mode, lr, mu, seed, sel, curve(300), batch=4, mu=None, eval_every=10)
+    rounds = [0, *range(10, 301, 10)]
+    r.update(rounds=300, tokens=[k * TPR for k in rounds], test_loss=[curve(k) for k in rounds], cpu_s=60.0)
+    return r
+
+
+def test_the_horizon_table_picks_at_the_horizon_and_pairs_every_checkpoint():
+    v6 = study_module("v6")
+    recs = []
+    for seed in (0, 1, 2):
+        base = 0.01 * seed
+        recs.append(_rec("diloco", 0.7, 0.0, seed, 1.60 + base, lambda r, b=base: 2.0 - r / 1000 + b))
+        recs.append(
+            _rec("isoloco", 3.2, 0.8, seed, 1.50 + base, lambda r, b=base, s=seed: 2.1 - r / 900 + b + 0.001 * s)
+        )
+        recs.append(_rec("ddp", None, None, seed, 1.40, lambda r: 1.9 - r / 1000))
+    recs.append(_rec("diloco", 1.0, 0.5, 0, 1.70, lambda r: 2.5))  # worse on the selection split: not picked
+    recs.append(_rec("isoloco", 4.2, 0.8, 0, 1.49, lambda r: 3.0))  # better selection at seed 0: the pick
+    s = v6.summarize_v6(recs)
+    assert s["picks"]["diloco"]["lr"] == 0.7 and s["picks"]["diloco"]["momentum"] == 0.0
+    assert s["picks"]["isoloco"]["lr"] == 4.2 and s["picks"]["isoloco"]["edge"]
+    assert s["tokens_per_param"] == pytest.approx(300 * TPR / 467_584)
+    # the pick 4.2 has seed 0 only: its gap pairs one seed, 3.0 − (2.0 − r/1000) at each checkpoint
+    assert [g["round"] for g in s["gap"]] == [10, 30, 100, 300]
+    for g in s["gap"]:
+        assert g["seeds"] == 1 and g["mean"] == pytest.approx(3.0 - (2.0 - g["round"] / 1000)) and math.isnan(g["t_lo"])
+    assert s["to_ddp"]["diloco"]["mean"] == pytest.approx(0.1 + 0.01)  # mean over seeds of (2.0 − 0.3 + b) − 1.6
+    table = v6.markdown_v6(s)
+    assert "| 300 |" in table and "4.2 @ 0.8" in table and "19.7 tokens per parameter" in table
+
+
+def test_three_seeds_give_a_t_interval_around_the_mean_gap():
+    v6 = study_module("v6")
+    recs = []
+    for seed, d in zip((0, 1, 2), (-0.10, -0.12, -0.11)):
+        recs.append(_rec("diloco", 0.7, 0.0, seed, 1.6, lambda r: 2.0))
+        recs.append(_rec("isoloco", 3.2, 0.8, seed, 1.5, lambda r, d=d: 2.0 + d))
+    g = {x["round"]: x for x in v6.summarize_v6(recs)["gap"]}[300]
+    assert g["seeds"] == 3 and g["mean"] == pytest.approx(-0.11)
+    half = 4.303 * 0.01 / math.sqrt(3)
+    assert (g["t_lo"], g["t_hi"]) == pytest.approx((-0.11 - half, -0.11 + half))
+
+
+def test_a_run_not_scored_at_a_checkpoint_leaves_that_row_out():
+    v6 = study_module("v6")
+    recs = [_rec("diloco", 0.7, 0.0, 0, 1.6, lambda r: 2.0), _rec("isoloco", 3.2, 0.8, 0, 1.5, lambda r: 1.9)]
+    for r in recs:
+        r["tokens"], r["test_loss"] = [0, 300 * TPR], [5.0, r["test_loss"][-1]]
+    assert [g["round"] for g in v6.summarize_v6(recs)["gap"]] == [300]
+
+
+@pytest.mark.slow
+def test_the_gpu_point_dry_run_writes_a_line_per_run(tmp_path):
+    out = tmp_path / "gpu_point.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(STUDY / "gpu_point.py"), "--dry-run", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["run"] for r in lines] == ["diloco-official", "diloco-pick", "isoloco"]
+    assert all(r["dry_run"] and r["rounds"] == 2 and len(r["heldout_loss"]) == 3 and r["epochs"] > 0 for r in lines)
+    assert not (tmp_path / "gpu_point_corpus.txt").exists()
