@@ -1,19 +1,18 @@
 """Agree before writing: the one protocol every collective entry point uses.
 
-Before a collective operation writes anything, every rank contributes (failed?, fingerprint) to
-one small all-gather: `failed` says whether this rank's checks (or anything it computed so far)
-raised, the fingerprint hashes what the ranks must pass alike: the tensors' shapes and dtypes,
-the plan, and every setting that changes which collectives run or what is written (lr, momentum,
-iso, method, route, chunk sizes). If any rank failed or the fingerprints differ, every rank raises
-DistributedStepError naming the ranks and their errors, or the settings that differ and where, and
-nothing was written on any rank. A rank that fails must still reach the agreement (so callers
-catch its exception first); a rank that dies is caught by the process group's timeout.
+Before a collective operation writes anything, every rank contributes (failed?, fingerprint) to one small
+all-gather: `failed` says whether this rank's checks (or anything it computed so far) raised, the fingerprint
+hashes what the ranks must pass alike: the tensors' shapes and dtypes, the plan, and every setting that changes
+which collectives run or what is written (lr, momentum, iso, method, route, chunk sizes). If any rank failed or
+the fingerprints differ, every rank raises DistributedStepError naming the ranks and their errors (the texts
+travel by `gather_objects`, in pre-made blocks), or the settings that differ and where, and nothing was written
+on any rank. A rank that fails must still reach the agreement (so callers catch its exception first); a rank
+that dies is caught by the process group's timeout.
 
-`agree` runs over a process group (one all-gather); `agree_on_mesh` over a DeviceMesh of any
-number of dimensions (one all-reduce per dimension), for the DTensor step. `Agreement` is the
-step protocol every entry point runs on them (check → agree → compute → agree → write): local work
-under `attempt`, one `settle` per agreement. Every tensor the package hands to a collective of a
-group lives on `comm_device(group)`.
+`agree` runs over a process group (one all-gather); `agree_on_mesh` over a DeviceMesh of any number of
+dimensions (one all-reduce per dimension), for the DTensor step. `Agreement` is the step protocol every entry
+point runs on them (check → agree → compute → agree → write): local work under `attempt`, one `settle` per
+agreement. Every tensor the package hands to a collective of a group lives on `comm_device(group)`.
 """
 
 from __future__ import annotations
@@ -32,9 +31,8 @@ import torch.distributed as dist
 
 from .errors import DistributedStepError
 
-# torch 2.14 renamed the single-tensor all-gather; older releases only have the old name (the
-# package's one copy of this shim; builds without torch.distributed have neither: importing stays
-# fine, calling raises in group_info).
+# torch 2.14 renamed the single-tensor all-gather; older releases only have the old name (the package's one copy
+# of this shim; builds without torch.distributed have neither: importing stays fine, calling raises in group_info).
 all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 
 __all__ = [
@@ -81,9 +79,8 @@ def comm_device(group=None) -> torch.device:
 
 
 def check_on_comm_device(tensors, names, group) -> None:
-    """Refuse, by name, tensors handed to the group's collectives in place that are not on its
-    communication device (a CPU tensor on NCCL, which refuses it; a CUDA tensor on gloo), before
-    any collective sees them."""
+    """Refuse, by name, tensors handed to the group's collectives in place that are not on its communication
+    device (a CPU tensor on NCCL, which refuses it; a CUDA tensor on gloo), before any collective sees them."""
     want = comm_device(group)
     for t, name in zip(tensors, names):
         if isinstance(t, torch.Tensor) and t.device != want:
@@ -121,9 +118,8 @@ def _setting(v: Any) -> str:
 
 
 def optimizer_settings(opt, **extra) -> dict[str, str]:
-    """What the ranks of one outer optimizer must share, by name: every param group's
-    hyper-parameters (`param_groups[i]['lr']`, …) and param count, plus `extra` (method, route,
-    chunk size, …)."""
+    """What the ranks of one outer optimizer must share, by name: every param group's hyper-parameters
+    (`param_groups[i]['lr']`, …) and param count, plus `extra` (method, route, chunk size, …)."""
     out = {k: _setting(v) for k, v in extra.items()}
     for gi, g in enumerate(opt.param_groups):
         for k, v in g.items():
@@ -132,9 +128,8 @@ def optimizer_settings(opt, **extra) -> dict[str, str]:
 
 
 def renamed_keyword(extra: dict, old: str, new: str, value, default, where: str):
-    """The value of keyword `new`, or of its deprecated old name `old` when `extra` (the caller's
-    other keywords) holds it (then a DeprecationWarning). Another keyword in `extra`, or both names
-    given, raise TypeError."""
+    """The value of keyword `new`, or of its deprecated old name `old` when `extra` (the caller's other
+    keywords) holds it (then a DeprecationWarning). Another keyword in `extra`, or both names given, raise TypeError."""
     unknown = sorted(set(extra) - {old})
     if unknown:
         raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
@@ -163,22 +158,35 @@ def _new_control(numel: int, device) -> torch.Tensor:  # the agreements' one dev
     return torch.zeros(numel, dtype=torch.int64, device=device)
 
 
+#: The object exchange's block per rank, in bytes: a header word (the object's size), then a piece of the object.
+OBJECT_BYTES = 1024
+
+
+def object_blocks(world: int, device) -> tuple:
+    """The object exchange's int64 control tensors: my block, every rank's, and (off the CPU) their host copy."""
+    w = OBJECT_BYTES // 8
+    host = None if torch.device(device).type == "cpu" else control_tensor("objects-host", w * world, "cpu")
+    return control_tensor("objects-mine", w, device), control_tensor("objects-every", w * world, device), host
+
+
 def gather_objects(obj, group) -> list:
-    """Every rank's picklable `obj`, in rank order: two all-gathers on `comm_device(group)` (the
-    sizes, then the padded bytes), so the object exchange follows the same device rule as the rest."""
+    """Every rank's picklable `obj`, in rank order, over `comm_device(group)`: all-gathers of the pre-made
+    blocks (`object_blocks`), each carrying every rank's size and its next piece, as many as the longest
+    needs (one for error texts). No tensor is made between them, so no rank fails alone in between."""
     _, world = group_info(group)
-    device = comm_device(group)
-    data = pickle.dumps(obj)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = torch.empty(world, dtype=torch.int64, device=device)
-    all_gather_single(sizes, size, group=group)
-    sizes = sizes.tolist()
-    mine = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    every = torch.empty(world * max(sizes), dtype=torch.uint8, device=device)
-    all_gather_single(every, mine, group=group)
-    rows = every.view(world, -1).cpu()
-    return [pickle.loads(bytes(rows[r, : sizes[r]].tolist())) for r in range(world)]
+    mine, every, host = object_blocks(world, comm_device(group))
+    data, piece, start, end = pickle.dumps(obj), OBJECT_BYTES - 8, 0, 1
+    mine[0], parts = len(data), [bytearray() for _ in range(world)]
+    while start < end:  # the first round tells every rank how many follow: the longest object's
+        chunk = bytearray(data[start : start + piece]) or bytearray(1)  # (frombuffer refuses an empty one)
+        mine.view(torch.uint8)[8 : 8 + len(chunk)].copy_(torch.frombuffer(chunk, dtype=torch.uint8))
+        all_gather_single(every, mine, group=group)
+        rows = (every if host is None else host.copy_(every)).view(world, -1)
+        sizes = rows[:, 0].tolist()
+        for r, part in enumerate(parts):
+            part += bytes(rows.view(torch.uint8)[r, 8 : 8 + min(piece, max(sizes[r] - start, 0))].tolist())
+        start, end = start + piece, max(sizes)
+    return [pickle.loads(part) for part in parts]
 
 
 def _by_value(values: list, names: list) -> str:
@@ -257,6 +265,7 @@ def agree(
     device = comm_device(group)
     check = fp is not None or bool(settings)
     mine, every = control_tensor("agree-mine", 3, device), control_tensor("agree-every", 3 * world, device)
+    object_blocks(world, device)  # made with the agreement's own: its error path allocates nothing
     mine.copy_(torch.tensor([int(error is not None), _settings_fp(fp, settings) if check else 0, int(ask)]))
     all_gather_single(every, mine, group=group)
     rows = every.view(world, 3).tolist()
@@ -267,13 +276,11 @@ def agree(
     _raise(what, world, failed, [t for t, _ in got], [s for _, s in got], prints, mismatch)
 
 
+_MESH_MISMATCH = "the ranks hold different sets of grads (shapes, placements or dtypes)"
+
+
 def agree_on_mesh(
-    error: Optional[str],
-    mesh,
-    what: str,
-    fp: int = 0,
-    mismatch: str = "the ranks hold different sets of grads (shapes, placements or dtypes)",
-    settings: Optional[dict] = None,
+    error: Optional[str], mesh, what: str, fp: int = 0, mismatch: str = _MESH_MISMATCH, settings: Optional[dict] = None
 ) -> None:
     """`agree` over every rank of a DeviceMesh: one all-reduce per mesh dimension of a [2·size]
     int64 vector (on the mesh groups' `comm_device`) holding this rank's failure flag and
@@ -288,6 +295,8 @@ def agree_on_mesh(
     me = ranks.index(dist.get_rank())
     groups = [mesh.get_group(d) for d in range(mesh.ndim)]
     v = control_tensor("mesh", 2 * size, comm_device(groups[0])).zero_()
+    for g in groups:  # the error path's blocks, made with the agreement's own
+        object_blocks(dist.get_world_size(g), comm_device(g))
     v[me], v[size + me] = int(error is not None), _settings_fp(fp, settings)
     for g in groups:
         dist.all_reduce(v, group=g)
@@ -298,8 +307,7 @@ def agree_on_mesh(
     known = {me: (error, settings)}
     for g in groups:
         known = {k: t for part in gather_objects(known, g) for k, t in part.items()}
-    texts = [known.get(i, (None, None))[0] for i in range(size)]
-    sets = [known.get(i, (None, None))[1] for i in range(size)]
+    texts, sets = zip(*(known.get(i, (None, None)) for i in range(size)))
     _raise(what, size, failed, texts, sets, prints, mismatch, names=ranks)
 
 
@@ -331,13 +339,7 @@ class Agreement:
             return None
 
     def settle(
-        self,
-        fp: Optional[int] = None,
-        settings: Optional[dict] = None,
-        *,
-        own_error: bool = False,
-        ask: bool = False,
-        written: bool = False,
+        self, fp: Optional[int] = None, settings: Optional[dict] = None, *, own_error=False, ask=False, written=False
     ) -> bool:
         """One agreement on (failed?, fingerprint `fp` and `settings`); raises DistributedStepError on
         every rank if any rank failed or they differ. own_error: a rank that failed raises its own
