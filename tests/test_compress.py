@@ -318,21 +318,21 @@ def test_ties_go_to_the_even_level():
 # random bits
 
 
+def _bits(keys, first, count) -> list[int]:
+    return (q.random_bits(keys, first, count).to(torch.int64) & 0xFFFFFFFF).tolist()
+
+
 def test_random_bits_match_the_reference_and_look_uniform():
-    g = torch.Generator().manual_seed(0)
-    idx = torch.cat(
-        [torch.arange(200), torch.randint(0, 2**40, (200,), generator=g), torch.tensor([2**32 - 1, 2**32, 2**33 + 5])]
-    )
     for seed, step, tid in [(0, 0, 0), (0, 1, 0), (7, 2**31 + 3, 2**32 - 1)]:
-        bits = q.random_bits(q.stream_keys(seed, step, tid), idx)
-        assert bits.tolist() == [random_bits_ref(seed, step, tid, i) for i in idx.tolist()]
-    u = (q.random_bits(q.stream_keys(0, 3, 4), torch.arange(1 << 16)) >> 8).double() * 2.0**-24
+        keys = q.stream_keys(seed, step, tid)
+        for first, count in [(0, 200), (2**31 - 3, 6), (2**32 - 5, 10), (2**40 + 7, 50)]:
+            want = [random_bits_ref(seed, step, tid, i) for i in range(first, first + count)]
+            assert _bits(keys, first, count) == want, (seed, step, tid, first)
+    u = (torch.tensor(_bits(q.stream_keys(0, 3, 4), 0, 1 << 16)) >> 8).double() * 2.0**-24
     # mean and a 16-bin chi-square: both far inside what a uniform source gives (p ≈ 1e-6 bounds)
     assert abs(u.mean().item() - 0.5) < 5 * (1 / 12 / u.numel()) ** 0.5
     counts = torch.bincount((u * 16).long(), minlength=16).double()
     chi2 = ((counts - u.numel() / 16) ** 2 / (u.numel() / 16)).sum().item()
     assert chi2 < 50  # 15 degrees of freedom: P(χ² > 50) ≈ 1e-5
-    a = q.random_bits(q.stream_keys(0, 3, 4), torch.arange(4096))
-    b = q.random_bits(q.stream_keys(0, 4, 4), torch.arange(4096))
-    c = q.random_bits(q.stream_keys(0, 3, 5), torch.arange(4096))
+    a, b, c = (torch.tensor(_bits(q.stream_keys(0, st, t), 0, 4096)) for st, t in [(3, 4), (4, 4), (3, 5)])
     assert (a == b).float().mean() < 0.01 and (a == c).float().mean() < 0.01

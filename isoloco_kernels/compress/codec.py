@@ -88,25 +88,24 @@ class Packed:
 
 
 def mix32(x):
-    """A 32-bit integer hash (bijective; H. Wellons' "lowbias32" constants) of a Python int or an
-    int64 tensor holding values in [0, 2^32)."""
+    """A 32-bit integer hash (bijective; H. Wellons' "lowbias32" constants) of a Python int in
+    [0, 2^32), or of an int32 tensor holding the bits (uint32 multiplies wrap; right shifts masked)."""
     if isinstance(x, int):
         x ^= x >> 16
         x = (x * 0x7FEB352D) & _M32
         x ^= x >> 15
         x = (x * 0x846CA68B) & _M32
         return x ^ (x >> 16)
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = (x.view(torch.uint32) * 0x7FEB352D).view(torch.int32)
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = (x.view(torch.uint32) * 0x846CA68B).view(torch.int32)
+    return x ^ ((x >> 16) & 0xFFFF)
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x·c) mod 2^32 for int64 x in [0, 2^32) without int64 overflow (split c in 16-bit halves)."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+def _i32(k: int) -> int:
+    """The int32 with the bits of the uint32 k."""
+    return k - (1 << 32) if k >= 1 << 31 else k
 
 
 def stream_keys(seed: int, step: int, tensor_id: int) -> tuple[int, int]:
@@ -115,12 +114,17 @@ def stream_keys(seed: int, step: int, tensor_id: int) -> tuple[int, int]:
     return ka, mix32(ka ^ 0x9E3779B9)
 
 
-def random_bits(keys: tuple[int, int], index: torch.Tensor) -> torch.Tensor:
-    """32 random bits per element index (int64 ≥ 0; the index in the whole tensor):
+def random_bits(keys: tuple[int, int], first: int, count: int, device=None) -> torch.Tensor:
+    """32 random bits (as int32) for each element index first … first + count − 1 of a whole tensor:
     mix32(mix32(lo ^ ka) ^ ((kb + hi) mod 2^32)), lo/hi the index's low/high 32 bits."""
     ka, kb = keys
-    lo, hi = index & _M32, index >> 32
-    return mix32(mix32(lo ^ ka) ^ ((hi + kb) & _M32))
+    index = torch.arange(first, first + count, dtype=torch.int64, device=device)
+    lo = (index & _M32).to(torch.int32)  # wraps to the same 32 bits
+    if first + count <= 1 << 32:
+        kb_hi = _i32(kb)
+    else:
+        kb_hi = (((index >> 32) + kb) & _M32).to(torch.int32)
+    return mix32(mix32(lo ^ _i32(ka)) ^ kb_hi)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,35 +168,36 @@ def decode_table(fmt: Format, emulate: bool = False) -> torch.Tensor:
 
 def encode_levels(y: torch.Tensor, fmt: Format, u: Optional[torch.Tensor] = None, emulate: bool = False):
     """(codes int32, levels in y's dtype) of y = x / s (module docstring); u: uniforms in [0, 1) for
-    stochastic rounding, None for nearest. fp8 nearest on float32 goes through torch's e4m3fn
-    cast (round to nearest even) unless emulate=True; every other case is the arithmetic above."""
+    stochastic rounding, None for nearest (torch.round: ties to even). fp8 nearest on float32 goes
+    through torch's e4m3fn cast (also ties to even) unless emulate=True; the rest is the arithmetic
+    of the module docstring."""
     a = y.abs().clamp_(max=fmt.vmax)
-    neg_y = y < 0
     if fmt.name == "fp8" and u is None and not emulate and _FP8 is not None and y.dtype == torch.float32:
-        mag = a.to(_FP8).view(torch.uint8).to(torch.int32)
-        codes = torch.where(neg_y & (mag > 0), mag | 0x80, mag)
-        return codes, decode_table(fmt)[codes.long()].to(y.dtype)
+        f8 = a.to(_FP8)
+        codes, levels = f8.view(torch.uint8).to(torch.int32), f8.to(y.dtype)
+    else:
+        if fmt.is_float:
+            e = torch.frexp(a.clamp(min=2.0**fmt.emin))[1] - 1  # ⌊log2 a⌋, emin below 2^emin
+            t = a * _pow2(fmt.mant - e, y.dtype)  # exact: a power of two
+        else:
+            t = a
+        if u is None:
+            n = torch.round(t).to(torch.int32)
+        else:
+            fl = t.floor()
+            n = fl.to(torch.int32) + (u < t - fl).to(torch.int32)
+        if fmt.is_float:
+            codes = (e - fmt.emin) * (1 << fmt.mant) + n
+            levels = n.to(y.dtype) * _pow2(e - fmt.mant, y.dtype)
+        else:
+            codes, levels = n, n.to(y.dtype)
+    levels = torch.copysign(levels, y).add_(0.0)  # the sign of y; a zero level is +0 (−0 + 0 = +0)
+    neg = (levels < 0).to(torch.int32)
     if fmt.is_float:
-        e = torch.where(a > 0, torch.frexp(a)[1] - 1, fmt.emin).clamp_(min=fmt.emin)  # frexp(0) has exponent 0
-        t = a * _pow2(fmt.mant - e, y.dtype)  # exact: a power of two
+        codes = codes | (neg << (fmt.bits - 1))
     else:
-        t = a
-    fl = t.floor()
-    frac = t - fl
-    if u is None:
-        up = (frac > 0.5) | ((frac == 0.5) & (torch.remainder(fl, 2) == 1))
-    else:
-        up = u < frac
-    n = fl.to(torch.int32) + up.to(torch.int32)
-    neg = neg_y & (n > 0)
-    if fmt.is_float:
-        codes = (e - fmt.emin) * (1 << fmt.mant) + n
-        codes = torch.where(neg, codes | (1 << (fmt.bits - 1)), codes)
-        levels = n.to(y.dtype) * _pow2(e - fmt.mant, y.dtype)
-    else:
-        codes = torch.where(neg, -n, n) & ((1 << fmt.bits) - 1)
-        levels = n.to(y.dtype)
-    return codes, torch.where(neg, -levels, levels)
+        codes = (codes * (1 - 2 * neg)) & ((1 << fmt.bits) - 1)  # two's complement in `bits` bits
+    return codes, levels
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,11 +216,11 @@ def pack_codes(codes: torch.Tensor, bits: int, nbytes: int) -> torch.Tensor:
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """int64 [count] codes from `pack_codes`' bytes (entries past the bytes read as 0)."""
+    """int32 [count] codes from `pack_codes`' bytes (entries past the bytes read as 0)."""
     per = 8 // bits
-    b = packed.to(torch.int64)
+    b = packed.to(torch.int32)
     if per > 1:
-        shifts = torch.arange(0, 8, bits, dtype=torch.int64, device=b.device)
+        shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=b.device)
         b = ((b[:, None] >> shifts) & ((1 << bits) - 1)).flatten()
     if b.numel() < count:
         b = torch.cat([b, b.new_zeros(count - b.numel())])
@@ -249,12 +254,14 @@ def quantize_blocks(xb: torch.Tensor, spec: Compression, step: int, tensor_id: i
     if not bool(torch.isfinite(scales).all()):  # only float64 input can get here (absmax/vmax > float32's max)
         raise ValueError(f"a block's absmax / {fmt.vmax:g} exceeds float32's range: the scale cannot be sent")
     s = scales.to(xb.dtype)[:, None]
-    y = torch.where(s > 0, xb / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xb))
+    live = s > 0
+    y = xb / torch.where(live, s, torch.ones_like(s))
+    if not bool(live.all()):
+        y.mul_(live)  # blocks sent as zeros
     u = None
     if spec.rounding == "stochastic":
-        index = first_block * spec.block + torch.arange(xb.numel(), dtype=torch.int64, device=xb.device)
-        keys = stream_keys(spec.seed, step, tensor_id)
-        u = (random_bits(keys, index) >> 8).to(torch.float32).view_as(xb) * 2.0**-24
+        bits = random_bits(stream_keys(spec.seed, step, tensor_id), first_block * spec.block, xb.numel(), xb.device)
+        u = ((bits >> 8) & 0xFFFFFF).to(torch.float32).view_as(xb) * 2.0**-24
     codes, levels = encode_levels(y, fmt, u, emulate=emulate)
     deq = (levels.to(torch.float32) * scales[:, None]).to(xb.dtype)  # one float32 product per entry
     return codes.flatten(), scales, deq.flatten()
@@ -302,7 +309,7 @@ def dequantize(p: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     fmt = FORMATS[p.format]
     nb = p.scales.numel()
     codes = unpack_codes(p.codes, fmt.bits, nb * p.block)
-    levels = decode_table(fmt).to(p.codes.device)[codes].view(nb, p.block)
+    levels = torch.index_select(decode_table(fmt).to(p.codes.device), 0, codes).view(nb, p.block)
     return (levels * p.scales.to(torch.float32)[:, None]).flatten()[: p.numel].to(dtype)
 
 
