@@ -57,7 +57,7 @@ def test_every_case_of_the_dry_run_reports_its_roofline(dry_run):
     missing = missing_roofline(run)
     assert not missing, f"{len(missing)} of {len(run['benchmarks'])} cases report no roofline: {missing}"
     kinds = {b["extra_info"]["kind"] for b in run["benchmarks"]}
-    assert kinds == set(KINDS), f"kinds of case run: {sorted(kinds)}, expected {sorted(KINDS)}"
+    assert set(KINDS) <= kinds, f"kinds of case that did not run: {sorted(set(KINDS) - kinds)}"
     assert run["isoloco"]["mode"] == "dry-run" and run["isoloco"]["bench_sets"] == ["dry-tiny"]
 
 
