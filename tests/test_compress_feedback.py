@@ -216,6 +216,8 @@ def test_decompress_add_sums_in_float32_and_rounds_once(acc_dtype):
         decompress_add_(torch.zeros(199), workers[0])
     with pytest.raises(ValueError, match="contiguous"):
         decompress_add_(torch.zeros(20, 10).t(), workers[0])
+    with pytest.raises(ValueError, match="payload is on cpu, acc on meta"):
+        decompress_add_(torch.zeros(200, device="meta"), workers[0])
 
 
 def test_the_torch_path_serves_cpu():

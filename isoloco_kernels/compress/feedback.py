@@ -170,7 +170,8 @@ def _compress_triton(delta, residual, spec, step, tensor_id, first_block, name, 
 def decompress_add_(acc: torch.Tensor, packed: Packed) -> torch.Tensor:
     """acc += the values `packed` stands for (level·s, one float32 product each), summed in float32
     (float64 for a float64 acc) and rounded once to acc's dtype; acc must be contiguous with
-    packed.numel entries (any shape). Returns acc. Raises ValueError on a size mismatch."""
+    packed.numel entries (any shape), on the payload's device. Returns acc. Raises ValueError on a
+    size or device mismatch."""
     _check_packed(packed)
     if not isinstance(acc, torch.Tensor) or acc.dtype not in _FLOATS:
         raise TypeError(f"decompress_add_: acc must be a float tensor, got {getattr(acc, 'dtype', type(acc))}")
@@ -179,6 +180,8 @@ def decompress_add_(acc: torch.Tensor, packed: Packed) -> torch.Tensor:
             f"decompress_add_: acc must be contiguous with {packed.numel} entries, got {tuple(acc.shape)} "
             f"(contiguous: {acc.is_contiguous()})"
         )
+    if packed.codes.device != acc.device or packed.scales.device != acc.device:
+        raise ValueError(f"decompress_add_: the payload is on {packed.codes.device}, acc on {acc.device}")
     if packed.numel == 0:
         return acc
     if backend_for(acc)[0] == "triton":
