@@ -97,19 +97,11 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         r = run_mode(mode, Setup(c, corpus))
         tokens = rounds * setup.tokens_per_round()
+        r.update({"run": name, "device": device_name, "params": n_params, "rounds": rounds, "workers": c.workers})
         r.update(
-            run=name,
-            device=device_name,
-            params=n_params,
-            rounds=rounds,
-            workers=c.workers,
-            inner_steps=c.inner_steps,
-            tokens_per_param=tokens / n_params,
-            epochs=tokens / corpus_tokens,
-            wall_s=time.perf_counter() - t0,
-            date=time.strftime("%Y-%m-%d"),
-            dry_run=a.dry_run,
+            {"inner_steps": c.inner_steps, "tokens_per_param": tokens / n_params, "epochs": tokens / corpus_tokens}
         )
+        r.update({"wall_s": time.perf_counter() - t0, "date": time.strftime("%Y-%m-%d"), "dry_run": a.dry_run})
         with out.open("a") as f:
             f.write(json.dumps(r) + "\n")
         curve = " ".join(f"{x:.3f}" for x in r["heldout_loss"])

@@ -133,30 +133,25 @@ def main(argv=None) -> int:
     outer_modes = [m for m in a.mode if m in OUTER_DEFAULTS]
     per_mode = lambda v: {m: v for m in outer_modes} if isinstance(v, float) else (v or {})
     outer_lr, outer_momentum = per_mode(a.outer_lr), per_mode(a.outer_momentum)
+    same = ("model", "workers", "inner_steps", "rounds", "batch", "seq_len", "tie_embeddings", "inner_lr", "warmup")
+    same += (
+        "inner",
+        "iso_method",
+        "merge",
+        "outer_schedule",
+        "eval_windows",
+        "seed",
+        "vocab",
+        "init",
+        "iso_skip_outer",
+    )
     base = TrainConfig(
-        model=a.model,
-        workers=a.workers,
-        inner_steps=a.inner_steps,
-        rounds=a.rounds,
-        batch=a.batch,
-        seq_len=a.seq_len,
-        tie_embeddings=a.tie_embeddings,
-        inner_lr=a.inner_lr,
-        warmup=a.warmup,
+        **{k: getattr(a, k) for k in same},  # the flags named as TrainConfig's fields
         outer_lr=outer_lr,
         outer_momentum=outer_momentum,
-        inner=a.inner,
-        iso_method=a.iso_method,
-        merge=a.merge,
-        outer_schedule=a.outer_schedule,
-        eval_windows=a.eval_windows,
-        seed=a.seed,
         device=device,
-        vocab=a.vocab,
-        init=a.init,
         divergence=not a.no_divergence,
         iso_skip=tuple(x for x in a.iso_skip.split(",") if x),
-        iso_skip_outer=a.iso_skip_outer,
     )
     param, values = a.sweep if a.sweep else (None, [None])
     cfgs = [base if param is None else replace(base, **{SWEEPABLE[param]: v}) for v in values]
@@ -166,8 +161,6 @@ def main(argv=None) -> int:
         check_device(device)
         for c in cfgs:
             c.validate()
-            for m in a.mode:  # each outer step once, on stand-in params: a combination it cannot run fails now
-                check_outer_step(m, c)
         if a.merge != "iso_c" and not any(m in MERGING_MODES for m in a.mode):
             raise ValueError(
                 f"--merge {a.merge} applies to the Iso-C modes ({', '.join(MERGING_MODES)}); --mode {','.join(a.mode)} "
@@ -199,6 +192,9 @@ def main(argv=None) -> int:
             check_fits(corpus, c.workers, c.batch, c.model_config().seq_len)
         # before the tokenizer trainer allocates for the vocabulary
         check_memory(cfgs, a.mode, lambda c: 1 if launch is not None else c.workers)
+        for c in cfgs:  # each outer step once, on stand-in params (K is bounded by now): what it cannot run fails here
+            for m in a.mode:
+                check_outer_step(m, c)
         corpus = tokenize(corpus, a.vocab, a.out)  # byte-level: unchanged; BPE: trained or loaded
         for c in cfgs:
             check_fits(corpus, c.workers, c.batch, c.model_config().seq_len)
