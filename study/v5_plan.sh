@@ -8,12 +8,7 @@
 # Part B (the paper's merges, `--merge`) and C follow in a later plan. Finished runs are skipped and jobs are
 # claimed (results/.claims), so the plan resumes where it stopped and may run in two processes; a file named STOP in
 # study/results ends a runner before its next run.
-set -u
-cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-R="nice -n 15 python study/run_study.py --part v3"
-O=study/results
-BEST=best:diloco,isoloco,ddp
+source "$(dirname "$0")/plan_env.sh"
 A1="--cells 4:30 --batch 32"
 A2="--cells 4:30 --batch 16 --seq-len 128 --model tiny-wide"
 GRID=diloco=0.7@0.5,diloco=1.0@0.5,diloco=1.4@0.5,isoloco=1.8,isoloco=2.4,isoloco=3.2,ddp=-

@@ -3,12 +3,7 @@
 # v3 ran its batch cells at K 4 and 8. Tuned as study/v5_plan.sh, around v3's K-8 optima at batch 16 (DiLoCo 1.0 @ 0.5,
 # IsoLoCo 3.2 @ 0.8): seed-0 picks on the selection split, seeds 1 and 2 of each method's best, test loss. Resumable and
 # claimable like the other plans (results/.claims; a file named STOP in study/results ends a runner before its next run).
-set -u
-cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-R="nice -n 15 python study/run_study.py --part v3"
-O=study/results
-BEST=best:diloco,isoloco,ddp
+source "$(dirname "$0")/plan_env.sh"
 A1K8="--cells 8:30 --batch 32"
 GRID=diloco=0.7@0.5,diloco=1.0@0.5,diloco=1.4@0.5,isoloco=2.4,isoloco=3.2,isoloco=4.2,ddp=-
 $R $A1K8 --seeds 0 --lrs $GRID --out $O/v5_tokens_k8.jsonl
