@@ -15,7 +15,8 @@
 #      iso_merge_ per method (with its error against reference.py) on the llama-178m and
 #      llama-1b bucket sets until the budget ends;
 #   9. a short table, printed last.
-# (Between 5 and 6: the merges at K 8; one-triangle products against cuBLAS and fast's two routes.)
+# (Between 5 and 6: the merges at K 8; the compression kernels; one-triangle products against cuBLAS and fast's
+# two routes.) Study v6's GPU point runs in a call of its own: bash study/gpu_point.sh (~7 minutes).
 # Everything goes under $OUT (default bench/results): <date>-<device>.{log,tests.log,json,md},
 # <date>-<device>-{fsdp2.json,step.json,memory.jsonl}, <date>-<device>-train/results.json.
 #
@@ -151,6 +152,10 @@ timeout -k 10 "$(cap 45 40)" "$PY" bench/fsdp2_step.py $FSDP_ARGS --json "$RES/$
 step "the five merges, K 8 (bench/test_bench_merges.py: batched vs a per-matrix loop)"
 if [ "$DRY_RUN" = 1 ]; then MERGE_SETS=ref-tiny; MERGE_SEL="8 and (tsv or ties)"; else MERGE_SETS=llama-178m; MERGE_SEL=""; fi
 bench "$(cap 45 40)" "$RES/$NAME-merges.json" bench/test_bench_merges.py "$MERGE_SETS" "$MERGE_SEL"
+
+step "compressed exchange kernels (bench/test_bench_compress.py: quantize + error feedback + pack, unpack + add)"
+if [ "$DRY_RUN" = 1 ]; then COMPRESS_SEL="int4 and cpu"; else COMPRESS_SEL="cuda"; fi
+bench "$(cap 40 60)" "$RES/$NAME-compress.json" bench/test_bench_compress.py "ref-tiny" "$COMPRESS_SEL"
 
 step "one-triangle products and fast's routes (triton/sym_gram.py vs torch's GEMM; fast direct vs Gram)"
 # bench/probes.py; the dry run takes Triton's interpreter for the one-triangle kernel (tiny shapes)

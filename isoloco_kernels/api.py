@@ -177,6 +177,13 @@ def backends() -> dict[str, str]:
         chosen = dispatch.select(op, device).name
         skipped = [f"{name}: {why}" for name, ok, why in dispatch.report(op, device) if not ok]
         out[f"{op}[{device}]"] = chosen + (f" (not: {'; '.join(skipped)})" if skipped else "")
+    from .compress import backend_for  # compressed exchange: one choice per tensor (compress/feedback.py)
+
+    out["compress[cpu]"] = backend_for(torch.empty(0))[0]
+    if _tk.AVAILABLE and not _tk.interpreted():
+        out["compress[cuda]"] = "triton (float16, bfloat16, float32; float64: torch)"
+    else:
+        out["compress[cuda]"] = "torch (" + ("the interpreter's kernels" if _tk.AVAILABLE else "triton not importable") + ")"
     out["methods"] = ", ".join(m for m in flatten.METHODS if m != "auto")
     out["dtypes"] = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
     return out
