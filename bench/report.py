@@ -91,160 +91,117 @@ def markdown(run) -> list[str]:
     if tg:
         lines += ["### Targets", ""] + _md_table(["target", "measured", "verdict"], tg) + [""]
 
-    fl = [c for c in cases if c["kind"] == "flatten"]
-    if fl:
-        lines += [
-            "### Iso-C flatten of every 2-D weight",
-            "",
-            "× svd-loop: the per-matrix torch.linalg.svd loop's median over this one's (same run). "
-            "Error: relative Frobenius vs reference.py (float64) on the sample given in the JSON. "
-            "% roofline: max(modelled flops / matmul ceiling, compulsory bytes / copy bandwidth) "
-            "over the median (models: bench/harness.py). Fallbacks: matrices polar sent on "
-            "(to gram) / matrices gram sent to the SVD, out of all flattened, in the untimed call.",
-            "",
-        ]
-        rows = []
-        for c in sorted(fl, key=lambda c: (c["device"], c.get("n_elements", 0), c["dtype"], c["median_s"])):
-            base = find(fl, device=c["device"], set=c["set"], impl="svd-loop", dtype="fp32")
-            ratio = base["median_s"] / c["median_s"] if base else None
-            backend = ",".join(sorted(set(c.get("resolved", [])))) if c["impl"] == "auto" else ""
-            mem = c.get("peak_extra_bytes")
-            rows.append(
-                (
-                    c["device"],
-                    c["set"],
-                    c["dtype"],
-                    c["impl"] + (f" → {backend}" if backend else ""),
-                    fmt_t(c["median_s"]),
-                    fmt(ratio, ".3g"),
-                    fmt(c.get("err_rel_fro"), ".2g"),
-                    fmt(c.get("TFLOPs"), ".3g"),
-                    fmt(c.get("GBps"), ".3g"),
-                    fmt(c.get("frac_roofline"), pct=True),
-                    "–" if mem is None else f"{mem / 2**20:.0f}",
-                    _fallbacks(c),
-                    c["rounds"],
-                )
-            )
-        lines += _md_table(
-            [
-                "device",
-                "set",
-                "dtype",
-                "impl",
-                "median",
-                "× svd-loop",
-                "error",
-                "TFLOP/s",
-                "GB/s",
-                "% roofline",
+    fl, ne, os_ = ([c for c in cases if c["kind"] == k] for k in ("flatten", "nesterov", "outer_step"))
+
+    def base(group, impl, **kw):
+        """The case of `impl` beside c (same device and set, and `kw`) in `group`, or None."""
+        return lambda c: find(group, device=c["device"], set=c["set"], impl=impl, **kw)
+
+    fl_base = base(fl, "svd-loop", dtype="fp32")
+    lines += _section(
+        "Iso-C flatten of every 2-D weight",
+        "× svd-loop: the per-matrix torch.linalg.svd loop's median over this one's (same run). "
+        "Error: relative Frobenius vs reference.py (float64) on the sample given in the JSON. "
+        "% roofline: max(modelled flops / matmul ceiling, compulsory bytes / copy bandwidth) "
+        "over the median (models: bench/harness.py). Fallbacks: matrices polar sent on "
+        "(to gram) / matrices gram sent to the SVD, out of all flattened, in the untimed call.",
+        sorted(fl, key=lambda c: (c["device"], c.get("n_elements", 0), c["dtype"], c["median_s"])),
+        [
+            ("device", lambda c: c["device"]),
+            ("set", lambda c: c["set"]),
+            ("dtype", lambda c: c["dtype"]),
+            ("impl", _flatten_impl),
+            ("median", lambda c: fmt_t(c["median_s"])),
+            ("× svd-loop", lambda c: _ratio(fl_base(c), c)),
+            ("error", lambda c: fmt(c.get("err_rel_fro"), ".2g")),
+            ("TFLOP/s", lambda c: fmt(c.get("TFLOPs"), ".3g")),
+            ("GB/s", lambda c: fmt(c.get("GBps"), ".3g")),
+            ("% roofline", lambda c: fmt(c.get("frac_roofline"), pct=True)),
+            (
                 "peak extra MiB",
-                "fallbacks",
-                "rounds",
-            ],
-            rows,
-        ) + [""]
-
-    ne = [c for c in cases if c["kind"] == "nesterov"]
-    if ne:
-        lines += [
-            "### Nesterov update (fp32, whole model)",
-            "",
-            "GB/s counts compulsory bytes only (read p, buf, u; write p, buf); % copy is that over the copy ceiling.",
-            "",
-        ]
-        rows = []
-        for c in sorted(ne, key=lambda c: (c["device"], c["n_params"], c["median_s"])):
-            sg = find(ne, device=c["device"], set=c["set"], impl="sgd-foreach")
-            ss = find(ne, device=c["device"], set=c["set"], impl="scale+sgd-foreach")
-            rows.append(
-                (
-                    c["device"],
-                    c["set"],
-                    c["impl"],
-                    fmt_t(c["median_s"]),
-                    fmt(c["GBps"], ".3g"),
-                    fmt(c["frac_copy"], pct=True),
-                    fmt(sg["median_s"] / c["median_s"] if sg else None, ".3g"),
-                    fmt(ss["median_s"] / c["median_s"] if ss else None, ".3g"),
-                    fmt(c["err_rel_fro"], ".2g"),
-                    c["rounds"],
-                )
-            )
-        lines += _md_table(
-            [
-                "device",
-                "set",
-                "impl",
-                "median",
-                "GB/s",
-                "% copy",
-                "× sgd-foreach",
-                "× scale+sgd-foreach",
-                "error",
-                "rounds",
-            ],
-            rows,
-        ) + [""]
-
-    os_ = [c for c in cases if c["kind"] == "outer_step"]
-    if os_:
-        lines += ["### Whole outer step (Iso-C + Nesterov, fp32)", ""]
-        rows = []
-        for c in sorted(os_, key=lambda c: (c["device"], c["n_params"], c["median_s"])):
-            base = find(os_, device=c["device"], set=c["set"], impl="svd-loop+sgd")
-            sg = find(os_, device=c["device"], set=c["set"], impl="sgd-foreach")
-            rows.append(
-                (
-                    c["device"],
-                    c["set"],
-                    c["impl"],
-                    fmt_t(c["median_s"]),
-                    fmt(base["median_s"] / c["median_s"] if base else None, ".3g"),
-                    fmt(c["median_s"] / sg["median_s"] if sg else None, ".3g"),
-                    fmt(c["err_rel_fro"], ".2g"),
-                    c["rounds"],
-                )
-            )
-        lines += _md_table(
-            ["device", "set", "impl", "median", "× svd-loop+sgd", "time / DiLoCo step", "error", "rounds"], rows
-        ) + [""]
-    lines += _roofline_table(run)
-    return lines
-
-
-def _roofline_table(run) -> list[str]:
-    """Every case's achieved rates and fractions of the ceilings measured in the same run."""
-    if not run["cases"]:
-        return []
-    rows = [
-        (
-            c["kind"],
-            c.get("device", "?"),
-            c.get("set", "?"),
-            case_label(c),
-            c.get("dtype", "–"),
-            fmt_t(c["median_s"]),
-            fmt(c.get("TFLOPs"), ".3g"),
-            fmt(c.get("GBps"), ".3g"),
-            fmt(c.get("frac_matmul"), pct=True),
-            fmt(c.get("frac_copy"), pct=True),
-            fmt(c.get("frac_roofline"), pct=True),
-        )
-        for c in roofline_cases(run)
-    ]
-    head = ["kind", "device", "set", "case", "dtype", "median", "TFLOP/s", "GB/s", "% matmul", "% copy", "% roofline"]
-    return [
-        "### Roofline of every case",
-        "",
+                lambda c: "–" if c.get("peak_extra_bytes") is None else f"{c['peak_extra_bytes'] / 2**20:.0f}",
+            ),
+            ("fallbacks", _fallbacks),
+            ("rounds", lambda c: c["rounds"]),
+        ],
+    )
+    sgd, scaled = base(ne, "sgd-foreach"), base(ne, "scale+sgd-foreach")
+    lines += _section(
+        "Nesterov update (fp32, whole model)",
+        "GB/s counts compulsory bytes only (read p, buf, u; write p, buf); % copy is that over the copy ceiling.",
+        sorted(ne, key=lambda c: (c["device"], c["n_params"], c["median_s"])),
+        [
+            *_WHAT_AND_WHEN,
+            ("GB/s", lambda c: fmt(c["GBps"], ".3g")),
+            ("% copy", lambda c: fmt(c["frac_copy"], pct=True)),
+            ("× sgd-foreach", lambda c: _ratio(sgd(c), c)),
+            ("× scale+sgd-foreach", lambda c: _ratio(scaled(c), c)),
+            *_ERROR_AND_ROUNDS,
+        ],
+    )
+    svd, diloco = base(os_, "svd-loop+sgd"), base(os_, "sgd-foreach")
+    lines += _section(
+        "Whole outer step (Iso-C + Nesterov, fp32)",
+        None,
+        sorted(os_, key=lambda c: (c["device"], c["n_params"], c["median_s"])),
+        [
+            *_WHAT_AND_WHEN,
+            ("× svd-loop+sgd", lambda c: _ratio(svd(c), c)),
+            ("time / DiLoCo step", lambda c: _ratio(c, diloco(c))),
+            *_ERROR_AND_ROUNDS,
+        ],
+    )
+    return lines + _section(
+        "Roofline of every case",
         "Achieved TFLOP/s and GB/s of the modelled work (each suite's model: bench/harness.py and the "
         "suite's docstring) and their fractions of the ceilings above: % matmul and % copy are each "
         "bound alone over the median, % roofline the larger bound over the median ('–': not modelled "
         "or not recorded).",
-        "",
-        *_md_table(head, rows),
-        "",
-    ]
+        roofline_cases(run),
+        [
+            ("kind", lambda c: c["kind"]),
+            ("device", lambda c: c.get("device", "?")),
+            ("set", lambda c: c.get("set", "?")),
+            ("case", case_label),
+            ("dtype", lambda c: c.get("dtype", "–")),
+            ("median", lambda c: fmt_t(c["median_s"])),
+            ("TFLOP/s", lambda c: fmt(c.get("TFLOPs"), ".3g")),
+            ("GB/s", lambda c: fmt(c.get("GBps"), ".3g")),
+            ("% matmul", lambda c: fmt(c.get("frac_matmul"), pct=True)),
+            ("% copy", lambda c: fmt(c.get("frac_copy"), pct=True)),
+            ("% roofline", lambda c: fmt(c.get("frac_roofline"), pct=True)),
+        ],
+    )
+
+
+def _section(title: str, note: str | None, cases: list, columns) -> list[str]:
+    """`### title`, its note and a table of `cases` in the order given, one row each, one column per
+    (header, the cell of a case) in `columns`; nothing when there are no cases."""
+    if not cases:
+        return []
+    rows = [tuple(cell(c) for _, cell in columns) for c in cases]
+    return [f"### {title}", "", *([note, ""] if note else []), *_md_table([h for h, _ in columns], rows), ""]
+
+
+def _ratio(num, den) -> str:
+    """num's median over den's (either None: "–")."""
+    return fmt(num["median_s"] / den["median_s"] if num and den else None, ".3g")
+
+
+def _flatten_impl(c) -> str:
+    """The impl, and for "auto" the methods it resolved to."""
+    backend = ",".join(sorted(set(c.get("resolved", [])))) if c["impl"] == "auto" else ""
+    return c["impl"] + (f" → {backend}" if backend else "")
+
+
+#: The first and last columns of the Nesterov and outer-step tables.
+_WHAT_AND_WHEN = [
+    ("device", lambda c: c["device"]),
+    ("set", lambda c: c["set"]),
+    ("impl", lambda c: c["impl"]),
+    ("median", lambda c: fmt_t(c["median_s"])),
+]
+_ERROR_AND_ROUNDS = [("error", lambda c: fmt(c["err_rel_fro"], ".2g")), ("rounds", lambda c: c["rounds"])]
 
 
 def _fallbacks(c) -> str:
