@@ -11,32 +11,24 @@ import json
 import math
 import os
 
+
+def _flatten_target(device: str, set_name: str, ratio: float, err: float, text: str) -> tuple:
+    """A flatten target: `auto` at least `ratio`× the per-matrix svd loop on `set_name`, error ≤ `err`."""
+    return (
+        device,
+        "flatten_speedup",
+        dict(set=set_name, impl="auto", base="svd-loop", ratio=ratio, err=err, text=text),
+    )
+
+
 # The targets the project set itself; each is checked against what a run measured, never assumed.
 TARGETS = [
     # (device, what, description)
-    (
-        "cpu",
-        "flatten_speedup",
-        dict(
-            set="llama-tiny",
-            impl="auto",
-            base="svd-loop",
-            ratio=2.0,
-            err=1e-4,
-            text="CPU: auto ≥ 2× the per-matrix svd loop on llama-tiny, error ≤ 1e-4",
-        ),
+    _flatten_target(
+        "cpu", "llama-tiny", 2.0, 1e-4, "CPU: auto ≥ 2× the per-matrix svd loop on llama-tiny, error ≤ 1e-4"
     ),
-    (
-        "cuda",
-        "flatten_speedup",
-        dict(
-            set="llama-178m",
-            impl="auto",
-            base="svd-loop",
-            ratio=100.0,
-            err=1e-3,
-            text="GPU: auto ≥ 100× the per-matrix svd loop on llama-178m, error ≤ 1e-3",
-        ),
+    _flatten_target(
+        "cuda", "llama-178m", 100.0, 1e-3, "GPU: auto ≥ 100× the per-matrix svd loop on llama-178m, error ≤ 1e-3"
     ),
     (
         "cpu",
