@@ -21,12 +21,12 @@ import socket
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.harness import host_syncs, sync  # noqa: E402
 from bench.shapes import SETS, decoder_param_shapes  # noqa: E402
 
 
@@ -48,19 +48,6 @@ class _Params(torch.nn.Module):
 def _grads(shapes, device):
     gen = torch.Generator(device="cpu").manual_seed(1)
     return [(torch.randn(s, generator=gen) * 1e-3).to(device) for _, s in shapes]
-
-
-def _host_syncs(fn) -> int | None:
-    if not torch.cuda.is_available():
-        return None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def main(argv=None) -> dict:
@@ -107,20 +94,16 @@ def main(argv=None) -> dict:
             den = sum(float(b.norm()) ** 2 for _, b in pairs)
         err = (num / den) ** 0.5
 
-        def sync():
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-
         times = []
         for _ in range(args.rounds):
             set_grads()
-            sync()
+            sync(device)
             t = time.perf_counter()
             opt.step()
-            sync()
+            sync(device)
             times.append(time.perf_counter() - t)
         set_grads()
-        syncs = _host_syncs(opt.step)
+        syncs = host_syncs(opt.step, device)
         out = {
             "kind": "fsdp2_step",
             "set": args.set,

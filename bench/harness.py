@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -56,6 +57,22 @@ MAX_ROUNDS = 200
 def sync(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def host_syncs(fn: Callable[[], object], device: torch.device | str) -> int | None:
+    """Host syncs of one fn() (CUDA: torch.cuda.set_sync_debug_mode's warnings, one per synchronizing
+    call); None on the CPU."""
+    if torch.device(device).type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
 
 
 def _best_time(fn: Callable[[], object], device: torch.device, reps: int) -> float:

@@ -21,7 +21,6 @@ read and write of every 2-D grad flattened (8 B per element), not the copies int
 from __future__ import annotations
 
 import time
-import warnings
 
 import pytest
 import torch
@@ -82,21 +81,6 @@ def _best(fn, device, setup=None, reps: int = 3) -> float:
     return best
 
 
-def _host_syncs(fn, device) -> int | None:
-    """Host syncs of one fn() (CUDA: sync debug mode warnings); None on the CPU."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in seen)
-
-
 def _phases(opt, device) -> dict:
     """Each phase of one step, timed apart on `opt` (its grads in place, one step taken)."""
     out = {}
@@ -137,7 +121,7 @@ def test_step_phases(benchmark, method, set_name, device, bench_seconds, ceiling
         p.grad = g
     first_s, mem = harness.peak_extra_memory(opt.step, device)  # first step: buffers and momentum made
     second_s, mem2 = harness.peak_extra_memory(opt.step, device)  # steady state
-    syncs = _host_syncs(opt.step, device)
+    syncs = harness.host_syncs(opt.step, device)
     phases = _phases(opt, device)
 
     def target():
