@@ -83,16 +83,7 @@ def merge_peak(spec_name: str, method: str, device) -> dict:
     with _Peak(torch.device(device)) as pk:
         ik.iso_merge_(xs, method=method)
     del xs
-    m = _modelled(spec_name, method, device)
-    return {
-        "case": "iso_merge_",
-        "set": spec_name,
-        "method": method,
-        "peak_gib": pk.bytes / GIB,
-        "model_gib": m["iso_merge_"] / GIB,
-        "grads_gib": m["grads"] / GIB,
-        "seconds": pk.seconds,
-    }
+    return _record("iso_merge_", spec_name, method, device, pk, lambda m: m["iso_merge_"])
 
 
 def step_peak(spec_name: str, method: str, device) -> dict:
@@ -107,13 +98,19 @@ def step_peak(spec_name: str, method: str, device) -> dict:
     opt.step()
     with _Peak(torch.device(device)) as pk:
         opt.step()
+    # the buffers exist already: the model's step less the grads
+    return _record("IsoLoCo.step (2nd)", spec_name, method, device, pk, lambda m: m["IsoLoCo.step"] - m["grads"])
+
+
+def _record(case: str, spec_name: str, method: str, device, pk: _Peak, modelled) -> dict:
+    """One finished case: its measured peak and time beside `modelled(the model's numbers)` bytes."""
     m = _modelled(spec_name, method, device)
     return {
-        "case": "IsoLoCo.step (2nd)",
+        "case": case,
         "set": spec_name,
         "method": method,
         "peak_gib": pk.bytes / GIB,
-        "model_gib": (m["IsoLoCo.step"] - m["grads"]) / GIB,  # the buffers exist already
+        "model_gib": modelled(m) / GIB,
         "grads_gib": m["grads"] / GIB,
         "seconds": pk.seconds,
     }
