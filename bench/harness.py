@@ -290,6 +290,12 @@ def rates(median_s: float | None, flops: dict[str, float] | None, nbytes: float,
     return out
 
 
+def roofline_and_rates(median_s: float | None, flops: dict[str, float] | None, nbytes: float, ceilings: dict) -> dict:
+    """A case's roofline (`roofline`) and, when it was timed, its rates (`rates`): the fields of its record."""
+    roof = roofline(flops, nbytes, ceilings)
+    return {**roof, **rates(median_s, flops, nbytes, roof)}
+
+
 def resolved_methods(impl: str, shapes, device) -> list[str]:
     """The method each [B, m, n] bucket runs: isoloco methods ask flatten.resolve_method (which
     looks at shape and device only; a zero-stride stand-in avoids allocating), others are

@@ -73,7 +73,6 @@ def test_captured(benchmark, method, capture, bench_seconds, ceilings):
     resolved = harness.resolved_methods(method, entry["shapes"], device)
     flops = harness.flatten_work(resolved, entry["shapes"], "fp32")
     nbytes = 2.0 * sum(b.numel() * b.element_size() for b in src)
-    roof = harness.roofline(flops, nbytes, ceilings(device))
     benchmark.extra_info.update(
         kind="captured",
         impl=method,
@@ -91,7 +90,6 @@ def test_captured(benchmark, method, capture, bench_seconds, ceilings):
         cond_max=max(conds),
         flops=flops,
         bytes=nbytes,
-        **roof,
-        **harness.rates(harness.median(benchmark), flops, nbytes, roof),
+        **harness.roofline_and_rates(harness.median(benchmark), flops, nbytes, ceilings(device)),
     )
     assert err == err and err <= ERROR_SANITY, f"{method} on {set_name}: error {err:.3g}"

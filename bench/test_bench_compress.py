@@ -94,7 +94,6 @@ def test_compress(benchmark, op, fmt, rounding, numel, device, bench_seconds, be
     v = d + e
     err = ((sent - v).norm() / v.norm()).item()
     nbytes = _compulsory_bytes(op, spec, numel)
-    roof = harness.roofline(None, nbytes, ceilings(device))
     benchmark.extra_info.update(
         kind="compress",
         impl=f"{op} {fmt} {rounding}" if op == "quantize" else f"{op} {fmt}",
@@ -115,7 +114,6 @@ def test_compress(benchmark, op, fmt, rounding, numel, device, bench_seconds, be
         exchange_ratio=C.exchange_bytes(spec, numel, 8) / C.allreduce_bytes(numel, 8),
         residual_bytes=C.residual_bytes(spec, numel, torch.float32),
         err_rel_fro=err,
-        **roof,
-        **harness.rates(median, None, nbytes, roof),
+        **harness.roofline_and_rates(median, None, nbytes, ceilings(device)),
     )
     assert err <= ERROR_SANITY[spec.bits, rounding], f"{fmt} {rounding}: relative error {err:.3g}"

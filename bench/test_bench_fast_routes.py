@@ -117,7 +117,6 @@ def test_fast_routes(benchmark, impl, shape_set, bench_seconds, bench_dry, ceili
 
     work = _work(impl, shapes, kind)
     nbytes = 2.0 * sum(s.numel() * s.element_size() for s in src)
-    roof = harness.roofline(work, nbytes, ceilings(src[0].device))
     benchmark.extra_info.update(
         kind="fast_route",
         device=src[0].device.type,
@@ -133,7 +132,6 @@ def test_fast_routes(benchmark, impl, shape_set, bench_seconds, bench_dry, ceili
         flops_now=flops(lambda k, r: fast.fast_work(k, r, kind)),
         flops=work,
         bytes=nbytes,
-        **roof,
-        **harness.rates(harness.median(benchmark), work, nbytes, roof),
+        **harness.roofline_and_rates(harness.median(benchmark), work, nbytes, ceilings(src[0].device)),
     )
     assert max(errs) <= ERROR_SANITY, f"{impl}: error {max(errs):.3g}"

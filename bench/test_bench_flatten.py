@@ -161,7 +161,6 @@ def test_flatten(benchmark, impl, set_name, device, dtype, bench_seconds, bench_
 
     flops = harness.flatten_work(resolved, shapes, dtype)
     nbytes = 2.0 * sum(s.numel() * s.element_size() for s in src)
-    roof = harness.roofline(flops, nbytes, ceilings(device))
 
     restore()
     harness.sync(device)
@@ -195,8 +194,7 @@ def test_flatten(benchmark, impl, set_name, device, dtype, bench_seconds, bench_
         **fallbacks,
         first_call_s=first_s,
         **mem,
-        **roof,
-        **harness.rates(median, flops, nbytes, roof),
+        **harness.roofline_and_rates(median, flops, nbytes, ceilings(device)),
     )
     assert err == err, f"{impl} on {set_name}: NaN in the output"
     if not set(resolved) <= UNBOUNDED:

@@ -123,7 +123,6 @@ def test_merge(benchmark, impl, method, set_name, K, device, bench_seconds, ceil
     numel = sum(x[0].numel() for x in stacks) * 4
     world = K  # one worker per rank
     nbytes = float((K + 1) * numel)  # read the K stacks, write the merged weights
-    roof = harness.roofline(None, nbytes, ceilings(device))
     benchmark.extra_info.update(
         kind="merge",
         device=device.type,
@@ -139,7 +138,6 @@ def test_merge(benchmark, impl, method, set_name, K, device, bench_seconds, ceil
         bytes_per_rank_all_to_all_model=numel * (world - 1) / world + numel * (world - 1) / world,
         bytes=nbytes,
         flops=None,
-        **roof,
-        **harness.rates(harness.median(benchmark), None, nbytes, roof),
+        **harness.roofline_and_rates(harness.median(benchmark), None, nbytes, ceilings(device)),
     )
     assert not errs or max(errs) <= ERROR_SANITY, f"{impl} {method}: error {max(errs):.3g}"

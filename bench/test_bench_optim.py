@@ -172,7 +172,6 @@ def test_nesterov(benchmark, impl, set_name, device, bench_seconds, ceilings):
     first_s, _ = harness.peak_extra_memory(target, device)
     n = sum(p.numel() for p in st["ps"])
     nbytes = 5.0 * n * 4
-    roof = harness.roofline(None, nbytes, ceilings(device))
     benchmark.group = f"nesterov {set_name} {device.type}"
     median = harness.run_timed(
         benchmark,
@@ -200,8 +199,7 @@ def test_nesterov(benchmark, impl, set_name, device, bench_seconds, ceilings):
         err_rel_fro=err,
         err_sample="one step on the first 2-D and 1-D tensor: Δp and the new buffer",
         first_call_s=first_s,
-        **roof,
-        **harness.rates(median, None, nbytes, roof),
+        **harness.roofline_and_rates(median, None, nbytes, ceilings(device)),
     )
     assert err == err, f"{impl}: NaN"
     assert err <= 1e-4, f"{impl} on {set_name}: step error {err:.3g} vs reference.py (fp32 update)"
@@ -334,7 +332,6 @@ def test_outer_step(benchmark, impl, set_name, device, bench_seconds, ceilings):
     iso = impl != "sgd-foreach"
     nbytes = 5.0 * n * 4 + (2.0 * n2 * 4 if iso else 0.0)  # Nesterov + the flatten's read/write
     flops = harness.flatten_work(resolved, shapes2d, "fp32") if iso else None
-    roof = harness.roofline(flops, nbytes, ceilings(device))
     benchmark.group = f"outer step {set_name} {device.type}"
     median = harness.run_timed(
         benchmark,
@@ -362,8 +359,7 @@ def test_outer_step(benchmark, impl, set_name, device, bench_seconds, ceilings):
         err_sample=sample,
         first_call_s=first_s,
         **mem,
-        **roof,
-        **harness.rates(median, flops, nbytes, roof),
+        **harness.roofline_and_rates(median, flops, nbytes, ceilings(device)),
     )
     assert err == err, f"{impl}: NaN"
     if not impl.endswith("_bf16"):

@@ -142,7 +142,6 @@ def test_step_phases(benchmark, method, set_name, device, bench_seconds, ceiling
     nes_bytes = 20.0 * n
     flops = harness.flatten_work(resolved, shapes2d, "fp32")
     nbytes = nes_bytes + 8.0 * sum(b * m * k for b, m, k in shapes2d)
-    roof = harness.roofline(flops, nbytes, ceilings(device))
     copy = ceilings(device)["copy_GBps"]
     step_s = median or second_s
     extra = dict(
@@ -159,8 +158,7 @@ def test_step_phases(benchmark, method, set_name, device, bench_seconds, ceiling
         **phases,
         flops=flops,
         bytes=nbytes,
-        **roof,
-        **harness.rates(median, flops, nbytes, roof),
+        **harness.roofline_and_rates(median, flops, nbytes, ceilings(device)),
     )
     harness.describe(benchmark, "step_phases", f"isoloco-{method}", set_name, spec, device, "fp32", **extra)
     print(
