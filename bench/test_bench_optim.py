@@ -143,6 +143,24 @@ def _nesterov_error(impl: str, st: dict) -> float:
     return harness.rel_fro(outs, refs)[0]
 
 
+def _timed(benchmark, group: str, step, reset, device, bench_seconds: float, may_compile: bool):
+    """(median, first call's seconds, its peak extra memory) of `step` in benchmark group
+    "<group> <device>": one untimed call, then the timed rounds, `reset()` untimed before each."""
+
+    def target():
+        step()
+        harness.sync(device)
+
+    reset()
+    harness.sync(device)
+    first_s, mem = harness.peak_extra_memory(target, device)
+    benchmark.group = f"{group} {device.type}"
+    median = harness.run_timed(
+        benchmark, target, reset, device=device, seconds=bench_seconds, first_s=first_s, may_compile=may_compile
+    )
+    return median, first_s, mem
+
+
 @pytest.mark.parametrize("impl", NESTEROV_IMPLS)
 @pytest.mark.parametrize("set_name", list(SETS))
 @pytest.mark.parametrize("device", ["cpu", "cuda"], indirect=True)
@@ -159,29 +177,11 @@ def test_nesterov(benchmark, impl, set_name, device, bench_seconds, ceilings):
             pytest.skip(f"torch.optim.SGD(fused=True) is not available on {device.type}: {e}")
         raise
 
-    def target():
-        step()
-        harness.sync(device)
-
-    def setup():
-        if reset:
-            reset()
-
-    setup()
-    harness.sync(device)
-    first_s, _ = harness.peak_extra_memory(target, device)
+    median, first_s, _ = _timed(
+        benchmark, f"nesterov {set_name}", step, reset or (lambda: None), device, bench_seconds, device.type == "cuda"
+    )
     n = sum(p.numel() for p in st["ps"])
     nbytes = 5.0 * n * 4
-    benchmark.group = f"nesterov {set_name} {device.type}"
-    median = harness.run_timed(
-        benchmark,
-        target,
-        setup,
-        device=device,
-        seconds=bench_seconds,
-        first_s=first_s,
-        may_compile=device.type == "cuda",
-    )
     for p in st["ps"]:
         p.grad = None
     harness.describe(
@@ -321,27 +321,13 @@ def test_outer_step(benchmark, impl, set_name, device, bench_seconds, ceilings):
     ps = [p.clone() for p in st["ps"]]  # the timed steps move these, never the cached params
     step, reset = _make_outer(impl, ps, st["grads"])
 
-    def target():
-        step()
-        harness.sync(device)
-
-    reset()
-    first_s, mem = harness.peak_extra_memory(target, device)
+    may_compile = device.type == "cuda" and not set(resolved) <= EXACT
+    median, first_s, mem = _timed(benchmark, f"outer step {set_name}", step, reset, device, bench_seconds, may_compile)
     n = sum(p.numel() for p in ps)
     n2 = sum(b * m * k for b, m, k in shapes2d)
     iso = impl != "sgd-foreach"
     nbytes = 5.0 * n * 4 + (2.0 * n2 * 4 if iso else 0.0)  # Nesterov + the flatten's read/write
     flops = harness.flatten_work(resolved, shapes2d, "fp32") if iso else None
-    benchmark.group = f"outer step {set_name} {device.type}"
-    median = harness.run_timed(
-        benchmark,
-        target,
-        reset,
-        device=device,
-        seconds=bench_seconds,
-        first_s=first_s,
-        may_compile=device.type == "cuda" and not set(resolved) <= EXACT,
-    )
     harness.describe(
         benchmark,
         "outer_step",
