@@ -73,9 +73,8 @@ def _run_kernel(mod, d, r, s: Compression, step=2, tid=5, first_block=0, rows=2,
     new = None if s.ef_beta is None else torch.full(d.shape, float("nan"), dtype=rdt, device=d.device)
     keys = codec.stream_keys(s.seed, step, tid) if s.rounding == "stochastic" else None
     mod.quantize_ef_pack(
-        d, r, codes, scales, new, bits=fmt.bits, is_float=fmt.is_float, mant=fmt.mant, emin=fmt.emin,
-        vmax=fmt.vmax, block=s.block, first_block=first_block, keys=keys, beta=s.ef_beta, rows=rows,
-    )  # fmt: skip
+        d, r, codes, scales, new, fmt=fmt, block=s.block, first_block=first_block, keys=keys, beta=s.ef_beta, rows=rows
+    )
     return codes, scales, new
 
 
@@ -142,16 +141,10 @@ def test_unpack_kernel_matches_the_torch_path(interp, fmt):
         for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
             acc0 = torch.randn(n).to(out_dtype)
             acc = acc0.clone()
-            interp.unpack_accumulate(
-                p.codes, p.scales, acc, bits=s.bits, is_float=s.fmt.is_float, mant=s.fmt.mant, emin=s.fmt.emin,
-                block=s.block, rows=2,
-            )  # fmt: skip
+            interp.unpack_accumulate(p.codes, p.scales, acc, fmt=s.fmt, block=s.block, rows=2)
             assert _same(acc, acc0.float() + C.dequantize(p), interpreted=True), (n, out_dtype)
             out = torch.full((n,), float("nan"), dtype=out_dtype)
-            interp.unpack_accumulate(
-                p.codes, p.scales, out, bits=s.bits, is_float=s.fmt.is_float, mant=s.fmt.mant, emin=s.fmt.emin,
-                block=s.block, accumulate=False,
-            )  # fmt: skip
+            interp.unpack_accumulate(p.codes, p.scales, out, fmt=s.fmt, block=s.block, accumulate=False)
             assert _same(out, C.dequantize(p), interpreted=True), (n, out_dtype)
 
 
@@ -162,10 +155,7 @@ def test_unpack_kernel_decodes_every_code(interp):
         codes = torch.arange(ncodes, dtype=torch.int64)
         packed = codec.pack_codes(codes, fmt.bits, ncodes // per)
         out = torch.empty(ncodes)
-        interp.unpack_accumulate(
-            packed, torch.ones(ncodes // 32 + 1), out, bits=fmt.bits, is_float=fmt.is_float, mant=fmt.mant,
-            emin=fmt.emin, block=32, accumulate=False,
-        )  # fmt: skip
+        interp.unpack_accumulate(packed, torch.ones(ncodes // 32 + 1), out, fmt=fmt, block=32, accumulate=False)
         table = codec.decode_table(fmt)
         assert torch.equal(out.isnan(), table.isnan()) and torch.equal(out.nan_to_num(), table.nan_to_num()), fmt.name
 
@@ -204,9 +194,8 @@ def _quant_launches(monkeypatch, s: Compression, dt, rdt, with_res, n=5000):
         _run_kernel(quant, d, r, s, rows=None, rdt=rdt)
         p = C.quantize(torch.zeros(n), Compression(s.format, s.block))
         quant.unpack_accumulate(
-            p.codes, p.scales, torch.empty(n, dtype=dt), bits=s.bits, is_float=s.fmt.is_float, mant=s.fmt.mant,
-            emin=s.fmt.emin, block=s.block, accumulate=with_res,
-        )  # fmt: skip
+            p.codes, p.scales, torch.empty(n, dtype=dt), fmt=s.fmt, block=s.block, accumulate=with_res
+        )
 
     return _launches(monkeypatch, quant, ["_quantize_ef_pack_kernel", "_unpack_accumulate_kernel"], call)
 

@@ -146,20 +146,7 @@ def _compress_triton(delta, residual, spec, step, tensor_id, first_block, name, 
     new = torch.empty(d.shape, dtype=rdt, device=d.device) if rdt is not None else None
     keys = stream_keys(spec.seed, step, tensor_id) if spec.rounding == "stochastic" else None
     quant.quantize_ef_pack(
-        d,
-        r,
-        codes,
-        scales,
-        new,
-        bits=fmt.bits,
-        is_float=fmt.is_float,
-        mant=fmt.mant,
-        emin=fmt.emin,
-        vmax=fmt.vmax,
-        block=spec.block,
-        first_block=first_block,
-        keys=keys,
-        beta=spec.ef_beta,
+        d, r, codes, scales, new, fmt=fmt, block=spec.block, first_block=first_block, keys=keys, beta=spec.ef_beta
     )
     if not bool(torch.isfinite(scales).all()):  # a non-finite block writes a NaN scale: one sync
         v = d.reshape(-1).float() + (0 if r is None else r.reshape(-1).float())
@@ -187,17 +174,6 @@ def decompress_add_(acc: torch.Tensor, packed: Packed) -> torch.Tensor:
     if backend_for(acc)[0] == "triton":
         from ..triton import quant
 
-        fmt = FORMATS[packed.format]
-        quant.unpack_accumulate(
-            packed.codes,
-            packed.scales,
-            acc,
-            bits=fmt.bits,
-            is_float=fmt.is_float,
-            mant=fmt.mant,
-            emin=fmt.emin,
-            block=packed.block,
-            accumulate=True,
-        )
+        quant.unpack_accumulate(packed.codes, packed.scales, acc, fmt=FORMATS[packed.format], block=packed.block)
         return acc
     return unpack_add_(acc, packed)

@@ -202,8 +202,30 @@ def _launches(n: int, block: int, rows: int):
     return out, -(-n // block)
 
 
-def _rows(block: int, rows: Optional[int]) -> int:
-    return rows or max(1, ENTRIES // block)
+def _launch(kernel, n: int, fmt, block: int, rows: Optional[int], tensors, scalars, **constexprs) -> None:
+    """kernel(*tensors, pid0, n, n_blocks, *scalars) over n entries, ROWS blocks of BLOCK entries a
+    program (rows None: ENTRIES // block), with the format's constexprs and `constexprs`: one
+    launch per entry of `_launches`."""
+    rows = rows or max(1, ENTRIES // block)
+    launches, nb = _launches(n, block, rows)
+    for pid0, programs, masked in launches:
+        kernel[(programs,)](
+            *tensors,
+            pid0,
+            n,
+            nb,
+            *scalars,
+            BLOCK=block,
+            ROWS=rows,
+            BITS=fmt.bits,
+            IS_FLOAT=fmt.is_float,
+            MANT=fmt.mant,
+            EMIN=fmt.emin,
+            MASKED=masked,
+            num_warps=NUM_WARPS,
+            enable_fp_fusion=False,
+            **constexprs,
+        )
 
 
 def _i32(k: int) -> int:
@@ -218,11 +240,7 @@ def quantize_ef_pack(
     scales: torch.Tensor,
     new_residual: Optional[torch.Tensor],
     *,
-    bits: int,
-    is_float: bool,
-    mant: int,
-    emin: int,
-    vmax: float,
+    fmt,
     block: int,
     first_block: int = 0,
     keys: Optional[tuple[int, int]] = None,
@@ -231,45 +249,34 @@ def quantize_ef_pack(
 ) -> None:
     """Fill codes (uint8 [ceil(n·bits/8)]), scales (float32 [ceil(n/block)]) and, with `beta`,
     new_residual (Δ's shape, any float dtype) from the contiguous Δ (float16/bfloat16/float32) and
-    residual (None: zeros). keys: stream_keys(...) for stochastic rounding, None for nearest."""
+    residual (None: zeros). fmt: the format (compress/'s Format: bits, is_float, mant, emin, vmax).
+    keys: stream_keys(...) for stochastic rounding, None for nearest."""
     n = delta.numel()
     if n == 0:
         return
     for t in (delta, residual, codes, scales, new_residual):
         if t is not None and not t.is_contiguous():
             raise ValueError("quantize_ef_pack: every tensor must be contiguous")
-    rows = _rows(block, rows)
-    launches, nb = _launches(n, block, rows)
     ka, kb = keys if keys is not None else (0, 0)
-    for pid0, programs, masked in launches:
-        _quantize_ef_pack_kernel[(programs,)](
+    _launch(
+        _quantize_ef_pack_kernel,
+        n,
+        fmt,
+        block,
+        rows,
+        (
             delta,
             residual if residual is not None else delta,
             new_residual if new_residual is not None else delta,
             codes,
             scales,
-            pid0,
-            n,
-            nb,
-            codes.numel(),
-            first_block,
-            _i32(ka),
-            _i32(kb),
-            float(beta) if beta is not None else 0.0,
-            BLOCK=block,
-            ROWS=rows,
-            BITS=bits,
-            IS_FLOAT=is_float,
-            MANT=mant,
-            EMIN=emin,
-            VMAX=float(vmax),
-            HAS_RES=residual is not None,
-            FEEDBACK=beta is not None,
-            STOCHASTIC=keys is not None,
-            MASKED=masked,
-            num_warps=NUM_WARPS,
-            enable_fp_fusion=False,
-        )
+        ),
+        (codes.numel(), first_block, _i32(ka), _i32(kb), float(beta) if beta is not None else 0.0),
+        VMAX=float(fmt.vmax),
+        HAS_RES=residual is not None,
+        FEEDBACK=beta is not None,
+        STOCHASTIC=keys is not None,
+    )
 
 
 def unpack_accumulate(
@@ -277,40 +284,27 @@ def unpack_accumulate(
     scales: torch.Tensor,
     out: torch.Tensor,
     *,
-    bits: int,
-    is_float: bool,
-    mant: int,
-    emin: int,
+    fmt,
     block: int,
     accumulate: bool = True,
     rows: Optional[int] = None,
 ) -> None:
     """out (+)= level·s for the contiguous out (any float dtype, numel entries): accumulate=False
-    writes the dequantized values, True adds them (in float32, one rounding to out's dtype)."""
+    writes the dequantized values, True adds them (in float32, one rounding to out's dtype). fmt: as
+    quantize_ef_pack's."""
     n = out.numel()
     if n == 0:
         return
     if not out.is_contiguous():
         raise ValueError("unpack_accumulate: out must be contiguous")
-    rows = _rows(block, rows)
-    launches, nb = _launches(n, block, rows)
-    for pid0, programs, masked in launches:
-        _unpack_accumulate_kernel[(programs,)](
-            codes,
-            scales,
-            out,
-            pid0,
-            n,
-            nb,
-            BLOCK=block,
-            ROWS=rows,
-            BITS=bits,
-            IS_FLOAT=is_float,
-            MANT=mant,
-            EMIN=emin,
-            NAN_CODE=0x7F if is_float and bits == 8 else -1,
-            ACCUMULATE=accumulate,
-            MASKED=masked,
-            num_warps=NUM_WARPS,
-            enable_fp_fusion=False,
-        )
+    _launch(
+        _unpack_accumulate_kernel,
+        n,
+        fmt,
+        block,
+        rows,
+        (codes, scales, out),
+        (),
+        NAN_CODE=0x7F if fmt.is_float and fmt.bits == 8 else -1,
+        ACCUMULATE=accumulate,
+    )
