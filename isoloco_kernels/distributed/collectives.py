@@ -70,7 +70,8 @@ def average_(
     DiLoCo pseudo-gradient average), with the same chunk_bytes. float16 and bfloat16 tensors
     are summed in float32 buffers and get the float32 mean rounded once to their dtype. Tensors off the group's
     communication device (`agree.comm_device`) travel through buffers on it. Returns the tensors
-    as a list. `group=` is the old name of process_group (DeprecationWarning).
+    as a list. `group=` and `bucket_bytes=` are the old names of process_group and chunk_bytes
+    (DeprecationWarning), as for every distributed entry point.
 
     Raises:
         DistributedStepError: on every rank, for bad input on any rank (type, dtype, NaN/Inf) or ranks
@@ -83,7 +84,17 @@ def average_(
         >>> [float(g.sum()) for g in average_(grads)]  # the same on every rank: the mean of the ranks'
         [12.0, 5.0]
     """
-    group = renamed_keyword(old, "group", "process_group", process_group, None, "average_")
+    chunk_bytes = renamed_keyword(  # bucket_bytes=: chunk_bytes' old name, as everywhere
+        {k: v for k, v in old.items() if k == "bucket_bytes"},
+        "bucket_bytes",
+        "chunk_bytes",
+        chunk_bytes,
+        CHUNK_BYTES,
+        "average_",
+    )
+    group = renamed_keyword(
+        {k: v for k, v in old.items() if k != "bucket_bytes"}, "group", "process_group", process_group, None, "average_"
+    )
     tensors = list(tensors)
     _, world = group_info(group)
     ag = Agreement("average_", group, alone=world == 1)
