@@ -5,6 +5,7 @@
     sparse_merge.py  the fused TIES / DARE merge of one worker stack
     sym_gram.py    one-triangle symmetric products α·X·Xᵀ + β·B + γ·I (fast(sym="triton"), opt-in)
     quant.py       compressed exchange: fused quantize + error feedback + pack; unpack + accumulate (compress/)
+    mix.py         mix32, the counter hash of sparse_merge.py's drops and quant.py's stochastic rounding
 
 AVAILABLE says whether triton imports. With TRITON_INTERPRET=1 set when these modules are first
 imported, the kernels are built for Triton's interpreter and take CPU tensors (that is how the

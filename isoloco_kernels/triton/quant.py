@@ -15,8 +15,8 @@ lie below n run without masks (MASKED=False: vectorized loads and stores), the l
 second launch with them. A block holding NaN/Inf writes a
 NaN scale, which the caller checks (one sync) before it hands anything out.
 
-This module has no package-relative imports, so a test may load a second copy of it with the
-Triton interpreter switched on (tests/test_compress_triton.py).
+The counter hash is triton/mix.py's mix32 (compress/codec.py's); the tests run these kernels under
+the interpreter in a fresh Python with TRITON_INTERPRET=1 (tests/test_compress_triton.py).
 """
 
 from __future__ import annotations
@@ -27,20 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .mix import mix32
+
 #: Entries per program (ROWS = ENTRIES // BLOCK blocks).
 ENTRIES = 2048
 NUM_WARPS = 4
 _MIN_SCALE = 2.0**-126
-
-
-@triton.jit
-def _mix32(x):
-    """lowbias32 on uint32 (wrapping multiplies): compress/codec.py's mix32."""
-    x = x ^ (x >> 16)
-    x = x * 0x7FEB352D
-    x = x ^ (x >> 15)
-    x = x * 0x846CA68B
-    return x ^ (x >> 16)
 
 
 @triton.jit
@@ -118,7 +110,7 @@ def _quantize_ef_pack_kernel(
         g = first_block.to(tl.int64) * BLOCK + j
         lo = (g & 0xFFFFFFFF).to(tl.uint32)
         hi = (g >> 32).to(tl.uint32)
-        h = _mix32(_mix32(lo ^ key_a.to(tl.uint32)) ^ (key_b.to(tl.uint32) + hi))
+        h = mix32(mix32(lo ^ key_a.to(tl.uint32)) ^ (key_b.to(tl.uint32) + hi))
         up = (h >> 8).to(tl.float32) * 5.9604644775390625e-08 < frac  # u = bits · 2^-24
     else:
         up = (frac > 0.5) | ((frac == 0.5) & ((ni & 1) == 1))

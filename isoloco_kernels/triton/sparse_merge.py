@@ -11,10 +11,9 @@ program c takes BLOCK entries and, per worker k (K is constexpr: the loop unroll
 
 in the compute dtype (float32; float64 for float64 input), written to a compute-dtype buffer (the
 caller checks it fits the output dtype before anything is stored). The disjoint merge reads the K
-deltas twice (the second pass mostly from cache); nothing K-sized is allocated. mix32 is
-merges/reference.py's 32-bit mixer, here in uint32 arithmetic, so the drops are bit for bit the
-reference's. Works under TRITON_INTERPRET=1 on CPU tensors. No package-relative imports (a test may
-load a second copy with the interpreter on).
+deltas twice (the second pass mostly from cache); nothing K-sized is allocated. mix32 (triton/mix.py)
+is merges/reference.py's 32-bit mixer, in uint32 arithmetic, so the drops are bit for bit the
+reference's. Works under TRITON_INTERPRET=1 (set before the package is imported) on CPU tensors.
 """
 
 from __future__ import annotations
@@ -23,17 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .mix import mix32
+
 BLOCK = 1024
-
-
-@triton.jit
-def _mix32(v):
-    v = v ^ (v >> 16)
-    v = v * 0x7FEB352D
-    v = v ^ (v >> 15)
-    v = v * 0x846CA68B
-    v = v ^ (v >> 16)
-    return v
 
 
 @triton.jit
@@ -41,7 +32,7 @@ def _pruned(x_ptr, thr_ptr, key_ptr, k, offs, mask, stride_k, cut, inv_scale, RA
     x = tl.load(x_ptr + k * stride_k + offs, mask=mask, other=0).to(CD)
     if RANDOM:
         key = tl.load(key_ptr + k).to(tl.uint32)
-        h = _mix32(key ^ offs.to(tl.uint32)).to(tl.int64)
+        h = mix32(key ^ offs.to(tl.uint32)).to(tl.int64)
         keep = h >= cut
     else:
         keep = tl.abs(x) >= tl.load(thr_ptr + k).to(CD)
