@@ -31,6 +31,7 @@ SLOW_FILES = {
     "test_agreement.py",
     "test_alloc_failure.py",
     "test_checkpoints_dist.py",
+    "test_compress_sharded.py",
     "test_control_plane.py",
     "test_distributed.py",
     "test_dtensor.py",

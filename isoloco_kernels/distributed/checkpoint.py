@@ -6,7 +6,10 @@ same plan. `consolidated_state_dict` (a collective: every rank calls it) gathers
 from its owner into one SGD-shaped state dict of the whole model, with no "sharding" entry; that whole
 state loads into `ShardedIsoLoCo` at any world size (each rank keeps the momentum of what it owns there),
 into single-process `IsoLoCo`, or into `torch.optim.SGD(nesterov=True)`. IsoLoCo refuses a per-rank state
-(`refuse_rank_state`): loading one would silently drop every other rank's momentum.
+(`refuse_rank_state`): loading one would silently drop every other rank's momentum. With `compress`, a
+rank's state also holds its "compress" entry (the spec, this worker's error-feedback residuals, the update
+residuals of the params it owns: compressed.py), refused under another spec; a whole state holds none (the
+residuals of a loaded whole state restart from zero).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 
 from ..outer import core as outer
 from ..outer.sgd_state import check_merge_entry, merge_entry
+from . import compressed
 from .agree import Agreement, gather_objects
 from .merge_route import check_sharded_state
 from .pipeline import broadcast_from_owner
@@ -82,6 +86,8 @@ def rank_state_dict(opt, sd: dict) -> dict:
     """This rank's torch state dict `sd` tagged with its plan ("sharding") and merge ("merge")."""
     sd["sharding"] = {"fingerprint": opt.plan.fingerprint, "rank": opt.rank, "world_size": opt.world_size}
     sd["merge"] = merge_entry(opt.merge, opt.merge_options, opt.merged_steps)
+    if opt.compress is not None:  # this worker's residuals and the owner's update residuals
+        sd["compress"] = compressed.state_entry(opt)
     return sd
 
 
@@ -92,12 +98,15 @@ def load_state(opt, state_dict, load) -> None:
     Everything is checked before torch's `load` runs, so a refused state changes nothing."""
     where = "ShardedIsoLoCo.load_state_dict"
     info = check_merge_entry(opt, state_dict, where)
+    residuals = None  # a whole state holds no error-feedback residuals: they restart from zero
     if isinstance(state_dict, dict) and "sharding" not in state_dict:
-        rest = {k: v for k, v in state_dict.items() if k != "merge"}
+        rest = {k: v for k, v in state_dict.items() if k not in ("merge", "compress")}
         outer.check_state_dict(opt, rest, where)  # every param's buffer, not only mine: one verdict on every rank
         rest["state"] = {pid: st for pid, st in rest["state"].items() if pid in set(opt.mine)}
     else:
-        rest = {k: v for k, v in check_sharded_state(opt, state_dict, where).items() if k != "merge"}
+        rest = {k: v for k, v in check_sharded_state(opt, state_dict, where).items() if k not in ("merge", "compress")}
+        residuals = compressed.check_entry(opt, state_dict, where, opt._params, opt.mine)
     outer.load_sgd_state(opt, rest, where, load)
+    compressed.load_entry(opt, residuals)
     if info is not None:
         opt.merged_steps = int(info["steps"])

@@ -21,7 +21,7 @@ from ..merges.options import resolve_options
 from ..outer import core as outer
 from ..outer.nd import warn_nd_params
 from ..outer.sgd_state import SGDArgs, sgd_shaped
-from . import checkpoint, pipeline
+from . import checkpoint, compressed, pipeline
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, optimizer_settings, renamed_keyword
 from .merge import PLAN_MISMATCH
 from .merge_route import exchange_workers, merge_buffers, merged_updates
@@ -43,12 +43,14 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.optim.optimizer import ParamsT
 
+    from ..compress import Compression
+
 __all__ = ["ShardedIsoLoCo"]
 
 
 #: ShardedIsoLoCo's own keywords after SGD's (`sgd_shaped`), with their defaults.
 _OWN_KEYWORDS = dict(iso=True, method="auto", process_group=None, chunk_bytes=CHUNK_BYTES, solo_above=1.0)
-_OWN_KEYWORDS.update(merge="iso_c", merge_options=None)
+_OWN_KEYWORDS.update(merge="iso_c", merge_options=None, compress=None)
 
 
 class ShardedIsoLoCo(torch.optim.Optimizer):
@@ -60,7 +62,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     M = iso(mean Δ) (2-D params, iso on) or mean Δ, then Nesterov (reference.nesterov_ref), to the
     params it owns; an all-gather gives every rank the new θ: the replicated IsoLoCo step on the mean.
     `merge` ("iso_c" default, "mean", "tsv", "iso_cts", "ties", "dare"; `merge_options`) takes the paper's
-    other merges instead: each owner receives every rank's Δ of its own tensors (merge_route.py).
+    other merges instead: each owner receives every rank's Δ of its own tensors (merge_route.py). `compress`
+    (a `compress.Compression` or its string, "int4:128:0.95") sends each Δ and the update compressed,
+    with error feedback residuals kept per rank (compressed.py, docs/compression.md).
 
     Momentum is kept only by the owner: state_dict() is per rank (plan fingerprint and rank; another
     plan's or rank's is refused), consolidated_state_dict() the whole model's for any world size or
@@ -102,25 +106,14 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         solo_above: Optional[float],
         merge: str,
         merge_options: Optional[dict],
+        compress: Optional[Compression],
         **old: Any,
     ):
         # group= was this keyword's first name (deprecated; the README promised it keeps working)
-        chunk_bytes = renamed_keyword(  # bucket_bytes=: chunk_bytes' old name, as sharded_iso_merge_ takes it
-            {k: v for k, v in old.items() if k == "bucket_bytes"},
-            "bucket_bytes",
-            "chunk_bytes",
-            chunk_bytes,
-            CHUNK_BYTES,
-            "ShardedIsoLoCo",
-        )
-        process_group = renamed_keyword(
-            {k: v for k, v in old.items() if k != "bucket_bytes"},
-            "group",
-            "process_group",
-            process_group,
-            None,
-            "ShardedIsoLoCo",
-        )
+        # bucket_bytes=: chunk_bytes' old name, as sharded_iso_merge_ takes it
+        chunk, rest = ({k: v for k, v in old.items() if (k == "bucket_bytes") == b} for b in (True, False))
+        chunk_bytes = renamed_keyword(chunk, "bucket_bytes", "chunk_bytes", chunk_bytes, CHUNK_BYTES, "ShardedIsoLoCo")
+        process_group = renamed_keyword(rest, "group", "process_group", process_group, None, "ShardedIsoLoCo")
         self.process_group = process_group
         self.rank, self.world_size = group_info(process_group)
         self._built = False
@@ -129,12 +122,13 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         # refused raises its error after the agreement, the others DistributedStepError naming it;
         # settings that differ between ranks raise DistributedStepError everywhere, naming them.
         ag = Agreement("ShardedIsoLoCo()", process_group, alone=self.world_size == 1, mismatch=PLAN_MISMATCH)
-        ag.attempt(self._build, params, sgd, iso, method, chunk_bytes, solo_above)
+        ag.attempt(self._build, params, sgd, iso, method, chunk_bytes, solo_above, compress)
         ag.settle(settings=ag.attempt(self._settings), own_error=True)
         self._built = True
 
-    def _build(self, params, sgd: SGDArgs, iso, method, chunk_bytes, solo_above) -> None:
+    def _build(self, params, sgd: SGDArgs, iso, method, chunk_bytes, solo_above, compress) -> None:
         resolve_options(self.merge, self.merge_options)  # an unknown merge or option, by name
+        compressed.attach(self, compress, "ShardedIsoLoCo")
         defaults = sgd.defaults("ShardedIsoLoCo", iso, method)
         check_chunk_bytes(chunk_bytes, "ShardedIsoLoCo: chunk_bytes")
         super().__init__(params, defaults)
@@ -187,6 +181,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         plan = {"shard plan (shapes, dtypes, iso, solo_above)": f"{self.plan.fingerprint:#x}"}
         plan.update({f"param {i} (shape, dtype)": f"{tuple(p.shape)} {p.dtype}" for i, p in enumerate(self._params)})
         merge = {"merge": self.merge, "merge_options": repr(sorted(self.merge_options.items()))}
+        merge["compress"] = repr(self.compress)
         return optimizer_settings(
             self, method=self.method, chunk_bytes=self.chunk_bytes, solo_above=self.solo_above, **plan, **merge
         )
@@ -226,6 +221,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             >>> outer.step() is None
             True
         """
+        if self.compress is not None:  # each rank's Δ compressed, to its owners (compressed.py)
+            return compressed.sharded_step(self, closure)
         ag = Agreement("ShardedIsoLoCo.step", self.process_group)
         loss = None
         if closure is not None:  # a closure that raises on one rank must still reach the agreement
@@ -420,9 +417,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """SGD's state dict of this rank's momentum (only the owner keeps a param's), plus "sharding" (the plan's
-        fingerprint, rank, world size) and "merge" (the merge, its options, the step count) entries: it loads
-        back into the same rank of the same plan; for another world size or IsoLoCo, `consolidated_state_dict()`.
-        Raises nothing.
+        fingerprint, rank, world size), "merge" (the merge, its options, the step count) and with `compress` its
+        "compress" entry (the spec, this rank's residuals) entries: it loads back into the same rank of the same
+        plan and spec; for another world size or IsoLoCo, `consolidated_state_dict()` (no residuals). Raises nothing.
 
         Examples:
             >>> outer = ShardedIsoLoCo([torch.nn.Parameter(torch.randn(6, 4))])

@@ -13,6 +13,8 @@ step reads only the stacks (never a param's own `.grad`), is all or nothing (a r
 param, buffer, `.grad` or step count) and its state dict is IsoLoCo's (SGD's) plus a "merge" entry (the
 merge, its options and the step count DARE's draws follow), so a resumed run continues bit for bit. For
 ranks that each hold their own worker's Δ, `ShardedIsoLoCo(merge=...)` runs the same merges over ranks.
+`compress=` simulates each worker's compressed Δ (with its error-feedback residual) and the owners' compressed
+update exactly as `ShardedIsoLoCo(compress=...)` over K ranks computes them (optim/compressed.py).
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
+from ..distributed import compressed
 from ..merges import check_stacks, merge_groups
 from ..merges.options import resolve_options
 from ..outer.sgd_state import SGDArgs, check_merge_entry, merge_entry, sgd_shaped
+from .compressed import simulated_step
 from .isoloco import IsoLoCo
 
 if TYPE_CHECKING:
     from torch.optim.optimizer import ParamsT
+
+    from ..compress import Compression
 
 __all__ = ["MergeLoCo"]
 
@@ -47,6 +53,9 @@ class MergeLoCo(IsoLoCo):
         merge_options: that merge's options (merges/options.py), e.g. {"sparsity": 0.2}. DARE's
             `seed` is offset by the step count, so every outer step draws new drops.
         method: the flatten behind iso_c and the polar factors of tsv / iso_cts (as `IsoLoCo`).
+        compress: a `compress.Compression` (or its string, "int4:128:0.95"): each step simulates the K
+            workers' compressed exchange bit for bit as `ShardedIsoLoCo(compress=...)` on K ranks runs it
+            (docs/compression.md); every param then needs a stack, and `.grad` is left as it was.
         process_group: must be None: MergeLoCo runs its K workers in one process. SGD's other keywords
             and IsoLoCo's `iso`, `iso_nd` and `dtensor_route` are taken as `IsoLoCo` takes them.
 
@@ -72,6 +81,7 @@ class MergeLoCo(IsoLoCo):
         process_group=None,
         dtensor_route="auto",
         iso_nd=False,
+        compress=None,
     )
     def __init__(
         self,
@@ -85,6 +95,7 @@ class MergeLoCo(IsoLoCo):
         process_group: None,
         dtensor_route: str,
         iso_nd: bool,
+        compress: Optional[Compression],
     ):
         opts = dict(merge_options or {})
         resolve_options(merge, opts)  # refuses an unknown merge or option by name
@@ -92,6 +103,7 @@ class MergeLoCo(IsoLoCo):
             raise ValueError("MergeLoCo runs its K workers in one process: process_group must be None")
         self.merge, self.merge_options, self.merged_steps = merge, opts, 0
         self._pending: Optional[list] = None  # stacks set_deltas checked, for the next step
+        compressed.attach(self, compress, "MergeLoCo")  # this process's K workers' residuals, once stepped
         super().__init__(params, **asdict(sgd), iso=iso, method=method, dtensor_route=dtensor_route, iso_nd=iso_nd)
         from ..outer.core import is_dtensor
 
@@ -159,6 +171,10 @@ class MergeLoCo(IsoLoCo):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.compress is not None:
+            simulated_step(self, stacks)  # the compressed route, all or nothing (optim/compressed.py)
+            self._pending = None
+            return loss
         params = self._params()
         idx = [i for i, d in enumerate(stacks) if d is not None]
         merged = merge_groups(
@@ -191,20 +207,27 @@ class MergeLoCo(IsoLoCo):
         """IsoLoCo's (SGD's) state dict plus a "merge" entry: {"merge", "options", "steps"}. Raises nothing."""
         sd = super().state_dict()
         sd["merge"] = merge_entry(self.merge, self.merge_options, self.merged_steps)
+        if self.compress is not None:  # the K workers' residuals ([K, *shape] each) and the update residuals
+            sd["compress"] = compressed.state_entry(self)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """A MergeLoCo, IsoLoCo or SGD state dict, checked first; the step count comes back with it (a
         checkpoint of another merge or options loads with a warning naming both)."""
         info = check_merge_entry(self, state_dict, "MergeLoCo.load_state_dict")
-        rest = {k: v for k, v in state_dict.items() if k != "merge"} if isinstance(state_dict, dict) else state_dict
+        params = [p for p, _ in self._params()]
+        held = compressed.check_entry(self, state_dict, "MergeLoCo.load_state_dict", params, range(len(params)), True)
+        drop = ("merge", "compress")
+        rest = {k: v for k, v in state_dict.items() if k not in drop} if isinstance(state_dict, dict) else state_dict
         super().load_state_dict(rest)
+        compressed.load_entry(self, held)
         if info is not None:
             self.merged_steps = int(info["steps"])
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state.update(merge=self.merge, merge_options=dict(self.merge_options), merged_steps=self.merged_steps)
+        state.update(compress=(self.compress, dict(self._residuals), dict(self._update_residuals)))
         state["pending"] = self._pending
         return state
 
@@ -213,6 +236,8 @@ class MergeLoCo(IsoLoCo):
         copied = "merge" in state
         merge, options = state.pop("merge", None), state.pop("merge_options", None)
         steps, pending = state.pop("merged_steps", None), state.pop("pending", None)
+        packed = state.pop("compress", (None, {}, {}))
         super().__setstate__(state)
         if copied:  # deepcopy / pickle (torch's load_state_dict passes only "state" and "param_groups")
             self.merge, self.merge_options, self.merged_steps, self._pending = merge, options, steps, pending
+            self.compress, self._residuals, self._update_residuals = packed

@@ -1,0 +1,180 @@
+"""MergeLoCo(compress=...): the compressed owner route simulated in one process (optim/compressed.py) — its
+known answer from the compress/ API alone, error feedback carrying what was not sent on both legs, all or
+nothing, a resume bit for bit, refusals. The simulation equals ShardedIsoLoCo(compress=...) on 2 and 3 ranks bit for bit: tests/test_compress_sharded.py."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+from isoloco_kernels import MergeLoCo
+from isoloco_kernels.compress import Compression, allreduce_bytes, dequantize, exchange_bytes, quantize
+from isoloco_kernels.optim.compressed import worker_bytes
+
+SHAPES = [(12, 8), (5,), (8, 12), (40, 6)]
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # small computations (tests/conftest.py)
+
+
+def _stacks(K: int, step: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(300 + step)
+    return [torch.randn(K, *s, generator=g).to(dtype) for s in SHAPES]
+
+
+def _init(dtype=torch.float32):
+    g = torch.Generator().manual_seed(9)
+    return [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+
+
+def _state(opt, ps):
+    """Everything a step may change: params, momentum, residuals, update residuals, step count."""
+    mom = {i: opt.state[p]["momentum_buffer"].clone() for i, p in enumerate(ps) if "momentum_buffer" in opt.state[p]}
+    res = {k: dict(getattr(opt, k)) for k in ("_residuals", "_update_residuals")}
+    return [p.clone() for p in ps], mom, res, opt.merged_steps
+
+
+def _same(a, b) -> bool:
+    (pa, ma, ra, sa), (pb, mb, rb, sb) = a, b
+    if sa != sb or ma.keys() != mb.keys() or ra.keys() != rb.keys():
+        return False
+    same_res = all(ra[k].keys() == rb[k].keys() and all(torch.equal(ra[k][i], rb[k][i]) for i in ra[k]) for k in ra)
+    return same_res and all(map(torch.equal, pa, pb)) and all(torch.equal(ma[i], mb[i]) for i in ma)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_step_is_the_known_answer_from_the_compress_api(dtype):
+    """μ = 0, the mean, nearest rounding, no error feedback: θ' = θ + deq(Q(−lr·Σ_k deq(Q(Δ_k))/K)), the sum
+    in float32 in worker order, the mean rounded once to θ's dtype, θ + deq(u) in float32 rounded once."""
+    spec = Compression("int4", 32)
+    ps = _init(dtype)
+    start = [p.clone() for p in ps]
+    opt = MergeLoCo(ps, lr=0.7, momentum=0.0, merge="mean", compress=spec)
+    stacks = _stacks(3, 0, dtype)
+    opt.step(deltas=stacks)
+    for i, (p, p0, st) in enumerate(zip(ps, start, stacks)):
+        acc = torch.zeros(p.numel())
+        for k in range(3):
+            acc += dequantize(quantize(st[k], spec, tensor_id=i))
+        mean = (acc / 3).to(dtype).float()
+        want = (p0.float().reshape(-1) + dequantize(quantize(mean * -0.7, spec, tensor_id=i))).to(dtype)
+        assert torch.equal(p.reshape(-1), want), f"param {i}"
+
+
+@pytest.mark.parametrize("merge", ["iso_c", "mean", "tsv"])
+def test_int8_stays_near_the_uncompressed_step(merge):
+    """Five steps at int8 land within 3 % of the uncompressed MergeLoCo's params (random Δ, the worst case)."""
+    runs = []
+    for spec in (None, "int8:128:0.95"):
+        ps = [torch.zeros(s) for s in SHAPES]
+        opt = MergeLoCo(ps, lr=0.9, momentum=0.6, merge=merge, compress=spec)
+        for step in range(5):
+            opt.step(deltas=_stacks(4, step))
+        runs.append(torch.cat([p.reshape(-1) for p in ps]))
+    err = float((runs[1] - runs[0]).norm() / runs[0].norm())
+    assert err < (0.03 if merge != "tsv" else 0.3), err
+
+
+def test_error_feedback_carries_what_was_not_sent_on_both_legs():
+    """β = 1, μ = 0, the mean, 2 bits: θ_T − θ_0 + e_u = −lr/K·Σ_k (Σ_t Δ_k,t − e_k,T) up to float32 rounding:
+    every worker's residual holds what its payloads left out, the owner's what the updates left out."""
+    K, T, lr = 3, 6, 0.5
+    ps = [torch.zeros(s) for s in SHAPES]
+    opt = MergeLoCo(ps, lr=lr, momentum=0.0, merge="mean", compress=Compression("int2", 32, ef_beta=1.0))
+    total = [torch.zeros(K, *s) for s in SHAPES]
+    for step in range(T):
+        stacks = _stacks(K, step)
+        opt.step(deltas=stacks)
+        total = [a + b for a, b in zip(total, stacks)]
+    for i, p in enumerate(ps):
+        want = -lr / K * (total[i] - opt._residuals[i]).sum(0)
+        got = p + opt._update_residuals[i]
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), float((got - want).abs().max())
+        assert float(opt._update_residuals[i].abs().max()) > 1e-3  # 2 bits leave plenty out
+
+
+def test_a_refused_step_changes_nothing():
+    """NaN in one worker's Δ at the second step, or an update that overflows float16: ValueError naming it,
+    and no param, momentum, residual, update residual or step count changed."""
+    ps = _init()
+    opt = MergeLoCo(ps, lr=0.9, momentum=0.6, compress="int4:64:0.95:stochastic")
+    opt.step(deltas=_stacks(3, 0))
+    before = _state(opt, ps)
+    bad = _stacks(3, 1)
+    bad[2][1, 3, 3] = float("nan")
+    with pytest.raises(ValueError, match="worker 1's Δ of param 2.*NaN"):
+        opt.step(deltas=bad)
+    assert _same(_state(opt, ps), before)
+    half = [torch.full((4, 4), 6.0e4, dtype=torch.float16)]
+    opt = MergeLoCo(half, lr=4.0, momentum=0.0, iso=False, compress="int8")
+    with pytest.raises(ValueError, match="after the step"):
+        opt.step(deltas=[torch.full((2, 4, 4), -2000.0, dtype=torch.float16)])
+    assert bool((half[0] == 6.0e4).all()) and opt.merged_steps == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_resume_is_bit_exact_and_residuals_come_back_whole(dtype):
+    """2 steps, state_dict through torch.save, a fresh MergeLoCo loads it, 2 more: equal to 4 steps; a
+    deepcopy carries the residuals too."""
+    spec = Compression("fp4", 64, "stochastic", ef_beta=0.9, residual_dtype=torch.bfloat16, seed=3)
+    a, b = _init(dtype), _init(dtype)
+    oa = MergeLoCo(a, lr=0.8, momentum=0.7, compress=spec)
+    ob = MergeLoCo(b, lr=0.8, momentum=0.7, compress=spec)
+    for step in range(2):
+        oa.step(deltas=_stacks(3, step, dtype))
+        ob.step(deltas=_stacks(3, step, dtype))
+    buf = io.BytesIO()
+    torch.save(ob.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    assert {t.dtype for t in saved["compress"]["residuals"].values()} == {torch.bfloat16}
+    assert all(t.shape[0] == 3 for t in saved["compress"]["residuals"].values())
+    c = [p.clone() for p in b]
+    oc = MergeLoCo(c, lr=0.8, momentum=0.7, compress=spec)
+    oc.load_state_dict(saved)
+    od, d = copy.deepcopy((oa, a))
+    for i, r in oa._residuals.items():
+        assert torch.equal(oc._residuals[i], r) and torch.equal(od._residuals[i], r)
+    for step in range(2, 4):
+        oa.step(deltas=_stacks(3, step, dtype))
+        oc.step(deltas=_stacks(3, step, dtype))
+        od.step(deltas=_stacks(3, step, dtype))
+    assert all(torch.equal(x, y) for x, y in zip(a, c)) and all(torch.equal(x, y) for x, y in zip(a, d))
+
+
+def test_refusals_name_what_is_wrong():
+    ps = _init()
+    opt = MergeLoCo(ps, compress="int4:128:0.95")
+    opt.step(deltas=_stacks(3, 0))
+    saved = opt.state_dict()
+    other = MergeLoCo(_init(), compress="int4:128:0.9")
+    with pytest.raises(ValueError, match="saved with compression"):
+        other.load_state_dict(saved)
+    assert not other._residuals and not other.state
+    with pytest.raises(ValueError, match="compress=None"):
+        MergeLoCo(_init()).load_state_dict(saved)
+    broken = copy.deepcopy(saved)
+    broken["compress"]["residuals"][1] = broken["compress"]["residuals"][1][:, :2]
+    with pytest.raises(ValueError, match="residuals of param 1"):
+        MergeLoCo(_init(), compress="int4:128:0.95").load_state_dict(broken)
+    with pytest.raises(ValueError, match="K must stay the same"):
+        opt.step(deltas=_stacks(4, 1))
+    with pytest.raises(ValueError, match="every param needs a stack"):
+        opt.step(deltas=[None] + _stacks(3, 1)[1:])
+    with pytest.raises(TypeError, match="compress must be a Compression"):
+        MergeLoCo(_init(), compress=8)
+    with pytest.raises(ValueError, match="--compress 'int5'"):
+        MergeLoCo(_init(), compress="int5")
+    assert opt.merged_steps == 1
+
+
+def test_worker_bytes_are_the_spec_byte_counts():
+    ps = [torch.zeros(s) for s in SHAPES] + [torch.zeros(3000, dtype=torch.bfloat16)]
+    spec = Compression("int2")
+    got = worker_bytes(spec, ps, 4)
+    assert got["compressed"] == sum(exchange_bytes(spec, p.numel(), 4, p.dtype) for p in ps)
+    assert got["allreduce_fp32"] == sum(allreduce_bytes(p.numel(), 4) for p in ps)
+    assert got["compressed"] <= 0.08 * got["allreduce_fp32"]
+    assert worker_bytes(None, ps, 4)["compressed"] is None
