@@ -1,11 +1,14 @@
 """MergeLoCo(compress=...): the compressed owner route simulated in one process (optim/compressed.py) — its
 known answer from the compress/ API alone, error feedback carrying what was not sent on both legs, all or
-nothing, a resume bit for bit, refusals. The simulation equals ShardedIsoLoCo(compress=...) on 2 and 3 ranks bit for bit: tests/test_compress_sharded.py."""
+nothing, a resume bit for bit, refusals; and the reference loop's --compress (its bytes per round). The
+simulation equals ShardedIsoLoCo(compress=...) on 2 and 3 ranks bit for bit: tests/test_compress_sharded.py."""
 
 from __future__ import annotations
 
 import copy
 import io
+import json
+import math
 
 import pytest
 import torch
@@ -178,3 +181,43 @@ def test_worker_bytes_are_the_spec_byte_counts():
     assert got["allreduce_fp32"] == sum(allreduce_bytes(p.numel(), 4) for p in ps)
     assert got["compressed"] <= 0.08 * got["allreduce_fp32"]
     assert worker_bytes(None, ps, 4)["compressed"] is None
+
+
+# -- the reference loop ---------------------------------------------------------------------------------------
+
+SMALL = dict(model="tiny", seq_len=16, workers=2, inner_steps=2, rounds=2, batch=2, warmup=1, eval_windows=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["diloco", "isoloco"])
+def test_the_loop_trains_compressed_and_records_its_bytes(mode):
+    from isoloco_kernels.train import Setup, TrainConfig, load_corpus, run_mode
+
+    corpus = load_corpus(max_bytes=60_000)
+    runs = {}
+    for spec in (None, "int4:128:0.95"):
+        runs[spec] = run_mode(mode, Setup(TrainConfig(**SMALL, compress=spec), corpus))
+        assert "diverged" not in runs[spec] and all(math.isfinite(x) for x in runs[spec]["heldout_loss"])
+    plain, packed = runs[None], runs["int4:128:0.95"]
+    n = sum(p.numel() for p in Setup(TrainConfig(**SMALL), corpus).model().parameters())
+    assert plain["bytes_per_worker_per_round"] == plain["allreduce_fp32_bytes_per_worker_per_round"] == 4 * n
+    assert packed["allreduce_fp32_bytes_per_worker_per_round"] == 4 * n and packed["compress"] == "int4:128:0.95"
+    assert 0.13 * 4 * n < packed["bytes_per_worker_per_round"] <= 0.14 * 4 * n
+    assert packed["final_loss"] != plain["final_loss"] and abs(packed["final_loss"] - plain["final_loss"]) < 0.1
+
+
+@pytest.mark.slow
+def test_the_cli_takes_compress_and_refuses_a_bad_spec(tmp_path, capsys):
+    from isoloco_kernels.train.cli import main
+    from isoloco_kernels.train.config import TrainConfig
+
+    small = "-K 2 -H 2 -R 1 --batch 2 --seq-len 16 --eval-windows 8 --max-bytes 60000 --quiet --threads 1".split()
+    out = tmp_path / "run"
+    assert main(small + ["--mode", "isoloco", "--compress", "fp8:64:0.9", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["compress"] == "fp8:64:0.9" and res["modes"]["isoloco"]["compress"] == "fp8:64:0.9"
+    with pytest.raises(ValueError, match="int3"):
+        TrainConfig(compress="int3:128").validate()
+    with pytest.raises(SystemExit):
+        main(small + ["--mode", "diloco", "--compress", "int4:100", "--out", str(tmp_path / "bad")])
+    assert "block" in capsys.readouterr().err

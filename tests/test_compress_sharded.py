@@ -214,7 +214,22 @@ def _check_residuals_survive_a_save_and_load(rank, world):
     assert not oc._residuals and not oc._update_residuals
 
 
+def _check_the_loop_under_torchrun_builds_the_compressed_route(rank, world):
+    """--outer sharded with --compress: the loop's DistComm builds ShardedIsoLoCo(compress=the parsed spec)."""
+    from isoloco_kernels.compress import parse
+    from isoloco_kernels.train.config import TrainConfig
+    from isoloco_kernels.train.dist import DistComm
+
+    cfg = TrainConfig(workers=world, compress="int4:64:0.9")
+    for mode, iso in (("diloco", False), ("isoloco", True)):
+        opt = DistComm(world, rank, "sharded").outer_optimizer(mode, _init(), cfg)
+        assert isinstance(opt, ShardedIsoLoCo) and opt.compress == parse("int4:64:0.9")
+        assert opt.param_groups[0]["iso"] is iso
+        _steps(opt, opt._params, rank, world, [0])
+
+
 for _table in TABLES.values():
+    _table.add("loop_under_torchrun", _check_the_loop_under_torchrun_builds_the_compressed_route)
     _table.add("bytes_per_rank", _check_bytes_per_rank)
     _table.add("nan_on_one_rank", _check_nan_on_one_rank_changes_nothing)
     _table.add("update_overflow", _check_an_update_that_does_not_fit_changes_nothing)

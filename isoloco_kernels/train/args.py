@@ -151,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the Iso-C modes)",
     )
     p.add_argument(
+        "--compress",
+        default=None,
+        metavar="SPEC",
+        help="compress every outer mode's exchange: format[:block[:beta[:rounding]]], e.g. int4:128:0.95 "
+        "(int8, fp8, int4, fp4, int2; beta none: no error feedback; docs/compression.md); under torchrun "
+        "it needs --outer sharded",
+    )
+    p.add_argument(
         "--iso-skip",
         default="",
         metavar="PREFIXES",

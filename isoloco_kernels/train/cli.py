@@ -144,6 +144,7 @@ def main(argv=None) -> int:
         "vocab",
         "init",
         "iso_skip_outer",
+        "compress",
     )
     base = TrainConfig(
         **{k: getattr(a, k) for k in same},  # the flags named as TrainConfig's fields
@@ -167,6 +168,8 @@ def main(argv=None) -> int:
                 "has none of them, so it would be ignored"
             )
         check_outer(launch, cfgs, param, device, a.outer)
+        if a.compress is not None and launch is not None and a.outer != "sharded":
+            raise ValueError("--compress under torchrun needs --outer sharded (an all-reduce cannot sum packed bytes)")
         check_folder("--out", a.out, ["results.json", "loss.png"])
         if a.save_pseudo_gradients is not None:
             save_rounds = {c.rounds: parse_rounds(a.save_rounds, c.rounds) for c in cfgs}

@@ -65,6 +65,9 @@ class TrainConfig:
     # averaged Δ takes the same outer step unflattened (an IsoLoCo param group with iso=False)
     iso_skip: tuple = ()
     iso_skip_outer: tuple | None = None  # (lr, momentum) of the iso_skip group; None: the mode's
+    # a compress.parse spec ("int4:128:0.95": format, block, β): every outer mode's exchange compressed, each
+    # worker's Δ and the owners' update (MergeLoCo(compress=...) here; ShardedIsoLoCo under torchrun); None: off
+    compress: str | None = None
 
     def model_config(self) -> ModelConfig:
         if self.model not in PRESETS:
@@ -133,6 +136,10 @@ class TrainConfig:
 
         if self.merge not in MERGES:
             raise ValueError(f"merge must be one of {tuple(MERGES)}, got {self.merge!r}")
+        if self.compress is not None:
+            from ..compress import parse
+
+            parse(self.compress)  # ValueError naming the spec
         if self.outer_schedule not in OUTER_SCHEDULES:
             raise ValueError(f"outer_schedule must be one of {OUTER_SCHEDULES}, got {self.outer_schedule!r}")
         if self.merge != "iso_c" and self.iso_skip:

@@ -90,6 +90,7 @@ class DistComm(Comm):
             process_group=self.group,
             chunk_bytes=self.chunk_bytes,
             merge=cfg.merge if mode not in SGD_MODES else "iso_c",
+            compress=cfg.compress,  # None: the uncompressed reduce-scatter route
         )
 
     def pseudo_gradients_(self, delta: Sequence[torch.Tensor]) -> None:

@@ -46,6 +46,7 @@ from .optimizers import (
     muon_params,
     outer_optimizer,
     outer_params,
+    round_bytes,
 )
 from .tokenizer import tokenize
 
@@ -312,6 +313,7 @@ def run_mode(
     out = {"mode": mode}
     if mode != "ddp":
         out["outer_lr"], out["outer_momentum"] = cfg.outer(mode)
+        out.update(round_bytes(cfg, list(model.parameters())))  # what one worker sends per round
         if cfg.outer_schedule != "constant":
             out["outer_schedule"] = cfg.outer_schedule
     clock = _Clock(setup.device)
@@ -348,7 +350,7 @@ def run_mode(
             meter = DivergenceMeter(model) if cfg.divergence else None
             if meter is not None:
                 out["divergence"] = []
-            per_worker = getattr(outer, "merge", "iso_c") != "iso_c"  # MergeLoCo: every worker's Δ
+            per_worker = hasattr(outer, "set_deltas")  # MergeLoCo (a merge, or compress): every worker's Δ
             for r in range(R):
                 delta = [torch.zeros_like(p) for p in params]
                 stacks = [[] for _ in params] if per_worker else None

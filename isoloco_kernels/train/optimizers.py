@@ -96,6 +96,13 @@ def outer_params(mode: str, names: Sequence[str], params: Sequence[torch.Tensor]
 
 def outer_optimizer(mode: str, params, cfg: TrainConfig) -> torch.optim.Optimizer:
     lr, mom = cfg.outer(mode)
+    if cfg.compress is not None:  # the K workers' compressed exchange, simulated (optim/compressed.py)
+        from ..optim.mergeloco import MergeLoCo
+
+        merge, iso = ("mean", False) if mode in SGD_MODES else (cfg.merge, True)
+        return MergeLoCo(
+            params, lr=lr, momentum=mom, merge=merge, iso=iso, method=cfg.iso_method, compress=cfg.compress
+        )
     if mode in SGD_MODES:
         return torch.optim.SGD(params, lr=lr, momentum=mom, nesterov=mom > 0)
     if cfg.merge != "iso_c":
@@ -105,6 +112,19 @@ def outer_optimizer(mode: str, params, cfg: TrainConfig) -> torch.optim.Optimize
     from ..optim.isoloco import IsoLoCo
 
     return IsoLoCo(params, lr=lr, momentum=mom, iso=True, method=cfg.iso_method)
+
+
+def round_bytes(cfg: TrainConfig, params: Sequence[torch.Tensor]) -> dict:
+    """What one worker sends per outer round: with cfg.compress the compressed owner route's both legs, scales
+    included (`compress.exchange_bytes` per tensor), else an fp32 ring all-reduce's 2·(K − 1)/K·4 bytes per
+    entry, which every run also records for comparison (optim/compressed.py `worker_bytes`)."""
+    from ..compress import parse
+    from ..optim.compressed import worker_bytes
+
+    got = worker_bytes(parse(cfg.compress) if cfg.compress else None, params, cfg.workers)
+    sent = got["allreduce_fp32"] if got["compressed"] is None else got["compressed"]
+    out = {"bytes_per_worker_per_round": sent, "allreduce_fp32_bytes_per_worker_per_round": got["allreduce_fp32"]}
+    return out | ({"compress": cfg.compress} if cfg.compress else {})
 
 
 class OuterSchedule:
@@ -156,7 +176,7 @@ def check_outer_step(mode: str, cfg: TrainConfig) -> None:
     try:
         opt = outer_optimizer(mode, params, cfg)
         stacks = [torch.zeros(cfg.workers, *p.shape) for p in params]
-        if getattr(opt, "merge", "iso_c") != "iso_c":
+        if getattr(opt, "merge", "iso_c") != "iso_c" or getattr(opt, "compress", None) is not None:
             opt.step(deltas=stacks)
         else:
             for p, st in zip(params, stacks):
