@@ -183,7 +183,9 @@ def backends() -> dict[str, str]:
     if _tk.AVAILABLE and not _tk.interpreted():
         out["compress[cuda]"] = "triton (float16, bfloat16, float32; float64: torch)"
     else:
-        out["compress[cuda]"] = "torch (" + ("the interpreter's kernels" if _tk.AVAILABLE else "triton not importable") + ")"
+        out["compress[cuda]"] = (
+            "torch (" + ("the interpreter's kernels" if _tk.AVAILABLE else "triton not importable") + ")"
+        )
     out["methods"] = ", ".join(m for m in flatten.METHODS if m != "auto")
     out["dtypes"] = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
     return out

@@ -204,7 +204,9 @@ def test_the_top_floor_keeps_few_modules():
     assert all(os.path.isfile(os.path.join(ROOT, "isoloco_kernels", d, "__init__.py")) for d in subpackages)
 
 
-@pytest.mark.parametrize("pkg", ["compress", "dispatch", "distributed", "flatten", "merges", "optim", "outer", "train", "triton"])
+@pytest.mark.parametrize(
+    "pkg", ["compress", "dispatch", "distributed", "flatten", "merges", "optim", "outer", "train", "triton"]
+)
 def test_every_subpackage_says_what_lives_there(pkg):
     """Each subpackage's __init__ opens with a docstring: what lives there (and what it may import)."""
     import ast

@@ -54,7 +54,8 @@ def test_momentum_warmup_starts_above_zero_and_reaches_mu():
 
 def test_one_round_is_never_scaled_to_zero():
     assert _seen("warmup", 1) == [(2.0, 0.8)]
-    assert _seen("warmup-cosine", 2)[0][0] == pytest.approx(2.0)
+    assert [s[0] for s in _seen("warmup-cosine", 2)] == pytest.approx([1.0, 2.0])  # W ≥ 2: a warm-up even at 10 rounds
+    assert [s[0] for s in _seen("warmup", 10)][:3] == pytest.approx([1.0, 2.0, 2.0])
 
 
 def test_an_unknown_schedule_is_refused_before_training():

@@ -130,13 +130,13 @@ def round_bytes(cfg: TrainConfig, params: Sequence[torch.Tensor]) -> dict:
 class OuterSchedule:
     """The outer optimizer's schedule over R rounds (TrainConfig.outer_schedule), through torch's LR scheduler
     (LambdaLR: the lr factor is set in param_groups before each outer step, which the outer optimizers read
-    every step) or, for the momentum warm-up, the groups' momentum set the same way. W = max(1, round(5 % of R))
+    every step) or, for the momentum warm-up, the groups' momentum set the same way. W = min(R, max(2, round(5 % of R)))
     warm-up rounds: round r (0-based) runs at (r + 1)/W of the lr (or of μ) while r < W; warmup-cosine then
     decays the lr from 1× to 0.1× along a half cosine over the remaining rounds. `step()` after each outer step."""
 
     def __init__(self, opt: torch.optim.Optimizer, kind: str, rounds: int):
         self.opt, self.kind, self.rounds = opt, kind, rounds
-        self.warm = max(1, round(0.05 * rounds))
+        self.warm = min(rounds, max(2, round(0.05 * rounds)))  # 5 % of the rounds, ≥ 2 (a warm-up), ≤ R
         self.round = 0
         self.mu = [g["momentum"] for g in opt.param_groups]
         self.lr_sched = None
