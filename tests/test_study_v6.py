@@ -84,3 +84,13 @@ def test_the_gpu_point_dry_run_writes_a_line_per_run(tmp_path):
     assert [r["run"] for r in lines] == ["diloco-official", "diloco-pick", "isoloco"]
     assert all(r["dry_run"] and r["rounds"] == 2 and len(r["heldout_loss"]) == 3 and r["epochs"] > 0 for r in lines)
     assert not (tmp_path / "gpu_point_corpus.txt").exists()
+
+
+def test_runs_with_an_outer_schedule_are_not_grid_points():
+    """Part B's runs (an outer schedule at a pick) stay out of the constant-schedule grid the picks come from."""
+    v3 = study_module("v3")
+    plain = _rec("diloco", 0.7, 0.0, 0, 1.6, lambda r: 2.0)
+    warm = _rec("diloco", 0.5, 0.0, 0, 1.1, lambda r: 1.5)  # better, but warmed up: not a grid point
+    warm["v3"] = {**warm["v3"], "outer_schedule": "warmup"}
+    (grid,) = v3.grids([plain, warm]).values()
+    assert list(grid["diloco"]) == [(0.7, 0.0)]
