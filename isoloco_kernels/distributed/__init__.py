@@ -12,7 +12,13 @@
 - `merge.py`: `sharded_iso_merge_`, Iso-C of already-averaged buckets with the work split;
 - `process_group.py`: `IsoLoCo.step` over a process group (`IsoLoCo(process_group=...)`);
 - `dtensor.py`: `IsoLoCo.step` on DTensor params (FSDP2, tensor parallel): checks and the router;
-  `routes.py` and `gram_route.py`: its routes.
+  `routes.py` and `gram_route.py`: its routes;
+- `merge_route.py`: the merges' owner all-to-all (`ShardedIsoLoCo(merge=...)`); `compressed.py`: the
+  compressed owner route (`ShardedIsoLoCo(compress=...)`) and its one-process simulation;
+- `checkpoint.py`: per-rank and consolidated state dicts; `bits.py`: exact fingerprints replicas compare.
+
+It stands on outer/ (the outer-step core), merges/, flatten/ and compress/; optim/ uses its public pieces,
+never the other way round.
 """
 
 from .agree import DistributedStepError
