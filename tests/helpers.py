@@ -6,6 +6,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -302,3 +303,17 @@ def study_record(mode, lr, momentum, seed, sel, test, *, outer_s=None, **cell) -
         "outer_step_s": outer_s,
         "v3": {"batch": 16, "seq_len": 64, "inner": "adamw", "inner_lr": 3e-3, "model": "tiny", **cell},
     }
+
+
+def seeded(shapes, seed: int, dtype=torch.float32, k: Optional[int] = None) -> list:
+    """One N(0, 1) tensor per shape from a generator seeded `seed` (with k: a [k, *shape] stack of k workers' deltas),
+    cast to dtype: the params and pseudo-gradients the multi-rank tests share between ranks and one process."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*(() if k is None else (k,)), *s, generator=g).to(dtype) for s in shapes]
+
+
+def step_as_rank(opt, params, stacks, rank: int) -> None:
+    """One outer step of this rank: p.grad ← its slice of each [K, *shape] stack, then opt.step()."""
+    for p, d in zip(params, stacks):
+        p.grad = d[rank].clone()
+    opt.step()

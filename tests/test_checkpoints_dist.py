@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import IsoLoCo, MergeLoCo, ShardedIsoLoCo
+from tests.helpers import seeded, step_as_rank
 from tests.spawn import Checks, groups, params
 
 SHAPES = [(12, 8), (5,), (8, 12), (40, 6), ()]
@@ -23,20 +24,16 @@ TABLES = {2: Checks(), 3: Checks()}
 
 
 def _params(dtype=torch.float32):
-    g = torch.Generator().manual_seed(7)
-    return [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+    return seeded(SHAPES, 7, dtype)
 
 
 def _grads(world: int, step: int, dtype=torch.float32):
-    g = torch.Generator().manual_seed(500 + step)
-    return [torch.randn(world, *s, generator=g).to(dtype) for s in SHAPES]
+    return seeded(SHAPES, 500 + step, dtype, k=world)
 
 
 def _steps(opt, ps, rank, world, steps, dtype=torch.float32):
     for s in steps:
-        for p, d in zip(ps, _grads(world, s, dtype)):
-            p.grad = d[rank].clone()
-        opt.step()
+        step_as_rank(opt, ps, _grads(world, s, dtype), rank)
 
 
 def _resume_is_bit_exact(rank, world, merge, opts, dtype):

@@ -16,6 +16,7 @@ import torch
 from isoloco_kernels import MergeLoCo
 from isoloco_kernels.compress import Compression, allreduce_bytes, dequantize, exchange_bytes, quantize
 from isoloco_kernels.optim.compressed import worker_bytes
+from tests.helpers import seeded
 
 SHAPES = [(12, 8), (5,), (8, 12), (40, 6)]
 
@@ -23,13 +24,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # small computations (tests/
 
 
 def _stacks(K: int, step: int, dtype=torch.float32):
-    g = torch.Generator().manual_seed(300 + step)
-    return [torch.randn(K, *s, generator=g).to(dtype) for s in SHAPES]
+    return seeded(SHAPES, 300 + step, dtype, k=K)
 
 
 def _init(dtype=torch.float32):
-    g = torch.Generator().manual_seed(9)
-    return [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+    return seeded(SHAPES, 9, dtype)
 
 
 def _state(opt, ps):

@@ -18,6 +18,7 @@ import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import DistributedStepError, MergeLoCo, ShardedIsoLoCo
 from isoloco_kernels.compress import Compression
 from isoloco_kernels.distributed import compressed
+from tests.helpers import seeded, step_as_rank
 from tests.spawn import Checks, groups, params
 
 SHAPES = [(12, 8), (5,), (8, 12), (12, 8), (40, 6), ()]
@@ -34,20 +35,16 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _deltas(world: int, step: int, dtype=torch.float32):
-    g = torch.Generator().manual_seed(1000 + step)
-    return [torch.randn(world, *s, generator=g).to(dtype) for s in SHAPES]
+    return seeded(SHAPES, 1000 + step, dtype, k=world)
 
 
 def _init(dtype=torch.float32):
-    g = torch.Generator().manual_seed(7)
-    return [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+    return seeded(SHAPES, 7, dtype)
 
 
 def _steps(opt, ps, rank, world, steps, dtype=torch.float32):
     for s in steps:
-        for p, d in zip(ps, _deltas(world, s, dtype)):
-            p.grad = d[rank].clone()
-        opt.step()
+        step_as_rank(opt, ps, _deltas(world, s, dtype), rank)
 
 
 def _equal_to_one_process(rank, world, spec, merge, solo, dtype):
@@ -58,9 +55,7 @@ def _equal_to_one_process(rank, world, spec, merge, solo, dtype):
     assert solo == 1.0 or opt.plan.solo, "the case means to send solo tensors"
     for step in range(3):
         deltas = _deltas(world, step, dtype)
-        for p, d in zip(ps, deltas):
-            p.grad = d[rank].clone()
-        opt.step()
+        step_as_rank(opt, ps, deltas, rank)
         one.step(deltas=deltas)
     for i, (p, q) in enumerate(zip(ps, ref)):
         assert torch.equal(p, q), f"{spec} {merge} {dtype}: param {i} differs from the one-process simulation"

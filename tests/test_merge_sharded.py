@@ -12,6 +12,7 @@ import torch.distributed as dist
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import DistributedStepError, MergeLoCo, ShardedIsoLoCo
 from isoloco_kernels.distributed.merge_route import wire_bytes
+from tests.helpers import seeded, step_as_rank
 from tests.spawn import Checks, groups, params
 
 SHAPES = [(12, 8), (5,), (8, 12), (12, 8), (3, 4, 2), (40, 6), ()]
@@ -20,8 +21,7 @@ TABLES = {2: Checks(), 3: Checks()}
 
 
 def _deltas(world: int, step: int, dtype=torch.float32):
-    g = torch.Generator().manual_seed(1000 + step)
-    return [torch.randn(world, *s, generator=g).to(dtype) for s in SHAPES]
+    return seeded(SHAPES, 1000 + step, dtype, k=world)
 
 
 def _equal_to_one_process(rank, world, merge, opts, dtype, solo_above):
@@ -31,9 +31,7 @@ def _equal_to_one_process(rank, world, merge, opts, dtype, solo_above):
     one = MergeLoCo(ref, lr=0.9, momentum=0.6, merge=merge, merge_options=opts)
     for step in range(2):
         deltas = _deltas(world, step, dtype)
-        for p, d in zip(params, deltas):
-            p.grad = d[rank].clone()
-        opt.step()
+        step_as_rank(opt, params, deltas, rank)
         one.step(deltas=deltas)
     # float32: batched SVDs of other bucket compositions (~1e-6); half params: each step rounds θ to its
     # dtype, so the two may differ by an ulp per element after two steps
