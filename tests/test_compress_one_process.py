@@ -167,7 +167,7 @@ def test_refusals_name_what_is_wrong():
         opt.step(deltas=[None] + _stacks(3, 1)[1:])
     with pytest.raises(TypeError, match="compress must be a Compression"):
         MergeLoCo(_init(), compress=8)
-    with pytest.raises(ValueError, match="--compress 'int5'"):
+    with pytest.raises(ValueError, match="MergeLoCo: compression spec 'int5'"):
         MergeLoCo(_init(), compress="int5")
     assert opt.merged_steps == 1
 

@@ -436,3 +436,87 @@ def test_sharded_at_world_size_one_is_each_merge_of_one_worker():
         [sys.executable, "-c", _WORLD_ONE.format(root=root)], capture_output=True, text=True, timeout=300
     )
     assert "K1 OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_a_non_contiguous_param_leaves_the_others_bit_equal_to_sgd():
+    """A channels_last conv kernel takes the foreach update; the contiguous params beside it in the same group still
+    take the fused kernel, bit-equal to SGD's, and the conv kernel follows the rule within rounding."""
+    g = gen("channels-last")
+    conv = torch.randn(8, 3, 3, 3, generator=g).to(memory_format=torch.channels_last)
+    a = [
+        torch.nn.Parameter(conv),
+        torch.nn.Parameter(torch.randn(8, generator=g)),
+        torch.nn.Parameter(torch.randn(5, 6, generator=g)),
+    ]
+    b = [torch.nn.Parameter(p.detach().clone().contiguous()) for p in a]
+    mine = ik.IsoLoCo(a, lr=0.7, momentum=0.9, iso=False)
+    sgd = torch.optim.SGD(b, lr=0.7, momentum=0.9, nesterov=True, fused=True)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=g) for p in a]
+        for p, q, gr in zip(a, b, grads):
+            p.grad, q.grad = gr.clone().to(memory_format=torch.channels_last) if p.ndim == 4 else gr.clone(), gr.clone()
+        mine.step()
+        sgd.step()
+    assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+    assert rel_err(a[0], b[0].double()) <= 4 * torch.finfo(torch.float32).eps
+
+
+def test_a_torchrun_launch_refuses_a_merge_on_the_replicated_outer_step_before_training():
+    """Under torchrun the replicated outer step sees only the average: --merge tsv is refused by the launch's
+    up-front check (it used to train the modes before it, then fail at IsoLoCo's first outer step)."""
+    from isoloco_kernels.train.config import TrainConfig
+    from isoloco_kernels.train.dist import Launch
+
+    launch = Launch(rank=0, world_size=2, local_rank=0)
+    with pytest.raises(ValueError, match="--merge tsv needs every worker's own delta: add --outer sharded"):
+        launch.check([TrainConfig(workers=2, merge="tsv")], None, "cpu", "replicated")
+    launch.check([TrainConfig(workers=2, merge="tsv")], None, "cpu", "sharded")  # the sharded step merges
+    launch.check([TrainConfig(workers=2)], None, "cpu", "replicated")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"merge": "task_arithmetic"}, "merge must be one of"),
+        ({"merge": "tsv", "merge_options": {"sparsity": 0.1}}, "unknown option"),
+        ({"method": "qr"}, "method"),
+        ({"compress": "int9"}, "compression spec 'int9'"),
+    ],
+)
+def test_every_setting_error_names_the_optimizer(kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=rf"^MergeLoCo: .*{match}"):
+        ik.MergeLoCo(_params(), **kwargs)
+    if set(kwargs) == {"method"}:
+        with pytest.raises(ValueError, match=rf"^IsoLoCo: .*{match}"):
+            ik.IsoLoCo(_params(), **kwargs)
+
+
+def test_a_nan_stack_is_named_by_its_param():
+    params = _params()
+    opt = ik.MergeLoCo(params, merge="tsv")
+    d = _deltas(params, "nan-named")
+    d[2][1, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"MergeLoCo.step: stack 2: worker 1's Δ of param 2 contains NaN"):
+        opt.step(deltas=d)
+
+
+def test_merge_entry_warnings_are_consistent():
+    """DARE's default seed written out is the same merge (no warning); another merge's checkpoint loaded into
+    IsoLoCo warns as MergeLoCo does; an AdamW dict is refused before any warning about its missing entry."""
+    params = _params()
+    dare = ik.MergeLoCo(params, merge="dare")
+    dare.step(deltas=_deltas(params, "dare-entry"))
+    sd = dare.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ik.MergeLoCo(params, merge="dare", merge_options={"seed": 0}).load_state_dict(sd)
+    with pytest.warns(UserWarning, match="written by merge='dare'; IsoLoCo continues as Iso-C of the mean"):
+        ik.IsoLoCo(params).load_state_dict(sd)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adamw = torch.optim.AdamW(params)
+    adamw.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="not an SGD-shaped state dict"):
+            ik.MergeLoCo(params, merge="dare").load_state_dict(adamw.state_dict())

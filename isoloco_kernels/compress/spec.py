@@ -161,10 +161,10 @@ def parse(text: str, **fields) -> Compression:
     "none" or "off" switches error feedback off. Keyword `fields` set the other Compression fields.
     Raises ValueError naming the string for a malformed one."""
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"--compress: expected 'format[:block[:beta[:rounding]]]', got {text!r}")
+        raise ValueError(f"compression spec: expected 'format[:block[:beta[:rounding]]]', got {text!r}")
     parts = text.strip().split(":")
     if len(parts) > 4:
-        raise ValueError(f"--compress {text!r}: at most 4 fields (format:block:beta:rounding), got {len(parts)}")
+        raise ValueError(f"compression spec {text!r}: at most 4 fields (format:block:beta:rounding), got {len(parts)}")
     kw = dict(fields, format=parts[0].lower())
     try:
         if len(parts) > 1 and parts[1]:
@@ -172,13 +172,13 @@ def parse(text: str, **fields) -> Compression:
         if len(parts) > 2 and parts[2]:
             kw["ef_beta"] = None if parts[2].lower() in ("none", "off") else float(parts[2])
     except ValueError as e:
-        raise ValueError(f"--compress {text!r}: block must be an int and beta a float or 'none' ({e})") from None
+        raise ValueError(f"compression spec {text!r}: block must be an int and beta a float or 'none' ({e})") from None
     if len(parts) > 3 and parts[3]:
         kw["rounding"] = parts[3].lower()
     try:
         return Compression(**kw)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"--compress {text!r}: {e}") from None
+        raise ValueError(f"compression spec {text!r}: {e}") from None
 
 
 def _numel(numel) -> int:

@@ -40,20 +40,28 @@ def _foreach_group(P, B, U, S, lr: float, momentum: float) -> None:
     """One (device, dtypes) group with torch._foreach_*; S: per-tensor 0-d scales or None."""
     if momentum != 0 and _fused_cpu_ok(P, B, U, S):  # (with μ = 0 it would leave buf alone)
         # Same update as SGD(nesterov=True) with buf already holding the momentum (zeros at first):
-        # torch's fused CPU kernel does it in one pass over p, buf and u and leaves u untouched.
-        torch._fused_sgd_(
-            P,
-            U,
-            B,
-            weight_decay=0.0,
-            momentum=momentum,
-            lr=lr,
-            dampening=0.0,
-            nesterov=True,
-            maximize=False,
-            is_first_step=False,
-        )
-        return
+        # torch's fused CPU kernel does it in one pass over p, buf and u and leaves u untouched. It serves
+        # the tensors whose param and buffer are contiguous (an update that is not, e.g. a tall matrix's
+        # transposed Iso-C result, is copied contiguous: one pass, cheaper than the foreach path's four);
+        # the others (a channels_last param, say) take the foreach path below.
+        fused = [i for i in range(len(P)) if P[i].is_contiguous() and B[i].is_contiguous()]
+        if fused:
+            torch._fused_sgd_(
+                [P[i] for i in fused],
+                [U[i].contiguous() for i in fused],
+                [B[i] for i in fused],
+                weight_decay=0.0,
+                momentum=momentum,
+                lr=lr,
+                dampening=0.0,
+                nesterov=True,
+                maximize=False,
+                is_first_step=False,
+            )
+        rest = sorted(set(range(len(P))) - set(fused))
+        if not rest:
+            return
+        P, B, U = [P[i] for i in rest], [B[i] for i in rest], [U[i] for i in rest]
     cd = update_compute_dtype(P[0].dtype, B[0].dtype)
     if S is not None:
         S = [s.to(cd) for s in S]
@@ -85,14 +93,13 @@ def _foreach_group(P, B, U, S, lr: float, momentum: float) -> None:
 
 
 def _fused_cpu_ok(P, B, U, S) -> bool:
-    """torch's fused SGD kernel serves an unscaled CPU group of one float32/float64 dtype."""
+    """torch's fused SGD kernel serves an unscaled CPU group of one float32/float64 dtype (its contiguous tensors)."""
     return (
         S is None
         and hasattr(torch, "_fused_sgd_")
         and P[0].device.type == "cpu"
         and P[0].dtype == B[0].dtype == U[0].dtype
         and P[0].dtype in (torch.float32, torch.float64)
-        and all(t.is_contiguous() for t in (*P, *B, *U))
     )
 
 

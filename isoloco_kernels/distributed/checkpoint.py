@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..outer import core as outer
-from ..outer.sgd_state import check_merge_entry, merge_entry
+from ..outer.merge_state import check_merge_entry, merge_entry
 from . import compressed
 from .agree import Agreement, gather_objects
 from .merge_route import check_sharded_state

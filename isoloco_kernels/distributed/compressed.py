@@ -60,7 +60,10 @@ def attach(opt, compress, where: str) -> None:
     """Set opt.compress (a Compression, a spec string for `compress.parse`, or None) and its empty
     residuals: opt._residuals (this worker's, per param index) and opt._update_residuals (the owner's)."""
     if isinstance(compress, str):
-        compress = parse(compress)
+        try:
+            compress = parse(compress)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
     if compress is not None and not isinstance(compress, Compression):
         raise TypeError(
             f"{where}: compress must be a Compression, a spec string such as 'int4:128:0.95', or None; "

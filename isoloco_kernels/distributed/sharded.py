@@ -127,7 +127,10 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         self._built = True
 
     def _build(self, params, sgd: SGDArgs, iso, method, chunk_bytes, solo_above, compress) -> None:
-        resolve_options(self.merge, self.merge_options)  # an unknown merge or option, by name
+        try:
+            resolve_options(self.merge, self.merge_options)  # an unknown merge or option, by name
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"ShardedIsoLoCo: {e}") from None
         compressed.attach(self, compress, "ShardedIsoLoCo")
         defaults = sgd.defaults("ShardedIsoLoCo", iso, method)
         check_chunk_bytes(chunk_bytes, "ShardedIsoLoCo: chunk_bytes")

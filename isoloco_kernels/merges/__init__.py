@@ -42,30 +42,32 @@ from .spectral import iso_cts_merge, tsv_merge
 __all__ = ["MERGES", "merge", "merge_", "merge_groups", "check_stacks"]
 
 
-def check_stacks(stacks: Sequence[torch.Tensor], where: str = "merge") -> int:
+def check_stacks(stacks: Sequence[torch.Tensor], where: str = "merge", ids: Optional[Sequence[int]] = None) -> int:
     """Type, dtype, rank and worker count of every stack [K, *shape]; returns K (0 for no stacks).
-    Refuses K = 0 and stacks whose K differ, naming the stack. K = 1 is a merge of one worker."""
+    Refuses K = 0 and stacks whose K differ, naming the stack (by its position, or by `ids[position]`: the caller's
+    own numbering, e.g. MergeLoCo's param index). K = 1 is a merge of one worker."""
     K = None
+    name = (lambda j: j) if ids is None else (lambda j: ids[j])
     for j, s in enumerate(stacks):
         if not isinstance(s, torch.Tensor):
-            raise TypeError(f"{where}: stack {j}: expected a torch.Tensor, got {type(s).__name__}")
+            raise TypeError(f"{where}: stack {name(j)}: expected a torch.Tensor, got {type(s).__name__}")
         if s.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
-                f"{where}: stack {j}: dtype {s.dtype} is not supported; use float16, bfloat16, float32 or float64"
+                f"{where}: stack {name(j)}: dtype {s.dtype} is not supported; use float16, bfloat16, float32 or float64"
             )
         if s.ndim < 1:
             raise ValueError(
-                f"{where}: stack {j}: expected [K, *shape] (the workers' deltas stacked on dim 0), got shape {tuple(s.shape)}"
+                f"{where}: stack {name(j)}: expected [K, *shape] (the workers' deltas stacked on dim 0), got shape {tuple(s.shape)}"
             )
         if K is None:
             K = s.shape[0]
         elif s.shape[0] != K:
             raise ValueError(
-                f"{where}: stack {j} has {s.shape[0]} workers, stack 0 has {K}: every stack needs the same K"
+                f"{where}: stack {name(j)} has {s.shape[0]} workers, stack {name(0)} has {K}: every stack needs the same K"
             )
     if K == 0:
         raise ValueError(
-            f"{where}: stack 0 has K = 0 workers (shape {tuple(stacks[0].shape)}): a merge needs at least one delta"
+            f"{where}: stack {name(0)} has K = 0 workers (shape {tuple(stacks[0].shape)}): a merge needs at least one delta"
         )
     return K or 0
 

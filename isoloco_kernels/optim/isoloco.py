@@ -15,6 +15,7 @@ optimizer") has the contract.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -86,8 +87,9 @@ class IsoLoCo(torch.optim.Optimizer):
             `opt.dtensor_route` (checked when set).
 
     Differs from torch.optim.SGD in one accepted value: `momentum=0` with `nesterov=True`, which SGD
-    refuses, is the plain step θ ← θ − lr·M (a momentum buffer is still kept, multiplied by 0): the
-    "outer SGD lr 1, μ 0" plain averaging the study tunes DiLoCo against (its best μ was often 0).
+    refuses at construction, is the plain step θ ← θ − lr·M with no momentum buffer made or touched (SGD's
+    own rule when μ is set to 0 between steps): the "outer SGD lr 1, μ 0" plain averaging the study tunes
+    DiLoCo against (its best μ was often 0).
 
     Raises:
         ValueError: an argument it cannot honour (named); nothing is built.
@@ -236,6 +238,14 @@ class IsoLoCo(torch.optim.Optimizer):
         """
         refuse_rank_state(state_dict, f"{type(self).__name__}.load_state_dict")  # one rank's is not the whole
         refuse_foreign_state(state_dict, f"{type(self).__name__}.load_state_dict")  # the inner AdamW's, say
+        info = state_dict.get("merge") if isinstance(state_dict, dict) else None
+        if type(self) is IsoLoCo and isinstance(info, dict) and info.get("merge", "iso_c") != "iso_c":
+            warnings.warn(
+                f"IsoLoCo.load_state_dict: the checkpoint was written by merge={info['merge']!r}; IsoLoCo continues "
+                "as Iso-C of the mean (the momentum loads as saved)",
+                UserWarning,
+                stacklevel=2,
+            )
         dtensor.check_loaded_state(
             self, state_dict, f"{type(self).__name__}.load_state_dict"
         )  # aliasing, DTensor layout

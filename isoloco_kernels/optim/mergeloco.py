@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
+from .._validate import check_all_finite
 from ..distributed import compressed
 from ..merges import check_stacks, merge_groups
 from ..merges.options import resolve_options
-from ..outer.sgd_state import SGDArgs, check_merge_entry, merge_entry, sgd_shaped
+from ..outer.merge_state import check_merge_entry, merge_entry
+from ..outer.sgd_state import SGDArgs, sgd_shaped
 from .compressed import simulated_step
 from .isoloco import IsoLoCo
 
@@ -98,7 +100,10 @@ class MergeLoCo(IsoLoCo):
         compress: Optional[Compression],
     ):
         opts = dict(merge_options or {})
-        resolve_options(merge, opts)  # refuses an unknown merge or option by name
+        try:
+            resolve_options(merge, opts)  # refuses an unknown merge or option by name
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"MergeLoCo: {e}") from None
         if process_group is not None:
             raise ValueError("MergeLoCo runs its K workers in one process: process_group must be None")
         self.merge, self.merge_options, self.merged_steps = merge, opts, 0
@@ -126,7 +131,7 @@ class MergeLoCo(IsoLoCo):
         if len(deltas) != len(params):
             raise ValueError(f"{where}: {len(deltas)} delta stacks for {len(params)} params")
         idx = [i for i, d in enumerate(deltas) if d is not None]
-        check_stacks([deltas[i] for i in idx], "MergeLoCo")
+        check_stacks([deltas[i] for i in idx], where, ids=idx)
         for i in idx:
             p, d = params[i][0], deltas[i]
             if tuple(d.shape[1:]) != tuple(p.shape) or d.device != p.device:
@@ -134,6 +139,13 @@ class MergeLoCo(IsoLoCo):
                     f"{where}: stack {i} has shape {tuple(d.shape)} on {d.device}; param {i} needs "
                     f"[K, {', '.join(map(str, p.shape))}] on {p.device}"
                 )
+        try:  # one screen of every stack (one host sync per device and dtype) before anything is merged
+            check_all_finite([deltas[i] for i in idx], [f"{where}: stack {i}" for i in idx])
+        except ValueError:  # name the param and the worker: the first stack holding NaN/Inf, its first bad worker
+            i = next(i for i in idx if not bool(torch.isfinite(deltas[i]).all()))
+            k = int((~torch.isfinite(deltas[i].reshape(deltas[i].shape[0], -1))).any(1).nonzero()[0])
+            what = "NaN" if bool(deltas[i][k].isnan().any()) else "Inf"
+            raise ValueError(f"{where}: stack {i}: worker {k}'s Δ of param {i} contains {what}") from None
         return deltas
 
     def set_deltas(self, deltas: Sequence[Optional[torch.Tensor]]) -> None:
@@ -146,7 +158,8 @@ class MergeLoCo(IsoLoCo):
     ) -> Optional[float]:
         """One outer step on the merge of `deltas` (or of the stacks `set_deltas` kept): each param with a
         stack moves by the Nesterov step on its merge, every other param stays as it is. The params' own
-        `.grad` is never read; after the step each stepped param's `.grad` holds the merge it took.
+        `.grad` is never read; after the step each stepped param's `.grad` holds what the merge handed the Nesterov step
+        (the merge, or for iso_c the mean the step flattens, as IsoLoCo's `.grad`).
 
         closure: evaluated first, for its loss only (the update is the merge, whatever the closure does to
         `.grad`). All or nothing: a step that fails (bad stacks, a NaN or an overflow in the update, a

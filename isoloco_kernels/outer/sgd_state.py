@@ -30,14 +30,12 @@ __all__ = [
     "SGD_KEYS",
     "check_group",
     "check_hyper",
-    "check_merge_entry",
     "check_param_dtypes",
     "check_state_dict",
     "is_dtensor",
     "load_sgd_state",
     "refuse_foreign_state",
     "local",
-    "merge_entry",
     "outer_defaults",
     "sgd_keywords",
     "sgd_shaped",
@@ -109,7 +107,10 @@ def outer_defaults(
     other keys, then the method, then iso): the defaults dict to hand to torch.optim.Optimizer."""
     check_hyper(lr, momentum, where)
     keys = sgd()
-    check_method(method)
+    try:
+        check_method(method)
+    except (TypeError, ValueError) as e:  # the same error, in the name of the optimizer that was given it
+        raise type(e)(f"{where}: {e}") from None
     if not isinstance(iso, bool):
         raise ValueError(f"{where}: iso must be a bool, got {iso!r}")
     return dict(lr=lr, momentum=momentum, iso=iso, **keys)
@@ -397,50 +398,3 @@ def _restore_half_momentum(opt: torch.optim.Optimizer, state_dict: dict) -> None
             src = state_dict["state"].get(pid, {}).get("momentum_buffer")
             if isinstance(src, torch.Tensor) and want != p.dtype:
                 opt.state[p]["momentum_buffer"] = src.detach().to(device=p.device, dtype=want, copy=True)
-
-
-# -- the merge entry of MergeLoCo and ShardedIsoLoCo state dicts ---------------------------------
-
-
-def merge_entry(merge: str, options: dict, steps: int) -> dict:
-    """The "merge" entry of a MergeLoCo / ShardedIsoLoCo state dict: which merge wrote it, with which
-    options, after how many merged steps (DARE offsets its seed by it)."""
-    return {"merge": merge, "options": dict(options), "steps": int(steps)}
-
-
-def check_merge_entry(opt, state_dict: dict, where: str) -> Optional[dict]:
-    """The state dict's "merge" entry, checked (None when it has none: an SGD / IsoLoCo checkpoint); a
-    checkpoint written by another merge or other options loads with a warning naming both, as a change
-    of `iso` does. Raises ValueError on a malformed entry (before anything loads)."""
-    info = state_dict.get("merge") if isinstance(state_dict, dict) else None
-    if info is None:
-        if opt.merge == "dare":
-            warnings.warn(
-                f"{where}: the state dict has no 'merge' entry (it was not written by MergeLoCo or "
-                f"ShardedIsoLoCo(merge=...)): DARE's drops continue from this optimizer's step count "
-                f"{opt.merged_steps}, not the checkpoint's",
-                UserWarning,
-                stacklevel=3,
-            )
-        return None
-    steps = info.get("steps") if isinstance(info, dict) else None
-    if (
-        not isinstance(info, dict)
-        or not isinstance(info.get("merge"), str)
-        or not isinstance(info.get("options"), dict)
-        or isinstance(steps, bool)
-        or not isinstance(steps, numbers.Integral)
-        or steps < 0
-    ):
-        raise ValueError(
-            f"{where}: the 'merge' entry must be {{'merge': str, 'options': dict, 'steps': int >= 0}}, got {info!r}"
-        )
-    if (info["merge"], info["options"]) != (opt.merge, opt.merge_options):
-        warnings.warn(
-            f"{where}: the checkpoint was written by merge={info['merge']!r} with options {info['options']}; "
-            f"this optimizer continues as merge={opt.merge!r} with options {opt.merge_options} (the momentum "
-            "and the step count load as saved)",
-            UserWarning,
-            stacklevel=3,
-        )
-    return info

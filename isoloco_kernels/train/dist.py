@@ -140,6 +140,12 @@ class Launch:
                 )
         if device not in ("cpu", "cuda"):
             raise ValueError(f"--device {device!r} under torchrun: pass cpu or cuda (rank r uses cuda:LOCAL_RANK)")
+        for c in cfgs:  # what outer_optimizer would refuse at the first outer step, after earlier modes trained
+            if outer == "replicated" and c.merge != "iso_c":
+                raise ValueError(
+                    f"--merge {c.merge} needs every worker's own delta: add --outer sharded (the replicated outer "
+                    "step sees only the average)"
+                )
         self.outer = outer
 
     def start(self, device: str) -> None:
