@@ -309,7 +309,7 @@ def seeded(shapes, seed: int, dtype=torch.float32, k: Optional[int] = None) -> l
     """One N(0, 1) tensor per shape from a generator seeded `seed` (with k: a [k, *shape] stack of k workers' deltas),
     cast to dtype: the params and pseudo-gradients the multi-rank tests share between ranks and one process."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*(() if k is None else (k,)), *s, generator=g).to(dtype) for s in shapes]
+    return [torch.randn((*(() if k is None else (k,)), *s), generator=g).to(dtype) for s in shapes]
 
 
 def step_as_rank(opt, params, stacks, rank: int) -> None:
