@@ -179,7 +179,30 @@ def _check_a_param_shape_that_differs_is_named_with_both_shapes(rank, world):
         ShardedIsoLoCo([torch.zeros(s) for s in shapes])
 
 
+def _check_a_copy_steps_as_the_original_once_given_its_group(rank, world):
+    """deepcopy and a pickle round trip keep the plan, the merge, its step count and the momentum; a process group
+    cannot be copied, so the copy refuses to step until it is given one, then steps exactly as the original."""
+    import pickle
+
+    for merge, how in (("iso_c", "deepcopy"), ("dare", "pickle")):
+        ps = _params()
+        opt = ShardedIsoLoCo(ps, lr=0.9, momentum=0.8, merge=merge)
+        _steps(opt, ps, rank, world, range(1))
+        if how == "deepcopy":
+            ps2, opt2 = copy.deepcopy((ps, opt))
+        else:
+            ps2, opt2 = pickle.loads(pickle.dumps((ps, opt)))
+        assert (opt2.merge, opt2.merged_steps, opt2.plan.fingerprint) == (merge, 1, opt.plan.fingerprint)
+        with pytest.raises(RuntimeError, match="a process group cannot be copied"):
+            opt2.step()
+        opt2.process_group = opt.process_group
+        _steps(opt, ps, rank, world, range(1, 3))
+        _steps(opt2, ps2, rank, world, range(1, 3))
+        assert all(torch.equal(p, q) for p, q in zip(ps, ps2)), f"{merge} {how}: the copy left the original"
+
+
 for _table in TABLES.values():
+    _table(_check_a_copy_steps_as_the_original_once_given_its_group)
     _table(_check_a_param_shape_that_differs_is_named_with_both_shapes)
     _table(_check_a_ranks_own_state_is_refused_where_a_whole_one_is_expected)
     _table(_check_iso_false_is_sgd_under_a_momentum_schedule)

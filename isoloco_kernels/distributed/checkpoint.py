@@ -110,3 +110,37 @@ def load_state(opt, state_dict, load) -> None:
     compressed.load_entry(opt, residuals)
     if info is not None:
         opt.merged_steps = int(info["steps"])
+
+
+# -- copies: deepcopy and pickle keep everything but the process group (which neither can copy) ---------------
+
+#: The process group of a copy until the user sets one (None is a real value: the default group).
+DROPPED = "dropped by a copy"
+_TORCH_KEYS = ("defaults", "state", "param_groups")
+
+
+def copy_state(opt, state: dict) -> dict:
+    """torch's Optimizer state (defaults, state, param_groups) plus every other attribute of `opt` (the plan, the
+    merge and its step count, the residuals, ...) but its process group, which a copy must be given again."""
+    extra = {k: v for k, v in opt.__dict__.items() if k not in _TORCH_KEYS and not k.startswith("_optimizer")}
+    extra = {k: v for k, v in extra.items() if k not in ("process_group", "_outer_bounds")}
+    return {**state, "sharded_copy": extra}
+
+
+def restore_copy(opt, state: dict, setstate) -> None:
+    """The other half of `copy_state` (torch's load_state_dict calls it with state and param_groups only: then the
+    optimizer keeps its own attributes)."""
+    state = dict(state)
+    extra = state.pop("sharded_copy", None)
+    setstate(state)
+    if extra is not None:
+        opt.__dict__.update(extra)
+        opt.process_group = DROPPED
+
+
+def check_group_set(opt) -> None:
+    if opt.process_group is DROPPED:
+        raise RuntimeError(
+            "ShardedIsoLoCo.step: this optimizer is a copy (deepcopy / pickle), and a process group cannot be "
+            "copied; set opt.process_group to the group it steps over (None: the default group) first"
+        )

@@ -66,18 +66,15 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     (a `compress.Compression` or its string, "int4:128:0.95") sends each Δ and the update compressed,
     with error feedback residuals kept per rank (compressed.py, docs/compression.md).
 
-    Momentum is kept only by the owner: state_dict() is per rank (plan fingerprint and rank; another
-    plan's or rank's is refused), consolidated_state_dict() the whole model's for any world size or
-    IsoLoCo. The arguments are IsoLoCo's, in SGD's positions with the same checks; half-precision
-    params keep float32 momentum; float16/bfloat16 means are summed in float32 and rounded once.
+    Momentum lives with the owner: state_dict() is per rank, consolidated_state_dict() the whole model's
+    (checkpoint.py; a copy keeps all but the process group). Arguments: IsoLoCo's, in SGD's positions;
+    half-precision params keep float32 momentum, and their means are summed in float32, rounded once.
 
-    Bad input on any rank (missing grad, wrong shape or dtype, NaN/Inf, a failed flatten or merge)
-    makes every rank raise DistributedStepError with nothing changed on any rank. The ranks agree on
-    their settings at construction and before every step (each group's hyper-parameters, `method`,
-    `merge`, `chunk_bytes`, `solo_above`, the shard plan); one that differs raises DistributedStepError
-    everywhere, naming it. Params must live on the group's communication device (`agree.comm_device`);
-    param groups are fixed at construction. `process_group`: the group (None: the default; `group=`
-    its old name); `chunk_bytes`: the size of one communication chunk.
+    Bad input on any rank (missing grad, wrong shape or dtype, NaN/Inf, a failed flatten or merge) makes
+    every rank raise DistributedStepError with nothing changed anywhere; so does a setting that differs
+    between ranks (hyper-parameters, method, merge, compress, chunk_bytes, solo_above, the plan), named.
+    Params live on the group's communication device (`agree.comm_device`); groups are fixed at
+    construction. `process_group`: None is the default group; `chunk_bytes`: one communication chunk.
 
     Raises:
         ValueError: an argument it cannot honour (as IsoLoCo), or params off the communication device.
@@ -207,16 +204,13 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     def _name(self, gi: int, pi: int, p: torch.Tensor) -> str:
         return f"param {self._index[p]} (shape {tuple(p.shape)}) on rank {self.rank}"
 
-    # -- the step: check → agree → reduce → compute → agree → write → gather ----------------------
-
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """Average every rank's pseudo-gradients (reduce-scatter), Iso-C + Nesterov by each param's
-        owner, all-gather the new params; returns the closure's loss (None without one).
+        """Average every rank's pseudo-gradients (reduce-scatter), Iso-C + Nesterov by each param's owner,
+        all-gather the new params; returns the closure's loss (None without one).
 
         Raises:
-            DistributedStepError: on every rank, when any rank has bad input (missing grad, wrong
-                shape or dtype, NaN/Inf), a failing closure, or a failed flatten; nothing changes.
+            DistributedStepError: on every rank, for bad input, a failing closure or flatten on any rank.
 
         Examples:
             >>> outer = ShardedIsoLoCo([torch.nn.Parameter(torch.randn(6, 4))])
@@ -224,6 +218,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             >>> outer.step() is None
             True
         """
+        checkpoint.check_group_set(self)  # a copy must be given its process group first
         if self.compress is not None:  # each rank's Δ compressed, to its owners (compressed.py)
             return compressed.sharded_step(self, closure)
         ag = Agreement("ShardedIsoLoCo.step", self.process_group)
@@ -416,7 +411,11 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             own[off : off + self.plan.numel(i)].copy_(flat[i])
         return own
 
-    # -- state ---------------------------------------------------------------------------------
+    def __getstate__(self) -> dict:  # deepcopy / pickle: every setting and state but the process group
+        return checkpoint.copy_state(self, super().__getstate__())
+
+    def __setstate__(self, state: dict) -> None:
+        checkpoint.restore_copy(self, state, super().__setstate__)
 
     def state_dict(self) -> dict:
         """SGD's state dict of this rank's momentum (only the owner keeps a param's), plus "sharding" (the plan's
