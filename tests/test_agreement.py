@@ -148,7 +148,7 @@ def _case_sharded_init_method_bogus(rank, world, odd):
     params = _model(SHAPES, torch.float32)
     method = "bogus" if rank == odd else "auto"
     _refused_on_last(
-        rank, world, odd, lambda: D.ShardedIsoLoCo(params, method=method), "method must be one of .*'bogus'", params
+        rank, world, odd, lambda: D.ShardedIsoLoCo(params, method=method), "ShardedIsoLoCo: method must be one of .*'bogus'", params
     )
 
 
@@ -223,7 +223,7 @@ def _pg_init(odd_kw, key=None, common=None, other=None, refused=None):
     return case
 
 
-CASES["pg_init_method_bogus"] = _pg_init({"method": "bogus"}, refused="method must be one of")
+CASES["pg_init_method_bogus"] = _pg_init({"method": "bogus"}, refused="IsoLoCo: method must be one of")
 CASES["pg_init_lr_inf"] = _pg_init({"lr": float("inf")}, refused=".*learning rate")
 
 
