@@ -148,7 +148,12 @@ def _case_sharded_init_method_bogus(rank, world, odd):
     params = _model(SHAPES, torch.float32)
     method = "bogus" if rank == odd else "auto"
     _refused_on_last(
-        rank, world, odd, lambda: D.ShardedIsoLoCo(params, method=method), "ShardedIsoLoCo: method must be one of .*'bogus'", params
+        rank,
+        world,
+        odd,
+        lambda: D.ShardedIsoLoCo(params, method=method),
+        "ShardedIsoLoCo: method must be one of .*'bogus'",
+        params,
     )
 
 
