@@ -6,15 +6,12 @@
 # μ 0.8, DDP at the same tokens; both held-out splits scored every 10 rounds. Seed-0 picks on the selection split,
 # seeds 1 and 2 of each method's best, test loss. Resumable and claimable like the other plans (results/.claims; a
 # file named STOP in study/results ends a runner before its next run): run it in two processes.
-set -u
-cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-R="nice -n 15 python study/run_study.py --part v3"
-O=study/results
-BEST=best:diloco,isoloco,ddp
+source "$(dirname "$0")/plan_env.sh"
 A="--cells 4:30 --batch 4 --steps 9000 --eval-every 10"
 # by value: the v3 picks and DDP first, then the rest of each grid
 GRID=ddp=-,diloco=0.7@0,isoloco=3.2,diloco=0.5@0.5,isoloco=2.4,diloco=0.2@0.8,diloco=1.0@0,isoloco=4.2
-GRID=$GRID,diloco=0.35@0.5,diloco=0.7@0.5,diloco=0.35@0.8,diloco=0.5@0,isoloco=1.8,diloco=0.14@0.8
+GRID=$GRID,diloco=0.35@0.5,diloco=0.7@0.5,diloco=0.35@0.8,diloco=0.5@0
+# past DiLoCo's μ 0.8 edge (0.35 @ 0.8 led the seed-0 grid from its top), then the grids' far ends
+GRID=$GRID,diloco=0.5@0.8,diloco=0.7@0.8,isoloco=1.8,diloco=0.14@0.8
 $R $A --seeds 0 --lrs $GRID --out $O/v6_horizon.jsonl
 $R $A --seeds 1,2 --lrs $BEST --out $O/v6_horizon.jsonl
