@@ -109,6 +109,7 @@ V3_SETTINGS = {
     "model": ("model", str),
     "eval_every": ("eval_every", int),
     "outer_schedule": ("outer_schedule", str),  # v6: in a run's settings only when not "constant"
+    "compress": ("compress", str),  # compressed exchange (issue 46, part E): in a run's settings only when set
 }
 
 
@@ -248,6 +249,9 @@ def main() -> None:
         default="constant",
         help="v6: the outer optimizer's schedule (train.config.OUTER_SCHEDULES: warmup, warmup-cosine, momentum-warmup)",
     )
+    p.add_argument(
+        "--compress", default=None, help="v3: compress the outer exchange, a compress.parse spec (int2:128:0.95)"
+    )
     p.add_argument("--iso-method", default=None, help="v4: comma list of IsoLoCo flatten methods (library or study)")
     p.add_argument("--spectra", default=None, help="v4: JSONL for the error and flatness of every method on Δ")
     a = p.parse_args()
@@ -286,17 +290,14 @@ def main() -> None:
         }  # rounds ≤ steps: the last only
         if a.outer_schedule != "constant":  # absent otherwise: the run keys of every earlier record stay as they are
             v3["outer_schedule"] = a.outer_schedule
-    elif (a.batch, a.seq_len, a.inner_lr, a.inner, a.model, a.eval_every, a.outer_schedule) != (
-        4,
-        64,
-        3e-3,
-        "adamw",
-        "tiny",
-        None,
-        "constant",
+        if a.compress is not None:  # likewise
+            v3["compress"] = a.compress
+    elif (a.batch, a.seq_len, a.inner_lr, a.inner, a.model, a.eval_every, a.outer_schedule, a.compress) != (
+        (4, 64, 3e-3, "adamw", "tiny", None, "constant", None)
     ):
         p.error(
-            "--batch, --seq-len, --inner-lr, --inner, --model and --eval-every are study v3 settings: add --part v3 or v4"
+            "--batch, --seq-len, --inner-lr, --inner, --model, --eval-every, --outer-schedule and --compress are "
+            "study v3 settings: add --part v3 or v4"
         )
     if a.spectra and Path(a.spectra).resolve().parent == Path(a.out).resolve().parent:
         p.error("--spectra must not sit beside --out: that folder's *.jsonl files are run records")

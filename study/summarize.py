@@ -157,6 +157,13 @@ def main() -> None:
             (HERE / "summary_v6.json").write_text(json.dumps(v6, indent=1))
             plot_v6(v6, HERE / "study_v6_horizon.png")
             print("\n<!-- v6 horizon -->\n" + markdown_v6(v6))
+        from compression import markdown_compress, plot_compress, summarize_compress  # issue 46, part E
+
+        comp = summarize_compress(v3_recs)
+        if comp:
+            (HERE / "summary_compress.json").write_text(json.dumps(comp, indent=1))
+            plot_compress(comp, HERE / "study_compress.png")
+            print("\n<!-- compress -->\n" + markdown_compress(comp))
     v4_recs = [r for r in recs if r.get("study") == "v4"]
     if v4_recs:
         from v4 import markdown_v4, markdown_verdict, plot_v4, summarize_v4, verdict  # study/ is on sys.path

@@ -37,11 +37,12 @@ def cell_label(cell: tuple) -> str:
 
 
 def grids(recs: list[dict]) -> dict:
-    """cell -> method -> (outer lr, μ) -> seed -> record (v3 records only, at a constant outer lr and μ: runs with an
-    outer schedule (study v6 part B) are not grid points; a repeated run keeps the first)."""
+    """cell -> method -> (outer lr, μ) -> seed -> record (v3 records only, at a constant outer lr and μ and an
+    uncompressed exchange: runs with an outer schedule (study v6 part B) or compression (study/compression.py) are not
+    grid points; a repeated run keeps the first)."""
     out: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
     for r in recs:
-        if r.get("study") != "v3" or r["v3"].get("outer_schedule", "constant") != "constant":
+        if r.get("study") != "v3" or r["v3"].get("outer_schedule", "constant") != "constant" or "compress" in r["v3"]:
             continue
         cfg = (r.get("outer_lr"), r.get("outer_momentum"))
         out[_cell(r)][r["mode"]][cfg].setdefault(r["seed"], r)

@@ -11,7 +11,9 @@ A="--cells 4:30 --batch 4 --steps 9000 --eval-every 10"
 # by value: the v3 picks and DDP first, then the rest of each grid
 GRID=ddp=-,diloco=0.7@0,isoloco=3.2,diloco=0.5@0.5,isoloco=2.4,diloco=0.2@0.8,diloco=1.0@0,isoloco=4.2
 GRID=$GRID,diloco=0.35@0.5,diloco=0.7@0.5,diloco=0.35@0.8,diloco=0.5@0
-# past DiLoCo's μ 0.8 edge (0.35 @ 0.8 led the seed-0 grid from its top), then the grids' far ends
-GRID=$GRID,diloco=0.5@0.8,diloco=0.7@0.8,isoloco=1.8,diloco=0.14@0.8
+# past DiLoCo's μ 0.8 edge (0.35 @ 0.8 led the seed-0 grid from its top). Both picks are interior with these
+# (DiLoCo 0.5 @ 0.8 between 0.35 and 0.7; IsoLoCo 3.2 between 2.4 and 4.2), so the far ends (isoloco=1.8,
+# diloco=0.14@0.8, ~16 CPU-minutes) were cut.
+GRID=$GRID,diloco=0.5@0.8,diloco=0.7@0.8
 $R $A --seeds 0 --lrs $GRID --out $O/v6_horizon.jsonl
 $R $A --seeds 1,2 --lrs $BEST --out $O/v6_horizon.jsonl

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Compressed exchange, part E of issue 46: does IsoLoCo's gain over DiLoCo survive 8-, 4- and 2-bit pseudo-gradients?
+# The v1/v2 cell as v3 runs it (tiny preset, K 4, H 30, 4 × 64 bytes per worker step, AdamW inner, 10 outer rounds =
+# 300 inner steps per worker, ≈ 0.66 tokens per parameter), each method at its tuned uncompressed config from study
+# v3 (DiLoCo 0.7 @ μ 0, IsoLoCo 3.2 @ μ 0.8; their uncompressed runs are v3_base.jsonl's), every worker's Δ and the
+# owners' update sent blockwise (128 entries per float32 scale, round to nearest) as int8, int4, fp4 or int2 (ternary),
+# each with error feedback (β 0.95, on both legs) and without, 3 paired seeds. The 2-bit cells are retuned over three
+# outer lrs (study/compression.py picks by v3's rule: the lowest mean selection loss over the seeds). Resumable and
+# claimable: run it in two processes.
+source "$(dirname "$0")/plan_env.sh"
+C="--cells 4:30 --batch 4 --steps 300"
+S=$O/compress.jsonl
+for spec in int2:128:0.95 int2:128:none int4:128:0.95 int4:128:none int8:128:0.95 int8:128:none \
+            fp4:128:0.95 fp4:128:none; do
+    $R $C --seeds 0,1,2 --lrs diloco=0.7@0,isoloco=3.2 --compress $spec --out $S
+done
+for spec in int2:128:0.95 int2:128:none; do  # the 2-bit retune: one lr below and one above each pick
+    $R $C --seeds 0,1,2 --lrs diloco=0.5@0,diloco=1.0@0,isoloco=2.4,isoloco=4.2 --compress $spec --out $S
+done
