@@ -87,6 +87,24 @@ def test_beta_decays_and_off_keeps_nothing():
         compress(d, torch.zeros(255), s1, step=0, tensor_id=0)
 
 
+@pytest.mark.parametrize("feedback", ["workers", "owner"])
+def test_a_leg_without_feedback_sends_the_plain_payload_and_keeps_nothing(feedback):
+    """spec.leg(...) of the leg a placement leaves out compresses as the spec without ef_beta: the same bytes
+    as quantize, no residual, a residual handed in refused; the leg with feedback runs it as "both" does."""
+    d = _delta(300, seed=8)
+    spec = Compression("int2", 32, "stochastic", ef_beta=0.9, residual_dtype=torch.bfloat16, feedback=feedback)
+    off = spec.leg("owner" if feedback == "workers" else "workers")
+    p, e = compress(d, None, off, step=2, tensor_id=5)
+    q = quantize(d, Compression("int2", 32, "stochastic"), step=2, tensor_id=5)
+    assert e is None and torch.equal(p.codes, q.codes) and torch.equal(p.scales, q.scales)
+    with pytest.raises(ValueError, match="error feedback is off"):
+        compress(d, torch.zeros(300, dtype=torch.bfloat16), off, step=2, tensor_id=5)
+    both = Compression("int2", 32, "stochastic", ef_beta=0.9, residual_dtype=torch.bfloat16)
+    p1, e1 = compress(d, None, spec.leg(feedback), step=2, tensor_id=5)
+    p2, e2 = compress(d, None, both, step=2, tensor_id=5)
+    assert torch.equal(p1.codes, p2.codes) and e1.dtype == torch.bfloat16 and torch.equal(e1, e2)
+
+
 def test_zero_block_residual_keeps_the_unsent_values():
     s = Compression("int8", 32, ef_beta=1.0)
     d = torch.randn(96)

@@ -1,11 +1,13 @@
 """MergeLoCo(compress=...): the compressed owner route simulated in one process (optim/compressed.py) — its
-known answer from the compress/ API alone, error feedback carrying what was not sent on both legs, all or
-nothing, a resume bit for bit, refusals; and the reference loop's --compress (its bytes per round). The
-simulation equals ShardedIsoLoCo(compress=...) on 2 and 3 ranks bit for bit: tests/test_compress_sharded.py."""
+known answer from the compress/ API alone, error feedback carrying what was not sent on both legs, each
+feedback placement ("both", "workers", "owner") against the route computed leg by leg, all or nothing, a
+resume bit for bit, refusals; and the reference loop's --compress (its bytes per round). The simulation equals
+ShardedIsoLoCo(compress=...) on 2 and 3 ranks bit for bit: tests/test_compress_sharded.py."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import json
 import math
@@ -14,7 +16,8 @@ import pytest
 import torch
 
 from isoloco_kernels import MergeLoCo
-from isoloco_kernels.compress import Compression, allreduce_bytes, dequantize, exchange_bytes, quantize
+from isoloco_kernels.compress import Compression, allreduce_bytes, compress, dequantize, exchange_bytes, quantize
+from isoloco_kernels.compress.reference import error_feedback_ref
 from isoloco_kernels.optim.compressed import worker_bytes
 from tests.helpers import seeded
 
@@ -97,6 +100,71 @@ def test_error_feedback_carries_what_was_not_sent_on_both_legs():
         assert float(opt._update_residuals[i].abs().max()) > 1e-3  # 2 bits leave plenty out
 
 
+def _leg_torch(x, e, spec, step, i):
+    """One leg by the compress API: (the values sent, in x's dtype, the new residual or None)."""
+    packed, new = compress(x, e, spec, step=step, tensor_id=i)
+    return dequantize(packed, x.dtype), new
+
+
+def _leg_float64(x, e, spec, step, i):
+    """One leg by the float64 contract (compress/reference.py)."""
+    _, _, sent, new = error_feedback_ref(x, e, spec, step, i)
+    return sent, new
+
+
+def _route_by_hand(spec, lr, init, steps, leg):
+    """μ = 0, the mean, nearest rounding, leg by leg: c_k = leg(Δ_k, e_k) with spec.leg("workers"), the mean
+    of the sent values summed in worker order, u = leg(−lr·mean, e_u) with spec.leg("owner"), θ ← θ + u.
+    Returns (θ per param, {(param, worker): e_k}, {param: e_u}), flat, in the params' dtype."""
+    theta = [p.reshape(-1).clone() for p in init]
+    e_w, e_u = {}, {}
+    for t, stacks in enumerate(steps):
+        for i, st in enumerate(stacks):
+            acc = torch.zeros_like(theta[i])
+            for k in range(st.shape[0]):
+                sent, e_w[i, k] = leg(st[k].reshape(-1), e_w.get((i, k)), spec.leg("workers"), t, i)
+                acc += sent
+            sent, e_u[i] = leg((acc / st.shape[0]) * -lr, e_u.get(i), spec.leg("owner"), t, i)
+            theta[i] = theta[i] + sent
+    return theta, e_w, e_u
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("feedback", ["both", "workers", "owner"])
+def test_each_feedback_placement_is_the_route_by_hand(feedback, dtype):
+    """3 steps of 3 workers at 2 bits, β 0.9: MergeLoCo(compress=...) equals the route computed leg by leg
+    with each leg's spec, bit for bit (float32: from the compress API; float64: from the float64 contract,
+    error_feedback_ref, which the float64 path meets exactly), keeps the residuals of its placement's legs
+    only, and a placement other than "both" lands elsewhere than "both" does."""
+    K, T, lr = 3, 3, 0.7
+    spec = Compression("int2", 32, ef_beta=0.9, feedback=feedback)
+    steps = [_stacks(K, t, dtype) for t in range(T)]
+    runs = {}
+    for fb in dict.fromkeys(("both", feedback)):
+        ps = _init(dtype)
+        opt = MergeLoCo(ps, lr=lr, momentum=0.0, merge="mean", compress=dataclasses.replace(spec, feedback=fb))
+        for st in steps:
+            opt.step(deltas=st)
+        runs[fb] = ps, opt
+    ps, opt = runs[feedback]
+    theta, e_w, e_u = _route_by_hand(
+        spec, lr, _init(dtype), steps, _leg_torch if dtype == torch.float32 else _leg_float64
+    )
+    workers, owner = feedback in ("both", "workers"), feedback in ("both", "owner")
+    assert set(opt._residuals) == (set(range(len(SHAPES))) if workers else set())
+    assert set(opt._update_residuals) == (set(range(len(SHAPES))) if owner else set())
+    assert all((e is None) is not workers for e in e_w.values()) and all((e is None) is not owner for e in e_u.values())
+    same = lambda got, want: torch.equal(got.reshape(-1), want)
+    for i, p in enumerate(ps):
+        assert same(p, theta[i]), f"param {i}"
+        if workers:
+            assert all(same(opt._residuals[i][k], e_w[i, k]) for k in range(K)), f"residuals of param {i}"
+        if owner:
+            assert same(opt._update_residuals[i], e_u[i]), f"update residual of param {i}"
+    if feedback != "both":
+        assert not any(torch.equal(p, q) for p, q in zip(ps, runs["both"][0]))
+
+
 def test_a_refused_step_changes_nothing():
     """NaN in one worker's Δ at the second step, or an update that overflows float16: ValueError naming it,
     and no param, momentum, residual, update residual or step count changed."""
@@ -170,6 +238,60 @@ def test_refusals_name_what_is_wrong():
     with pytest.raises(ValueError, match="MergeLoCo: compression spec 'int5'"):
         MergeLoCo(_init(), compress="int5")
     assert opt.merged_steps == 1
+
+
+@pytest.mark.parametrize("feedback", ["workers", "owner"])
+def test_a_placement_saves_only_its_legs_residuals_and_resumes_bit_exact(feedback):
+    """2 steps, state_dict through torch.save, a fresh MergeLoCo loads it, 2 more: equal to 4 steps. The state
+    holds the residuals of the placement's leg only and its spec names the placement; a MergeLoCo with another
+    placement refuses it (another spec), and a state holding the other leg's residuals is refused."""
+    spec = Compression("fp4", 64, "stochastic", ef_beta=0.9, residual_dtype=torch.bfloat16, seed=3, feedback=feedback)
+    kept, empty = ("residuals", "update_residuals") if feedback == "workers" else ("update_residuals", "residuals")
+    a, b = _init(), _init()
+    oa = MergeLoCo(a, lr=0.8, momentum=0.7, compress=spec)
+    ob = MergeLoCo(b, lr=0.8, momentum=0.7, compress=spec)
+    for step in range(2):
+        oa.step(deltas=_stacks(3, step))
+        ob.step(deltas=_stacks(3, step))
+    buf = io.BytesIO()
+    torch.save(ob.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    entry = saved["compress"]
+    assert entry["spec"]["feedback"] == feedback and entry[empty] == {} and set(entry[kept]) == set(range(len(SHAPES)))
+    assert {t.dtype for t in entry[kept].values()} == {torch.bfloat16}
+    for other in {"both", "workers", "owner"} - {feedback}:
+        refusing = MergeLoCo(_init(), lr=0.8, momentum=0.7, compress=dataclasses.replace(spec, feedback=other))
+        with pytest.raises(ValueError, match="saved with compression.*feedback placement"):
+            refusing.load_state_dict(saved)
+        assert not refusing._residuals and not refusing._update_residuals and not refusing.state
+    broken = copy.deepcopy(saved)
+    broken["compress"][empty] = copy.deepcopy(entry[kept])
+    with pytest.raises(ValueError, match=f"holds {empty} but feedback='{feedback}'"):
+        MergeLoCo(_init(), lr=0.8, momentum=0.7, compress=spec).load_state_dict(broken)
+    c = [p.clone() for p in b]
+    oc = MergeLoCo(c, lr=0.8, momentum=0.7, compress=spec)
+    oc.load_state_dict(saved)
+    for step in range(2, 4):
+        oa.step(deltas=_stacks(3, step))
+        oc.step(deltas=_stacks(3, step))
+    assert all(torch.equal(x, y) for x, y in zip(a, c))
+    assert not getattr(oc, "_" + empty) and all(
+        torch.equal(getattr(oc, "_" + kept)[i], r) for i, r in getattr(oa, "_" + kept).items()
+    )
+
+
+def test_a_state_saved_before_the_feedback_field_loads_as_both():
+    """A "compress" entry whose spec has no "feedback" key (saved before the field existed) is a "both" spec."""
+    opt = MergeLoCo(_init(), compress="int4:128:0.95")
+    opt.step(deltas=_stacks(3, 0))
+    saved = opt.state_dict()
+    del saved["compress"]["spec"]["feedback"]
+    again = MergeLoCo(_init(), compress="int4:128:0.95")
+    again.load_state_dict(saved)
+    assert all(torch.equal(again._residuals[i], r) for i, r in opt._residuals.items())
+    with pytest.raises(ValueError, match="saved with compression"):
+        MergeLoCo(_init(), compress="int4:128:0.95:nearest:workers").load_state_dict(saved)
 
 
 def test_worker_bytes_are_the_spec_byte_counts():

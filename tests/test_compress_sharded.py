@@ -1,8 +1,9 @@
 """ShardedIsoLoCo(compress=...) on 2 and 3 gloo ranks (tests/spawn.py): bit-equal to the one-process simulation
-(MergeLoCo(compress=...)) in float32, bfloat16 and float16; the bytes each rank hands to the collectives,
-counted at the calls, against an fp32 all-reduce's; NaN on one rank and an update that does not fit refused
-everywhere with nothing changed; a rank with another spec refused everywhere; residuals saved and restored
-bit for bit, refused under another spec or rank."""
+(MergeLoCo(compress=...)) in float32, bfloat16 and float16 (in float32 also with error feedback on one leg only,
+feedback "workers" / "owner"); the bytes each rank hands to the collectives, counted at the calls, against an
+fp32 all-reduce's; NaN on one rank and an update that does not fit refused everywhere with nothing changed; a
+rank with another spec (a feedback placement too) refused everywhere; residuals saved and restored bit for
+bit, refused under another spec or rank."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ CASES = [
     ("fp8:32:none", "mean", 1.0),
 ]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: error feedback on one leg only (float32 only, to keep the runtime small): the workers' residuals with the
+#: update sent without one, and the owner's residual with every Δ sent without one (stochastic, TSV-M stacks)
+PLACEMENTS = [
+    ("int2:32:0.95:nearest:workers", "iso_c", 1.0),
+    ("int4:64:0.9:stochastic:owner", "tsv", 1.0),
+]
 
 
 def _deltas(world: int, step: int, dtype=torch.float32):
@@ -60,6 +67,8 @@ def _equal_to_one_process(rank, world, spec, merge, solo, dtype):
     for i, (p, q) in enumerate(zip(ps, ref)):
         assert torch.equal(p, q), f"{spec} {merge} {dtype}: param {i} differs from the one-process simulation"
         assert not torch.equal(p, _init(dtype)[i]), f"param {i} did not move"
+    assert opt._residuals.keys() == one._residuals.keys()  # the legs with feedback, and only those, keep residuals
+    assert opt._update_residuals.keys() == set(opt.mine) & one._update_residuals.keys()
     for i in opt.mine:  # the owner's momentum and update residual are the simulation's
         assert torch.equal(opt.state[ps[i]]["momentum_buffer"], one.state[ref[i]]["momentum_buffer"])
         if i in opt._update_residuals:
@@ -75,6 +84,11 @@ for _world, _table in TABLES.items():
                 f"equal-{_k}-{_merge}-{str(_dt)[6:]}",
                 lambda rank, world, s=_spec, m=_merge, o=_solo, d=_dt: _equal_to_one_process(rank, world, s, m, o, d),
             )
+    for _k, (_spec, _merge, _solo) in enumerate(PLACEMENTS):
+        _table.add(
+            f"equal-feedback-{_k}-{_merge}",
+            lambda rank, world, s=_spec, m=_merge, o=_solo: _equal_to_one_process(rank, world, s, m, o, torch.float32),
+        )
 
 
 #: The bytes one rank may hand to the collectives, as a fraction of an fp32 ring all-reduce's (issue 46).
@@ -160,7 +174,11 @@ def _check_an_update_that_does_not_fit_changes_nothing(rank, world):
 
 
 def _check_a_rank_with_another_spec_is_refused_everywhere(rank, world):
-    for mine, other in (("int4:128:0.95", "int8:128:0.95"), ("int4:128:0.95", "int4:128:0.9")):
+    for mine, other in (
+        ("int4:128:0.95", "int8:128:0.95"),
+        ("int4:128:0.95", "int4:128:0.9"),
+        ("int4:128:0.95", "int4:128:0.95:nearest:workers"),
+    ):
         with pytest.raises(DistributedStepError, match="compress"):
             ShardedIsoLoCo(_init(), compress=other if rank == world - 1 else mine)
     opt = ShardedIsoLoCo(_init(), compress="int4")  # changed after construction: refused at the step

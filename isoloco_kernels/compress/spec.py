@@ -17,13 +17,16 @@ counter-based hash of (seed, step, tensor index, element index in the tensor) �
 every rank and for every world size (compress/codec.py, `random_bits`).
 
 Error feedback (β = `ef_beta`, None = off): c = Q(Δ + e), e ← β·(Δ + e − c), e kept per worker in
-`residual_dtype` (None: the parameter's dtype). Bytes on the wire per tensor of n entries:
-ceil(n·bits/8) code bytes + 4·ceil(n/block) scale bytes (`bytes_of`); at block 128 that is
-0.258× (8-bit), 0.133× (4-bit) and 0.070× (2-bit) of the same tensor in float32.
+`residual_dtype` (None: the parameter's dtype); `feedback` places it on each worker's Δ, on the
+owner's update, or on both (`Compression.leg`: the spec each leg compresses with). Bytes on the
+wire per tensor of n entries: ceil(n·bits/8) code bytes + 4·ceil(n/block) scale bytes
+(`bytes_of`); at block 128 that is 0.258× (8-bit), 0.133× (4-bit) and 0.070× (2-bit) of the same
+tensor in float32.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -35,6 +38,8 @@ __all__ = [
     "FORMATS",
     "ROUNDINGS",
     "UPDATES",
+    "FEEDBACKS",
+    "LEGS",
     "RESIDUAL_DTYPES",
     "SCALE_BYTES",
     "Compression",
@@ -71,6 +76,10 @@ FORMATS = {
 ROUNDINGS = ("nearest", "stochastic")
 #: How the owner's update travels back: in the spec's format, or in the parameters' dtype.
 UPDATES = ("compressed", "full")
+#: Where error feedback runs when ef_beta is set: both legs, each worker's Δ only, the owner's update only.
+FEEDBACKS = ("both", "workers", "owner")
+#: The two legs a spec compresses: each worker's Δ ("workers") and the owner's update ("owner").
+LEGS = ("workers", "owner")
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCKS = (32, 64, 128, 256)
 #: Scales are float32: 4 bytes per block.
@@ -98,6 +107,9 @@ class Compression:
     update          "compressed": the owner's update goes back in `format` too; "full": in the
                     parameters' dtype
     seed            mixed into the stochastic rounding bits (an int in [0, 2^32))
+    feedback        where error feedback runs (ef_beta set): "both" legs, "workers" (each worker's residual on
+                    its Δ only; the update sent without one) or "owner" (the owner's residual on the update
+                    only; every Δ sent without one; refused with update="full", which has no update leg)
 
     Raises TypeError / ValueError naming the field for any other value.
     """
@@ -109,6 +121,7 @@ class Compression:
     residual_dtype: Optional[torch.dtype] = None
     update: str = "compressed"
     seed: int = 0
+    feedback: str = "both"
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -139,6 +152,17 @@ class Compression:
         if self.update not in UPDATES:
             raise ValueError(f"Compression.update must be one of {list(UPDATES)}, got {self.update!r}")
         _check_u32(self.seed, "Compression.seed")
+        if self.feedback not in FEEDBACKS:
+            raise ValueError(f"Compression.feedback must be one of {list(FEEDBACKS)}, got {self.feedback!r}")
+        if self.feedback != "both" and self.ef_beta is None:
+            raise ValueError(
+                f"Compression.feedback is set but ef_beta is None: error feedback is off (feedback={self.feedback!r})"
+            )
+        if self.feedback == "owner" and self.update == "full":
+            raise ValueError(
+                "Compression.feedback='owner' with update='full': the update goes back in full, without a leg "
+                "to feed back, so no error feedback would run; use feedback='workers' or update='compressed'"
+            )
 
     @property
     def fmt(self) -> Format:
@@ -148,23 +172,39 @@ class Compression:
     def bits(self) -> int:
         return FORMATS[self.format].bits
 
+    def leg(self, leg: str) -> "Compression":
+        """The spec leg `leg` compresses with: "workers" (each worker's Δ) or "owner" (the owner's update).
+        This spec when its error feedback runs on that leg, else the same spec without error feedback
+        (ef_beta and residual_dtype None, feedback "both"): no residual is made or kept for that leg."""
+        if leg not in LEGS:
+            raise ValueError(f"Compression.leg: leg must be one of {list(LEGS)}, got {leg!r}")
+        if self.ef_beta is None or self.feedback in ("both", leg):
+            return self
+        return dataclasses.replace(self, ef_beta=None, residual_dtype=None, feedback="both")
+
     def cli(self) -> str:
-        """The `parse` string of this spec's format, block, β and rounding ("int4:128:0.95")."""
+        """The `parse` string of this spec's format, block, β, rounding and feedback ("int4:128:0.95"; the
+        rounding and feedback only when not the defaults, "int2:128:0.95:nearest:workers")."""
         beta = "none" if self.ef_beta is None else f"{self.ef_beta:g}"
+        if self.feedback != "both":
+            return f"{self.format}:{self.block}:{beta}:{self.rounding}:{self.feedback}"
         tail = ":stochastic" if self.rounding == "stochastic" else ""
         return f"{self.format}:{self.block}:{beta}{tail}"
 
 
 def parse(text: str, **fields) -> Compression:
-    """A spec from a CLI string "format[:block[:beta[:rounding]]]", e.g. "int4:128:0.95" (4-bit ints,
-    128 entries per scale, error feedback with β 0.95) or "fp8" (the defaults for the rest); beta
-    "none" or "off" switches error feedback off. Keyword `fields` set the other Compression fields.
-    Raises ValueError naming the string for a malformed one."""
+    """A spec from a CLI string "format[:block[:beta[:rounding[:feedback]]]]", e.g. "int4:128:0.95" (4-bit
+    ints, 128 entries per scale, error feedback with β 0.95 on both legs) or "fp8" (the defaults for the
+    rest); beta "none" or "off" switches error feedback off; feedback "both", "workers" or "owner" places
+    it ("int2:128:0.95:nearest:workers": each worker's Δ only). Keyword `fields` set the other Compression
+    fields. Raises ValueError naming the string for a malformed one."""
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"compression spec: expected 'format[:block[:beta[:rounding]]]', got {text!r}")
+        raise ValueError(f"compression spec: expected 'format[:block[:beta[:rounding[:feedback]]]]', got {text!r}")
     parts = text.strip().split(":")
-    if len(parts) > 4:
-        raise ValueError(f"compression spec {text!r}: at most 4 fields (format:block:beta:rounding), got {len(parts)}")
+    if len(parts) > 5:
+        raise ValueError(
+            f"compression spec {text!r}: at most 5 fields (format:block:beta:rounding:feedback), got {len(parts)}"
+        )
     kw = dict(fields, format=parts[0].lower())
     try:
         if len(parts) > 1 and parts[1]:
@@ -175,6 +215,8 @@ def parse(text: str, **fields) -> Compression:
         raise ValueError(f"compression spec {text!r}: block must be an int and beta a float or 'none' ({e})") from None
     if len(parts) > 3 and parts[3]:
         kw["rounding"] = parts[3].lower()
+    if len(parts) > 4 and parts[4]:
+        kw["feedback"] = parts[4].lower()
     try:
         return Compression(**kw)
     except (TypeError, ValueError) as e:
@@ -193,10 +235,15 @@ def bytes_of(spec: Compression, numel: int) -> int:
     return (n * spec.bits + 7) // 8 + SCALE_BYTES * (-(-n // spec.block))
 
 
-def residual_bytes(spec: Compression, numel: int, param_dtype: torch.dtype) -> int:
-    """Memory of one tensor's error-feedback residual (0 when error feedback is off)."""
-    if spec.ef_beta is None:
+def residual_bytes(spec: Compression, numel: int, param_dtype: torch.dtype, leg: str = "workers") -> int:
+    """Memory of one tensor's error-feedback residual on leg `leg` ("workers": a worker's, on its Δ; "owner":
+    the owner's, on the update, whose default dtype is float32 for float32 / bfloat16 / float16 params);
+    0 when error feedback is off or not on that leg (`Compression.leg`)."""
+    spec = spec.leg(leg)
+    if spec.ef_beta is None or (leg == "owner" and spec.update == "full"):
         return 0
+    if leg == "owner" and spec.residual_dtype is None:
+        param_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
     dt = spec.residual_dtype or param_dtype
     return _numel(numel) * torch.empty((), dtype=dt).element_size()
 

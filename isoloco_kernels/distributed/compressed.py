@@ -18,9 +18,11 @@ What goes back is the step's change s (the Nesterov step −lr·(M + μ·buf)), 
 update="full" the owner's new θ in its own dtype (what s in θ's dtype would cost). The momentum stays on the
 owner in full precision. Stochastic rounding draws stream k + 1 for worker k's Δ and stream 0 for the
 owner's update (`stream_spec`), each seeded by (seed, step = the optimizer's step count, tensor = the param
-index, element). All or nothing: every buffer is made and every Δ compressed (NaN/Inf refused) before the
-ranks first agree; the new params, momentum and residuals are computed aside and written only after the
-last agreement, so a refused step changes nothing on any rank.
+index, element). The spec's `feedback` ("both", "workers", "owner") says which legs keep a residual: a leg
+without one compresses with `spec.leg(...)`, the spec without error feedback, and keeps nothing. All or
+nothing: every buffer is made and every Δ compressed (NaN/Inf refused) before the ranks first agree; the
+new params, momentum and residuals are computed aside and written only after the last agreement, so a
+refused step changes nothing on any rank.
 """
 
 from __future__ import annotations
@@ -78,8 +80,10 @@ def stream_spec(spec: Compression, stream: int) -> Compression:
 
 
 def encode_delta(spec, delta, residual, *, step: int, index: int, worker: int, name: str):
-    """(payload, new residual) of worker `worker`'s Δ of param `index` (compress.compress, stream worker + 1)."""
-    return compress(delta, residual, stream_spec(spec, worker + 1), step=step, tensor_id=index, name=name)
+    """(payload, new residual) of worker `worker`'s Δ of param `index` (compress.compress, stream worker + 1), with
+    the worker leg's spec (`spec.leg("workers")`: the new residual is None where that leg has no feedback)."""
+    leg = spec.leg("workers")
+    return compress(delta, residual, stream_spec(leg, worker + 1), step=step, tensor_id=index, name=name)
 
 
 def owner_inputs(opt, params, payloads: dict[int, list]) -> dict[int, torch.Tensor]:
@@ -109,8 +113,9 @@ def owner_step(opt, params, groups, inputs: dict[int, torch.Tensor], buckets=Non
     stacks), Nesterov from the held momentum, and the update u of each (module docstring). Reads opt's
     compress, merge, merge_options, method, merged_steps, state and _update_residuals; writes nothing.
     Returns (buckets for the next Iso-C, {i: new momentum or None (μ = 0: untouched)}, {i: new update
-    residual}, {i: u: a Packed, or θ' in θ's dtype for update="full"})."""
-    spec, step = opt.compress, opt.merged_steps
+    residual} (empty where the update leg has no feedback: `spec.leg("owner")`), {i: u: a Packed, or θ' in
+    θ's dtype for update="full"})."""
+    spec, step = opt.compress.leg("owner"), opt.merged_steps
     idx = sorted(inputs)
     if opt.merge in ("iso_c", "mean"):
         m = dict(inputs)
@@ -140,9 +145,9 @@ def owner_step(opt, params, groups, inputs: dict[int, torch.Tensor], buckets=Non
             check_all_finite([updates[i]], [name])
         else:
             e = opt._update_residuals.get(i)
-            updates[i], residuals[i] = compress(
-                change, e, stream_spec(spec, UPDATE_STREAM), step=step, tensor_id=i, name=name
-            )
+            updates[i], e = compress(change, e, stream_spec(spec, UPDATE_STREAM), step=step, tensor_id=i, name=name)
+            if e is not None:
+                residuals[i] = e
     return buckets, bufs, residuals, updates
 
 
@@ -156,7 +161,8 @@ def apply_update(p: torch.Tensor, u) -> torch.Tensor:
 
 
 def write(opt, params, new_params, bufs, residuals, update_residuals) -> None:
-    """The step's writes, after the last agreement: θ', the momentum buffers, the residuals."""
+    """The step's writes, after the last agreement: θ', the momentum buffers, the residuals (of the legs with
+    error feedback: a leg without one keeps none)."""
     for p, t in zip(params, new_params):
         p.copy_(t)
     for i, b in bufs.items():
@@ -168,8 +174,8 @@ def write(opt, params, new_params, bufs, residuals, update_residuals) -> None:
         else:
             held.copy_(b)
     if opt.compress.ef_beta is not None:
-        opt._residuals = residuals
-        opt._update_residuals.update(update_residuals)
+        opt._residuals = {i: r for i, r in residuals.items() if r is not None}
+        opt._update_residuals.update({i: r for i, r in update_residuals.items() if r is not None})
 
 
 # -- the route over ranks -----------------------------------------------------------------------------------
@@ -341,7 +347,8 @@ def _apply_all(opt, bufs: _Buffers) -> list[torch.Tensor]:
 
 
 def spec_fields(spec: Compression) -> dict:
-    """A spec as plain values (its residual dtype as a string), as state dicts keep it."""
+    """A spec as plain values (its residual dtype as a string), as state dicts keep it (feedback included;
+    `check_entry` reads a state saved before that field existed as feedback "both")."""
     out = dataclasses.asdict(spec)
     out["residual_dtype"] = None if spec.residual_dtype is None else str(spec.residual_dtype)
     return out
@@ -361,8 +368,9 @@ def check_entry(opt, state_dict, where: str, params, owned, stacked: bool = Fals
     """The "compress" entry of `state_dict` checked against opt's spec and params: (residuals, update
     residuals) as copies on the params' devices, ready for `load_entry`; None when there is no entry (the
     residuals then restart from zero). `owned`: the params whose update residuals this optimizer keeps;
-    `stacked`: the residuals are [K, *shape] (MergeLoCo's K workers, one K for all), else one worker's. Raises ValueError naming what
-    differs (another spec, a residual of another shape or dtype, NaN/Inf), before anything is loaded."""
+    `stacked`: the residuals are [K, *shape] (MergeLoCo's K workers, one K for all), else one worker's; a leg
+    without error feedback (`spec.leg`) must hold none. Raises ValueError naming what differs (another spec,
+    a residual of another shape or dtype, NaN/Inf), before anything is loaded."""
     entry = state_dict.get("compress") if isinstance(state_dict, dict) else None
     if entry is None:
         return None
@@ -372,21 +380,25 @@ def check_entry(opt, state_dict, where: str, params, owned, stacked: bool = Fals
             "optimizer has compress=None; build it with the same compress=, or drop the 'compress' entry"
         )
     want = spec_fields(opt.compress)
-    if not isinstance(entry, dict) or entry.get("spec") != want:
-        got = entry.get("spec") if isinstance(entry, dict) else entry
+    got = entry.get("spec") if isinstance(entry, dict) else entry
+    if isinstance(got, dict) and "feedback" not in got:  # saved before the field existed: both legs
+        got = dict(got, feedback="both")
+    if not isinstance(entry, dict) or got != want:
         raise ValueError(
             f"{where}: the state was saved with compression {got!r}; this optimizer has {want!r}: residuals of "
-            "another format, block, β, rounding, update leg or seed cannot continue here"
+            "another format, block, β, rounding, update leg, seed or feedback placement cannot continue here"
         )
     held = entry.get("residuals")
     first = next(iter(held.values()), None) if isinstance(held, dict) else None
     lead = (first.shape[0],) if stacked and isinstance(first, torch.Tensor) and first.ndim else ()
     out = []
-    for key, idx, shape_of, dtype_of in (
-        ("residuals", range(len(params)), lambda p: lead + tuple(p.shape), None),
-        ("update_residuals", owned, lambda p: tuple(p.shape), compute_dtype),
+    for key, leg, idx, shape_of, dtype_of in (
+        ("residuals", "workers", range(len(params)), lambda p: lead + tuple(p.shape), None),
+        ("update_residuals", "owner", owned, lambda p: tuple(p.shape), compute_dtype),
     ):
         got = entry.get(key)
+        if opt.compress.leg(leg).ef_beta is None and got:  # feedback elsewhere: this leg keeps none
+            raise ValueError(f"{where}: the 'compress' entry holds {key} but feedback={opt.compress.feedback!r}")
         if not isinstance(got, dict) or (got and set(got) != set(idx)):
             keys = sorted(got) if isinstance(got, dict) else got
             raise ValueError(f"{where}: the 'compress' entry's {key} must cover params {list(idx)}, got {keys}")

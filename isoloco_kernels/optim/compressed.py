@@ -7,6 +7,9 @@ process, for K workers whose Δ_k arrive as [K, *shape] stacks — bit for bit w
                  the merge, Nesterov, the update u (compressed, with the owner's residual, or θ' in full)
     every rank   θ ← θ + deq(u)  (one copy here: the replicas are identical)
 
+With ef_beta set, spec.feedback says which residuals are kept: "both" (the workers' and the owner's),
+"workers" (no update residual) or "owner" (no worker residual): `Compression.leg`.
+
 The arithmetic is distributed/compressed.py's own functions (encode_delta, owner_inputs, owner_step,
 apply_update), called with the same payloads in the same order, so `MergeLoCo(compress=spec)` fed the K
 stacks and `ShardedIsoLoCo(compress=spec)` on K ranks (rank k's grad = stack[k]) write equal params
@@ -65,7 +68,7 @@ def simulated_step(opt, stacks: Sequence[Optional[torch.Tensor]]) -> None:
                 )
                 payloads[i].append(packed)
                 rows.append(r)
-            if spec.ef_beta is not None:
+            if spec.leg("workers").ef_beta is not None:  # the workers' leg keeps residuals (feedback)
                 residuals[i] = torch.stack(rows)
         plan = plan_shards(
             [p.shape for p in params],
