@@ -91,6 +91,21 @@ def test_memory_estimate_grows_with_workers_and_vocab():
     assert loop.available_memory("cpu") is None or loop.available_memory("cpu") > small
 
 
+def test_memory_estimate_counts_the_error_feedback_residuals():
+    c = loop.TrainConfig(workers=4)
+    plain = loop.memory_estimate(c, ["isoloco"], 4)
+    n4 = 4 * c.n_params()  # one float32 residual
+    assert loop.memory_estimate(loop.TrainConfig(workers=4, compress="int2:128:none"), ["isoloco"], 4) == plain
+    assert loop.memory_estimate(loop.TrainConfig(workers=4, compress="int2:128:0.95"), ["isoloco"], 4) == plain + 5 * n4
+    workers = loop.TrainConfig(workers=4, compress="int2:128:0.95:nearest:workers")
+    assert loop.memory_estimate(workers, ["isoloco"], 4) == plain + 4 * n4  # no owner residual
+    owner = loop.TrainConfig(workers=4, compress="int2:128:0.95:nearest:owner")
+    assert loop.memory_estimate(owner, ["isoloco"], 4) == plain + n4
+    assert loop.memory_estimate(
+        loop.TrainConfig(workers=4, compress="int8:128:0.95"), ["ddp"], 4
+    ) == loop.memory_estimate(c, ["ddp"], 4)  # DDP exchanges no pseudo-gradients
+
+
 # ----------------------------------------------------------------------------------------------
 # output folders: probed by writing a file, whatever os.access says
 

@@ -79,11 +79,19 @@ def memory_estimate(cfg: TrainConfig, modes: Sequence[str], local_workers: int) 
     """A lower bound, in bytes, of what one process holds at once to train cfg's modes with
     `local_workers` workers on it: float32 weights, grads and AdamW moments (each worker keeps its
     own), the global copy, Δ and the outer momentum, and the activations of one inner step (DDP
-    takes the local workers' batches together) or of one evaluation chunk."""
+    takes the local workers' batches together) or of one evaluation chunk; with cfg.compress also the
+    error-feedback residuals, one per local worker on its Δ and the owners' on the update (float32)."""
     mcfg = cfg.model_config()
     n = cfg.n_params()
     outer = any(m != "ddp" for m in modes)
     states = n * 4 * ((2 * local_workers + 5) if outer else 5)
+    if outer and cfg.compress is not None:
+        from ..compress import parse, residual_bytes
+
+        spec = parse(cfg.compress)
+        states += local_workers * residual_bytes(spec, n, torch.float32) + residual_bytes(
+            spec, n, torch.float32, "owner"
+        )
     seqs = cfg.batch * (local_workers if "ddp" in modes else 1)
     per_token = 4 * (mcfg.n_layers * 8 * mcfg.d_model + 2 * mcfg.vocab)
     return states + max(seqs, min(cfg.eval_windows, 64)) * mcfg.seq_len * per_token
