@@ -17,3 +17,8 @@ done
 for spec in int2:128:0.95 int2:128:none; do  # the 2-bit retune: one lr below and one above each pick
     $R $C --seeds 0,1,2 --lrs diloco=0.5@0,diloco=1.0@0,isoloco=2.4,isoloco=4.2 --compress $spec --out $S
 done
+# where error feedback runs, at 2 bits (Compression.feedback): each worker's Δ only, the owner's update only, and
+# both legs at β 0.8; each method at its uncompressed pick
+for spec in int2:128:0.95:nearest:workers int2:128:0.95:nearest:owner int2:128:0.8; do
+    $R $C --seeds 0,1,2 --lrs diloco=0.7@0,isoloco=3.2 --compress $spec --out $S
+done
