@@ -5,11 +5,11 @@
 #   warmup-cosine   that, then a cosine decay of the outer lr to 0.1×
 #   momentum-warmup DiLoCo's μ linear from 0 over the first 15 rounds (through μ = 0: SGD's semantics, issue 45)
 # and IsoLoCo at 10 rounds (v3's base cell pick) with a 2-round warm-up: does the first-round overshoot go?
-# Resumable and claimable like the other plans: run it in two processes.
+# The cheap 10-round cells first. Resumable and claimable like the other plans: run it in two processes.
 source "$(dirname "$0")/plan_env.sh"
 A="--cells 4:30 --batch 4 --steps 9000 --eval-every 10"
 S=$O/v6_schedules.jsonl
-$R $A --seeds 0,1,2 --lrs best:isoloco,diloco --outer-schedule warmup --out $S
 $R --cells 4:30 --batch 4 --steps 300 --eval-every 1 --seeds 0,1,2 --lrs best:isoloco --outer-schedule warmup --out $S
+$R $A --seeds 0,1,2 --lrs best:isoloco,diloco --outer-schedule warmup --out $S
 $R $A --seeds 0,1,2 --lrs best:isoloco,diloco --outer-schedule warmup-cosine --out $S
 $R $A --seeds 0,1,2 --lrs best:diloco --outer-schedule momentum-warmup --out $S
