@@ -150,13 +150,14 @@ def main() -> None:
             (HERE / "summary_v5_merges.json").write_text(json.dumps(merges, indent=1))
             plot_merges(merges, HERE / "study_v5_merges.png")
             print("\n<!-- v5 merges -->\n" + markdown_merges(merges))
-        from v6 import HORIZON, markdown_v6, plot_v6, summarize_v6  # study v6 part A: the horizon
+        from v6 import HORIZON, markdown_schedules, markdown_v6, plot_v6, summarize_schedules, summarize_v6
 
-        if any(r.get("rounds") == HORIZON[2] for r in v3_recs):
-            v6 = summarize_v6(v3_recs)
+        if any(r.get("rounds") == HORIZON[2] for r in v3_recs):  # study v6: the horizon (A), outer schedules (B)
+            v6 = summarize_v6(v3_recs) | {"schedules": summarize_schedules(v3_recs)}
             (HERE / "summary_v6.json").write_text(json.dumps(v6, indent=1))
             plot_v6(v6, HERE / "study_v6_horizon.png")
             print("\n<!-- v6 horizon -->\n" + markdown_v6(v6))
+            print("\n<!-- v6 schedules -->\n" + markdown_schedules(v6["schedules"]))
         from compression import markdown_compress, plot_compress, summarize_compress  # issue 46, part E
 
         comp = summarize_compress(v3_recs)

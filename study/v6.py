@@ -128,3 +128,80 @@ def plot_v6(s: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# -- part B: outer schedules ---------------------------------------------------------------------------------------
+
+SHORT = (4, 30, 10, 256, "gpt2", 4, 64, "adamw", 3e-3, "tiny")  # v3's base cell at 10 rounds
+
+
+def _schedule_runs(recs: list[dict], cell: tuple, schedule: str, mode: str, lr, mu, eval_every=None) -> dict:
+    """seed -> record of `mode` at (lr, μ) in `cell` under `schedule` ("constant": no outer_schedule setting),
+    scored every `eval_every` rounds if given (the first record of a seed)."""
+    from v3 import _cell
+
+    out: dict = {}
+    for r in recs:
+        v = r.get("v3") or {}
+        if r.get("study") != "v3" or "compress" in v or _cell(r) != cell or r["mode"] != mode:
+            continue
+        if v.get("outer_schedule", "constant") != schedule or (r.get("outer_lr"), r.get("outer_momentum")) != (lr, mu):
+            continue
+        if eval_every is None or v.get("eval_every") == eval_every:
+            out.setdefault(r["seed"], r)
+    return out
+
+
+def _pair(a: dict, b: dict, rnd: int) -> dict | None:
+    return _gap({"runs": a}, {"runs": b}, rnd)
+
+
+def summarize_schedules(recs: list[dict], cell: tuple = HORIZON, short: tuple = SHORT) -> dict:
+    """Part B: each method at its horizon pick under each outer schedule against the same config at a constant
+    schedule (test split at the last round, paired per seed, 95 % t), IsoLoCo − DiLoCo under each schedule; and
+    at 10 rounds, scored every round, IsoLoCo − DiLoCo after round 1 and round 10, constant and warmed up."""
+    picks = horizon_picks(recs, cell)
+    out: dict = {"horizon": {}, "short": {}}
+    rounds = cell[2]
+    for sched in ("warmup", "warmup-cosine", "momentum-warmup"):
+        row: dict = {}
+        runs = {}
+        for m in ("diloco", "isoloco"):
+            if m not in picks:
+                continue
+            p = picks[m]
+            runs[m] = _schedule_runs(recs, cell, sched, m, p["lr"], p["momentum"])
+            if runs[m]:
+                row[m] = {"vs_constant": _pair(runs[m], p["runs"], rounds), "seeds": sorted(runs[m])}
+        if runs.get("diloco") and runs.get("isoloco"):
+            row["iso_minus_diloco"] = _pair(runs["isoloco"], runs["diloco"], rounds)
+        if row:
+            out["horizon"][sched] = row
+    short_picks = horizon_picks(recs, short)
+    cfg = {m: (p["lr"], p["momentum"]) for m, p in short_picks.items()}
+    if "isoloco" in cfg and "diloco" in cfg:
+        dil = _schedule_runs(recs, short, "constant", "diloco", *cfg["diloco"], eval_every=1)
+        for sched in ("constant", "warmup"):
+            iso = _schedule_runs(recs, short, sched, "isoloco", *cfg["isoloco"], eval_every=1)
+            if iso and dil:
+                out["short"][sched] = {f"round_{r}": _pair(iso, dil, r) for r in (1, 2, 5, short[2])}
+    return out
+
+
+def markdown_schedules(s: dict) -> str:
+    lines = [
+        "| schedule (300 rounds) | DiLoCo − its constant | IsoLoCo − its constant | IsoLoCo − DiLoCo |",
+        "|---|---|---|---|",
+    ]
+    for sched, row in s["horizon"].items():
+        d, i = row.get("diloco") or {}, row.get("isoloco") or {}
+        lines.append(
+            f"| {sched} | {_interval(d.get('vs_constant'))} | {_interval(i.get('vs_constant'))} | "
+            f"{_interval(row.get('iso_minus_diloco'))} |"
+        )
+    if s["short"]:
+        lines += ["", "| IsoLoCo − DiLoCo at 10 rounds | after round 1 | 2 | 5 | 10 |", "|---|---|---|---|---|"]
+        for sched, g in s["short"].items():
+            cells = " | ".join(_interval(g.get(f"round_{r}")) for r in (1, 2, 5, 10))
+            lines.append(f"| IsoLoCo {sched} (DiLoCo constant) | {cells} |")
+    return "\n".join(lines)

@@ -9,6 +9,8 @@
 source "$(dirname "$0")/plan_env.sh"
 A="--cells 4:30 --batch 4 --steps 9000 --eval-every 10"
 S=$O/v6_schedules.jsonl
+# 10 rounds scored after every round: both methods at their v3 picks as they are, then IsoLoCo warmed up
+$R --cells 4:30 --batch 4 --steps 300 --eval-every 1 --seeds 0,1,2 --lrs best:isoloco,diloco --out $S
 $R --cells 4:30 --batch 4 --steps 300 --eval-every 1 --seeds 0,1,2 --lrs best:isoloco --outer-schedule warmup --out $S
 $R $A --seeds 0,1,2 --lrs best:isoloco,diloco --outer-schedule warmup --out $S
 $R $A --seeds 0,1,2 --lrs best:isoloco,diloco --outer-schedule warmup-cosine --out $S

@@ -94,3 +94,41 @@ def test_runs_with_an_outer_schedule_are_not_grid_points():
     warm["v3"] = {**warm["v3"], "outer_schedule": "warmup"}
     (grid,) = v3.grids([plain, warm]).values()
     assert list(grid["diloco"]) == [(0.7, 0.0)]
+
+
+def test_the_schedule_table_pairs_each_schedule_with_the_constant_pick_and_the_short_cell_per_round():
+    v6 = study_module("v6")
+    recs = []
+    for seed in (0, 1, 2):
+        recs.append(_rec("diloco", 0.5, 0.8, seed, 1.55, lambda r: 1.40))
+        recs.append(_rec("isoloco", 3.2, 0.8, seed, 1.52, lambda r: 1.39))
+        warm = _rec("isoloco", 3.2, 0.8, seed, 1.50, lambda r, s=seed: 1.37 - 0.01 * s)
+        warm["v3"]["outer_schedule"] = "warmup"
+        dwarm = _rec("diloco", 0.5, 0.8, seed, 1.54, lambda r: 1.38)
+        dwarm["v3"]["outer_schedule"] = "warmup"
+        recs += [warm, dwarm]
+        # the 10-round cell: v3 grid records (scored once) and the per-round runs of part B
+        for mode, lr, mu, sel in (("diloco", 0.7, 0.0, 2.48), ("isoloco", 3.2, 0.8, 2.33)):
+            recs.append(study_record(mode, lr, mu, seed, sel, 2.3, batch=4, mu=None, eval_every=300))
+        for mode, lr, mu, sched, curve in (
+            ("diloco", 0.7, 0.0, "constant", lambda r: 3.0 - 0.05 * r),
+            ("isoloco", 3.2, 0.8, "constant", lambda r: 4.3 if r == 1 else 3.0 - 0.06 * r),
+            ("isoloco", 3.2, 0.8, "warmup", lambda r: 3.0 - 0.06 * r),
+        ):
+            r = study_record(mode, lr, mu, seed, 2.0, curve(10), batch=4, mu=None, eval_every=1)
+            r.update(tokens=[k * TPR for k in range(11)], test_loss=[curve(k) for k in range(11)])
+            if sched != "constant":
+                r["v3"]["outer_schedule"] = sched
+            recs.append(r)
+    s = v6.summarize_schedules(recs)
+    w = s["horizon"]["warmup"]
+    assert w["isoloco"]["vs_constant"]["mean"] == pytest.approx(-0.03) and w["isoloco"]["seeds"] == [0, 1, 2]
+    assert w["diloco"]["vs_constant"]["mean"] == pytest.approx(-0.02)
+    assert w["iso_minus_diloco"]["mean"] == pytest.approx(-0.02)  # (1.37 − 0.01 s) − 1.38, mean over s
+    assert "warmup-cosine" not in s["horizon"]  # no runs: no row
+    short = s["short"]
+    assert short["constant"]["round_1"]["mean"] == pytest.approx(4.3 - 2.95)  # the overshoot after round 1
+    assert short["warmup"]["round_1"]["mean"] == pytest.approx(2.94 - 2.95)
+    assert short["warmup"]["round_10"]["mean"] == pytest.approx(2.4 - 2.5)
+    table = v6.markdown_schedules(s)
+    assert "| warmup |" in table and "| IsoLoCo warmup (DiLoCo constant) |" in table
