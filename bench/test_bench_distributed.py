@@ -28,7 +28,7 @@ Bytes (extra_info, per rank per step): "payload" counts the tensors handed to ea
 algorithm sends from each rank for them: 2(W−1)/W of an all-reduce's payload, (W−1)/W of a
 reduce-scatter's or all-gather's; an all-to-all's input and a gather's or broadcast's tensor count (W−1)/W, what
 leaves the rank. "vs_fp32_allreduce" is ring_wire over an fp32 all-reduce's ring bytes for the same params
-(issue 46's targets at the spec's defaults: ≤ 0.27 at 8 bits, ≤ 0.14 at 4, ≤ 0.08 at 2).
+(the targets at the spec's defaults: ≤ 0.27 at 8 bits, ≤ 0.14 at 4, ≤ 0.08 at 2).
 
 Roofline (harness.roofline, the ceilings the parent measured in the same run): each rank's bytes are
 the payload it hands to the collectives plus its step's compulsory traffic, Nesterov over the params

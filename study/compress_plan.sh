@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compressed exchange, part E of issue 46: does IsoLoCo's gain over DiLoCo survive 8-, 4- and 2-bit pseudo-gradients?
+# Compressed exchange: does IsoLoCo's gain over DiLoCo survive 8-, 4- and 2-bit pseudo-gradients?
 # The v1/v2 cell as v3 runs it (tiny preset, K 4, H 30, 4 × 64 bytes per worker step, AdamW inner, 10 outer rounds =
 # 300 inner steps per worker, ≈ 0.66 tokens per parameter), each method at its tuned uncompressed config from study
 # v3 (DiLoCo 0.7 @ μ 0, IsoLoCo 3.2 @ μ 0.8; their uncompressed runs are v3_base.jsonl's), every worker's Δ and the

@@ -1,4 +1,4 @@
-"""Compressed exchange (issue 46, part E): does IsoLoCo's gain over DiLoCo survive 8-, 4- and 2-bit pseudo-gradients?
+"""Compressed exchange: does IsoLoCo's gain over DiLoCo survive 8-, 4- and 2-bit pseudo-gradients?
 
 The runs are study v3 records whose settings carry "compress" (a compress.parse spec: format, block, β and, where
 set, the error feedback's placement); the uncompressed runs of the same cell are the v3 grid's (study/v3.py

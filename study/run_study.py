@@ -109,7 +109,7 @@ V3_SETTINGS = {
     "model": ("model", str),
     "eval_every": ("eval_every", int),
     "outer_schedule": ("outer_schedule", str),  # v6: in a run's settings only when not "constant"
-    "compress": ("compress", str),  # compressed exchange (issue 46, part E): in a run's settings only when set
+    "compress": ("compress", str),  # compressed exchange (study/compression.py): in a run's settings only when set
 }
 
 

@@ -158,7 +158,7 @@ def main() -> None:
             plot_v6(v6, HERE / "study_v6_horizon.png")
             print("\n<!-- v6 horizon -->\n" + markdown_v6(v6))
             print("\n<!-- v6 schedules -->\n" + markdown_schedules(v6["schedules"]))
-        from compression import markdown_compress, plot_compress, summarize_compress  # issue 46, part E
+        from compression import markdown_compress, plot_compress, summarize_compress  # the compressed exchange
 
         comp = summarize_compress(v3_recs)
         if comp:

@@ -3,7 +3,7 @@
 # (best: reads the constant-schedule grid of the 300-round cell; scheduled runs never join that grid), 3 seeds:
 #   warmup          the outer lr linear over the first 5 % of rounds (15 of 300)
 #   warmup-cosine   that, then a cosine decay of the outer lr to 0.1×
-#   momentum-warmup DiLoCo's μ linear from 0 over the first 15 rounds (through μ = 0: SGD's semantics, issue 45)
+#   momentum-warmup DiLoCo's μ linear from 0 over the first 15 rounds (through μ = 0: SGD's semantics)
 # and IsoLoCo at 10 rounds (v3's base cell pick) with a 2-round warm-up: does the first-round overshoot go?
 # The cheap 10-round cells first. Resumable and claimable like the other plans: run it in two processes.
 source "$(dirname "$0")/plan_env.sh"

@@ -91,7 +91,7 @@ for _world, _table in TABLES.items():
         )
 
 
-#: The bytes one rank may hand to the collectives, as a fraction of an fp32 ring all-reduce's (issue 46).
+#: The bytes one rank may hand to the collectives, as a fraction of an fp32 ring all-reduce's (the targets: ≤ 0.27 at 8 bits, ≤ 0.14 at 4, ≤ 0.08 at 2).
 LIMITS = {"int8": 0.27, "fp8": 0.27, "int4": 0.14, "fp4": 0.14, "int2": 0.08}
 
 

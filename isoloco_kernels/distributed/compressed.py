@@ -1,4 +1,4 @@
-"""`ShardedIsoLoCo(compress=Compression(...))`: the owner route with compressed pseudo-gradients (issue 46),
+"""`ShardedIsoLoCo(compress=Compression(...))`: the owner route with compressed pseudo-gradients,
 and the arithmetic that the one-process simulation (optim/compressed.py) shares with it, so the two agree bit
 for bit. docs/compression.md has the contract.
 
