@@ -87,6 +87,13 @@ def load(folder: Path) -> list[dict]:
     return recs
 
 
+def plain(r: dict) -> bool:
+    """A run at a constant outer schedule with an uncompressed exchange: what every study before v6 ran, and all
+    that their summaries (v2 to v5) read. Study v6's scheduled runs and the compressed-exchange runs have their own."""
+    v3 = r.get("v3") or {}
+    return "compress" not in v3 and v3.get("outer_schedule", "constant") == "constant"
+
+
 def paired_bootstrap_ci(a, b, level: float = 0.95, n_boot: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
     """(mean, lo, hi): the mean of the paired differences a_i − b_i and its percentile-bootstrap
     interval at `level`. Pair i is one seed of both methods (same init and data), so the pairs are
@@ -113,7 +120,8 @@ def paired_bootstrap_ci(a, b, level: float = 0.95, n_boot: int = 10_000, seed: i
 
 
 def main() -> None:
-    recs = load(HERE / "results")
+    every = load(HERE / "results")
+    recs = [r for r in every if plain(r)]
     v2, v2_recs = summary_v2(recs)
     (HERE / "summary_v2.json").write_text(json.dumps(v2, indent=1))
     plots_v2(v2, v2_recs, HERE)
@@ -153,14 +161,16 @@ def main() -> None:
         from v6 import HORIZON, markdown_schedules, markdown_v6, plot_v6, summarize_schedules, summarize_v6
 
         if any(r.get("rounds") == HORIZON[2] for r in v3_recs):  # study v6: the horizon (A), outer schedules (B)
-            v6 = summarize_v6(v3_recs) | {"schedules": summarize_schedules(v3_recs)}
+            v6 = summarize_v6(v3_recs) | {
+                "schedules": summarize_schedules([r for r in every if r.get("study") == "v3"])
+            }
             (HERE / "summary_v6.json").write_text(json.dumps(v6, indent=1))
             plot_v6(v6, HERE / "study_v6_horizon.png")
             print("\n<!-- v6 horizon -->\n" + markdown_v6(v6))
             print("\n<!-- v6 schedules -->\n" + markdown_schedules(v6["schedules"]))
         from compression import markdown_compress, plot_compress, summarize_compress  # the compressed exchange
 
-        comp = summarize_compress(v3_recs)
+        comp = summarize_compress([r for r in every if r.get("study") == "v3"])
         if comp:
             (HERE / "summary_compress.json").write_text(json.dumps(comp, indent=1))
             plot_compress(comp, HERE / "study_compress.png")

@@ -52,6 +52,8 @@ def _outer_s_per_round(recs: list[dict], mode: str, best: dict) -> float | None:
         and r.get("v3", {}).get("batch") == BASE["batch"]
         and r.get("v3", {}).get("model") == BASE["model"]
         and r.get("workers") == BASE["workers"]
+        and r.get("rounds") == 10  # the merges' cell, as _base_row's: not study v6's 300-round runs
+        and r.get("inner_steps") == BASE["inner_steps"]
     ]
     return statistics.fmean(xs) if xs else None
 
