@@ -6,7 +6,7 @@
                                                    # size and rewrites examples/diloco_minimal.json
 
 Sources: bench/results/2026-12-04-NVIDIA-H200.json (the flatten on one H200), study/summary_v3.json (the
-study's tuned IsoLoCo − DiLoCo gaps), examples/diloco_minimal.json (the minimal example's losses) and
+study's tuned IsoLoCo − DiLoCo gaps), study/summary_v6.json (the same gap at ~20 tokens per parameter), examples/diloco_minimal.json (the minimal example's losses) and
 study/readme_run/results.json (the main job: the outer step's share of a round).
 """
 
@@ -25,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 H200 = ROOT / "bench" / "results" / "2026-12-04-NVIDIA-H200.json"
 STUDY = ROOT / "study" / "summary_v3.json"
+HORIZON = ROOT / "study" / "summary_v6.json"
 EXAMPLE = ROOT / "examples" / "diloco_minimal.json"
 MAIN_RUN = ROOT / "study" / "readme_run" / "results.json"
 #: a cell counts as a gain when IsoLoCo's mean test loss is at least this much below tuned DiLoCo's and
@@ -83,6 +84,29 @@ def study_gain() -> str:
     )
 
 
+def _iv(g: dict) -> str:
+    return f"{g['mean']:+.3f} [{g['t_lo']:+.3f}, {g['t_hi']:+.3f}]".replace("-", "−")
+
+
+def horizon() -> str:
+    """Study v6 part A: IsoLoCo − DiLoCo at the end of the long base-cell runs (each method tuned at that
+    horizon) and at round 10 of the same runs; the verdict follows the end's interval."""
+    s = json.loads(HORIZON.read_text())
+    gap = {g["round"]: g for g in s["gap"]}
+    end, early = gap[s["rounds"]], gap[10]
+    if end["t_hi"] < 0 and -end["mean"] >= GAIN:
+        verdict = "the gain holds"
+    elif end["t_lo"] > 0:
+        verdict = "DiLoCo is ahead"
+    else:
+        verdict = "the gain is gone"
+    return (
+        f"**At ~{s['tokens_per_param']:.0f} tokens per parameter {verdict}**: after {s['rounds']} rounds (K 4, H 30, "
+        f"each method tuned at that horizon, {end['seeds']} paired seeds) IsoLoCo − DiLoCo is {_iv(end)} at the "
+        f"end and {_iv(early)} at round 10 of the same runs"
+    )
+
+
 def example() -> str:
     """The minimal example's held-out losses at its default size (examples/diloco_minimal.json)."""
     ex = json.loads(EXAMPLE.read_text())
@@ -107,7 +131,8 @@ def outer_share() -> str:
     )
 
 
-SENTENCES = {"speedup": (speedup, H200), "study": (study_gain, STUDY), "example": (example, EXAMPLE)}
+SENTENCES = {"speedup": (speedup, H200), "study": (study_gain, STUDY), "horizon": (horizon, HORIZON)}
+SENTENCES["example"] = (example, EXAMPLE)
 SENTENCES["outer share"] = (outer_share, MAIN_RUN)
 
 

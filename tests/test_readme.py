@@ -226,14 +226,14 @@ def test_first_screen_numbers_are_generated_from_committed_results():
     is what study/readme_numbers.py computes from the committed result file it names."""
     flat = " ".join(README.split())
     mod = _readme_numbers()
-    assert set(mod.SENTENCES) == {"speedup", "study", "example", "outer share"}
+    assert set(mod.SENTENCES) == {"speedup", "study", "horizon", "example", "outer share"}
     for name, (make, src) in mod.SENTENCES.items():
         assert src.is_file(), f"{name}: {src} is not committed"
         sentence = make()
         assert re.search(r"\d", sentence), sentence
         assert sentence in flat, f"README lacks the {name} sentence generated from {src}:\n{sentence}"
     first = README.split("\n## ", 1)[0]
-    for name in ("speedup", "study"):
+    for name in ("speedup", "study", "horizon"):
         assert mod.SENTENCES[name][0]() in " ".join(first.split()), f"the {name} sentence left the first screen"
 
 
@@ -246,6 +246,13 @@ def test_readme_numbers_follow_their_files(tmp_path, monkeypatch):
     fake.write_text(json.dumps(ex))
     monkeypatch.setattr(mod, "EXAMPLE", fake)
     assert "0.500 with IsoLoCo" in mod.example() and mod.example() not in " ".join(README.split())
+    v6 = json.loads(mod.HORIZON.read_text())
+    end = next(g for g in v6["gap"] if g["round"] == v6["rounds"])
+    end.update(mean=-0.1, t_lo=-0.15, t_hi=-0.05)
+    fake = tmp_path / "summary_v6.json"
+    fake.write_text(json.dumps(v6))
+    monkeypatch.setattr(mod, "HORIZON", fake)
+    assert "the gain holds" in mod.horizon() and "−0.100 [−0.150, −0.050] at the end" in mod.horizon()
 
 
 def test_the_first_sentence_says_what_the_library_is_for_without_jargon():
