@@ -144,7 +144,7 @@ def markdown_compress(s: dict) -> str:
             cells = []
             for m in METHODS:
                 p = row.get(m)
-                edge = ", edge" if p and p["edge"] else ""
+                edge = ", edge" if p and p["edge"] and len(p["grid"]) > 1 else ""  # a lone lr is no tuned grid
                 cells.append("—" if not p else f"{_fmt(p['test_mean'], '.4f')} ({p['lr']} @ {p['momentum']}{edge})")
                 cells.append("" if spec == UNCOMPRESSED else _iv(row.get(f"{m}_vs_32bit")))
             lines.append(f"| {spec} | {ratio} | {' | '.join(cells)} | {_iv(row.get('iso_minus_diloco'))} |")
