@@ -22,3 +22,9 @@ done
 for spec in int2:128:0.95:nearest:workers int2:128:0.95:nearest:owner int2:128:0.8; do
     $R $C --seeds 0,1,2 --lrs diloco=0.7@0,isoloco=3.2 --compress $spec --out $S
 done
+# IsoLoCo's 2-bit picks sat on the grid's lower edge (2.4): one lr past it, and the placement that kept its loss
+# (each worker's Δ only) retuned over the same lrs and at β 0.8
+for spec in int2:128:none int2:128:0.95 int2:128:0.95:nearest:workers; do
+    $R $C --seeds 0,1,2 --lrs isoloco=1.8,isoloco=2.4 --compress $spec --out $S
+done
+$R $C --seeds 0,1,2 --lrs isoloco=2.4,isoloco=3.2,diloco=0.7@0 --compress int2:128:0.8:nearest:workers --out $S
