@@ -177,23 +177,24 @@ def plot_compress(s: dict, path) -> None:
     label, c = next(iter(s.items()))  # one cell
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for color, m in zip(("C1", "C0"), METHODS):
-        pts = []
+        pts = {}
         for spec, row in c["rows"].items():
             p = row.get(m)
             if not p or not p.get("bytes_per_round") or p["test_mean"] is None:
                 continue
             x, y = p["bytes_per_round"] * p["rounds"] / 2**20, p["test_mean"]
-            pts.append((x, y))
+            pts[(x, y)] = spec
             ef = spec != UNCOMPRESSED and _split(spec)[1] != "none"
-            ax.scatter([x], [y], color=color, marker="o" if ef else "s", facecolors=color if ef else "none")
-            ax.annotate(spec.split(":")[0] if spec != UNCOMPRESSED else "fp32", (x, y), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")  # fmt: skip
-        front = pareto(pts)
+            ax.scatter([x], [y], color=color, marker="o", s=22, facecolors=color if ef else "none")
+        front = pareto(list(pts))
         ax.plot([p[0] for p in front], [p[1] for p in front], color=color, label=f"{m} (Pareto front)")
+        for x, y in front:
+            ax.annotate(pts[(x, y)], (x, y), fontsize=7, color=color, xytext=(4, -10 if m == "isoloco" else 5),
+                        textcoords="offset points")  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel("MiB sent per worker over the run (both legs, scales included)")
     ax.set_ylabel("test loss (nats/byte), mean of 3 seeds")
-    ax.set_title(f"Compressed exchange: {label}\nfilled: error feedback β 0.95; open: none", fontsize=9)
+    ax.set_title(f"Compressed exchange: {label}\nfilled: with error feedback; open: without", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
