@@ -69,7 +69,7 @@ def test_spec_defaults_and_fields_are_checked():
         (dict(seed=2**32), ValueError, "seed"),
         (dict(ef_beta=0.9, feedback="nowhere"), ValueError, r"feedback must be one of \['both', 'workers', 'owner'\]"),
         (dict(ef_beta=0.9, feedback=None), ValueError, "feedback must be one of"),
-        (dict(feedback="workers"), ValueError, "feedback is set but ef_beta is None"),
+        (dict(feedback="both"), ValueError, "feedback is set but ef_beta is None: error feedback is off"),
         (dict(feedback="owner"), ValueError, "feedback is set but ef_beta is None"),
         (dict(ef_beta=0.9, feedback="owner", update="full"), ValueError, "feedback='owner' with update='full'"),
     ]
@@ -77,7 +77,10 @@ def test_spec_defaults_and_fields_are_checked():
         with pytest.raises(err, match=msg):
             Compression(**kw)
     assert Compression(ef_beta=1).ef_beta == 1.0 and isinstance(Compression(ef_beta=1).ef_beta, float)
-    assert s.feedback == "both" and Compression(ef_beta=0.9, feedback="workers", update="full").update == "full"
+    assert s.feedback == "workers" and Compression(ef_beta=0.9).feedback == "workers"  # each worker's Δ only
+    assert Compression(feedback="workers").ef_beta is None  # the default placement with error feedback off
+    assert Compression(ef_beta=0.9, feedback="both", update="full").update == "full"
+    assert Compression(ef_beta=0.9, update="full").update == "full"
     with pytest.raises(Exception):
         s.block = 64  # frozen
 
@@ -106,21 +109,24 @@ def test_parse_reads_the_cli_string_and_round_trips():
 
 
 def test_parse_reads_the_feedback_placement_and_cli_round_trips_it():
-    """The 5th field places error feedback; cli() writes it (and the rounding, to keep the positions) only
-    when it is not "both", so the specs of before keep their strings."""
-    assert parse("int2:128:0.95:nearest:workers") == Compression("int2", 128, ef_beta=0.95, feedback="workers")
+    """The 5th field places error feedback; without it, the default "workers" (each worker's Δ only). cli()
+    writes it (and the rounding, to keep the positions) only when it is not the default."""
+    assert parse("int4:128:0.95") == Compression("int4", 128, ef_beta=0.95, feedback="workers")
+    assert parse("int2:128:0.95:nearest:workers") == Compression("int2", 128, ef_beta=0.95)
+    assert parse("int4:128:0.95:nearest:both") == Compression("int4", 128, ef_beta=0.95, feedback="both")
     assert parse("int4:64:0.9::OWNER") == Compression("int4", 64, ef_beta=0.9, feedback="owner")
-    assert parse("fp8::0.9:stochastic:both") == Compression("fp8", rounding="stochastic", ef_beta=0.9)
-    assert parse("int8:32:0.9", feedback="workers") == Compression("int8", 32, ef_beta=0.9, feedback="workers")
-    assert Compression("int2", 128, ef_beta=0.95, feedback="workers").cli() == "int2:128:0.95:nearest:workers"
+    assert parse("fp8::0.9:stochastic:both") == Compression("fp8", rounding="stochastic", ef_beta=0.9, feedback="both")
+    assert parse("int8:32:0.9", feedback="both") == Compression("int8", 32, ef_beta=0.9, feedback="both")
+    assert Compression("int2", 128, ef_beta=0.95, feedback="both").cli() == "int2:128:0.95:nearest:both"
     assert Compression("int4", 128, "stochastic", 0.9, feedback="owner").cli() == "int4:128:0.9:stochastic:owner"
-    assert Compression("int4", 128, ef_beta=0.95).cli() == "int4:128:0.95"  # "both": as before the field
+    assert Compression("int4", 128, ef_beta=0.95).cli() == "int4:128:0.95"  # the default "workers": no 5th field
+    assert Compression("int4", 128, "stochastic", 0.95).cli() == "int4:128:0.95:stochastic"
     for fb in sp.FEEDBACKS:
         for rounding in ROUNDINGS:
             s = Compression("fp4", 32, rounding, 0.9, torch.bfloat16, seed=4, feedback=fb)
             assert parse(s.cli(), residual_dtype=torch.bfloat16, seed=4) == s, s.cli()
     for text, msg in [
-        ("int4:128:none:nearest:workers", "feedback is set but ef_beta is None"),
+        ("int4:128:none:nearest:both", "feedback is set but ef_beta is None"),
         ("int4:128::nearest:owner", "feedback is set but ef_beta is None"),
         ("int4:128:0.9:nearest:worker", "feedback must be one of"),
     ]:
@@ -133,11 +139,12 @@ def test_parse_reads_the_feedback_placement_and_cli_round_trips_it():
 def test_each_leg_compresses_with_its_own_spec():
     """Compression.leg: the spec itself on a leg with feedback, else the spec without error feedback (no
     residual made or kept there); the seed, format, block, rounding and update leg stay."""
-    both = Compression("int2", 64, "stochastic", 0.9, torch.bfloat16, seed=3)
+    both = Compression("int2", 64, "stochastic", 0.9, torch.bfloat16, seed=3, feedback="both")
     assert both.leg("workers") is both and both.leg("owner") is both
     plain = Compression("int2", 64, "stochastic", seed=3)
     assert plain.leg("workers") is plain and plain.leg("owner") is plain
-    workers = Compression("int2", 64, "stochastic", 0.9, torch.bfloat16, seed=3, feedback="workers")
+    workers = Compression("int2", 64, "stochastic", 0.9, torch.bfloat16, seed=3)  # the default placement
+    assert workers.feedback == "workers"
     owner = Compression("int2", 64, "stochastic", 0.9, torch.bfloat16, seed=3, feedback="owner")
     assert workers.leg("workers") is workers and workers.leg("owner") == plain
     assert owner.leg("owner") is owner and owner.leg("workers") == plain
@@ -196,8 +203,11 @@ def test_update_leg_and_residual_memory():
         spec = Compression("int4", ef_beta=0.9, feedback=fb)
         assert sp.residual_bytes(spec, n, torch.bfloat16) == w, fb
         assert sp.residual_bytes(spec, n, torch.bfloat16, leg="owner") == o, fb
-    assert sp.residual_bytes(Compression("int4", ef_beta=0.9), n, torch.float64, leg="owner") == 8 * n
+    assert sp.residual_bytes(Compression("int4", ef_beta=0.9), n, torch.float32, leg="owner") == 0  # the default
+    assert sp.residual_bytes(Compression("int4", ef_beta=0.9, feedback="both"), n, torch.float64, leg="owner") == 8 * n
     assert sp.residual_bytes(Compression("int4", ef_beta=0.9, update="full"), n, torch.float32, leg="owner") == 0
+    both_full = Compression("int4", ef_beta=0.9, update="full", feedback="both")
+    assert sp.residual_bytes(both_full, n, torch.float32, leg="owner") == 0
     bf16 = Compression("int4", ef_beta=0.9, residual_dtype=torch.bfloat16, feedback="owner")
     assert sp.residual_bytes(bf16, n, torch.float32, leg="owner") == 2 * n
     with pytest.raises(ValueError):

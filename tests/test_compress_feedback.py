@@ -99,7 +99,7 @@ def test_a_leg_without_feedback_sends_the_plain_payload_and_keeps_nothing(feedba
     assert e is None and torch.equal(p.codes, q.codes) and torch.equal(p.scales, q.scales)
     with pytest.raises(ValueError, match="error feedback is off"):
         compress(d, torch.zeros(300, dtype=torch.bfloat16), off, step=2, tensor_id=5)
-    both = Compression("int2", 32, "stochastic", ef_beta=0.9, residual_dtype=torch.bfloat16)
+    both = Compression("int2", 32, "stochastic", ef_beta=0.9, residual_dtype=torch.bfloat16, feedback="both")
     p1, e1 = compress(d, None, spec.leg(feedback), step=2, tensor_id=5)
     p2, e2 = compress(d, None, both, step=2, tensor_id=5)
     assert torch.equal(p1.codes, p2.codes) and e1.dtype == torch.bfloat16 and torch.equal(e1, e2)

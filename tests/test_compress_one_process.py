@@ -84,10 +84,12 @@ def test_int8_stays_near_the_uncompressed_step(merge):
 
 def test_error_feedback_carries_what_was_not_sent_on_both_legs():
     """β = 1, μ = 0, the mean, 2 bits: θ_T − θ_0 + e_u = −lr/K·Σ_k (Σ_t Δ_k,t − e_k,T) up to float32 rounding:
-    every worker's residual holds what its payloads left out, the owner's what the updates left out."""
+    every worker's residual holds what its payloads left out, the owner's what the updates left out (feedback
+    "both"; the default "workers" keeps no owner residual: θ_T − θ_0 is then what the updates sent)."""
     K, T, lr = 3, 6, 0.5
     ps = [torch.zeros(s) for s in SHAPES]
-    opt = MergeLoCo(ps, lr=lr, momentum=0.0, merge="mean", compress=Compression("int2", 32, ef_beta=1.0))
+    spec = Compression("int2", 32, ef_beta=1.0, feedback="both")
+    opt = MergeLoCo(ps, lr=lr, momentum=0.0, merge="mean", compress=spec)
     total = [torch.zeros(K, *s) for s in SHAPES]
     for step in range(T):
         stacks = _stacks(K, step)
@@ -169,9 +171,10 @@ def test_a_refused_step_changes_nothing():
     """NaN in one worker's Δ at the second step, or an update that overflows float16: ValueError naming it,
     and no param, momentum, residual, update residual or step count changed."""
     ps = _init()
-    opt = MergeLoCo(ps, lr=0.9, momentum=0.6, compress="int4:64:0.95:stochastic")
+    opt = MergeLoCo(ps, lr=0.9, momentum=0.6, compress="int4:64:0.95:stochastic:both")  # update residuals too
     opt.step(deltas=_stacks(3, 0))
     before = _state(opt, ps)
+    assert before[2]["_update_residuals"]
     bad = _stacks(3, 1)
     bad[2][1, 3, 3] = float("nan")
     with pytest.raises(ValueError, match="worker 1's Δ of param 2.*NaN"):
@@ -187,8 +190,9 @@ def test_a_refused_step_changes_nothing():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_resume_is_bit_exact_and_residuals_come_back_whole(dtype):
     """2 steps, state_dict through torch.save, a fresh MergeLoCo loads it, 2 more: equal to 4 steps; a
-    deepcopy carries the residuals too."""
-    spec = Compression("fp4", 64, "stochastic", ef_beta=0.9, residual_dtype=torch.bfloat16, seed=3)
+    deepcopy carries the residuals too. Feedback "both" (both legs' residuals); the default "workers" and
+    "owner": test_a_placement_saves_only_its_legs_residuals_and_resumes_bit_exact."""
+    spec = Compression("fp4", 64, "stochastic", ef_beta=0.9, residual_dtype=torch.bfloat16, seed=3, feedback="both")
     a, b = _init(dtype), _init(dtype)
     oa = MergeLoCo(a, lr=0.8, momentum=0.7, compress=spec)
     ob = MergeLoCo(b, lr=0.8, momentum=0.7, compress=spec)
@@ -207,6 +211,9 @@ def test_resume_is_bit_exact_and_residuals_come_back_whole(dtype):
     od, d = copy.deepcopy((oa, a))
     for i, r in oa._residuals.items():
         assert torch.equal(oc._residuals[i], r) and torch.equal(od._residuals[i], r)
+    assert oa._update_residuals.keys() == oc._update_residuals.keys() == set(range(len(SHAPES)))
+    for i, r in oa._update_residuals.items():
+        assert torch.equal(oc._update_residuals[i], r) and torch.equal(od._update_residuals[i], r)
     for step in range(2, 4):
         oa.step(deltas=_stacks(3, step, dtype))
         oc.step(deltas=_stacks(3, step, dtype))
@@ -240,12 +247,15 @@ def test_refusals_name_what_is_wrong():
     assert opt.merged_steps == 1
 
 
-@pytest.mark.parametrize("feedback", ["workers", "owner"])
+@pytest.mark.parametrize("feedback", ["workers", "owner", None])
 def test_a_placement_saves_only_its_legs_residuals_and_resumes_bit_exact(feedback):
     """2 steps, state_dict through torch.save, a fresh MergeLoCo loads it, 2 more: equal to 4 steps. The state
     holds the residuals of the placement's leg only and its spec names the placement; a MergeLoCo with another
-    placement refuses it (another spec), and a state holding the other leg's residuals is refused."""
-    spec = Compression("fp4", 64, "stochastic", ef_beta=0.9, residual_dtype=torch.bfloat16, seed=3, feedback=feedback)
+    placement refuses it (another spec), and a state holding the other leg's residuals is refused. None: the
+    default placement, "workers", left unnamed."""
+    named = {} if feedback is None else dict(feedback=feedback)
+    spec = Compression("fp4", 64, "stochastic", ef_beta=0.9, residual_dtype=torch.bfloat16, seed=3, **named)
+    feedback = spec.feedback
     kept, empty = ("residuals", "update_residuals") if feedback == "workers" else ("update_residuals", "residuals")
     a, b = _init(), _init()
     oa = MergeLoCo(a, lr=0.8, momentum=0.7, compress=spec)
@@ -282,16 +292,24 @@ def test_a_placement_saves_only_its_legs_residuals_and_resumes_bit_exact(feedbac
 
 
 def test_a_state_saved_before_the_feedback_field_loads_as_both():
-    """A "compress" entry whose spec has no "feedback" key (saved before the field existed) is a "both" spec."""
-    opt = MergeLoCo(_init(), compress="int4:128:0.95")
+    """A "compress" entry whose spec has no "feedback" key (saved before the field existed, when both legs kept
+    residuals) is a "both" spec: it loads under feedback="both", and the default spec ("workers") refuses it
+    with an error that says to pass feedback='both'."""
+    opt = MergeLoCo(_init(), compress="int4:128:0.95:nearest:both")
     opt.step(deltas=_stacks(3, 0))
     saved = opt.state_dict()
+    assert set(saved["compress"]["update_residuals"]) == set(range(len(SHAPES)))
     del saved["compress"]["spec"]["feedback"]
-    again = MergeLoCo(_init(), compress="int4:128:0.95")
+    again = MergeLoCo(_init(), compress=Compression("int4", 128, ef_beta=0.95, feedback="both"))
     again.load_state_dict(saved)
     assert all(torch.equal(again._residuals[i], r) for i, r in opt._residuals.items())
-    with pytest.raises(ValueError, match="saved with compression"):
-        MergeLoCo(_init(), compress="int4:128:0.95:nearest:workers").load_state_dict(saved)
+    assert all(torch.equal(again._update_residuals[i], r) for i, r in opt._update_residuals.items())
+    hint = "saved with compression.*pass feedback='both'.*'int4:128:0.95:nearest:both'"
+    for default in ("int4:128:0.95", "int4:128:0.95:nearest:workers"):
+        refusing = MergeLoCo(_init(), compress=default)
+        with pytest.raises(ValueError, match=hint):
+            refusing.load_state_dict(saved)
+        assert not refusing._residuals and not refusing._update_residuals and not refusing.state
 
 
 def test_worker_bytes_are_the_spec_byte_counts():

@@ -1,9 +1,9 @@
 """ShardedIsoLoCo(compress=...) on 2 and 3 gloo ranks (tests/spawn.py): bit-equal to the one-process simulation
-(MergeLoCo(compress=...)) in float32, bfloat16 and float16 (in float32 also with error feedback on one leg only,
-feedback "workers" / "owner"); the bytes each rank hands to the collectives, counted at the calls, against an
+(MergeLoCo(compress=...)) in float32, bfloat16 and float16, with error feedback at the default placement
+("workers") and on both legs ("both"; in float32 also "owner"); the bytes each rank hands to the collectives, counted at the calls, against an
 fp32 all-reduce's; NaN on one rank and an update that does not fit refused everywhere with nothing changed; a
 rank with another spec (a feedback placement too) refused everywhere; residuals saved and restored bit for
-bit, refused under another spec or rank."""
+bit (the default placement and "both"), refused under another spec or rank."""
 
 from __future__ import annotations
 
@@ -24,19 +24,19 @@ from tests.spawn import Checks, groups, params
 
 SHAPES = [(12, 8), (5,), (8, 12), (12, 8), (40, 6), ()]
 TABLES = {2: Checks(), 3: Checks()}
-#: (spec, merge, solo_above): nearest with error feedback, stochastic with the update sent in full, 2-bit TSV-M
-#: with solo tensors, fp8 DiLoCo (the mean)
+#: (spec, merge, solo_above): nearest with error feedback at the default placement (each worker's Δ), stochastic
+#: with the update sent in full, 2-bit TSV-M with solo tensors and error feedback on both legs, fp8 DiLoCo (the mean)
 CASES = [
     ("int4:128:0.95", "iso_c", 1.0),
     (Compression("int8", 64, "stochastic", ef_beta=0.9, update="full", seed=5), "iso_c", 1.0),
-    ("int2:32:0.95:stochastic", "tsv", 0.2),
+    ("int2:32:0.95:stochastic:both", "tsv", 0.2),
     ("fp8:32:none", "mean", 1.0),
 ]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: error feedback on one leg only (float32 only, to keep the runtime small): the workers' residuals with the
-#: update sent without one, and the owner's residual with every Δ sent without one (stochastic, TSV-M stacks)
+#: the other placements at 2 and 4 bits (float32 only, to keep the runtime small): both legs with Iso-C (the
+#: study's setting), and the owner's residual with every Δ sent without one (stochastic, TSV-M stacks)
 PLACEMENTS = [
-    ("int2:32:0.95:nearest:workers", "iso_c", 1.0),
+    ("int2:32:0.95:nearest:both", "iso_c", 1.0),
     ("int4:64:0.9:stochastic:owner", "tsv", 1.0),
 ]
 
@@ -143,7 +143,7 @@ def _check_nan_on_one_rank_changes_nothing(rank, world):
     """A step with a NaN in rank 1's Δ, after a good step (momentum, residuals, update residuals held):
     DistributedStepError on every rank and no param, momentum, residual or step count changed."""
     ps = _init()
-    opt = ShardedIsoLoCo(ps, lr=0.9, momentum=0.6, compress="int4:64:0.95")
+    opt = ShardedIsoLoCo(ps, lr=0.9, momentum=0.6, compress="int4:64:0.95:nearest:both")  # update residuals too
     _steps(opt, ps, rank, world, [0])
     before = [p.clone() for p in ps]
     held = {i: opt.state[ps[i]]["momentum_buffer"].clone() for i in opt.mine}
@@ -177,7 +177,8 @@ def _check_a_rank_with_another_spec_is_refused_everywhere(rank, world):
     for mine, other in (
         ("int4:128:0.95", "int8:128:0.95"),
         ("int4:128:0.95", "int4:128:0.9"),
-        ("int4:128:0.95", "int4:128:0.95:nearest:workers"),
+        ("int4:128:0.95", "int4:128:0.95:nearest:both"),
+        ("int4:128:0.95:nearest:workers", "int4:128:0.95:nearest:owner"),
     ):
         with pytest.raises(DistributedStepError, match="compress"):
             ShardedIsoLoCo(_init(), compress=other if rank == world - 1 else mine)
@@ -188,10 +189,11 @@ def _check_a_rank_with_another_spec_is_refused_everywhere(rank, world):
         _steps(opt, opt._params, rank, world, [0])
 
 
-def _check_residuals_survive_a_save_and_load(rank, world):
+def _check_residuals_survive_a_save_and_load(rank, world, feedback):
     """2 steps, state_dict, a fresh optimizer loads it, 2 more: bit-equal to 4 uninterrupted steps, every
-    residual restored bit for bit; another spec's or another rank's state refused, nothing loaded."""
-    spec = "int2:64:0.95:stochastic"
+    residual restored bit for bit (feedback "both": the owner's update residuals too; the default "workers":
+    none); another spec's or another rank's state refused, nothing loaded."""
+    spec = "int2:64:0.95:stochastic" + (":both" if feedback == "both" else "")
     a = _init(torch.bfloat16)
     oa = ShardedIsoLoCo(a, lr=0.9, momentum=0.8, compress=spec)
     _steps(oa, a, rank, world, range(4), torch.bfloat16)
@@ -200,20 +202,24 @@ def _check_residuals_survive_a_save_and_load(rank, world):
     _steps(ob, b, rank, world, range(2), torch.bfloat16)
     saved = ob.state_dict()
     assert set(saved["compress"]["residuals"]) == set(range(len(SHAPES)))
-    assert set(saved["compress"]["update_residuals"]) == set(ob.mine)
+    assert set(saved["compress"]["update_residuals"]) == (set(ob.mine) if feedback == "both" else set())
+    assert saved["compress"]["spec"]["feedback"] == feedback
     c = [p.detach().clone() for p in b]
     oc = ShardedIsoLoCo(c, lr=0.9, momentum=0.8, compress=spec)
     oc.load_state_dict(saved)
     for i, r in ob._residuals.items():
         assert torch.equal(oc._residuals[i], r) and oc._residuals[i] is not r
+    assert oc._update_residuals.keys() == ob._update_residuals.keys()
     for i, r in ob._update_residuals.items():
         assert torch.equal(oc._update_residuals[i], r)
     _steps(oc, c, rank, world, range(2, 4), torch.bfloat16)
     assert all(torch.equal(p, q) for p, q in zip(a, c)) and oc.merged_steps == 4
-    other = ShardedIsoLoCo(_init(torch.bfloat16), lr=0.9, momentum=0.8, compress="int2:64:0.9:stochastic")
-    with pytest.raises(ValueError, match="compression"):
-        other.load_state_dict(saved)
-    assert not other._residuals and not other.state
+    elsewhere = "owner" if feedback == "both" else "both"
+    for other_spec in ("int2:64:0.9:stochastic", f"int2:64:0.95:stochastic:{elsewhere}"):
+        other = ShardedIsoLoCo(_init(torch.bfloat16), lr=0.9, momentum=0.8, compress=other_spec)
+        with pytest.raises(ValueError, match="compression"):
+            other.load_state_dict(saved)
+        assert not other._residuals and not other._update_residuals and not other.state
     plain = ShardedIsoLoCo(_init(torch.bfloat16), lr=0.9, momentum=0.8)
     with pytest.raises(ValueError, match="compress=None"):
         plain.load_state_dict(saved)
@@ -247,7 +253,10 @@ for _table in TABLES.values():
     _table.add("nan_on_one_rank", _check_nan_on_one_rank_changes_nothing)
     _table.add("update_overflow", _check_an_update_that_does_not_fit_changes_nothing)
     _table.add("another_spec", _check_a_rank_with_another_spec_is_refused_everywhere)
-    _table.add("save_and_load", _check_residuals_survive_a_save_and_load)
+    _table.add("save_and_load", lambda rank, world: _check_residuals_survive_a_save_and_load(rank, world, "both"))
+    _table.add(
+        "save_and_load_default", lambda rank, world: _check_residuals_survive_a_save_and_load(rank, world, "workers")
+    )
 
 
 def _body(rank, world, tmpdir):

@@ -96,9 +96,12 @@ def test_memory_estimate_counts_the_error_feedback_residuals():
     plain = loop.memory_estimate(c, ["isoloco"], 4)
     n4 = 4 * c.n_params()  # one float32 residual
     assert loop.memory_estimate(loop.TrainConfig(workers=4, compress="int2:128:none"), ["isoloco"], 4) == plain
-    assert loop.memory_estimate(loop.TrainConfig(workers=4, compress="int2:128:0.95"), ["isoloco"], 4) == plain + 5 * n4
+    # the default placement ("workers"): the 4 local workers' residuals, no owner residual
+    assert loop.memory_estimate(loop.TrainConfig(workers=4, compress="int2:128:0.95"), ["isoloco"], 4) == plain + 4 * n4
     workers = loop.TrainConfig(workers=4, compress="int2:128:0.95:nearest:workers")
-    assert loop.memory_estimate(workers, ["isoloco"], 4) == plain + 4 * n4  # no owner residual
+    assert loop.memory_estimate(workers, ["isoloco"], 4) == plain + 4 * n4  # the same spec, named
+    both = loop.TrainConfig(workers=4, compress="int2:128:0.95:nearest:both")
+    assert loop.memory_estimate(both, ["isoloco"], 4) == plain + 5 * n4  # and the owner's update residual
     owner = loop.TrainConfig(workers=4, compress="int2:128:0.95:nearest:owner")
     assert loop.memory_estimate(owner, ["isoloco"], 4) == plain + n4
     assert loop.memory_estimate(

@@ -16,12 +16,13 @@ the distance to the lower neighbour over the step, so E[ℓ]·s = x, from random
 counter-based hash of (seed, step, tensor index, element index in the tensor) — the same bits on
 every rank and for every world size (compress/codec.py, `random_bits`).
 
-Error feedback (β = `ef_beta`, None = off): c = Q(Δ + e), e ← β·(Δ + e − c), e kept per worker in
-`residual_dtype` (None: the parameter's dtype); `feedback` places it on each worker's Δ, on the
-owner's update, or on both (`Compression.leg`: the spec each leg compresses with). Bytes on the
-wire per tensor of n entries: ceil(n·bits/8) code bytes + 4·ceil(n/block) scale bytes
-(`bytes_of`); at block 128 that is 0.258× (8-bit), 0.133× (4-bit) and 0.070× (2-bit) of the same
-tensor in float32.
+Error feedback (β = `ef_beta`, None = off): c = Q(Δ + e), e ← β·(Δ + e − c), e kept in `residual_dtype`
+(None: the parameter's dtype). `feedback` places it: "workers" (the default) on each worker's Δ only, the
+owner's update sent without a residual; "both" on each worker's Δ and on the owner's update; "owner" on the
+update only (`Compression.leg`: the spec each leg compresses with). At 2 bits the owner-side residual raised
+Iso-C's test loss (docs/compression.md, the study section), hence the default. Bytes on the wire per tensor
+of n entries: ceil(n·bits/8) code bytes + 4·ceil(n/block) scale bytes (`bytes_of`); at block 128 that is
+0.258× (8-bit), 0.133× (4-bit) and 0.070× (2-bit) of the same tensor in float32.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ FORMATS = {
 ROUNDINGS = ("nearest", "stochastic")
 #: How the owner's update travels back: in the spec's format, or in the parameters' dtype.
 UPDATES = ("compressed", "full")
-#: Where error feedback runs when ef_beta is set: both legs, each worker's Δ only, the owner's update only.
+#: Where error feedback runs when ef_beta is set: both legs, each worker's Δ only (the default), the owner's
+#: update only.
 FEEDBACKS = ("both", "workers", "owner")
 #: The two legs a spec compresses: each worker's Δ ("workers") and the owner's update ("owner").
 LEGS = ("workers", "owner")
@@ -107,9 +109,10 @@ class Compression:
     update          "compressed": the owner's update goes back in `format` too; "full": in the
                     parameters' dtype
     seed            mixed into the stochastic rounding bits (an int in [0, 2^32))
-    feedback        where error feedback runs (ef_beta set): "both" legs, "workers" (each worker's residual on
-                    its Δ only; the update sent without one) or "owner" (the owner's residual on the update
-                    only; every Δ sent without one; refused with update="full", which has no update leg)
+    feedback        where error feedback runs (ef_beta set): "workers" (the default: each worker's residual on
+                    its Δ only; the update sent without one), "both" legs, or "owner" (the owner's residual on
+                    the update only; every Δ sent without one; refused with update="full", which has no update
+                    leg); with ef_beta None only the default is accepted
 
     Raises TypeError / ValueError naming the field for any other value.
     """
@@ -121,7 +124,7 @@ class Compression:
     residual_dtype: Optional[torch.dtype] = None
     update: str = "compressed"
     seed: int = 0
-    feedback: str = "both"
+    feedback: str = "workers"
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -154,9 +157,10 @@ class Compression:
         _check_u32(self.seed, "Compression.seed")
         if self.feedback not in FEEDBACKS:
             raise ValueError(f"Compression.feedback must be one of {list(FEEDBACKS)}, got {self.feedback!r}")
-        if self.feedback != "both" and self.ef_beta is None:
+        if self.feedback != "workers" and self.ef_beta is None:
             raise ValueError(
-                f"Compression.feedback is set but ef_beta is None: error feedback is off (feedback={self.feedback!r})"
+                f"Compression.feedback is set but ef_beta is None: error feedback is off (feedback={self.feedback!r}; "
+                "leave it at the default 'workers' or set ef_beta)"
             )
         if self.feedback == "owner" and self.update == "full":
             raise ValueError(
@@ -175,18 +179,19 @@ class Compression:
     def leg(self, leg: str) -> "Compression":
         """The spec leg `leg` compresses with: "workers" (each worker's Δ) or "owner" (the owner's update).
         This spec when its error feedback runs on that leg, else the same spec without error feedback
-        (ef_beta and residual_dtype None, feedback "both"): no residual is made or kept for that leg."""
+        (ef_beta and residual_dtype None, feedback the default): no residual is made or kept for that leg."""
         if leg not in LEGS:
             raise ValueError(f"Compression.leg: leg must be one of {list(LEGS)}, got {leg!r}")
         if self.ef_beta is None or self.feedback in ("both", leg):
             return self
-        return dataclasses.replace(self, ef_beta=None, residual_dtype=None, feedback="both")
+        return dataclasses.replace(self, ef_beta=None, residual_dtype=None, feedback="workers")
 
     def cli(self) -> str:
         """The `parse` string of this spec's format, block, β, rounding and feedback ("int4:128:0.95"; the
-        rounding and feedback only when not the defaults, "int2:128:0.95:nearest:workers")."""
+        feedback only when not the default "workers", and then the rounding spelt out before it,
+        "int2:128:0.95:nearest:both"; else the rounding only when not "nearest")."""
         beta = "none" if self.ef_beta is None else f"{self.ef_beta:g}"
-        if self.feedback != "both":
+        if self.feedback != "workers":
             return f"{self.format}:{self.block}:{beta}:{self.rounding}:{self.feedback}"
         tail = ":stochastic" if self.rounding == "stochastic" else ""
         return f"{self.format}:{self.block}:{beta}{tail}"
@@ -194,10 +199,11 @@ class Compression:
 
 def parse(text: str, **fields) -> Compression:
     """A spec from a CLI string "format[:block[:beta[:rounding[:feedback]]]]", e.g. "int4:128:0.95" (4-bit
-    ints, 128 entries per scale, error feedback with β 0.95 on both legs) or "fp8" (the defaults for the
-    rest); beta "none" or "off" switches error feedback off; feedback "both", "workers" or "owner" places
-    it ("int2:128:0.95:nearest:workers": each worker's Δ only). Keyword `fields` set the other Compression
-    fields. Raises ValueError naming the string for a malformed one."""
+    ints, 128 entries per scale, error feedback with β 0.95 on each worker's Δ only, the default placement)
+    or "fp8" (the defaults for the rest); beta "none" or "off" switches error feedback off; feedback
+    "workers", "both" or "owner" places it ("int4:128:0.95:nearest:both": on each worker's Δ and on the
+    owner's update, the placement before "workers" became the default). Keyword `fields` set the other
+    Compression fields. Raises ValueError naming the string for a malformed one."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"compression spec: expected 'format[:block[:beta[:rounding[:feedback]]]]', got {text!r}")
     parts = text.strip().split(":")

@@ -18,7 +18,8 @@ What goes back is the step's change s (the Nesterov step −lr·(M + μ·buf)), 
 update="full" the owner's new θ in its own dtype (what s in θ's dtype would cost). The momentum stays on the
 owner in full precision. Stochastic rounding draws stream k + 1 for worker k's Δ and stream 0 for the
 owner's update (`stream_spec`), each seeded by (seed, step = the optimizer's step count, tensor = the param
-index, element). The spec's `feedback` ("both", "workers", "owner") says which legs keep a residual: a leg
+index, element). The spec's `feedback` ("workers", the default; "both"; "owner") says which legs keep a
+residual (the route above with e_k and e_u is "both"; "workers" sends u = Q(s), "owner" c_k = Q(Δ_k)): a leg
 without one compresses with `spec.leg(...)`, the spec without error feedback, and keeps nothing. All or
 nothing: every buffer is made and every Δ compressed (NaN/Inf refused) before the ranks first agree; the
 new params, momentum and residuals are computed aside and written only after the last agreement, so a
@@ -364,6 +365,22 @@ def state_entry(opt) -> dict:
     }
 
 
+def _feedback_hint(spec: Compression, got, want: dict) -> str:
+    """How to continue a state whose spec differs from this one in the feedback placement only ("" otherwise)."""
+    if not isinstance(got, dict) or {k for k in want if got.get(k) != want[k]} != {"feedback"}:
+        return ""
+    fb = got["feedback"]
+    try:
+        text = dataclasses.replace(spec, feedback=fb).cli()
+    except (TypeError, ValueError):
+        return ""
+    old = "; a state saved before Compression.feedback existed is 'both'" if fb == "both" else ""
+    return (
+        f" (its error feedback placement is feedback={fb!r}, this optimizer's {want['feedback']!r}: to continue it "
+        f"pass feedback={fb!r} to Compression (as a string: {text!r}){old})"
+    )
+
+
 def check_entry(opt, state_dict, where: str, params, owned, stacked: bool = False):
     """The "compress" entry of `state_dict` checked against opt's spec and params: (residuals, update
     residuals) as copies on the params' devices, ready for `load_entry`; None when there is no entry (the
@@ -387,6 +404,7 @@ def check_entry(opt, state_dict, where: str, params, owned, stacked: bool = Fals
         raise ValueError(
             f"{where}: the state was saved with compression {got!r}; this optimizer has {want!r}: residuals of "
             "another format, block, β, rounding, update leg, seed or feedback placement cannot continue here"
+            + _feedback_hint(opt.compress, got, want)
         )
     held = entry.get("residuals")
     first = next(iter(held.values()), None) if isinstance(held, dict) else None

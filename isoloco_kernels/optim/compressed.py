@@ -7,8 +7,8 @@ process, for K workers whose Δ_k arrive as [K, *shape] stacks — bit for bit w
                  the merge, Nesterov, the update u (compressed, with the owner's residual, or θ' in full)
     every rank   θ ← θ + deq(u)  (one copy here: the replicas are identical)
 
-With ef_beta set, spec.feedback says which residuals are kept: "both" (the workers' and the owner's),
-"workers" (no update residual) or "owner" (no worker residual): `Compression.leg`.
+With ef_beta set, spec.feedback says which residuals are kept: "workers" (the default: no update residual),
+"both" (the workers' and the owner's) or "owner" (no worker residual): `Compression.leg`.
 
 The arithmetic is distributed/compressed.py's own functions (encode_delta, owner_inputs, owner_step,
 apply_update), called with the same payloads in the same order, so `MergeLoCo(compress=spec)` fed the K

@@ -155,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SPEC",
         help="compress every outer mode's exchange: format[:block[:beta[:rounding[:feedback]]]], e.g. "
-        "int4:128:0.95 (int8, fp8, int4, fp4, int2; beta none: no error feedback; feedback both, workers or "
-        "owner: where error feedback runs, e.g. int2:128:0.95:nearest:workers; docs/compression.md); under "
+        "int4:128:0.95 (int8, fp8, int4, fp4, int2; beta none: no error feedback; feedback workers (the "
+        "default: each worker's Δ only), both or owner: where error feedback runs, e.g. "
+        "int2:128:0.95:nearest:both; docs/compression.md); under "
         "torchrun it needs --outer sharded",
     )
     p.add_argument(

@@ -80,7 +80,8 @@ def memory_estimate(cfg: TrainConfig, modes: Sequence[str], local_workers: int) 
     `local_workers` workers on it: float32 weights, grads and AdamW moments (each worker keeps its
     own), the global copy, Δ and the outer momentum, and the activations of one inner step (DDP
     takes the local workers' batches together) or of one evaluation chunk; with cfg.compress also the
-    error-feedback residuals, one per local worker on its Δ and the owners' on the update (float32)."""
+    error-feedback residuals where the spec's feedback places them: one per local worker on its Δ ("workers",
+    the default, or "both") and the owners' on the update ("both" or "owner"; float32)."""
     mcfg = cfg.model_config()
     n = cfg.n_params()
     outer = any(m != "ddp" for m in modes)
