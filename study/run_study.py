@@ -64,8 +64,6 @@ EVAL_WINDOWS = 1024  # per split: the paired-difference noise of 64 windows hid 
 CELLS = [(4, 30), (8, 30), (2, 30), (4, 100)]  # most informative first
 DEFAULTS = [("diloco", 0.7), ("isoloco", 1.8)]
 NEIGHBOURS = [("diloco", 1.0), ("isoloco", 2.4), ("diloco", 0.5), ("isoloco", 1.2)]
-
-
 STOP_FILE = "STOP"  # in the results folder: start no further run (the one in flight finishes)
 PARTS = ("all", "defaults", "grid", "extra", "v2", "v3", "v4")
 # study methods that are a loop mode with other settings: name -> (mode, TrainConfig fields)
@@ -138,6 +136,11 @@ def cell_of(k: tuple) -> tuple:
     """The cell a run key belongs to: everything but seed, mode, outer lr and μ."""
     seed, K, H, mode, lr, study, init, vocab, rounds, split, windows, v3 = k
     return (K, H, study, init, vocab, rounds, split, windows, tuple(kv for kv in v3 or () if kv[0] != "mu"))
+
+
+def grid_settings(v3: dict) -> dict:
+    """The settings of the grid (v3.grids: constant schedule, uncompressed; any μ) a `best:` job picks from."""
+    return {**{k: v for k, v in v3.items() if k not in ("outer_schedule", "compress")}, "mu": None}
 
 
 def wait_for_grids(folder: Path, cells: set, limit_s: float = 3600.0, poll_s: float = 20.0) -> bool:
@@ -249,9 +252,7 @@ def main() -> None:
         default="constant",
         help="v6: the outer optimizer's schedule (train.config.OUTER_SCHEDULES: warmup, warmup-cosine, momentum-warmup)",
     )
-    p.add_argument(
-        "--compress", default=None, help="v3: compress the outer exchange, a compress.parse spec (int2:128:0.95)"
-    )
+    p.add_argument("--compress", default=None, help="v3: compress the outer exchange (a compress.parse spec)")
     p.add_argument("--iso-method", default=None, help="v4: comma list of IsoLoCo flatten methods (library or study)")
     p.add_argument("--spectra", default=None, help="v4: JSONL for the error and flatness of every method on Δ")
     a = p.parse_args()
@@ -347,7 +348,10 @@ def main() -> None:
             p.error("--lrs best:MODES picks from study v3's grids: add --part v3")
         from v3 import best_jobs
 
-        grid_cells = {cell_of(key_of(0, K, H, "", None, init, {**v3, "mu": None})) for init in inits for K, H in cells}
+        grid = {k: v for k, v in v3.items() if k not in ("outer_schedule", "compress")}  # the grid best: reads
+        grid_cells = {
+            cell_of(key_of(0, K, H, "", None, init, {**grid, "mu": None})) for init in inits for K, H in cells
+        }
         if not wait_for_grids(out.parent, grid_cells):
             print(
                 "warning: grid jobs still claimed after an hour (a killed run's claim?): picking from the grid as it is"

@@ -58,6 +58,18 @@ def test_best_jobs_wait_for_their_own_cells_grid_jobs_in_flight(run_study, tmp_p
     assert not run_study.wait_for_grids(tmp_path, cell, limit_s=0, poll_s=0)  # counted by its K and H
 
 
+def test_best_jobs_under_a_schedule_or_compression_do_not_wait_for_each_other(run_study, tmp_path):
+    """A `best:` job with --outer-schedule or --compress picks from the constant, uncompressed grid: a seed-0 run
+    of the scheduled (or compressed) job in flight is no grid job of that cell."""
+    base = (0, 4, 30, "isoloco", 3.2, "v3", "gpt2", 256, 300, "halves", 1024)
+    settings = run_study.grid_settings({"batch": 4, "outer_schedule": "warmup", "compress": "int2:128:none"})
+    assert settings == {"batch": 4, "mu": None}
+    grid_cell = {run_study.cell_of((*base, tuple(sorted(settings.items()))))}
+    for extra in (("outer_schedule", "warmup"), ("compress", "int2:128:none")):
+        assert run_study.claim(tmp_path, (*base, (("batch", 4), extra, ("mu", None))))
+    assert run_study.wait_for_grids(tmp_path, grid_cell, limit_s=0, poll_s=0)
+
+
 def test_v3_records_are_told_apart_by_their_settings():
     key = study_module("summarize").run_key
     base = dict(
