@@ -158,16 +158,17 @@ def main() -> None:
             (HERE / "summary_v5_merges.json").write_text(json.dumps(merges, indent=1))
             plot_merges(merges, HERE / "study_v5_merges.png")
             print("\n<!-- v5 merges -->\n" + markdown_merges(merges))
-        from v6 import HORIZON, markdown_schedules, markdown_v6, plot_v6, summarize_schedules, summarize_v6
+        import v6  # study v6: the horizon (A), outer schedules (B), K at fixed compute (C)
 
-        if any(r.get("rounds") == HORIZON[2] for r in v3_recs):  # study v6: the horizon (A), outer schedules (B)
-            v6 = summarize_v6(v3_recs) | {
-                "schedules": summarize_schedules([r for r in every if r.get("study") == "v3"])
-            }
-            (HERE / "summary_v6.json").write_text(json.dumps(v6, indent=1))
-            plot_v6(v6, HERE / "study_v6_horizon.png")
-            print("\n<!-- v6 horizon -->\n" + markdown_v6(v6))
-            print("\n<!-- v6 schedules -->\n" + markdown_schedules(v6["schedules"]))
+        if any(r.get("rounds") == v6.HORIZON[2] for r in v3_recs):
+            s6 = v6.summarize_v6(v3_recs)
+            s6["schedules"] = v6.summarize_schedules([r for r in every if r.get("study") == "v3"])
+            s6["fixed_compute"] = v6.summarize_fixed_compute(v3_recs)
+            (HERE / "summary_v6.json").write_text(json.dumps(s6, indent=1))
+            v6.plot_v6(s6, HERE / "study_v6_horizon.png")
+            print("\n<!-- v6 horizon -->\n" + v6.markdown_v6(s6))
+            print("\n<!-- v6 schedules -->\n" + v6.markdown_schedules(s6["schedules"]))
+            print("\n<!-- v6 fixed compute -->\n" + v6.markdown_fixed_compute(s6["fixed_compute"]))
         from compression import markdown_compress, plot_compress, summarize_compress  # the compressed exchange
 
         comp = summarize_compress([r for r in every if r.get("study") == "v3"])

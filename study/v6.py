@@ -205,3 +205,59 @@ def markdown_schedules(s: dict) -> str:
             cells = " | ".join(_interval(g.get(f"round_{r}")) for r in (1, 2, 5, 10))
             lines.append(f"| IsoLoCo {sched} (DiLoCo constant) | {cells} |")
     return "\n".join(lines)
+
+
+# -- part C: K at fixed compute -------------------------------------------------------------------------------------
+
+#: K -> outer rounds at part A's token budget (K × rounds = 1,200 worker-rounds of H 30 × 4 × 64 tokens)
+FIXED_COMPUTE = {2: 600, 4: 300, 8: 150, 16: 75}
+
+
+def _final_gap(a: dict, b: dict) -> dict | None:
+    """a − b on the test split at the runs' last round, paired over the seeds both picks have."""
+    seeds = sorted(s for s in set(a["runs"]) & set(b["runs"]))
+    d = [a["runs"][s]["final_test_loss"] - b["runs"][s]["final_test_loss"] for s in seeds]
+    d = [x for x in d if x == x]
+    if not d:
+        return None
+    lo, hi = t_interval(d)
+    return {"seeds": len(d), "mean": statistics.fmean(d), "t_lo": lo, "t_hi": hi, "per_seed": d}
+
+
+def summarize_fixed_compute(recs: list[dict], base: tuple = HORIZON) -> list[dict]:
+    """Part C: per K, IsoLoCo − DiLoCo at the end of part A's token budget (each method tuned in that cell), beside
+    the same K's gap after 10 rounds (v3's fixed-rounds cells, more tokens at larger K). Rows only for the K with
+    both picks at fixed compute."""
+    rows = []
+    for K, rounds in sorted(FIXED_COMPUTE.items()):
+        cell = (K, base[1], rounds, *base[3:])
+        picks = horizon_picks(recs, cell)
+        if "diloco" not in picks or "isoloco" not in picks:
+            continue
+        short = horizon_picks(recs, (K, base[1], 10, *base[3:]))
+        row = {
+            "workers": K,
+            "rounds": rounds,
+            "tokens_per_param": K * base[1] * rounds * base[5] * base[6] / TINY_PARAMS,
+            "picks": {m: {k: v for k, v in p.items() if k != "runs"} for m, p in picks.items()},
+            "gap": _final_gap(picks["isoloco"], picks["diloco"]),
+            "gap_10_rounds": _final_gap(short["isoloco"], short["diloco"]) if len(short) >= 2 else None,
+        }
+        if "ddp" in picks:
+            row["to_ddp"] = {m: _final_gap(picks[m], picks["ddp"]) for m in ("diloco", "isoloco")}
+        rows.append(row)
+    return rows
+
+
+def markdown_fixed_compute(rows: list[dict]) -> str:
+    lines = [
+        "| K | rounds (tokens/param) | DiLoCo pick | IsoLoCo pick | IsoLoCo − DiLoCo at fixed compute | after 10 rounds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        d, i = r["picks"]["diloco"], r["picks"]["isoloco"]
+        lines.append(
+            f"| {r['workers']} | {r['rounds']} ({r['tokens_per_param']:.1f}) | {d['lr']} @ {d['momentum']} | "
+            f"{i['lr']} @ {i['momentum']} | {_interval(r['gap'])} | {_interval(r['gap_10_rounds'])} |"
+        )
+    return "\n".join(lines)
