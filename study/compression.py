@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from v3 import _cell, _fmt, best_config, grids, t_interval  # study/ is on sys.path
+from v3 import _cell, _fmt, best_config, grids, paired_t  # study/ is on sys.path
 
 METHODS = ("diloco", "isoloco")
 UNCOMPRESSED = "fp32"  # the uncompressed route's row: a ring all-reduce in float32
@@ -50,14 +50,7 @@ def _split(spec: str) -> tuple[str, str]:
 
 def _paired(a: dict | None, b: dict | None) -> dict | None:
     """a − b on the test split over the seeds both picks have, with its 95 % t interval."""
-    if not a or not b:
-        return None
-    seeds = sorted(s for s in set(a["test"]) & set(b["test"]) if a["test"][s] is not None and b["test"][s] is not None)
-    if not seeds:
-        return None
-    d = [a["test"][s] - b["test"][s] for s in seeds]
-    lo, hi = t_interval(d)
-    return {"seeds": len(d), "mean": statistics.fmean(d), "t_lo": lo, "t_hi": hi, "per_seed": d}
+    return paired_t(a["test"], b["test"]) if a and b else None
 
 
 def _pick(grid: dict) -> dict | None:

@@ -153,6 +153,16 @@ def t_interval(d: list[float]) -> tuple[float, float]:
     return m - half, m + half
 
 
+def paired_t(a: dict, b: dict) -> dict | None:
+    """a − b over the seeds both map to a number (None and NaN skipped), with its 95 % t interval (None: no pair)."""
+    d = [a[s] - b[s] for s in sorted(set(a) & set(b)) if a[s] is not None and b[s] is not None]
+    d = [x for x in d if x == x]
+    if not d:
+        return None
+    lo, hi = t_interval(d)
+    return {"seeds": len(d), "mean": statistics.fmean(d), "t_lo": lo, "t_hi": hi, "per_seed": d}
+
+
 def _fmt(x, spec="+.3f"):
     return "—" if x is None or x != x else format(x, spec)
 

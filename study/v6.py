@@ -12,9 +12,7 @@ gap to DDP at the same tokens; the plot draws the gap against the rounds (per se
 
 from __future__ import annotations
 
-import statistics
-
-from v3 import _fmt, best_config, grids, t_interval  # study/ is on sys.path
+from v3 import _fmt, best_config, grids, paired_t  # study/ is on sys.path
 
 #: The horizon cell: v3's cell keys (K, H, rounds, vocab, init) and settings (batch, seq_len, inner, inner_lr, model).
 HORIZON = (4, 30, 300, 256, "gpt2", 4, 64, "adamw", 3e-3, "tiny")
@@ -44,13 +42,8 @@ def test_at_round(r: dict, rnd: int) -> float | None:
 
 def _gap(a: dict, b: dict, rnd: int) -> dict | None:
     """a − b on the test split after round rnd, paired over the seeds both have."""
-    seeds = sorted(set(a["runs"]) & set(b["runs"]))
-    pairs = [(test_at_round(a["runs"][s], rnd), test_at_round(b["runs"][s], rnd)) for s in seeds]
-    d = [x - y for x, y in pairs if x is not None and y is not None]
-    if not d:
-        return None
-    lo, hi = t_interval(d)
-    return {"round": rnd, "seeds": len(d), "mean": statistics.fmean(d), "t_lo": lo, "t_hi": hi, "per_seed": d}
+    g = paired_t(*({s: test_at_round(r, rnd) for s, r in x["runs"].items()} for x in (a, b)))
+    return None if g is None else {"round": rnd, **g}
 
 
 def summarize_v6(recs: list[dict], cell: tuple = HORIZON) -> dict:
@@ -215,13 +208,7 @@ FIXED_COMPUTE = {2: 600, 4: 300, 8: 150, 16: 75}
 
 def _final_gap(a: dict, b: dict) -> dict | None:
     """a − b on the test split at the runs' last round, paired over the seeds both picks have."""
-    seeds = sorted(s for s in set(a["runs"]) & set(b["runs"]))
-    d = [a["runs"][s]["final_test_loss"] - b["runs"][s]["final_test_loss"] for s in seeds]
-    d = [x for x in d if x == x]
-    if not d:
-        return None
-    lo, hi = t_interval(d)
-    return {"seeds": len(d), "mean": statistics.fmean(d), "t_lo": lo, "t_hi": hi, "per_seed": d}
+    return paired_t(*({s: r["final_test_loss"] for s, r in x["runs"].items()} for x in (a, b)))
 
 
 def summarize_fixed_compute(recs: list[dict], base: tuple = HORIZON) -> list[dict]:
