@@ -166,6 +166,7 @@ def main() -> None:
             s6["fixed_compute"] = v6.summarize_fixed_compute(v3_recs)
             (HERE / "summary_v6.json").write_text(json.dumps(s6, indent=1))
             v6.plot_v6(s6, HERE / "study_v6_horizon.png")
+            v6.plot_fixed_compute(s6["fixed_compute"], HERE / "study_v6_fixed_compute.png")
             print("\n<!-- v6 horizon -->\n" + v6.markdown_v6(s6))
             print("\n<!-- v6 schedules -->\n" + v6.markdown_schedules(s6["schedules"]))
             print("\n<!-- v6 fixed compute -->\n" + v6.markdown_fixed_compute(s6["fixed_compute"]))

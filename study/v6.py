@@ -248,3 +248,37 @@ def markdown_fixed_compute(rows: list[dict]) -> str:
             f"{i['lr']} @ {i['momentum']} | {_interval(r['gap'])} | {_interval(r['gap_10_rounds'])} |"
         )
     return "\n".join(lines)
+
+
+def plot_fixed_compute(rows: list[dict], path) -> None:
+    """IsoLoCo − DiLoCo against K: at part A's token budget (fewer rounds at larger K) and after 10 rounds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["gap"]]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label, colour in (
+        ("gap", "fixed compute (≈ 19.7 tokens/param)", "C0"),
+        ("gap_10_rounds", "10 rounds", "C1"),
+    ):
+        pts = [(r["workers"], r[key]) for r in rows if r.get(key)]
+        if not pts:
+            continue
+        ks = [k for k, _ in pts]
+        mean = [g["mean"] for _, g in pts]
+        err = [[g["mean"] - g["t_lo"] for _, g in pts], [g["t_hi"] - g["mean"] for _, g in pts]]
+        ax.errorbar(ks, mean, yerr=err, marker="o", capsize=3, color=colour, label=f"{label}, 95 % t")
+    ax.axhline(0.0, color="k", lw=0.6)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([r["workers"] for r in rows], [str(r["workers"]) for r in rows])
+    ax.set_xlabel("workers K")
+    ax.set_ylabel("IsoLoCo − DiLoCo, test loss (nats/byte)")
+    ax.set_title("Study v6 C: K at fixed compute")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -134,7 +134,7 @@ def test_the_schedule_table_pairs_each_schedule_with_the_constant_pick_and_the_s
     assert "| warmup |" in table and "| IsoLoCo warmup (DiLoCo constant) |" in table
 
 
-def test_the_fixed_compute_table_pairs_each_k_at_its_budget_beside_its_10_round_gap():
+def test_the_fixed_compute_table_pairs_each_k_at_its_budget_beside_its_10_round_gap(tmp_path):
     v6 = study_module("v6")
     recs = []
     for seed in (0, 1, 2):
@@ -160,3 +160,7 @@ def test_the_fixed_compute_table_pairs_each_k_at_its_budget_beside_its_10_round_
     assert k2["gap"]["mean"] == pytest.approx(0.01 + 0.01) and k2["gap_10_rounds"] is None
     table = v6.markdown_fixed_compute(list(rows.values()))
     assert "| 16 | 75 (" in table and "| 2 | 600 (" in table
+    v6.plot_fixed_compute(list(rows.values()), tmp_path / "k.png")
+    assert (tmp_path / "k.png").stat().st_size > 1000
+    v6.plot_fixed_compute([], tmp_path / "none.png")  # no K with both picks: no plot
+    assert not (tmp_path / "none.png").exists()
