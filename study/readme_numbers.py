@@ -100,10 +100,13 @@ def horizon() -> str:
         verdict = "DiLoCo is ahead"
     else:
         verdict = "the gain is gone"
+    # the round where DiLoCo led most, among those whose interval lies above 0 (none: no clause)
+    behind = max((g for g in s.get("curve", []) if g["t_lo"] > 0), key=lambda g: g["mean"], default=None)
+    middle = f" and {_iv(behind)} at round {behind['round']}, where DiLoCo led most" if behind else ""
     return (
         f"**At ~{s['tokens_per_param']:.0f} tokens per parameter {verdict}**: after {s['rounds']} rounds (K 4, H 30, "
         f"each method tuned at that horizon, {end['seeds']} paired seeds) IsoLoCo − DiLoCo is {_iv(end)} at the "
-        f"end and {_iv(early)} at round 10 of the same runs"
+        f"end, {_iv(early)} at round 10 of the same runs{middle}"
     )
 
 

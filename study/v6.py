@@ -174,10 +174,16 @@ def summarize_schedules(recs: list[dict], cell: tuple = HORIZON, short: tuple = 
     cfg = {m: (p["lr"], p["momentum"]) for m, p in short_picks.items()}
     if "isoloco" in cfg and "diloco" in cfg:
         dil = _schedule_runs(recs, short, "constant", "diloco", *cfg["diloco"], eval_every=1)
-        for sched in ("constant", "warmup"):
-            iso = _schedule_runs(recs, short, sched, "isoloco", *cfg["isoloco"], eval_every=1)
-            if iso and dil:
-                out["short"][sched] = {f"round_{r}": _pair(iso, dil, r) for r in (1, 2, 5, short[2])}
+        iso = {
+            s: _schedule_runs(recs, short, s, "isoloco", *cfg["isoloco"], eval_every=1) for s in ("constant", "warmup")
+        }
+        for sched, runs in iso.items():
+            if runs and dil:
+                out["short"][sched] = {f"round_{r}": _pair(runs, dil, r) for r in (1, 2, 5, short[2])}
+        if iso["constant"] and iso["warmup"]:  # the warm-up against no warm-up, IsoLoCo alone
+            out["short"]["warmup_vs_constant"] = {
+                f"round_{r}": _pair(iso["warmup"], iso["constant"], r) for r in (1, 2, 5, short[2])
+            }
     return out
 
 
@@ -196,7 +202,12 @@ def markdown_schedules(s: dict) -> str:
         lines += ["", "| IsoLoCo − DiLoCo at 10 rounds | after round 1 | 2 | 5 | 10 |", "|---|---|---|---|---|"]
         for sched, g in s["short"].items():
             cells = " | ".join(_interval(g.get(f"round_{r}")) for r in (1, 2, 5, 10))
-            lines.append(f"| IsoLoCo {sched} (DiLoCo constant) | {cells} |")
+            name = (
+                "IsoLoCo warmup − IsoLoCo constant"
+                if sched == "warmup_vs_constant"
+                else f"IsoLoCo {sched} (DiLoCo constant)"
+            )
+            lines.append(f"| {name} | {cells} |")
     return "\n".join(lines)
 
 

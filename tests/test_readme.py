@@ -253,6 +253,11 @@ def test_readme_numbers_follow_their_files(tmp_path, monkeypatch):
     fake.write_text(json.dumps(v6))
     monkeypatch.setattr(mod, "HORIZON", fake)
     assert "the gain holds" in mod.horizon() and "−0.100 [−0.150, −0.050] at the end" in mod.horizon()
+    assert "where DiLoCo led most" in mod.horizon()
+    for g in v6["curve"]:  # no round with DiLoCo surely ahead: no such clause
+        g["t_lo"] = min(g["t_lo"], -0.001)
+    fake.write_text(json.dumps(v6))
+    assert "DiLoCo led" not in mod.horizon() and mod.horizon().endswith("at round 10 of the same runs")
 
 
 def test_the_first_sentence_says_what_the_library_is_for_without_jargon():

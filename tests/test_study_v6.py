@@ -130,8 +130,11 @@ def test_the_schedule_table_pairs_each_schedule_with_the_constant_pick_and_the_s
     assert short["constant"]["round_1"]["mean"] == pytest.approx(4.3 - 2.95)  # the overshoot after round 1
     assert short["warmup"]["round_1"]["mean"] == pytest.approx(2.94 - 2.95)
     assert short["warmup"]["round_10"]["mean"] == pytest.approx(2.4 - 2.5)
+    assert short["warmup_vs_constant"]["round_1"]["mean"] == pytest.approx(2.94 - 4.3)  # paired, IsoLoCo alone
+    assert short["warmup_vs_constant"]["round_5"]["mean"] == pytest.approx(0.0)
     table = v6.markdown_schedules(s)
     assert "| warmup |" in table and "| IsoLoCo warmup (DiLoCo constant) |" in table
+    assert "| IsoLoCo warmup − IsoLoCo constant | -1.360" in table
 
 
 def test_the_fixed_compute_table_pairs_each_k_at_its_budget_beside_its_10_round_gap(tmp_path):
