@@ -145,6 +145,19 @@ def _schedule_runs(recs: list[dict], cell: tuple, schedule: str, mode: str, lr, 
     return out
 
 
+def _seed0_selection(recs: list[dict], cell: tuple, schedule: str) -> dict:
+    """method -> {"lr @ μ": seed 0's selection-split loss at the last round} for every config run under `schedule`."""
+    from v3 import _cell
+
+    out: dict = {}
+    for r in recs:
+        v = r.get("v3") or {}
+        if r.get("study") == "v3" and r["seed"] == 0 and "compress" not in v and _cell(r) == cell:
+            if v.get("outer_schedule", "constant") == schedule and r["mode"] in ("diloco", "isoloco"):
+                out.setdefault(r["mode"], {})[f"{r['outer_lr']} @ {r['outer_momentum']}"] = r["final_loss"]
+    return {m: dict(sorted(v.items())) for m, v in sorted(out.items())}
+
+
 def _pair(a: dict, b: dict, rnd: int) -> dict | None:
     return _gap({"runs": a}, {"runs": b}, rnd)
 
@@ -168,6 +181,9 @@ def summarize_schedules(recs: list[dict], cell: tuple = HORIZON, short: tuple = 
                 row[m] = {"vs_constant": _pair(runs[m], p["runs"], rounds), "seeds": sorted(runs[m])}
         if runs.get("diloco") and runs.get("isoloco"):
             row["iso_minus_diloco"] = _pair(runs["isoloco"], runs["diloco"], rounds)
+        tried = _seed0_selection(recs, cell, sched)
+        if any(len(v) > 1 for v in tried.values()):  # lrs besides the pick were run under this schedule
+            row["seed0_selection"] = tried
         if row:
             out["horizon"][sched] = row
     short_picks = horizon_picks(recs, short)
@@ -198,6 +214,10 @@ def markdown_schedules(s: dict) -> str:
             f"| {sched} | {_interval(d.get('vs_constant'))} | {_interval(i.get('vs_constant'))} | "
             f"{_interval(row.get('iso_minus_diloco'))} |"
         )
+    for sched, row in s["horizon"].items():
+        for m, losses in (row.get("seed0_selection") or {}).items():
+            tried = ", ".join(f"{cfg}: {loss:.4f}" for cfg, loss in losses.items())
+            lines.append(f"\n{m} under {sched}, seed 0, selection split at the end: {tried}")
     if s["short"]:
         lines += ["", "| IsoLoCo − DiLoCo at 10 rounds | after round 1 | 2 | 5 | 10 |", "|---|---|---|---|---|"]
         for sched, g in s["short"].items():

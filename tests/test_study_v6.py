@@ -126,6 +126,13 @@ def test_the_schedule_table_pairs_each_schedule_with_the_constant_pick_and_the_s
     assert w["diloco"]["vs_constant"]["mean"] == pytest.approx(-0.02)
     assert w["iso_minus_diloco"]["mean"] == pytest.approx(-0.02)  # (1.37 − 0.01 s) − 1.38, mean over s
     assert "warmup-cosine" not in s["horizon"]  # no runs: no row
+    assert "seed0_selection" not in w  # only the picks ran under the warm-up
+    hot = _rec("diloco", 0.7, 0.8, 0, 1.53, lambda r: 1.38)  # a higher peak lr, seed 0 only
+    hot["v3"]["outer_schedule"] = "warmup"
+    tried = v6.summarize_schedules(recs + [hot])["horizon"]["warmup"]["seed0_selection"]
+    assert tried == {"diloco": {"0.5 @ 0.8": 1.54, "0.7 @ 0.8": 1.53}, "isoloco": {"3.2 @ 0.8": 1.50}}
+    table = v6.markdown_schedules(v6.summarize_schedules(recs + [hot]))
+    assert "diloco under warmup, seed 0, selection split at the end: 0.5 @ 0.8: 1.5400, 0.7 @ 0.8: 1.5300" in table
     short = s["short"]
     assert short["constant"]["round_1"]["mean"] == pytest.approx(4.3 - 2.95)  # the overshoot after round 1
     assert short["warmup"]["round_1"]["mean"] == pytest.approx(2.94 - 2.95)
