@@ -104,10 +104,25 @@ def horizon() -> str:
     behind = max((g for g in s.get("curve", []) if g["t_lo"] > 0), key=lambda g: g["mean"], default=None)
     middle = f" and {_iv(behind)} at round {behind['round']}, where DiLoCo led most" if behind else ""
     return (
-        f"**At ~{s['tokens_per_param']:.0f} tokens per parameter {verdict}**: after {s['rounds']} rounds (K 4, H 30, "
+        f"**At ~{s['tokens_per_param']:.0f} tokens per parameter and a constant outer lr {verdict}**: after {s['rounds']} rounds (K 4, H 30, "
         f"each method tuned at that horizon, {end['seeds']} paired seeds) IsoLoCo − DiLoCo is {_iv(end)} at the "
         f"end, {_iv(early)} at round 10 of the same runs{middle}"
     )
+
+
+def beyond() -> str:
+    """Study v6 parts B and C at the same token budget: IsoLoCo − DiLoCo with the outer lr warmed up and
+    cosine-decayed (each method at its constant-lr pick), and with more workers for fewer rounds (each tuned there)."""
+    s = json.loads(HORIZON.read_text())
+    cos = s["schedules"]["horizon"]["warmup-cosine"]["iso_minus_diloco"]
+    out = (
+        f"with the outer lr warmed up and decayed by a cosine to 0.1× (each method at its constant-lr pick) it is "
+        f"{_iv(cos)} at round {s['rounds']}"
+    )
+    more = [r for r in s["fixed_compute"] if r["workers"] > 4 and r["gap"] and r["gap"]["seeds"] >= 2]
+    for r in more:
+        out += f"; with K {r['workers']} for {r['rounds']} rounds, the same tokens, each method tuned there, {_iv(r['gap'])}"
+    return out[0].upper() + out[1:] + "."
 
 
 def example() -> str:
@@ -135,6 +150,7 @@ def outer_share() -> str:
 
 
 SENTENCES = {"speedup": (speedup, H200), "study": (study_gain, STUDY), "horizon": (horizon, HORIZON)}
+SENTENCES["beyond"] = (beyond, HORIZON)
 SENTENCES["example"] = (example, EXAMPLE)
 SENTENCES["outer share"] = (outer_share, MAIN_RUN)
 

@@ -226,14 +226,14 @@ def test_first_screen_numbers_are_generated_from_committed_results():
     is what study/readme_numbers.py computes from the committed result file it names."""
     flat = " ".join(README.split())
     mod = _readme_numbers()
-    assert set(mod.SENTENCES) == {"speedup", "study", "horizon", "example", "outer share"}
+    assert set(mod.SENTENCES) == {"speedup", "study", "horizon", "beyond", "example", "outer share"}
     for name, (make, src) in mod.SENTENCES.items():
         assert src.is_file(), f"{name}: {src} is not committed"
         sentence = make()
         assert re.search(r"\d", sentence), sentence
         assert sentence in flat, f"README lacks the {name} sentence generated from {src}:\n{sentence}"
     first = README.split("\n## ", 1)[0]
-    for name in ("speedup", "study", "horizon"):
+    for name in ("speedup", "study", "horizon", "beyond"):
         assert mod.SENTENCES[name][0]() in " ".join(first.split()), f"the {name} sentence left the first screen"
 
 
@@ -258,6 +258,17 @@ def test_readme_numbers_follow_their_files(tmp_path, monkeypatch):
         g["t_lo"] = min(g["t_lo"], -0.001)
     fake.write_text(json.dumps(v6))
     assert "DiLoCo led" not in mod.horizon() and mod.horizon().endswith("at round 10 of the same runs")
+    v6["schedules"]["horizon"]["warmup-cosine"]["iso_minus_diloco"].update(mean=0.2, t_lo=0.1, t_hi=0.3)
+    gap = {"mean": -0.25, "t_lo": -0.3, "t_hi": -0.2, "seeds": 3}
+    v6["fixed_compute"] = [{"workers": 16, "rounds": 75, "gap": gap}, {"workers": 2, "rounds": 600, "gap": None}]
+    fake.write_text(json.dumps(v6))
+    assert "it is +0.200 [+0.100, +0.300] at round 300" in mod.beyond()
+    assert mod.beyond().endswith(
+        "with K 16 for 75 rounds, the same tokens, each method tuned there, −0.250 [−0.300, −0.200]."
+    )
+    gap["seeds"] = 1  # one seed: no interval, no clause
+    fake.write_text(json.dumps(v6))
+    assert "K 16" not in mod.beyond()
 
 
 def test_the_first_sentence_says_what_the_library_is_for_without_jargon():
