@@ -7,10 +7,10 @@
 # 0.7), where part A found its optimum at this token budget: K 16's μ-0 grid fell monotonically to its edge (seed 0,
 # selection 1.95 / 1.86 / 1.79 at lr 0.7 / 1.0 / 1.4), far behind IsoLoCo (1.52); at μ 0.8 it fell to its edge too
 # (1.76 / 1.71 at 0.5 / 0.7), so 1.0 and 1.4 @ 0.8 follow; with the pick at μ 0.8, the top of the μ grid, 0.35 and 0.5 @ 0.9
-# (the same and a higher lr / (1 − μ)) follow too. Resumable and claimable.
+# (the same and a higher lr / (1 − μ)) follow too, then 0.7 @ 0.9 (the official DiLoCo config). Resumable and claimable.
 source "$(dirname "$0")/plan_env.sh"
 O=$O/v6_fixed_compute.jsonl
-for cell in "16:30 2250 diloco=0.7@0,diloco=1.0@0,diloco=1.4@0,isoloco=3.2,isoloco=4.2,isoloco=5.6,ddp=-,diloco=2.0@0,diloco=0.5@0.8,diloco=0.7@0.8,isoloco=2.4,diloco=1.0@0.8,diloco=1.4@0.8,diloco=0.35@0.9,diloco=0.5@0.9" \
+for cell in "16:30 2250 diloco=0.7@0,diloco=1.0@0,diloco=1.4@0,isoloco=3.2,isoloco=4.2,isoloco=5.6,ddp=-,diloco=2.0@0,diloco=0.5@0.8,diloco=0.7@0.8,isoloco=2.4,diloco=1.0@0.8,diloco=1.4@0.8,diloco=0.35@0.9,diloco=0.5@0.9,diloco=0.7@0.9" \
             "2:30 18000 diloco=0.5@0.5,diloco=0.7@0.5,diloco=1.0@0.5,isoloco=1.8,isoloco=2.4,isoloco=3.2,ddp=-,diloco=0.5@0.8" \
             "8:30 4500 diloco=0.7@0.5,diloco=1.0@0.5,diloco=1.4@0.5,isoloco=2.4,isoloco=3.2,isoloco=4.2,ddp=-,diloco=0.5@0.8"; do
     set -- $cell
