@@ -158,6 +158,30 @@ def _seed0_selection(recs: list[dict], cell: tuple, schedule: str) -> dict:
     return {m: dict(sorted(v.items())) for m, v in sorted(out.items())}
 
 
+def _retuned(recs: list[dict], cell: tuple, schedule: str, rounds: int) -> dict:
+    """Each method's best config under `schedule` by seed 0's selection loss (not its constant-lr pick), and
+    IsoLoCo − DiLoCo between those configs over the seeds both have."""
+    best: dict = {}
+    for r in recs:
+        v = r.get("v3") or {}
+        if r.get("study") != "v3" or r["seed"] != 0 or "compress" in v or _cell_of(r) != cell:
+            continue
+        if v.get("outer_schedule", "constant") == schedule and r["mode"] in ("diloco", "isoloco"):
+            if r["mode"] not in best or r["final_loss"] < best[r["mode"]]["final_loss"]:
+                best[r["mode"]] = r
+    out: dict = {"picks": {m: f"{r['outer_lr']} @ {r['outer_momentum']}" for m, r in sorted(best.items())}}
+    if len(best) == 2:
+        runs = {m: _schedule_runs(recs, cell, schedule, m, r["outer_lr"], r["outer_momentum"]) for m, r in best.items()}
+        out["iso_minus_diloco"] = _pair(runs["isoloco"], runs["diloco"], rounds)
+    return out
+
+
+def _cell_of(r: dict) -> tuple:
+    from v3 import _cell
+
+    return _cell(r)
+
+
 def _pair(a: dict, b: dict, rnd: int) -> dict | None:
     return _gap({"runs": a}, {"runs": b}, rnd)
 
@@ -184,6 +208,7 @@ def summarize_schedules(recs: list[dict], cell: tuple = HORIZON, short: tuple = 
         tried = _seed0_selection(recs, cell, sched)
         if any(len(v) > 1 for v in tried.values()):  # lrs besides the pick were run under this schedule
             row["seed0_selection"] = tried
+            row["retuned"] = _retuned(recs, cell, sched, rounds)
         if row:
             out["horizon"][sched] = row
     short_picks = horizon_picks(recs, short)
@@ -218,6 +243,11 @@ def markdown_schedules(s: dict) -> str:
         for m, losses in (row.get("seed0_selection") or {}).items():
             tried = ", ".join(f"{cfg}: {loss:.4f}" for cfg, loss in losses.items())
             lines.append(f"\n{m} under {sched}, seed 0, selection split at the end: {tried}")
+        if row.get("retuned"):
+            picks = ", ".join(f"{m} {cfg}" for m, cfg in row["retuned"]["picks"].items())
+            lines.append(
+                f"IsoLoCo − DiLoCo at the picks under {sched} ({picks}): {_interval(row['retuned'].get('iso_minus_diloco'))}"
+            )
     if s["short"]:
         lines += ["", "| IsoLoCo − DiLoCo at 10 rounds | after round 1 | 2 | 5 | 10 |", "|---|---|---|---|---|"]
         for sched, g in s["short"].items():

@@ -127,12 +127,24 @@ def test_the_schedule_table_pairs_each_schedule_with_the_constant_pick_and_the_s
     assert w["iso_minus_diloco"]["mean"] == pytest.approx(-0.02)  # (1.37 − 0.01 s) − 1.38, mean over s
     assert "warmup-cosine" not in s["horizon"]  # no runs: no row
     assert "seed0_selection" not in w  # only the picks ran under the warm-up
-    hot = _rec("diloco", 0.7, 0.8, 0, 1.53, lambda r: 1.38)  # a higher peak lr, seed 0 only
+    hot = _rec("diloco", 0.7, 0.8, 0, 1.53, lambda r: 1.40)  # a higher peak lr, seed 0 first
     hot["v3"]["outer_schedule"] = "warmup"
-    tried = v6.summarize_schedules(recs + [hot])["horizon"]["warmup"]["seed0_selection"]
-    assert tried == {"diloco": {"0.5 @ 0.8": 1.54, "0.7 @ 0.8": 1.53}, "isoloco": {"3.2 @ 0.8": 1.50}}
-    table = v6.markdown_schedules(v6.summarize_schedules(recs + [hot]))
+    warm = v6.summarize_schedules(recs + [hot])["horizon"]["warmup"]
+    assert warm["seed0_selection"] == {"diloco": {"0.5 @ 0.8": 1.54, "0.7 @ 0.8": 1.53}, "isoloco": {"3.2 @ 0.8": 1.50}}
+    assert warm["retuned"]["picks"] == {"diloco": "0.7 @ 0.8", "isoloco": "3.2 @ 0.8"}
+    one = warm["retuned"]["iso_minus_diloco"]  # one seed of the new pick: a difference, no interval yet
+    assert one["seeds"] == 1 and one["mean"] == pytest.approx(1.37 - 1.40) and math.isnan(one["t_lo"])
+    hots = [hot] + [_rec("diloco", 0.7, 0.8, sd, 1.6, lambda r: 1.40) for sd in (1, 2)]
+    for h in hots[1:]:
+        h["v3"]["outer_schedule"] = "warmup"
+    s = v6.summarize_schedules(recs + hots)
+    assert s["horizon"]["warmup"]["retuned"]["iso_minus_diloco"]["mean"] == pytest.approx(1.36 - 1.40)
+    assert s["horizon"]["warmup"]["iso_minus_diloco"]["mean"] == pytest.approx(
+        -0.02
+    )  # the constant-lr picks, as before
+    table = v6.markdown_schedules(s)
     assert "diloco under warmup, seed 0, selection split at the end: 0.5 @ 0.8: 1.5400, 0.7 @ 0.8: 1.5300" in table
+    assert "IsoLoCo − DiLoCo at the picks under warmup (diloco 0.7 @ 0.8, isoloco 3.2 @ 0.8): -0.040" in table
     short = s["short"]
     assert short["constant"]["round_1"]["mean"] == pytest.approx(4.3 - 2.95)  # the overshoot after round 1
     assert short["warmup"]["round_1"]["mean"] == pytest.approx(2.94 - 2.95)
