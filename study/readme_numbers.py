@@ -112,17 +112,22 @@ def horizon() -> str:
 
 def beyond() -> str:
     """Study v6 parts B and C at the same token budget: IsoLoCo − DiLoCo with the outer lr warmed up and
-    cosine-decayed (each method at its constant-lr pick), and with more workers for fewer rounds (each tuned there)."""
+    cosine-decayed (at each method's lr for that schedule when that has 2+ seeds, else at the constant-lr picks),
+    and with more workers for fewer rounds (each tuned there)."""
     s = json.loads(HORIZON.read_text())
-    cos = s["schedules"]["horizon"]["warmup-cosine"]["iso_minus_diloco"]
-    out = (
-        f"with the outer lr warmed up and decayed by a cosine to 0.1× (each method at its constant-lr pick) it is "
-        f"{_iv(cos)} at round {s['rounds']}"
-    )
+    row = s["schedules"]["horizon"]["warmup-cosine"]
+    cos, re = row["iso_minus_diloco"], (row.get("retuned") or {}).get("iso_minus_diloco")
+    if re and re["seeds"] >= 2:
+        picks = row["retuned"]["picks"]
+        how = f"each method at its lr for that schedule, DiLoCo {picks['diloco']}, IsoLoCo {picks['isoloco']}"
+        out = f"{_iv(re)} at round {s['rounds']} ({how}; {_iv(cos)} at the constant-lr picks)"
+    else:
+        out = f"{_iv(cos)} at round {s['rounds']} (each method at its constant-lr pick)"
+    out = f"With the outer lr warmed up and decayed by a cosine to 0.1× it is {out}"
     more = [r for r in s["fixed_compute"] if r["workers"] > 4 and r["gap"] and r["gap"]["seeds"] >= 2]
     for r in more:
         out += f"; with K {r['workers']} for {r['rounds']} rounds, the same tokens, each method tuned there, {_iv(r['gap'])}"
-    return out[0].upper() + out[1:] + "."
+    return out + "."
 
 
 def example() -> str:

@@ -259,10 +259,21 @@ def test_readme_numbers_follow_their_files(tmp_path, monkeypatch):
     fake.write_text(json.dumps(v6))
     assert "DiLoCo led" not in mod.horizon() and mod.horizon().endswith("at round 10 of the same runs")
     v6["schedules"]["horizon"]["warmup-cosine"]["iso_minus_diloco"].update(mean=0.2, t_lo=0.1, t_hi=0.3)
+    v6["schedules"]["horizon"]["warmup-cosine"].pop("retuned", None)  # no other lr run under the schedule
     gap = {"mean": -0.25, "t_lo": -0.3, "t_hi": -0.2, "seeds": 3}
     v6["fixed_compute"] = [{"workers": 16, "rounds": 75, "gap": gap}, {"workers": 2, "rounds": 600, "gap": None}]
     fake.write_text(json.dumps(v6))
-    assert "it is +0.200 [+0.100, +0.300] at round 300" in mod.beyond()
+    assert "it is +0.200 [+0.100, +0.300] at round 300 (each method at its constant-lr pick)" in mod.beyond()
+    v6["schedules"]["horizon"]["warmup-cosine"]["retuned"] = {
+        "picks": {"diloco": "1.0 @ 0.8", "isoloco": "3.2 @ 0.8"},
+        "iso_minus_diloco": {"mean": 0.01, "t_lo": -0.02, "t_hi": 0.04, "seeds": 3},
+    }
+    fake.write_text(json.dumps(v6))
+    assert (
+        "it is +0.010 [−0.020, +0.040] at round 300 (each method at its lr for that schedule, DiLoCo 1.0 @ 0.8, "
+        in (mod.beyond())
+    )
+    assert "+0.200 [+0.100, +0.300] at the constant-lr picks)" in mod.beyond()
     assert mod.beyond().endswith(
         "with K 16 for 75 rounds, the same tokens, each method tuned there, −0.250 [−0.300, −0.200]."
     )
