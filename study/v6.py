@@ -12,7 +12,7 @@ gap to DDP at the same tokens; the plot draws the gap against the rounds (per se
 
 from __future__ import annotations
 
-from v3 import _fmt, best_config, grids, paired_t  # study/ is on sys.path
+from v3 import _cell, _fmt, best_config, grids, paired_t  # study/ is on sys.path
 
 #: The horizon cell: v3's cell keys (K, H, rounds, vocab, init) and settings (batch, seq_len, inner, inner_lr, model).
 HORIZON = (4, 30, 300, 256, "gpt2", 4, 64, "adamw", 3e-3, "tiny")
@@ -131,8 +131,6 @@ SHORT = (4, 30, 10, 256, "gpt2", 4, 64, "adamw", 3e-3, "tiny")  # v3's base cell
 def _schedule_runs(recs: list[dict], cell: tuple, schedule: str, mode: str, lr, mu, eval_every=None) -> dict:
     """seed -> record of `mode` at (lr, μ) in `cell` under `schedule` ("constant": no outer_schedule setting),
     scored every `eval_every` rounds if given (the first record of a seed)."""
-    from v3 import _cell
-
     out: dict = {}
     for r in recs:
         v = r.get("v3") or {}
@@ -145,16 +143,20 @@ def _schedule_runs(recs: list[dict], cell: tuple, schedule: str, mode: str, lr, 
     return out
 
 
-def _seed0_selection(recs: list[dict], cell: tuple, schedule: str) -> dict:
-    """method -> {"lr @ μ": seed 0's selection-split loss at the last round} for every config run under `schedule`."""
-    from v3 import _cell
-
-    out: dict = {}
+def _seed0_under(recs: list[dict], cell: tuple, schedule: str):
+    """Seed 0's DiLoCo and IsoLoCo records in `cell` under `schedule`, uncompressed, at any lr and μ."""
     for r in recs:
         v = r.get("v3") or {}
         if r.get("study") == "v3" and r["seed"] == 0 and "compress" not in v and _cell(r) == cell:
             if v.get("outer_schedule", "constant") == schedule and r["mode"] in ("diloco", "isoloco"):
-                out.setdefault(r["mode"], {})[f"{r['outer_lr']} @ {r['outer_momentum']}"] = r["final_loss"]
+                yield r
+
+
+def _seed0_selection(recs: list[dict], cell: tuple, schedule: str) -> dict:
+    """method -> {"lr @ μ": seed 0's selection-split loss at the last round} for every config run under `schedule`."""
+    out: dict = {}
+    for r in _seed0_under(recs, cell, schedule):
+        out.setdefault(r["mode"], {})[f"{r['outer_lr']} @ {r['outer_momentum']}"] = r["final_loss"]
     return {m: dict(sorted(v.items())) for m, v in sorted(out.items())}
 
 
@@ -162,24 +164,14 @@ def _retuned(recs: list[dict], cell: tuple, schedule: str, rounds: int) -> dict:
     """Each method's best config under `schedule` by seed 0's selection loss (not its constant-lr pick), and
     IsoLoCo − DiLoCo between those configs over the seeds both have."""
     best: dict = {}
-    for r in recs:
-        v = r.get("v3") or {}
-        if r.get("study") != "v3" or r["seed"] != 0 or "compress" in v or _cell_of(r) != cell:
-            continue
-        if v.get("outer_schedule", "constant") == schedule and r["mode"] in ("diloco", "isoloco"):
-            if r["mode"] not in best or r["final_loss"] < best[r["mode"]]["final_loss"]:
-                best[r["mode"]] = r
+    for r in _seed0_under(recs, cell, schedule):
+        if r["mode"] not in best or r["final_loss"] < best[r["mode"]]["final_loss"]:
+            best[r["mode"]] = r
     out: dict = {"picks": {m: f"{r['outer_lr']} @ {r['outer_momentum']}" for m, r in sorted(best.items())}}
     if len(best) == 2:
         runs = {m: _schedule_runs(recs, cell, schedule, m, r["outer_lr"], r["outer_momentum"]) for m, r in best.items()}
         out["iso_minus_diloco"] = _pair(runs["isoloco"], runs["diloco"], rounds)
     return out
-
-
-def _cell_of(r: dict) -> tuple:
-    from v3 import _cell
-
-    return _cell(r)
 
 
 def _pair(a: dict, b: dict, rnd: int) -> dict | None:
