@@ -149,6 +149,14 @@ def pytest_terminal_summary(terminalreporter, config):
     )
 
 
+_HERE = Path(__file__).resolve().parent
+
+
+def _is_case(item) -> bool:
+    """A benchmark case: a test of bench/'s own files, not of bench/tests (the unit tests of bench's code)."""
+    return item.path.is_relative_to(_HERE) and not item.path.is_relative_to(_HERE / "tests")
+
+
 def pytest_collection_modifyitems(config, items):
     devices = set(config.getoption("--bench-devices").split(","))
     full = _full(config)
@@ -160,7 +168,9 @@ def pytest_collection_modifyitems(config, items):
     keep, drop = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if (
+        if not _is_case(item):  # bench/tests, or tests/ collected in the same run: not a benchmark case
+            keep.append(item)
+        elif (
             params.get("device", "cpu") not in devices
             or params.get("set_name", next(iter(sets))) not in sets
             or (not full and item.get_closest_marker("bench_full"))

@@ -213,10 +213,10 @@ def test_sharded_checks_sgds_keywords_alike():
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     script = (
         "import sys, torch.distributed as dist\n"
-        f"sys.path.insert(0, {os.path.join(root, 'tests')!r})\n"
+        f"sys.path.insert(0, {os.path.join(root, 'tests', 'optim')!r})\n"
         "dist.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:0')\n"
         "import isoloco_kernels as ik, test_sgd_keywords as t\n"
         "t._check_refusals(ik.ShardedIsoLoCo)\n"

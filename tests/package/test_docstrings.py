@@ -12,7 +12,7 @@ import pytest
 
 import isoloco_kernels as ik
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MEMBERS = {
     "IsoLoCo": ("step", "state_dict", "load_state_dict"),
     "ShardedIsoLoCo": ("step", "state_dict", "load_state_dict"),

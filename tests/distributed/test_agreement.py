@@ -24,8 +24,8 @@ import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import IsoLoCo
 from isoloco_kernels import distributed as D
 from isoloco_kernels.distributed import agree as A
+from tests.distributed.test_distributed import _model, _pseudo_grads
 from tests.spawn import Checks, groups, spawn
-from tests.test_distributed import _model, _pseudo_grads
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 

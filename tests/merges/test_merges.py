@@ -15,7 +15,7 @@ from isoloco_kernels.merges.reference import keep_mask, merge_ref, mix32, sparse
 from isoloco_kernels.merges.sparse import mix32_tensor
 from tests.helpers import captured_pseudo_gradients, gen, merge_tol, rel_err, spectrum, with_spectrum
 
-FIXTURE = Path(__file__).parent / "data" / "merges_official.pt"
+FIXTURE = Path(__file__).parents[1] / "data" / "merges_official.pt"
 SPECTRAL = ("iso_c", "tsv", "iso_cts")
 SHAPES = [(12, 16), (16, 12), (16, 16), (1, 9), (9, 1), (7,), (), (2, 3, 4)]
 
@@ -223,7 +223,7 @@ def test_fixture_is_the_documented_one():
     f = torch.load(FIXTURE)
     assert f["meta"]["commit"] == "75dc7a1a9a39f88384e915c8e72f336b28d82c31"
     assert len(f["cases"]) == 226
-    assert (Path(__file__).parent / "data" / "merges_official.md").exists()
+    assert (Path(__file__).parents[1] / "data" / "merges_official.md").exists()
 
 
 def test_equal_to_the_official_code_where_parameterised_alike():

@@ -22,7 +22,7 @@ from torch import nn
 
 import isoloco_kernels as ik
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
 
 TWO_COMMANDS = """```bash

@@ -17,8 +17,7 @@ from isoloco_kernels.train.data import Batches, check_fits, heldout_windows, wor
 from isoloco_kernels.train.divergence import DivergenceMeter
 from isoloco_kernels.train.loop import DEFAULT_MODES
 from isoloco_kernels.train.model import ByteLM, ModelConfig
-
-from .helpers import TOL, rel_err
+from tests.helpers import TOL, rel_err
 
 SMALL = dict(model="tiny", seq_len=16, workers=2, inner_steps=3, rounds=2, batch=2, warmup=1, eval_windows=8)
 CLI_SMALL = "-K 2 -H 2 -R 2 --batch 2 --seq-len 16 --eval-windows 8 --max-bytes 60000 --quiet --threads 1".split()
@@ -677,7 +676,7 @@ def _summarize():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "study" / "summarize.py"
+    path = Path(__file__).resolve().parents[2] / "study" / "summarize.py"
     spec = importlib.util.spec_from_file_location("study_summarize", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -11,7 +11,7 @@ from bench import time_model as tm
 from isoloco_kernels.flatten import polar
 from isoloco_kernels.flatten import registry as flatten
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

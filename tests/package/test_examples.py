@@ -20,7 +20,7 @@ from torch import nn
 
 import isoloco_kernels as ik
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 TINY = ["--rounds", "2", "--inner", "3"]
 

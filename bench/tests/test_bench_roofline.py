@@ -15,7 +15,7 @@ import pytest
 
 from bench.report_data import KINDS, missing_roofline
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRY_RUN_TIMEOUT_S = 300
 
 

@@ -28,9 +28,9 @@ import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import IsoLoCo, iso_merge_
 from isoloco_kernels.distributed import DistributedStepError, ShardedIsoLoCo, sharded_iso_merge_
 from isoloco_kernels.distributed import dtensor as DT
+from tests.distributed.test_dtensor import TOL_FP32, TinyLlama, _pseudo_grad
 from tests.helpers import TOL, rel_err
 from tests.spawn import PG_TIMEOUT_S, Checks, groups, params
-from tests.test_dtensor import TOL_FP32, TinyLlama, _pseudo_grad
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 

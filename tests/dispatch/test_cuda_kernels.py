@@ -15,8 +15,7 @@ import torch
 
 from isoloco_kernels.dispatch import table as dispatch
 from isoloco_kernels.reference import iso_flatten_ref, nesterov_ref, polar_ref
-
-from .helpers import DTYPES, TOL, rel_err, reset_tf32, spectrum, with_spectrum
+from tests.helpers import DTYPES, TOL, rel_err, reset_tf32, spectrum, with_spectrum
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -362,8 +361,7 @@ POLAR_IEEE_TOL = 1e-4
 def test_cuda_flatten_float32_with_tf32_on(tf32_restored, tf32, method, shape):
     import isoloco_kernels as ik
     from isoloco_kernels.flatten.registry import resolve_method
-
-    from .helpers import gram_tol
+    from tests.helpers import gram_tol
 
     _tf32_on(tf32)
     before = (
@@ -385,8 +383,7 @@ def test_cuda_flatten_float64(method, shape):
     """float64 on CUDA: every method within its float64 contract (auto: exact, as on the CPU)."""
     import isoloco_kernels as ik
     from isoloco_kernels.flatten.exact import EIGH_MIN_RATIO
-
-    from .helpers import gram_tol, method_tol
+    from tests.helpers import gram_tol, method_tol
 
     cond = 1e4
     x64, x = _spectral(shape, cond, zlib.crc32(f"{shape}{method}64".encode()), torch.float64)
@@ -426,8 +423,7 @@ def tc_contract(method: str, dtype: torch.dtype, shape, device) -> torch.Tensor:
     fallback: well-conditioned input); returns the output."""
     import isoloco_kernels as ik
     from isoloco_kernels.flatten.registry import METHODS
-
-    from .helpers import FLATNESS, flatness, method_tol
+    from tests.helpers import FLATNESS, flatness, method_tol
 
     b, m, n = shape
     g = torch.Generator().manual_seed(zlib.crc32(f"{method}{shape}{dtype}".encode()))

@@ -17,9 +17,8 @@ import torch
 from isoloco_kernels.train import MODES, TrainConfig
 from isoloco_kernels.train.cli import main
 from isoloco_kernels.train.dist import Launch, check_outer, launched_by_torchrun
-
-from .helpers import TOL
-from .spawn import free_port
+from tests.helpers import TOL
+from tests.spawn import free_port
 
 FLAGS = "-H 2 -R 2 --batch 2 --seq-len 16 --eval-windows 8 --max-bytes 200000 --quiet --seed 3".split()
 OUTER_MODES = ["diloco", "isoloco", "isoloco-sgd", "avg"]

@@ -183,7 +183,7 @@ def test_extension_records_the_gpu_code_it_carries():
 def test_default_arch_list_ships_ptx():
     """setup.py and CMakeLists.txt agree on a default arch list that ends in PTX (newer GPUs
     JIT-compile it instead of finding no kernel image)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     setup_default = re.search(r'DEFAULT_ARCHS = "([^"]+)"', open(os.path.join(root, "setup.py")).read()).group(1)
     cmake_default = re.search(
         r'set\(TORCH_CUDA_ARCH_LIST "([^"]+)"\)', open(os.path.join(root, "CMakeLists.txt")).read()
@@ -195,7 +195,7 @@ def _setup_function(name: str):
     """One function of setup.py, without running setup()."""
     import ast
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     tree = ast.parse(open(os.path.join(root, "setup.py")).read())
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
     ns: dict = {}

@@ -15,8 +15,7 @@ from isoloco_kernels._validate import ResultOverflowError
 from isoloco_kernels.flatten import buckets
 from isoloco_kernels.flatten import registry as flatten
 from isoloco_kernels.reference import isoloco_step_ref
-
-from .helpers import rel_err
+from tests.helpers import rel_err
 
 GROWS = torch.tensor([[-1, 1, 1, 1], [-1, 1, 0.4, 0.4], [-0.8, 1, 1, -1], [-0.5, 1, -1, 1]], dtype=torch.float64)
 METHODS = [m for m in flatten.METHODS if m != "auto"]

@@ -11,7 +11,7 @@ import pytest
 
 import isoloco_kernels
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _modules() -> list[str]:

@@ -24,7 +24,7 @@ from isoloco_kernels.train.capture import (
 )
 from isoloco_kernels.train.cli import check_folder, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLI_SMALL = "-K 2 -H 2 -R 2 --batch 2 --seq-len 16 --eval-windows 8 --max-bytes 60000 --quiet --threads 1".split()
 
 pytestmark = pytest.mark.usefixtures("one_thread")
