@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import runpy
-import sys
 
 import pytest
 import torch
