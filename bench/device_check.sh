@@ -16,7 +16,7 @@
 #      llama-1b bucket sets until the budget ends;
 #   9. a short table, printed last.
 # (Between 5 and 6: the merges at K 8; the compression kernels; one-triangle products against cuBLAS and fast's
-# two routes.) Study v6's GPU point runs in a call of its own: bash study/gpu_point.sh (~7 minutes).
+# two routes.) Study v6's GPU point runs in a call of its own: bash study/scale/gpu_point.sh (~7 minutes).
 # Everything goes under $OUT (default bench/results): <date>-<device>.{log,tests.log,json,md},
 # <date>-<device>-{fsdp2.json,step.json,memory.jsonl}, <date>-<device>-train/results.json.
 #

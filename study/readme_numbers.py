@@ -5,8 +5,9 @@
     python study/readme_numbers.py --run-example   # reruns examples/diloco_minimal.py at its default
                                                    # size and rewrites examples/diloco_minimal.json
 
-Sources: bench/results/2026-12-04-NVIDIA-H200.json (the flatten on one H200), study/summary_v3.json (the
-study's tuned IsoLoCo − DiLoCo gaps), study/summary_v6.json (the same gap at ~20 tokens per parameter), examples/diloco_minimal.json (the minimal example's losses) and
+Sources: bench/results/2026-12-04-NVIDIA-H200.json (the flatten on one H200), study/cells/summary_v3.json (the
+study's tuned IsoLoCo − DiLoCo gaps), study/horizon/summary_v6.json (the same gap at ~20 tokens per parameter, with
+outer schedules and with more workers), examples/diloco_minimal.json (the minimal example's losses) and
 study/readme_run/results.json (the main job: the outer step's share of a round).
 """
 
@@ -24,8 +25,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = ROOT / "bench" / "results" / "2026-12-04-NVIDIA-H200.json"
-STUDY = ROOT / "study" / "summary_v3.json"
-HORIZON = ROOT / "study" / "summary_v6.json"
+STUDY = ROOT / "study" / "cells" / "summary_v3.json"
+HORIZON = ROOT / "study" / "horizon" / "summary_v6.json"
 EXAMPLE = ROOT / "examples" / "diloco_minimal.json"
 MAIN_RUN = ROOT / "study" / "readme_run" / "results.json"
 #: a cell counts as a gain when IsoLoCo's mean test loss is at least this much below tuned DiLoCo's and

@@ -1,12 +1,13 @@
 """The DiLoCo vs IsoLoCo study: paired runs over K and H, an outer-lr grid per method, seeds.
 
-One JSON line per run is appended to --out as soon as the run ends. Runs found in any
-results/*.jsonl are skipped and a job is claimed (results/.claims/) before it starts, so several
-processes can share the job list and an interrupted study resumes where it stopped.
-`summarize.py` turns the lines into the tables and plots (v1's are frozen in README.md).
+One JSON line per run is appended to --out (study/<question>/results/<file>.jsonl) as soon as the run
+ends. Runs found in any question's results/*.jsonl are skipped and a job is claimed (study/.claims/)
+before it starts, so several processes can share the job list and an interrupted study resumes where it
+stopped (`study_folder`: an --out outside study/<question>/results/ makes its own folder a scratch study).
+`summarize.py` turns the lines into the tables and plots (v1's are frozen in cells/notes.md).
 
-    python study/run_study.py --seeds 0 --out study/results/seed0.jsonl
-    python study/run_study.py --seeds 0,1 --part grid --cells 4:30 --out study/results/grid.jsonl
+    python study/run_study.py --seeds 0 --out study/cells/results/seed0.jsonl
+    python study/run_study.py --seeds 0,1 --part grid --cells 4:30 --out study/cells/results/grid.jsonl
 
 Design (see README.md): cells (K, H) = (4, 30), (8, 30), (2, 30), (4, 100) at a fixed budget of
 300 inner steps per worker (R = 10 rounds at H = 30, R = 3 at H = 100); DiLoCo outer lr in
@@ -19,15 +20,15 @@ SGD lr 1 μ 0), DiLoCo 0.7, Iso-C without momentum (isoloco-sgd 3.0), IsoLoCo 1.
 `--init` (gpt2, torch) and `--vocab`; its records carry "study": "v2", "init", "vocab" and the
 per-round divergence measurements, and summarize.py tables them apart:
 
-    python study/run_study.py --part v2 --init gpt2,torch --cells 4:30 --seeds 0,1 --out study/results/v2_init.jsonl
+    python study/run_study.py --part v2 --init gpt2,torch --cells 4:30 --seeds 0,1 --out study/init_scale/results/v2_init.jsonl
 
 Study v3 (`--part v3`): the regime knobs v1/v2 held fixed — `--batch`, `--seq-len`, `--inner-lr`,
 `--inner muon`, `--model` — and the outer momentum per job (`--lrs diloco=0.7@0.5` is lr 0.7, μ 0.5).
 Every v3 run is scored on `--eval-windows` (default 1,024) windows of each held-out split, only at
 the end (`--eval-every` rounds between scores), and records its settings under "v3"; the plan is
-study/v3_plan.sh:
+study/cells/v3_plan.sh:
 
-    python study/run_study.py --part v3 --cells 4:30 --batch 16 --seeds 0 --lrs diloco=0.7,isoloco=1.8 --out study/results/v3_batch.jsonl
+    python study/run_study.py --part v3 --cells 4:30 --batch 16 --seeds 0 --lrs diloco=0.7,isoloco=1.8 --out study/cells/results/v3_batch.jsonl
 
 Study v4 (`--part v4`): v3's settings and scoring, with IsoLoCo's flatten method as one more setting
 (`--iso-method`, a comma list: any method of the library's registry or a study-only one of flattens.py,
@@ -35,10 +36,10 @@ registered for this process). Its records carry "study": "v4", "iso_method" and 
 settings under "v3" (so the run keys of two methods differ), and the fallback counts of the
 residual-checked methods. `--spectra FILE` also captures the averaged Δ of the seed-0 "svd" run in the
 first, middle and last round and appends each method's relative error against reference.py and its
-flatness on every matrix to FILE (one line per round). A file named STOP in the results folder stops
-a runner before its next run (any part); the plan is study/v4_plan.sh:
+flatness on every matrix to FILE (one line per round). A file named STOP in the study folder (study/STOP)
+stops a runner before its next run (any part); the plan is study/precision/v4_plan.sh:
 
-    python study/run_study.py --part v4 --cells 4:30 --seeds 0,1,2 --lrs isoloco=3.2 --iso-method svd,fast --out study/results/v4_base.jsonl
+    python study/run_study.py --part v4 --cells 4:30 --seeds 0,1,2 --lrs isoloco=3.2 --iso-method svd,fast --out study/precision/results/v4_base.jsonl
 """
 
 from __future__ import annotations
@@ -48,23 +49,27 @@ import ast
 import hashlib
 import json
 import os
+import sys
 import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from summarize import read_jsonl, run_key  # study/ is on sys.path: this file runs as a script
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script: the study's modules are study.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from isoloco_kernels.train import Setup, TrainConfig, load_corpus, run_mode
 from isoloco_kernels.train.config import OUTER_DEFAULTS
+from study.summarize import read_jsonl, results_files, run_key
 
 STEPS_PER_WORKER = 300
 EVAL_WINDOWS = 1024  # per split: the paired-difference noise of 64 windows hid gaps ≤ 0.05
 CELLS = [(4, 30), (8, 30), (2, 30), (4, 100)]  # most informative first
 DEFAULTS = [("diloco", 0.7), ("isoloco", 1.8)]
 NEIGHBOURS = [("diloco", 1.0), ("isoloco", 2.4), ("diloco", 0.5), ("isoloco", 1.2)]
-STOP_FILE = "STOP"  # in the results folder: start no further run (the one in flight finishes)
+STOP_FILE = "STOP"  # in the study folder: start no further run (the one in flight finishes)
 PARTS = ("all", "defaults", "grid", "extra", "v2", "v3", "v4")
 # study methods that are a loop mode with other settings: name -> (mode, TrainConfig fields)
 VARIANTS = {  # the embedding and head unflattened, at IsoLoCo's outer lr or with DiLoCo's tuned step (lr 0.35, μ 0.9)
@@ -107,7 +112,7 @@ V3_SETTINGS = {
     "model": ("model", str),
     "eval_every": ("eval_every", int),
     "outer_schedule": ("outer_schedule", str),  # v6: in a run's settings only when not "constant"
-    "compress": ("compress", str),  # compressed exchange (study/compression.py): in a run's settings only when set
+    "compress": ("compress", str),  # compressed exchange (study/compression/): in a run's settings only when set
 }
 
 
@@ -121,8 +126,16 @@ def parse_lrs(text: str) -> list[tuple[str, float | None, float | None]]:
     return out
 
 
+def study_folder(out: Path) -> Path:
+    """The study an --out file belongs to: study/ for study/<question>/results/<file>.jsonl; for any other
+    --out its own folder (a scratch study). The study folder holds the claims (.claims/), the BPE tokenizer
+    cache (.tokenizers/) and STOP; its run records are summarize.results_files(folder)."""
+    return out.parent.parent.parent if out.parent.name == "results" else out.parent
+
+
 def finished(folder: Path) -> set:
-    return {run_key(r) for f in folder.glob("*.jsonl") for r in read_jsonl(f)}
+    """The run keys of every record of the study in `folder` (each question's results)."""
+    return {run_key(r) for f in results_files(folder) for r in read_jsonl(f)}
 
 
 def claim_name(k: tuple) -> str:
@@ -195,7 +208,7 @@ def capture_rounds(into: dict, rounds: set):
 def write_spectra(path: Path, key: tuple, captured: dict, methods: list[str], rounds: int) -> None:
     """One line per captured round: per matrix its shape, σ₁/σ_min and σ₁/σ̄, and per method its
     relative Frobenius error against reference.py and its flatness (flattens.error_and_flatness)."""
-    import flattens
+    from study.precision import flattens
 
     path.parent.mkdir(parents=True, exist_ok=True)
     for rnd, deltas in sorted(captured.items()):
@@ -216,7 +229,7 @@ def write_spectra(path: Path, key: tuple, captured: dict, methods: list[str], ro
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seeds", required=True, help="comma list, e.g. 0,1")
-    p.add_argument("--out", required=True, help="JSONL file to append to (its folder holds all results)")
+    p.add_argument("--out", required=True, help="JSONL file to append to: study/<question>/results/<file>.jsonl")
     p.add_argument("--cells", default=None, help="K:H,... (default: all)")
     p.add_argument("--part", choices=PARTS, default="all")
     p.add_argument(
@@ -259,7 +272,7 @@ def main() -> None:
     study = a.part if a.part in ("v2", "v3", "v4") else "v1"
     iso_methods = [None]
     if study == "v4":
-        import flattens  # study/ is on sys.path
+        from study.precision import flattens
 
         names = flattens.register()
         from isoloco_kernels.flatten.iteration_stats import FlattenFallbackWarning
@@ -306,10 +319,11 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    folder = study_folder(out)
     seeds = [int(s) for s in a.seeds.split(",")]
     cells = CELLS if a.cells is None else [tuple(int(x) for x in c.split(":")) for c in a.cells.split(",")]
     corpus = load_corpus()
-    cache = out.parent / ".tokenizers"  # BPE tokenizers, trained once on the training split
+    cache = folder / ".tokenizers"  # BPE tokenizers, trained once on the training split
     todo = [(K, H, m, lr, None) for K, H, m, lr in jobs(cells, a.part if study not in ("v3", "v4") else "defaults")]
     best = (a.lrs or "").startswith("best:")
     if a.lrs and not best:  # extend the grid where its best point sits on an edge
@@ -346,17 +360,17 @@ def main() -> None:
     if best:  # each method's best config so far in the cell, on more seeds
         if study != "v3":
             p.error("--lrs best:MODES picks from study v3's grids: add --part v3")
-        from v3 import best_jobs
+        from study.cells.v3 import best_jobs
 
         grid = {k: v for k, v in v3.items() if k not in ("outer_schedule", "compress")}  # the grid best: reads
         grid_cells = {
             cell_of(key_of(0, K, H, "", None, init, {**grid, "mu": None})) for init in inits for K, H in cells
         }
-        if not wait_for_grids(out.parent, grid_cells):
+        if not wait_for_grids(folder, grid_cells):
             print(
                 "warning: grid jobs still claimed after an hour (a killed run's claim?): picking from the grid as it is"
             )
-        recs = [r for f in sorted(out.parent.glob("*.jsonl")) for r in read_jsonl(f)]
+        recs = [r for f in results_files(folder) for r in read_jsonl(f)]
         mu0 = {m: mu for m, (_, mu) in OUTER_DEFAULTS.items()}
         mu0.update({v: mu0.get(run) for v, (run, _) in VARIANTS.items()})
         setting = tuple(v3[k] for k in ("batch", "seq_len", "inner", "inner_lr", "model"))
@@ -372,8 +386,8 @@ def main() -> None:
     if study == "v2":  # the paired DiLoCo / IsoLoCo runs of every init first, seed by seed; then the rest
         todo.sort(key=lambda j: (j[2] not in ("diloco", "isoloco"), j[6]))
     for K, H, mode, lr, mu, init, seed, iso_method in todo:
-        if (out.parent / STOP_FILE).exists():  # a plan stopped between runs, no run cut short
-            print(f"{out.parent / STOP_FILE} exists: no more runs", flush=True)
+        if (folder / STOP_FILE).exists():  # a plan stopped between runs, no run cut short
+            print(f"{folder / STOP_FILE} exists: no more runs", flush=True)
             break
         rounds = a.steps // H
         if rounds < 1:
@@ -382,7 +396,7 @@ def main() -> None:
         if iso_method is not None:
             settings["iso_method"] = iso_method
         k = key_of(seed, K, H, mode, lr, init, settings)
-        if k in finished(out.parent) or not claim(out.parent, k):
+        if k in finished(folder) or not claim(folder, k):
             continue
         run, fields = VARIANTS.get(mode, (mode, {}))
         if v3 is not None:

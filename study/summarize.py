@@ -1,18 +1,28 @@
-"""Summarize study/results/*.jsonl: tables (markdown), study/summary_v*.json and PNGs.
+"""Summarize every question's study/<question>/results/*.jsonl: tables (markdown), summary JSONs and PNGs.
 
-    python study/summarize.py            # prints the markdown tables used in README.md's study sections
+    python study/summarize.py            # or python -m study.summarize: regenerates every summary and plot
+                                         # and prints the markdown tables the questions' notes show
 
-This file reads the run records (read_jsonl; run_key, what makes a run that run; load, every results
-file's runs once), holds the paired bootstrap interval the studies' gaps use (paired_bootstrap_ci), and
-runs the pipeline (main): study v2's summary, tables and figures (v2.py, v2_plots.py), then those of
-v3 (v3.py), v5's merges (v5.py) and v4 (v4.py) where their runs exist, each table printed after its
-`<!-- vN -->` marker. run_study.py imports read_jsonl and run_key from here.
+This file reads the run records (read_jsonl; run_key, what makes a run that run; results_files, every
+question's results files in one order; load, their runs once), holds the paired bootstrap interval the
+studies' gaps use (paired_bootstrap_ci), and runs the pipeline (main), each table printed after its
+`<!-- name -->` marker and each output written into its question's folder:
+
+    init_scale/   study v2's summary, tables and figures (v2.py, v2_plots.py): summary_v2.json, study_v2*.png
+    cells/        study v3's (v3.py): summary_v3.json, study_v3.png
+    merges/       study v5 part B's (v5.py): summary_v5_merges.json, study_v5_merges.png
+    horizon/      study v6's (v6.py): summary_v6.json (parts A, B and k_scaling's part C), study_v6_horizon.png
+    k_scaling/    study v6 part C's plot: study_v6_fixed_compute.png
+    compression/  the compressed exchange's (compression.py): summary_compress.json, study_compress.png
+    precision/    study v4's (v4.py): summary_v4.json, study_v4.png
+
+where their runs exist. run_study.py imports read_jsonl, results_files and run_key from here.
 
 Study v2 records ("study": "v2" in the JSONL) are summarized per (init, vocab, K, H, rounds) cell,
 v1 runs joining the v2 cells as GPT-2-init byte-level runs without divergence measurements (v2.py).
-Study v1 is frozen into its results: its tables are in study/README.md, its numbers in
-study/summary.json and its figure in study/study.png, all written by the v1 pipeline of this file,
-which git history keeps.
+Study v1 is frozen into its results: its tables are in study/cells/notes.md, its numbers in
+study/cells/summary.json and its figure in study/cells/study.png, all written by the v1 pipeline of this
+file, which git history keeps.
 """
 
 from __future__ import annotations
@@ -24,13 +34,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# the v2 summary's modules sit beside this file, which is also loaded by path (tests) with study/ off sys.path
-sys.path.insert(0, str(HERE))
-try:
-    from v2 import markdown_v2, summary_v2
-    from v2_plots import plot_grid, plots_v2
-finally:
-    sys.path.remove(str(HERE))
+# run as a script (python study/summarize.py) or loaded by path (tests): the study's modules import as study.*
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))
+
+from study.init_scale.v2 import markdown_v2, summary_v2
+from study.init_scale.v2_plots import plot_grid, plots_v2
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -74,11 +83,23 @@ def run_key(r: dict) -> tuple:
     )
 
 
-def load(folder: Path) -> list[dict]:
-    """The runs of every results file in folder, each once (a run two processes both executed is
-    kept as first read)."""
+def results_files(study: Path = HERE) -> list[Path]:
+    """Every run-record file of the study in `study`: each question's results/*.jsonl (and any *.jsonl in
+    `study` itself: a scratch study's, run_study.study_folder), in the order of their names. That is the order
+    the one results folder listed them in before the study was split by question, and it matters: a run two
+    processes both executed is kept as first read. Two files of one name would make the order ambiguous."""
+    files = sorted([*study.glob("*/results/*.jsonl"), *study.glob("*.jsonl")], key=lambda f: f.name)
+    names = [f.name for f in files]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{study}: two results files share a name: {sorted(n for n in names if names.count(n) > 1)}")
+    return files
+
+
+def load(study: Path = HERE) -> list[dict]:
+    """The runs of every results file of the study (results_files), each once (a run two processes both
+    executed is kept as first read)."""
     recs, seen = [], set()
-    for f in sorted(folder.glob("*.jsonl")):
+    for f in results_files(study):
         for r in read_jsonl(f):
             k = run_key(r)
             if k not in seen:
@@ -120,12 +141,12 @@ def paired_bootstrap_ci(a, b, level: float = 0.95, n_boot: int = 10_000, seed: i
 
 
 def main() -> None:
-    every = load(HERE / "results")
+    every = load(HERE)
     recs = [r for r in every if plain(r)]
     v2, v2_recs = summary_v2(recs)
-    (HERE / "summary_v2.json").write_text(json.dumps(v2, indent=1))
-    plots_v2(v2, v2_recs, HERE)
-    plot_grid(v2, HERE)
+    (HERE / "init_scale" / "summary_v2.json").write_text(json.dumps(v2, indent=1))
+    plots_v2(v2, v2_recs, HERE / "init_scale")
+    plot_grid(v2, HERE / "init_scale")
     print("<!-- v2 -->\n" + markdown_v2(v2))
     for what, key in (
         ("all cells", "gap_correlations"),
@@ -144,49 +165,49 @@ def main() -> None:
     )
     v3_recs = [r for r in recs if r.get("study") == "v3"]
     if v3_recs:
-        from v3 import markdown_by_question, markdown_grids, plot_v3, summarize_v3  # study/ is on sys.path
+        from study.cells.v3 import markdown_by_question, markdown_grids, plot_v3, summarize_v3
 
         v3 = summarize_v3(v3_recs, paired_bootstrap_ci)
-        (HERE / "summary_v3.json").write_text(json.dumps(v3, indent=1))
-        plot_v3(v3, HERE / "study_v3.png")
+        (HERE / "cells" / "summary_v3.json").write_text(json.dumps(v3, indent=1))
+        plot_v3(v3, HERE / "cells" / "study_v3.png")
         print("\n<!-- v3 -->\n" + markdown_by_question(v3) + "\n\n" + markdown_grids(v3))
         print(f"\n{len(v3_recs)} v3 runs, {sum(r.get('cpu_s', 0.0) for r in v3_recs) / 60:.1f} CPU-min")
-        from v5 import markdown_merges, plot_merges, summarize_merges  # study v5 part B: the paper's merges
+        from study.merges.v5 import markdown_merges, plot_merges, summarize_merges  # study v5 part B
 
         merges = summarize_merges(v3, v3_recs, paired_bootstrap_ci)
         if merges:
-            (HERE / "summary_v5_merges.json").write_text(json.dumps(merges, indent=1))
-            plot_merges(merges, HERE / "study_v5_merges.png")
+            (HERE / "merges" / "summary_v5_merges.json").write_text(json.dumps(merges, indent=1))
+            plot_merges(merges, HERE / "merges" / "study_v5_merges.png")
             print("\n<!-- v5 merges -->\n" + markdown_merges(merges))
-        import v6  # study v6: the horizon (A), outer schedules (B), K at fixed compute (C)
+        from study.horizon import v6  # study v6: the horizon (A), outer schedules (B), K at fixed compute (C)
 
         if any(r.get("rounds") == v6.HORIZON[2] for r in v3_recs):
             s6 = v6.summarize_v6(v3_recs)
             s6["schedules"] = v6.summarize_schedules([r for r in every if r.get("study") == "v3"])
             s6["fixed_compute"] = v6.summarize_fixed_compute(v3_recs)
-            (HERE / "summary_v6.json").write_text(json.dumps(s6, indent=1))
-            v6.plot_v6(s6, HERE / "study_v6_horizon.png")
-            v6.plot_fixed_compute(s6["fixed_compute"], HERE / "study_v6_fixed_compute.png")
+            (HERE / "horizon" / "summary_v6.json").write_text(json.dumps(s6, indent=1))
+            v6.plot_v6(s6, HERE / "horizon" / "study_v6_horizon.png")
+            v6.plot_fixed_compute(s6["fixed_compute"], HERE / "k_scaling" / "study_v6_fixed_compute.png")
             print("\n<!-- v6 horizon -->\n" + v6.markdown_v6(s6))
             print("\n<!-- v6 schedules -->\n" + v6.markdown_schedules(s6["schedules"]))
             print("\n<!-- v6 fixed compute -->\n" + v6.markdown_fixed_compute(s6["fixed_compute"]))
-        from compression import markdown_compress, plot_compress, summarize_compress  # the compressed exchange
+        from study.compression.compression import markdown_compress, plot_compress, summarize_compress
 
         comp = summarize_compress([r for r in every if r.get("study") == "v3"])
         if comp:
-            (HERE / "summary_compress.json").write_text(json.dumps(comp, indent=1))
-            plot_compress(comp, HERE / "study_compress.png")
+            (HERE / "compression" / "summary_compress.json").write_text(json.dumps(comp, indent=1))
+            plot_compress(comp, HERE / "compression" / "study_compress.png")
             print("\n<!-- compress -->\n" + markdown_compress(comp))
     v4_recs = [r for r in recs if r.get("study") == "v4"]
     if v4_recs:
-        from v4 import markdown_v4, markdown_verdict, plot_v4, summarize_v4, verdict  # study/ is on sys.path
+        from study.precision.v4 import markdown_v4, markdown_verdict, plot_v4, summarize_v4, verdict
 
-        spectra_file = HERE / "results" / "spectra" / "v4_spectra.jsonl"
+        spectra_file = HERE / "precision" / "results" / "spectra" / "v4_spectra.jsonl"
         spectra = read_jsonl(spectra_file) if spectra_file.exists() else []
         v4 = summarize_v4(recs, spectra)
         v = verdict(v4)
-        (HERE / "summary_v4.json").write_text(json.dumps({"cells": v4, "verdict": v}, indent=1))
-        plot_v4(v4, HERE / "study_v4.png")
+        (HERE / "precision" / "summary_v4.json").write_text(json.dumps({"cells": v4, "verdict": v}, indent=1))
+        plot_v4(v4, HERE / "precision" / "study_v4.png")
         print("\n<!-- v4 -->\n" + markdown_v4(v4) + "\n\n" + markdown_verdict(v, v4))
         print(f"\n{len(v4_recs)} v4 runs, {sum(r.get('cpu_s', 0.0) for r in v4_recs) / 60:.1f} CPU-min")
 

@@ -707,11 +707,11 @@ def test_paired_bootstrap_ci_covers_the_true_gap():
 
 
 def test_study_v2_summary_is_what_the_committed_results_give():
-    # study/summary_v2.json is summarize.py's v2 summary of study/results/*.jsonl, byte for byte
+    # study/init_scale/summary_v2.json is summarize.py's v2 summary of study/*/results/*.jsonl, byte for byte
     # (v1 runs included: they join the v2 cells), so the v2 pipeline stands alone from the frozen v1
     import json
 
     s = _summarize()
-    v2, v2_recs = s.summary_v2(s.load(s.HERE / "results"))
+    v2, v2_recs = s.summary_v2(s.load(s.HERE))
     assert len(v2_recs) == v2["runs"] > 0 and v2["v1_repeats"]["runs"] > 0
-    assert json.dumps(v2, indent=1) == (s.HERE / "summary_v2.json").read_text()
+    assert json.dumps(v2, indent=1) == (s.HERE / "init_scale" / "summary_v2.json").read_text()

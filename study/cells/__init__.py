@@ -1,0 +1,1 @@
+"""Where does IsoLoCo beat a tuned DiLoCo after 10 outer rounds? One knob at a time from the base cell (v1, v3)."""

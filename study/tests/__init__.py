@@ -1,0 +1,1 @@
+"""The study's tests: its runner, summarizers and scripts on synthetic records whose answer is known."""

@@ -1,0 +1,91 @@
+"""Study v5's code: the merges as study methods (run_study.VARIANTS), part B's table (study/v5.py) on
+synthetic records whose answer is known, and part A's mechanism measures (study/v5_mechanism.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from study import run_study as rs
+from study import summarize
+from study.capacity import v5_mechanism as vm
+from study.cells import v3
+from study.merges import v5
+from study.tests.helpers import study_record
+
+
+def test_every_merge_is_a_study_method_on_both_outer_steps():
+    from isoloco_kernels.merges import MERGES
+
+    for merge in rs.MERGE_VARIANTS:
+        assert merge in MERGES
+        assert rs.VARIANTS[merge] == ("isoloco", {"merge": merge})
+        assert rs.VARIANTS[f"{merge}-sgd"] == ("isoloco-sgd", {"merge": merge})
+    assert set(rs.MERGE_VARIANTS) == set(MERGES) - {"mean", "iso_c"}  # those two are DiLoCo and IsoLoCo
+
+
+def _rec(mode, lr, mu, seed, sel, test, outer_s=None):
+    """A record of the base cell (v1/v2: 4 × 64 bytes), as part B's merges ran it."""
+    return study_record(mode, lr, mu, seed, sel, test, outer_s=outer_s, batch=4, mu=None)
+
+
+def test_the_merge_table_pairs_each_pick_with_tuned_diloco():
+    recs = [
+        _rec("diloco", 0.7, 0.0, 0, 2.50, 2.40),
+        _rec("diloco", 1.0, 0.0, 0, 2.55, 2.45),
+        _rec("diloco", 0.7, 0.0, 1, 2.51, 2.41),
+        _rec("diloco", 0.7, 0.0, 2, 2.52, 2.42),
+        # tsv: the grid's lowest lr wins on seed 0 (an edge); seeds 1 and 2 of it; 0.1 better every seed
+        _rec("tsv", 1.8, 0.8, 0, 2.40, 2.30, outer_s=17.0),
+        _rec("tsv", 2.4, 0.8, 0, 2.45, 2.35, outer_s=17.0),
+        _rec("tsv", 1.8, 0.8, 1, 2.41, 2.31, outer_s=16.0),
+        _rec("tsv", 1.8, 0.8, 2, 2.42, 2.32, outer_s=18.0),
+    ]
+    rows = v5.summarize_merges(
+        v3.summarize_v3(recs, summarize.paired_bootstrap_ci), recs, summarize.paired_bootstrap_ci
+    )
+    by_mode = {r["mode"]: r for r in rows}
+    assert set(by_mode) == {"diloco", "tsv"}
+    tsv = by_mode["tsv"]
+    assert (tsv["lr"], tsv["momentum"], tsv["edge"]) == (1.8, 0.8, True)
+    assert tsv["gap"]["per_seed"] == pytest.approx([-0.1, -0.1, -0.1])
+    assert tsv["gap"]["mean"] == pytest.approx(-0.1) and tsv["gap"]["t_hi"] == pytest.approx(-0.1)
+    assert tsv["outer_s_per_round"] == pytest.approx(1.7)  # (17 + 16 + 18) / 3 seconds over 10 rounds
+    assert by_mode["diloco"]["gap"] is None
+    table = v5.markdown_merges(rows)
+    assert "| TSV-M | Nesterov μ 0.8 | 1.8 @ 0.8 (edge) | 2.310 (3) | **-0.100 [-0.100, -0.100]** | 1.700 |" in table
+
+
+def test_mechanism_measures_of_known_spectra():
+    g = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(40, 8, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(8, 8, generator=g, dtype=torch.float64))  # Δ is 40 × 8: r = 8
+    flat = vm.spectrum_stats(u @ v.mT)  # 8 equal singular values
+    assert flat["r"] == 8 and flat["eff_rank"] == pytest.approx(8) and flat["flat"] == pytest.approx(1)
+    assert flat["iso_move"] == pytest.approx(0, abs=1e-12)  # Iso-C leaves a flat Δ where it is
+    s = torch.tensor([1.0, 0.5, 0.25, 0.125, 0, 0, 0, 0], dtype=torch.float64)
+    steep = vm.spectrum_stats((u * s) @ v.mT)
+    p = s[:4] / s[:4].sum()
+    assert steep["eff_rank"] == pytest.approx(math.exp(-(p * p.log()).sum()), rel=1e-9)
+    assert steep["flat"] == pytest.approx(float(s.sum() / 8 / 1.0))  # σ̄ over all r = 8 values
+    want = 1 - float(s.sum() / (s.norm() * math.sqrt(4)))  # cos(Δ, UVᵀ over the 4 kept directions)
+    assert steep["iso_move"] == pytest.approx(want, rel=1e-9)
+
+
+def test_mechanism_report_reads_its_records(tmp_path, monkeypatch):
+    out = tmp_path / "m.jsonl"
+    monkeypatch.setattr(vm, "OUT", out)
+    spectra = {str(r): {"w": {"r": 8, "eff_rank": 4.0, "flat": 0.5, "iso_move": 0.1}} for r in vm.ROUNDS_SEEN}
+    cell = next(iter(vm.CELLS))
+    with out.open("w") as f:
+        for mode, base in (("diloco", 2.0), ("isoloco", 1.9)):
+            loss = [base + 1 - 0.1 * k for k in range(11)]
+            f.write(json.dumps({"cell": cell, "mode": mode, "heldout_loss": loss, "spectra": spectra}) + "\n")
+    text = vm.report()
+    assert f"| {cell} | -0.100 / -0.100 / -0.100 | 0.50 → 0.50 | 0.500 → 0.500 | 0.100 → 0.100 |" in text
+    assert vm.done() == {(cell, "diloco"), (cell, "isoloco")}
+    vm.plot(tmp_path / "m.png")
+    assert (tmp_path / "m.png").stat().st_size > 1000
