@@ -8,7 +8,7 @@
     ... --benchmark-json bench/results/<date>-<device>.json, then `python bench/report.py`
     pytest bench/ --benchmark-only --bench-dry-run       every case once at its smallest size, small
                                                          ceilings: checks that each case runs and
-                                                         reports (tests/test_bench_roofline.py), its
+                                                         reports (bench/tests/test_bench_roofline.py), its
                                                          numbers measure nothing
 
 Either mode times every implementation beside its torch baseline in the same run, so the ratios

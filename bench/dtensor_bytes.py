@@ -8,7 +8,7 @@ grad's element size b and the results back in the compute dtype's, r = max(b, 4)
 float16/bfloat16 grads): (W−1)/W²·(b + r)·m·n per rank on average. The route rule and the two
 byte counts it weighs are the package's (`isoloco_kernels.distributed.routes`: `route_for`,
 `gram_bytes`, `owner_bytes`, `gather_bytes`); the per-model totals are here
-(`wire_bytes`). tests/test_dtensor.py checks that the collectives the step issues
+(`wire_bytes`). tests/distributed/test_dtensor.py checks that the collectives the step issues
 carry exactly the element counts these formulas assume.
 
     python -m bench.dtensor_bytes > bench/results/<date>-dtensor-bytes.md

@@ -11,7 +11,7 @@ Sets (CPU-sized, the shapes of the 1B model's buckets scaled down 8× on each si
   square-1b/8     8 × 256×256 (its attention matrices)
 Each case records its error against reference.py (float64) and its flatness, the route fast took
 per bucket, and the modelled FLOPs of both routes (fast_gram.py, checked against
-torch.utils.flop_counter in tests/test_fast_gram.py).
+torch.utils.flop_counter in tests/flatten/test_fast_gram.py).
 Roofline (harness.roofline, the ceilings of the same run): the FLOPs of what each impl runs, per GEMM
 unit, fast-direct fast_gram.direct_work at fast's schedule (its precise steps, then the rest in
 bfloat16 where the device has it, float32 on a CPU without, the float64 certificate), fast

@@ -38,7 +38,7 @@ SLOW_FILES = {
     "distributed/test_dtensor.py",
     "distributed/test_dtensor_half.py",
     "package/test_examples.py",
-    "test_failure_points.py",
+    "distributed/test_agree_attempt.py",
     "package/test_imports.py",
     "distributed/test_merge_sharded.py",
     "distributed/test_merge_workspace.py",

@@ -15,7 +15,7 @@ _COLUMNS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 # Relative Frobenius error allowed vs reference.py (float64): one row per key, one column per input
 # dtype (None: not defined). A flatten method's row has its name in isoloco_kernels.flatten.METHODS
-# (tests/test_methods.py runs every method's contract against its row); "exact" serves tests of
+# (tests/flatten/test_methods.py runs every method's contract against its row); "exact" serves tests of
 # exact results in general. Half/bfloat16 results are rounded to the input dtype, which alone costs
 # ~2^-11 / 2^-8 per element.
 _EXACT = (1e-9, 2e-5, 2e-3, 1e-2)

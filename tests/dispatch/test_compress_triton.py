@@ -1,5 +1,5 @@
 """triton/quant.py against compress/'s torch path, bit for bit: under Triton's interpreter on CPU
-tensors (this file again in a fresh Python with TRITON_INTERPRET=1, as tests/test_triton.py runs its
+tensors (this file again in a fresh Python with TRITON_INTERPRET=1, as tests/dispatch/test_triton.py runs its
 kernels: the kernels' reductions are triton library functions, built at triton's import), compiled
 for sm_80 and sm_90 without a GPU, and on CUDA when there is one. Sizes stay small (the interpreter
 is slow). Outputs are poisoned before the kernels run, so unwritten entries show.

@@ -1,6 +1,6 @@
 """The fused TIES / DARE Triton kernel (isoloco_kernels/triton/sparse_merge.py) against the torch
 path and the float64 definition. On a GPU it runs on CUDA; without one this file re-runs itself in
-a fresh Python under TRITON_INTERPRET=1 (see tests/test_triton.py for why). Small sizes: the
+a fresh Python under TRITON_INTERPRET=1 (see tests/dispatch/test_triton.py for why). Small sizes: the
 interpreter is slow. Outputs are poisoned (NaN) first, so unwritten elements show."""
 
 from __future__ import annotations

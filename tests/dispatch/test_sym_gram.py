@@ -2,7 +2,7 @@
 every shape class (r = 1, r below / across / at a multiple of the tile, k below the K tile, batched,
 transposed and strided views), every operand dtype, the β·B + γ·I epilogue, exact symmetry, and the
 polar iteration on its step pieces against polar.TorchSteps. On a GPU on CUDA; without one this file
-re-runs itself under TRITON_INTERPRET=1 (tests/test_triton.py says why). The kernel also compiles for
+re-runs itself under TRITON_INTERPRET=1 (tests/dispatch/test_triton.py says why). The kernel also compiles for
 sm_80 and sm_90 here, for every specialization a launch can take."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The outer optimizers' contract over ranks (2 and 3 gloo ranks, tests/spawn.py): ShardedIsoLoCo resumes
 bit for bit for every merge, its consolidated state moves between world sizes and into IsoLoCo, a rank's
 own state is refused where a whole one is expected, iso=False is SGD under a momentum schedule through
-μ = 0, and world size 1 means K = 1 for every merge. The one-process side: tests/test_contracts.py."""
+μ = 0, and world size 1 means K = 1 for every merge. The one-process side: tests/optim/ and tests/outer/."""
 
 from __future__ import annotations
 
@@ -219,3 +219,40 @@ ranks = groups(_body, 2, 3, deadline_s=int(os.environ.get("ISOLOCO_SPAWN_DEADLIN
 @pytest.mark.parametrize("world,name", params(TABLES))
 def test_contract_over_ranks(ranks, world, name):
     ranks[world].assert_ok(name)
+
+
+_WORLD_ONE = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {root!r})
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+import isoloco_kernels as ik
+for merge in ("iso_c", "mean", "tsv", "iso_cts", "ties", "dare"):
+    g = torch.Generator().manual_seed(3)
+    a = [torch.randn(7, 5, generator=g), torch.randn(4, generator=g)]
+    b = [torch.nn.Parameter(p.clone()) for p in a]
+    sharded = ik.ShardedIsoLoCo(a, lr=0.9, momentum=0.8, merge=merge)
+    one = ik.MergeLoCo(b, lr=0.9, momentum=0.8, merge=merge)
+    for step in range(2):
+        deltas = [torch.randn(p.shape, generator=g) for p in a]
+        for p, d in zip(a, deltas):
+            p.grad = d.clone()
+        sharded.step()
+        one.step(deltas=[d[None] for d in deltas])
+        assert all(torch.equal(p, q) for p, q in zip(a, b)), (merge, step)
+dist.destroy_process_group()
+print("K1 OK")
+"""
+
+
+@pytest.mark.slow
+def test_sharded_at_world_size_one_is_each_merge_of_one_worker():
+    """K = 1 over ranks: ShardedIsoLoCo on one rank steps as MergeLoCo with [1, *shape] stacks, every merge."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", _WORLD_ONE.format(root=root)], capture_output=True, text=True, timeout=300
+    )
+    assert "K1 OK" in out.stdout, out.stderr[-3000:]

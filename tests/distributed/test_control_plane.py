@@ -8,7 +8,7 @@ in pieces, every rank running as many all-gathers as the longest object needs. S
 allocate at that moment (out of memory) leaves no rank waiting in a collective: the exchange
 completes on every rank, a failed agreement raises DistributedStepError on every rank within seconds
 (well inside the process-group timeout) with every error text whole, and the group still works
-afterwards. The failure is injected, as in tests/test_alloc_failure.py, on rank 1: every tensor
+afterwards. The failure is injected, as in tests/distributed/test_alloc_failure.py, on rank 1: every tensor
 agree.py makes (zeros, empty, full) raises torch.OutOfMemoryError there.
 """
 

@@ -5,7 +5,7 @@ every 2-rank check, each reported as its own test: the checks of the step, torch
 end included; the one-rank failures injected between the step's collectives and the
 load_state_dict refusals; the Gram route's rank-cut cases. 4 ranks (HSDP 2×2, FSDP × TP 2×2) run
 by default (ISOLOCO_SKIP_4_RANKS=1 skips them). The reference is single-process IsoLoCo on the same
-whole grads, on an unsharded copy of the same model. Half precision: tests/test_dtensor_half.py.
+whole grads, on an unsharded copy of the same model. Half precision: tests/distributed/test_dtensor_half.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 error bands by condition number, the rank certificate and its fallback, on the CPU with the GPU's
 numerics (the precise steps as emulated 3xTF32, the rest bfloat16), and each step's GEMMs spied for
 the precision they run in. The registry-wide contract
-(shapes, dtypes, views, zeros, bad input, entry points) runs in tests/test_methods.py."""
+(shapes, dtypes, views, zeros, bad input, entry points) runs in tests/flatten/test_methods.py."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ PRECISE = [pytest.param(None, id="native"), pytest.param(polar.TF32X3, id="tf32x
 
 def _fast(x: torch.Tensor, precise=None) -> tuple[torch.Tensor, tuple]:
     """(result, indices the certificate sent to the fallback) of fast's direct route on a copy of x,
-    its later steps in bfloat16 as on a GPU (the Gram route: tests/test_fast_gram.py)."""
+    its later steps in bfloat16 as on a GPU (the Gram route: tests/flatten/test_fast_gram.py)."""
     y = x.clone()
     fast.reset_stats()
     with warnings.catch_warnings():

@@ -1,6 +1,6 @@
 """The exact methods (svd, eigh), iso_scale_ and the op under torch.compile, on CPU, against
 reference.py. The contract every method keeps (shapes, dtypes, views, zeros, bad input, opcheck)
-is tests/test_methods.py."""
+is tests/flatten/test_methods.py."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
+from isoloco_kernels.flatten import exact
 from isoloco_kernels.reference import iso_flatten_ref
 from tests.helpers import TOL, method_tol, rel_err, spectrum, with_spectrum
 
@@ -75,3 +76,39 @@ def test_auto_is_exact_for_ill_conditioned_float64():
     ref = iso_flatten_ref(x)
     for method in ("auto", "svd"):
         assert rel_err(ik.iso_flatten(x, method=method), ref) <= TOL[("exact", torch.float64)], method
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.filterwarnings("ignore::isoloco_kernels.flatten.iteration_stats.FlattenFallbackWarning")
+def test_eigh_hands_what_its_gram_matrix_cannot_resolve_to_svd():
+    x = with_spectrum(2, 16, 48, spectrum("lowrank_noise", 16, 1e6), _gen(10)).float()
+    out = x.clone()
+    exact.flatten_eigh_(out)
+    assert rel_err(out, iso_flatten_ref(x)) <= TOL[("exact", torch.float32)]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.filterwarnings("ignore::isoloco_kernels.flatten.iteration_stats.FlattenFallbackWarning")
+def test_svd_is_float64_so_float32_input_is_exact_at_cond_1e4():
+    # a float32 SVD misses this by 10× (~2e-4); float64 GEMMs are immune to TF32 settings too
+    x = with_spectrum(1, 32, 64, spectrum("lowrank_noise", 32, 1e4), _gen(11))[0].float()
+    assert rel_err(ik.iso_flatten(x, method="svd"), iso_flatten_ref(x)) <= TOL[("exact", torch.float32)]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.filterwarnings("ignore::isoloco_kernels.flatten.iteration_stats.FlattenFallbackWarning")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_svd_on_cuda_ignores_the_users_tf32_setting():
+    x = with_spectrum(1, 64, 96, spectrum("geometric", 64, 1e3), _gen(12))[0].float()
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        out = ik.iso_flatten(x.cuda(), method="svd")
+        assert torch.backends.cuda.matmul.allow_tf32  # the user's state is left alone
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    assert rel_err(out, iso_flatten_ref(x)) <= TOL[("exact", torch.float32)]

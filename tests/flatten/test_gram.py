@@ -1,6 +1,6 @@
 """method="gram" (the Gram-space float64 Polar Express iteration) against reference.py: its schedule,
 accuracy over condition numbers, chunking, real pseudo-gradients, fallback, overflow and auto's
-rule. The contract every method keeps is tests/test_methods.py."""
+rule. The contract every method keeps is tests/flatten/test_methods.py."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _gram_quiet(x: torch.Tensor) -> torch.Tensor:
 # Schedule
 
 
-# The table against the generator: tests/test_polar.py::test_coefficient_table_matches_generator.
+# The table against the generator: tests/flatten/test_polar.py::test_coefficient_table_matches_generator.
 
 
 def test_schedule_reaches_round_off_on_the_whole_interval_and_needs_every_step():

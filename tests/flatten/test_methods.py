@@ -12,6 +12,7 @@ stay in test_flatten_exact.py, test_polar.py and test_gram.py.
 from __future__ import annotations
 
 import contextlib
+import types
 import warnings
 
 import pytest
@@ -21,8 +22,22 @@ import isoloco_kernels as ik
 from isoloco_kernels.flatten import exact, iteration_stats
 from isoloco_kernels.flatten import registry as flatten
 from isoloco_kernels.flatten.registry import METHODS, Method, resolve_method
-from isoloco_kernels.reference import iso_flatten_ref, isoloco_step_ref
-from tests.helpers import COND_BANDS, DTYPES, PER_COND2, TOL, TOL_ROWS, cond, gen, method_tol, randn, rel_err
+from isoloco_kernels.reference import iso_flatten_ref, isoloco_step_ref, rank_tol
+from tests.helpers import (
+    COND_BANDS,
+    DTYPES,
+    PER_COND2,
+    TOL,
+    TOL_ROWS,
+    cond,
+    gen,
+    gram_tol,
+    method_tol,
+    randn,
+    rel_err,
+    spectrum,
+    with_spectrum,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small computations (tests/conftest.py)
 
@@ -469,3 +484,134 @@ def test_a_new_method_joins_everything(monkeypatch):
     calls.clear()
     assert rel_err(ik.iso_flatten(x, method="auto"), iso_flatten_ref(x)) <= TOL[("exact", torch.float32)]
     assert calls == [(2, 8, 30)]
+
+
+METHOD_NAMES = ("svd", "eigh", "polar", "gram", "auto")
+
+
+ops = torch.ops.isoloco
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _cond(x: torch.Tensor) -> float:
+    s = torch.linalg.svdvals(x.double())
+    return float(s[..., 0].max() / s[..., -1].min())
+
+
+def _tol_vs_reference(method: str, x: torch.Tensor) -> float:
+    """Allowed relative error vs reference.py (the per-dtype table; gram's grows with κ²)."""
+    if method == "gram":
+        return gram_tol(x.dtype, _cond(x))
+    if method == "polar":  # polar hands what it cannot certify to gram
+        return max(TOL[("polar", x.dtype)], gram_tol(x.dtype, _cond(x)))
+    return TOL[("exact", x.dtype)]  # svd, eigh; auto on the CPU is one of them
+
+
+# ----------------------------------------------------------------------------------------------
+# The matrix: every method × every hostile input
+
+
+def _overflow(method):
+    # float32 entries up to 3e38, result up to 2.8e38: s̄·scale overflowed before Q was applied
+    # (svd/auto refused it as "does not fit")
+    x = torch.randn(128, 160, generator=_gen(1))
+    x = x / x.abs().max() * 3e38
+    ref = iso_flatten_ref(x)
+    ik.iso_merge_([x], method=method)
+    assert torch.isfinite(x).all() and rel_err(x, ref) <= _tol_vs_reference(method, x)
+
+
+def _subnormal(method):
+    # float64 subnormals: gram's 1/amax overflowed (LinAlgError)
+    x = torch.randn(12, 20, generator=_gen(2), dtype=torch.float64) * 1e-310
+    ref = iso_flatten_ref(x * 2.0**1000) * 2.0**-1000
+    ik.iso_merge_([x], method=method)
+    # subnormals carry ~13 digits here, so the float64 row of the table still applies
+    assert rel_err(x, ref) <= max(_tol_vs_reference(method, x), 1e-11)
+
+
+def _rank_deficient(method):
+    # a rank-2 product formed in float32: its rounding noise (~0.1·eps32·σ_1) is below the cut
+    g = _gen(3)
+    x = torch.randn(16, 2, generator=g) @ torch.randn(2, 24, generator=g)
+    ref = iso_flatten_ref(x)
+    assert int((torch.linalg.svdvals(ref) > 1e-6 * torch.linalg.svdvals(ref)[0]).sum()) == 2
+    out = ik.iso_flatten(x, method=method)
+    assert rel_err(out, ref) <= _tol_vs_reference(method, x)
+
+
+def _cond_1e6(method):
+    # κ 1e6 in float32: svd/eigh cut 10–98 % of the spectrum that reference.py keeps
+    x = with_spectrum(1, 64, 256, spectrum("geometric", 64, 1e6), _gen(4))[0].float()
+    ref = iso_flatten_ref(x)
+    assert rel_err(ik.iso_flatten(x, method=method), ref) <= _tol_vs_reference(method, x)
+
+
+def _inference(method):
+    with torch.inference_mode():
+        x = torch.randn(6, 10, generator=_gen(5))
+    before = x.clone()
+    with pytest.raises(RuntimeError, match=r"iso_flatten_: x is an inference tensor.*nothing was written"):
+        ops.iso_flatten_(x, method)
+    assert torch.equal(x, before)
+
+
+def _expanded(method):
+    # the raw op on an expanded view: gram wrote a wrong result into the base
+    base = torch.randn(8, 16, generator=_gen(6))
+    before = base.clone()
+    with pytest.raises(RuntimeError, match=r"iso_flatten_: x has internal overlap"):
+        ops.iso_flatten_(base[None].expand(3, 8, 16), method)
+    assert torch.equal(base, before)
+
+
+def _aliasing(method):
+    base = torch.randn(10, 6, generator=_gen(7))
+    before = base.clone()
+    with pytest.raises(RuntimeError, match=r"bucket \d and bucket \d overlap"):
+        ik.iso_merge_([base[:6], base[4:]], method=method)
+    assert torch.equal(base, before)
+
+
+HOSTILE_INPUTS = {
+    "overflow": _overflow,
+    "subnormal": _subnormal,
+    "rank-deficient": _rank_deficient,
+    "cond-1e6": _cond_1e6,
+    "inference": _inference,
+    "expanded": _expanded,
+    "aliasing": _aliasing,
+}
+
+
+@pytest.mark.filterwarnings("ignore::isoloco_kernels.flatten.iteration_stats.FlattenFallbackWarning")
+@pytest.mark.parametrize("case", HOSTILE_INPUTS, ids=str)
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_every_method_on_every_hostile_input(method, case):
+    HOSTILE_INPUTS[case](method)
+
+
+# ----------------------------------------------------------------------------------------------
+# One rank cut
+
+
+@pytest.mark.filterwarnings("ignore::isoloco_kernels.flatten.iteration_stats.FlattenFallbackWarning")
+def test_rank_cut_is_one_definition_relative_to_sigma_max_and_dtype():
+    assert rank_tol(8, 16, torch.float32) == rank_tol(8, 16, torch.bfloat16) == rank_tol(16, 8, torch.float16)
+    assert 3 * torch.finfo(torch.float32).eps < rank_tol(64, 256, torch.float32) < 1e-6  # κ 1e6 keeps all
+    assert rank_tol(64, 256, torch.float64) < 1e-13
+    x = torch.outer(torch.randn(10, generator=_gen(8)), torch.randn(8, generator=_gen(9)))  # float32 rank 1
+    for method in METHOD_NAMES:
+        out = ik.iso_flatten(x, method=method)
+        s = torch.linalg.svdvals(out.double())
+        assert float(s[1] / s[0]) < 1e-6, method  # rank one stays rank one
+
+
+@pytest.mark.filterwarnings("ignore::isoloco_kernels.flatten.iteration_stats.FlattenFallbackWarning")
+@pytest.mark.parametrize("is_cuda", [True, False], ids=["cuda", "cpu"])
+def test_auto_picks_svd_for_float64_on_every_device(is_cuda):
+    x3 = types.SimpleNamespace(is_cuda=is_cuda, dtype=torch.float64, shape=(4, 64, 1024), device=None)
+    assert flatten.resolve_method("auto", x3) == "svd"

@@ -1,6 +1,6 @@
 """method="polar" (the Polar Express iteration, torch GEMMs on the CPU) against reference.py: its
 schedule, accuracy on spectra, fallback, bf16 mode, GEMM choice, TF32 handling and auto's float64
-rate. The contract every method keeps is tests/test_methods.py."""
+rate. The contract every method keeps is tests/flatten/test_methods.py."""
 
 from __future__ import annotations
 

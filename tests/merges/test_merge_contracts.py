@@ -180,3 +180,9 @@ def test_real_overflows_name_their_merge():
         merge([big], "dare", sparsity=0.5, seed=3)
     with pytest.raises(ResultOverflowError, match=r"merge 'ties': stack 0: the TIES result does not fit"):
         merge([big], "ties", sparsity=0.5, rescale=True)
+
+
+def test_merge_of_one_worker_is_its_definition():
+    """K = 1: each merge has a value for one worker (the mean: the delta itself)."""
+    d = torch.randn(1, 6, 4, generator=gen("k1"))
+    assert torch.equal(merge([d], "mean")[0], d[0])

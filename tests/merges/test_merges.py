@@ -157,7 +157,7 @@ def test_bad_input_is_refused_by_name_and_nothing_changes():
     assert torch.equal(good, copies[0]) and torch.equal(nan.nan_to_num(), copies[1].nan_to_num())
     with pytest.raises(ValueError, match="stack 1 has 3 workers, stack 0 has 4"):
         merge_([good, torch.randn(3, 6, 5)], "mean")
-    with pytest.raises(ValueError, match="K = 0"):  # K = 1 is a merge (tests/test_merge_contracts.py)
+    with pytest.raises(ValueError, match="K = 0"):  # K = 1 is a merge (tests/merges/test_merge_contracts.py)
         merge([torch.randn(0, 6, 5)], "iso_c")
     with pytest.raises(ValueError, match=r"stack 0: expected \[K, \*shape\]"):
         merge([torch.tensor(1.0)], "mean")

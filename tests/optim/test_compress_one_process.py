@@ -2,7 +2,7 @@
 known answer from the compress/ API alone, error feedback carrying what was not sent on both legs, each
 feedback placement ("both", "workers", "owner") against the route computed leg by leg, all or nothing, a
 resume bit for bit, refusals; and the reference loop's --compress (its bytes per round). The simulation equals
-ShardedIsoLoCo(compress=...) on 2 and 3 ranks bit for bit: tests/test_compress_sharded.py."""
+ShardedIsoLoCo(compress=...) on 2 and 3 ranks bit for bit: tests/distributed/test_compress_sharded.py."""
 
 from __future__ import annotations
 

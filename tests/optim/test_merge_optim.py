@@ -3,11 +3,14 @@ Nesterov exactly as IsoLoCo; iso_c is IsoLoCo step for step."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 
 import pytest
 import torch
 
+import isoloco_kernels as ik
 from isoloco_kernels import IsoLoCo, MergeLoCo
 from isoloco_kernels.merges import merge
 from isoloco_kernels.merges.reference import merge_ref
@@ -100,3 +103,188 @@ def test_reference_loop_runs_each_merge(merge_name):
     cfg.validate()
     r = run_mode("isoloco-sgd", Setup(cfg, load_corpus(max_bytes=60_000)))
     assert r["final_loss"] is not None and r["final_loss"] < 6.0
+
+
+MERGES = ["iso_c", "mean", "tsv", "iso_cts", "ties", "dare"]
+
+
+K = 3
+
+
+def _three_params(dtype=torch.float32, key="contracts"):
+    g = gen(key)
+    shapes = [(7, 5), (4,), (3, 6)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def _worker_deltas(params, key, k=K):
+    g = gen(key)
+    return [torch.randn(k, *p.shape, generator=g).to(p.dtype) for p in params]
+
+
+def _snap(params, opt):
+    return (
+        [p.detach().clone() for p in params],
+        [None if p.grad is None else p.grad.clone() for p in params],
+        {i: st["momentum_buffer"].clone() for i, st in opt.state_dict()["state"].items()},
+        getattr(opt, "merged_steps", None),
+    )
+
+
+def _eq(x, y) -> bool:
+    """Bit for bit, NaN included (a NaN the test put in a param must still be there, nothing else changed)."""
+    if x is None or y is None:
+        return x is None and y is None
+    return (
+        x.shape == y.shape and torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(0.0), y.nan_to_num(0.0))
+    )
+
+
+def _same(a, b) -> bool:
+    pa, ga, ba, sa = a
+    pb, gb, bb, sb = b
+    return (
+        all(_eq(x, y) for x, y in zip(pa, pb))
+        and all(_eq(x, y) for x, y in zip(ga, gb))
+        and ba.keys() == bb.keys()
+        and all(_eq(ba[k], bb[k]) for k in ba)
+        and sa == sb
+    )
+
+
+# -- 1. a failed MergeLoCo step changes nothing: params, momentum, .grad, the step count ---------------
+
+
+def _nan_after_merge(params, deltas):
+    params[0].data[0, 0] = float("nan")  # a NaN in a param: refused by the update's checks, after the merge
+
+
+@pytest.mark.parametrize("merge_name", MERGES)
+@pytest.mark.parametrize("failure", ["nan-param", "overflow", "closure"])
+def test_a_failed_merge_step_changes_nothing(merge_name, failure):
+    params = _three_params()
+    opt = ik.MergeLoCo(params, lr=1.0, momentum=0.8, merge=merge_name)
+    opt.step(deltas=_worker_deltas(params, ("first", merge_name)))  # momentum exists
+    for p in params:
+        p.grad = torch.full_like(p, 7.0)  # a stale grad the failed step must leave as it was
+    deltas = _worker_deltas(params, ("second", merge_name))
+    closure = None
+    if failure == "nan-param":
+        params[1].data[0] = float("nan")
+    elif failure == "overflow":
+        opt.param_groups[0]["lr"] = 3e38
+    else:
+
+        def closure():
+            raise RuntimeError("the closure failed")
+
+    before = _snap(params, opt)
+    with pytest.raises((ValueError, RuntimeError, ik.ResultOverflowError)) as e:
+        opt.step(closure, deltas=deltas)
+    if failure != "closure":
+        assert "MergeLoCo" in str(e.value) and "IsoLoCo:" not in str(e.value), str(e.value)
+    assert _same(before, _snap(params, opt)), "a failed step changed something"
+
+
+def test_a_param_without_a_delta_is_not_moved_by_a_stale_grad():
+    params = _three_params()
+    opt = ik.MergeLoCo(params, lr=1.0, momentum=0.0, merge="tsv")
+    opt.step(deltas=_worker_deltas(params, "a"))  # leaves each .grad holding its merge
+    before = params[1].detach().clone()
+    grad_before = params[1].grad.clone()
+    d = _worker_deltas(params, "b")
+    opt.step(deltas=[d[0], None, d[2]])
+    assert torch.equal(params[1], before) and torch.equal(params[1].grad, grad_before)
+
+
+@pytest.mark.parametrize("merge_name", MERGES)
+def test_step_without_deltas_is_refused_for_every_merge(merge_name):
+    params = _three_params()
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = ik.MergeLoCo(params, merge=merge_name)
+    before = _snap(params, opt)
+    with pytest.raises(ValueError, match="no worker deltas"):
+        opt.step()
+    assert _same(before, _snap(params, opt))
+
+
+@pytest.mark.parametrize("merge_name", ["tsv", "ties"])
+def test_a_closure_that_calls_backward_does_not_replace_the_merge(merge_name):
+    params = _three_params()
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    a = ik.MergeLoCo(params, lr=1.0, momentum=0.0, merge=merge_name)
+    b = ik.MergeLoCo(twin, lr=1.0, momentum=0.0, merge=merge_name)
+    deltas = _worker_deltas(params, merge_name)
+
+    def closure():
+        loss = sum((p.float() ** 2).sum() for p in params)
+        loss.backward()
+        return loss
+
+    loss = a.step(closure, deltas=deltas)
+    b.step(deltas=deltas)
+    assert loss is not None and all(torch.equal(p, q) for p, q in zip(params, twin))
+
+
+def test_set_deltas_keeps_the_stacks_for_the_next_step_and_writes_nothing():
+    params = _three_params()
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    a = ik.MergeLoCo(params, lr=1.0, momentum=0.5, merge="dare")
+    b = ik.MergeLoCo(twin, lr=1.0, momentum=0.5, merge="dare")
+    deltas = _worker_deltas(params, "set")
+    a.set_deltas(deltas)
+    assert all(p.grad is None for p in params)
+    a.step()
+    b.step(deltas=deltas)
+    assert all(torch.equal(p, q) for p, q in zip(params, twin))
+    with pytest.raises(ValueError, match="no worker deltas"):
+        a.step()  # the kept stacks served one step
+
+
+# -- 3. copies -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("merge_name", ["tsv", "dare"])
+def test_a_copy_of_mergeloco_steps_as_the_original(how, merge_name):
+    params = _three_params()
+    opt = ik.MergeLoCo(
+        params, lr=0.7, momentum=0.8, merge=merge_name, merge_options={"seed": 3} if merge_name == "dare" else {}
+    )
+    opt.step(deltas=_worker_deltas(params, "c0"))
+    if how == "deepcopy":
+        params2, opt2 = copy.deepcopy((params, opt))
+    else:
+        params2, opt2 = pickle.loads(pickle.dumps((params, opt)))
+    assert (opt2.merge, opt2.merge_options, opt2.merged_steps) == (opt.merge, opt.merge_options, 1)
+    d = _worker_deltas(params, "c1")
+    opt.step(deltas=d)
+    opt2.step(deltas=d)
+    assert all(torch.equal(p, q) for p, q in zip(params, params2))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"merge": "task_arithmetic"}, "merge must be one of"),
+        ({"merge": "tsv", "merge_options": {"sparsity": 0.1}}, "unknown option"),
+        ({"method": "qr"}, "method"),
+        ({"compress": "int9"}, "compression spec 'int9'"),
+    ],
+)
+def test_every_setting_error_names_the_optimizer(kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=rf"^MergeLoCo: .*{match}"):
+        ik.MergeLoCo(_three_params(), **kwargs)
+    if set(kwargs) == {"method"}:
+        with pytest.raises(ValueError, match=rf"^IsoLoCo: .*{match}"):
+            ik.IsoLoCo(_three_params(), **kwargs)
+
+
+def test_a_nan_stack_is_named_by_its_param():
+    params = _three_params()
+    opt = ik.MergeLoCo(params, merge="tsv")
+    d = _worker_deltas(params, "nan-named")
+    d[2][1, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"MergeLoCo.step: stack 2: worker 1's Δ of param 2 contains NaN"):
+        opt.step(deltas=d)

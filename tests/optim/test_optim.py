@@ -4,14 +4,16 @@ torch.optim.SGD with iso=False, SGD-shaped state dicts, all-or-nothing steps, an
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
 from torch import nn
 
 import isoloco_kernels as ik
-from isoloco_kernels.reference import iso_flatten_ref, isoloco_step_ref
-from tests.helpers import DTYPES, TOL, rel_err
+from isoloco_kernels._validate import ResultOverflowError
+from isoloco_kernels.reference import iso_flatten_ref, isoloco_step_ref, nesterov_ref, sgd_nesterov_ref
+from tests.helpers import DTYPES, TOL, gen, rel_err
 
 # Matrices (with a transposed twin, 1×n and n×1), vectors, a 3-D tensor and a strided param.
 SHAPES = [(6, 9), (9, 6), (6, 9), (1, 7), (7, 1), (5,), (1,), (2, 3, 4), (4, 4)]
@@ -513,3 +515,259 @@ def test_outer_defaults_checks_in_order_for_both_optimizers():
         ik.IsoLoCo([nn.Parameter(torch.randn(3, 3))], nesterov=False, method="bogus")
     with pytest.raises(ValueError, match="iso must be a bool"):
         ik.IsoLoCo([nn.Parameter(torch.randn(3, 3))], iso=1)
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_isoloco_huge_grad_right_result_or_clear_error():
+    # auto picks svd for a square 128×128 on the CPU, which turned every param NaN here
+    ps = [torch.randn(128, 128, generator=_gen(6)), torch.randn(32, generator=_gen(7))]
+    grads = [torch.ones(128, 128) * 1e37 + torch.eye(128) * 1e36, torch.randn(32, generator=_gen(9)) * 1e37]
+    opt = ik.IsoLoCo(ps, lr=1.8, momentum=0.8)
+    for p, g in zip(ps, grads):
+        p.grad = g.clone()
+    ref_p, _ = isoloco_step_ref(ps, [torch.zeros_like(p) for p in ps], grads, 1.8, 0.8)
+    opt.step()
+    for p, r in zip(ps, ref_p):
+        assert torch.isfinite(p).all()
+        # float64 svd, then the float32 update (measured ≤ 5e-8); a float32 svd would be ~2e-4 off
+        assert rel_err(p, r) < TOL[("update", torch.float32)]
+
+
+def test_isoloco_update_that_overflows_is_refused_with_nothing_changed():
+    ps = [torch.randn(8, 8, generator=_gen(10)), torch.randn(8, generator=_gen(11))]
+    opt = ik.IsoLoCo(ps, lr=1.8, momentum=0.8)
+    ps[0].grad = torch.randn(8, 8, generator=_gen(12))
+    ps[1].grad = torch.full((8,), 3e38)  # lr·(1 + μ)·g overflows float32
+    before = [p.clone() for p in ps]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*(overflow|not finite)"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(ps, before))
+    assert len(opt.state) == 0
+
+
+def _opt_with_state(seed=30):
+    g = _gen(seed)
+    ps = [torch.randn(6, 4, generator=g), torch.randn(4, 6, generator=g), torch.randn(5, generator=g)]
+    opt = ik.IsoLoCo(ps, lr=0.5, momentum=0.9)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+    return ps, opt
+
+
+def test_isoloco_refuses_params_that_share_memory():
+    base = torch.randn(10, 4)
+    before = base.clone()
+    opt = ik.IsoLoCo([base[:6], base[4:]], lr=0.5, momentum=0.9)
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.randn(p.shape)
+    with pytest.raises(RuntimeError, match=r"overlap"):
+        opt.step()
+    assert torch.equal(base, before)
+
+
+def test_isoloco_refuses_an_inference_param():
+    with torch.inference_mode():
+        p = torch.randn(4, 4)
+    q = torch.randn(4, 4)
+    opt = ik.IsoLoCo([q, p], lr=0.5, momentum=0.9)
+    q.grad, p.grad = torch.randn(4, 4), torch.randn(4, 4)
+    before = q.clone()
+    with pytest.raises(RuntimeError, match=r"\[1\].*inference"):
+        opt.step()
+    assert torch.equal(q, before) and len(opt.state) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer objects: copies and state dicts
+
+
+def test_isoloco_deepcopy_and_pickle_step_like_the_original():
+    ps, opt = _opt_with_state(40)
+    opt.method = "svd"
+    clones = [copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]
+    assert all(c.method == "svd" for c in clones)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=_gen(41))
+    results = []
+    for c in clones:
+        cp = [q for g in c.param_groups for q in g["params"]]
+        for q, p in zip(cp, ps):
+            q.grad = p.grad.clone()
+        c.step()
+        results.append(cp)
+    opt.step()
+    for cp in results:
+        for q, p in zip(cp, ps):
+            assert torch.equal(q, p)
+
+
+def test_isoloco_pickled_with_a_process_group_says_so_when_stepped():
+    ps, opt = _opt_with_state(42)
+    opt.process_group = object()  # stands in for a group: not picklable, must not travel
+    clone = pickle.loads(pickle.dumps(opt))
+    assert clone.process_group is None
+    cp = clone.param_groups[0]["params"]
+    for q in cp:
+        q.grad = torch.randn(q.shape)
+    with pytest.raises(RuntimeError, match="process_group"):
+        clone.step()
+    clone.process_group = None
+    clone.step()  # usable again once the caller says there is no group
+
+
+# ----------------------------------------------------------------------------------------------
+# IsoLoCo: a grad sharing memory with a param or momentum buffer the step writes gets the
+# reference step (the step reads a copy of it)
+
+
+def _ref(p, buf, m, lr, mu):
+    return nesterov_ref(p, buf if buf is not None else torch.zeros_like(p, dtype=torch.float64), m, lr, mu)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(
+    "shape, group_lrs, iso",
+    [
+        pytest.param((6,), (1.8, 1.8), True, id="1d-one-call"),  # was off by ~1.2
+        pytest.param((6,), (1.8, 0.5), True, id="1d-two-lr-groups"),
+        pytest.param((4, 6), (1.8, 1.8), False, id="2d-iso-off"),
+        pytest.param((4, 6), (1.8, 1.8), True, id="2d-iso"),  # guard: the bucket copy made it right already
+    ],
+)
+def test_isoloco_grad_that_is_another_param_gets_the_reference_step(shape, group_lrs, iso):
+    g = _gen(3)
+    p, q = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    p.grad = torch.randn(*shape, generator=g)
+    q.grad = p.detach()  # q's pseudo-gradient is p's memory, written by the same step
+    opt = ik.IsoLoCo([{"params": [p], "lr": group_lrs[0]}, {"params": [q], "lr": group_lrs[1]}], iso=iso)
+    p0, q0, gp, gq = (t.detach().double().clone() for t in (p, q, p.grad, q.grad))
+    flat = (lambda t: iso_flatten_ref(t)) if (iso and len(shape) == 2) else (lambda t: t)
+    want_p, _ = _ref(p0, None, flat(gp), group_lrs[0], 0.8)
+    want_q, _ = _ref(q0, None, flat(gq), group_lrs[1], 0.8)
+    opt.step()
+    assert rel_err(p, want_p) <= TOL[("update", torch.float32)] * 10
+    assert rel_err(q, want_q) <= TOL[("update", torch.float32)] * 10
+
+
+# mu0 was wrong (the buffer was zeroed before it was read); mu0.8 guards the fused CPU kernel's route
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("momentum", [pytest.param(0.0, id="mu0"), pytest.param(0.8, id="mu0.8")])
+def test_isoloco_grad_that_is_its_momentum_buffer_gets_the_reference_step(momentum):
+    # a loaded buffer may be the very tensor later handed in as the grad
+    g = _gen(4)
+    p = torch.randn(6, generator=g)
+    p.grad = torch.randn(6, generator=g)
+    opt = ik.IsoLoCo([p], momentum=0.8)
+    opt.step()  # makes the buffer
+    opt.param_groups[0]["momentum"] = momentum  # μ 0: SGD's rule, the buffer is read as the grad and left alone
+    buf = opt.state[p]["momentum_buffer"]
+    p.grad = buf
+    p0, b0 = p.detach().double().clone(), buf.double().clone()
+    want_p, want_b = sgd_nesterov_ref(p0, b0, b0, 1.8, momentum)
+    opt.step()
+    assert rel_err(p, want_p) <= 1e-6 and rel_err(opt.state[p]["momentum_buffer"], want_b) <= 1e-6
+
+
+# ----------------------------------------------------------------------------------------------
+# IsoLoCo: the same rule through the optimizer, all-or-nothing
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.filterwarnings("ignore::isoloco_kernels.flatten.iteration_stats.FlattenFallbackWarning")
+@pytest.mark.parametrize("shape", [(16, 4), (4, 16), (7,)], ids=["tall", "wide", "vector"])
+def test_isoloco_huge_lr_with_tiny_grads_gives_the_reference_step(shape):
+    p = torch.randn(shape, generator=_gen(40))
+    g = torch.randn(shape, generator=_gen(41)) * 1e-30
+    want, _ = isoloco_step_ref([p], [torch.zeros_like(p)], [g], 1e39, 0.8)
+    opt = ik.IsoLoCo([p], lr=1e39, momentum=0.8)
+    p.grad = g
+    opt.step()
+    assert torch.isfinite(p).all() and rel_err(p, want[0]) <= 1e-5
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.filterwarnings("ignore::isoloco_kernels.flatten.iteration_stats.FlattenFallbackWarning")
+def test_isoloco_huge_lr_that_overflows_is_refused_with_nothing_changed():
+    # a tall param: the momentum buffers were updated, then a RuntimeError from torch
+    ps = [torch.randn(16, 4, generator=_gen(42)), torch.randn(3, generator=_gen(43))]
+    opt = ik.IsoLoCo(ps, lr=1e39, momentum=0.8)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=_gen(44))
+    before = [p.clone() for p in ps]
+    with pytest.raises(ResultOverflowError, match=r"IsoLoCo: param_groups\[0\]\['params'\]\[\d\].*overflows"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(ps, before)) and len(opt.state) == 0
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.filterwarnings("ignore::isoloco_kernels.flatten.iteration_stats.FlattenFallbackWarning")
+def test_isoloco_nan_param_is_refused_naming_it():
+    ps = [torch.randn(4, 6, generator=_gen(45)), torch.randn(3, generator=_gen(46))]
+    ps[1][0] = float("nan")
+    opt = ik.IsoLoCo(ps, lr=0.5, momentum=0.9)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=_gen(47))
+    before = ps[0].clone()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*param.*NaN"):
+        opt.step()
+    assert torch.equal(ps[0], before) and len(opt.state) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Meta and fake tensors
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.filterwarnings("ignore::isoloco_kernels.flatten.iteration_stats.FlattenFallbackWarning")
+def test_isoloco_on_meta_params_says_so():
+    p = torch.empty(4, 4, device="meta")
+    opt = ik.IsoLoCo([p])
+    p.grad = torch.empty(4, 4, device="meta")
+    with pytest.raises(RuntimeError, match=r"\['params'\]\[0\].*the param is a meta tensor"):
+        opt.step()
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.filterwarnings("ignore::isoloco_kernels.flatten.iteration_stats.FlattenFallbackWarning")
+def test_isoloco_with_a_meta_momentum_buffer_says_so_with_nothing_changed():
+    p = torch.randn(4, 4, generator=_gen(60))
+    opt = ik.IsoLoCo([p])
+    p.grad = torch.randn(4, 4, generator=_gen(61))
+    opt.state[p]["momentum_buffer"] = torch.empty(4, 4, device="meta")
+    before = p.clone()
+    with pytest.raises(ValueError, match=r"momentum_buffer is a meta tensor"):
+        opt.step()
+    assert torch.equal(p, before)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.filterwarnings("ignore::isoloco_kernels.flatten.iteration_stats.FlattenFallbackWarning")
+def test_isoloco_with_a_meta_lr_tensor_says_so():
+    with pytest.raises(ValueError, match=r"'lr' is a meta tensor"):
+        ik.IsoLoCo([torch.randn(3)], lr=torch.tensor(0.1, device="meta"))
+
+
+def _three_params(dtype=torch.float32, key="contracts"):
+    g = gen(key)
+    shapes = [(7, 5), (4,), (3, 6)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_isoloco_steps_as_the_original(how):
+    params = _three_params()
+    opt = ik.IsoLoCo(params, lr=0.7, momentum=0.8, method="polar")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    params2, opt2 = copy.deepcopy((params, opt)) if how == "deepcopy" else pickle.loads(pickle.dumps((params, opt)))
+    assert opt2.method == "polar"
+    for p, q in zip(params, params2):
+        q.grad = p.grad.clone()
+    opt.step()
+    opt2.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, params2))

@@ -77,3 +77,19 @@ def test_the_loop_steps_the_schedule_each_round():
         got[kind] = run_mode("isoloco", Setup(cfg, corpus))
     assert got["warmup-cosine"]["outer_schedule"] == "warmup-cosine" and "outer_schedule" not in got["constant"]
     assert got["warmup-cosine"]["final_loss"] != got["constant"]["final_loss"]
+
+
+def test_each_outer_step_runs_once_before_training(monkeypatch):
+    from isoloco_kernels.train.config import TrainConfig
+    from isoloco_kernels.train.optimizers import check_outer_step
+
+    cfg = TrainConfig(workers=1, merge="tsv")
+    check_outer_step("isoloco", cfg)  # K = 1 is a merge's value for one worker: it runs
+    check_outer_step("ddp", cfg)  # no outer step: nothing to check
+
+    def refuse(self, *a, **k):
+        raise ValueError("this merge cannot run here")
+
+    monkeypatch.setattr(ik.MergeLoCo, "step", refuse)
+    with pytest.raises(ValueError, match="--mode isoloco with K=1, merge 'tsv': its outer step cannot run: this merge"):
+        check_outer_step("isoloco", cfg)

@@ -1,5 +1,5 @@
-"""Edges a new user meets first: the op's default method, autograd, parameters with 3 or more dims
-(convolutions), and momentum 0 with Nesterov (accepted here, refused by torch.optim.SGD)."""
+"""Parameters with 3 or more dims in the outer step (outer/nd.py): named once at construction, flattened as
+dim 0 × the rest with iso_nd=True, the plain DiLoCo update by default, refused for N-D DTensor params."""
 
 from __future__ import annotations
 
@@ -18,45 +18,7 @@ import isoloco_kernels as ik
 from isoloco_kernels.outer.nd import NDParamWarning
 from isoloco_kernels.reference import iso_flatten_ref, nesterov_ref
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-# -- the op's schema takes the Python API's default method ------------------------------------
-
-
-def test_op_method_defaults_to_auto_like_the_python_api():
-    schema = str(torch.ops.isoloco.iso_flatten_.default._schema)
-    assert 'str method="auto"' in schema, schema
-    x = torch.randn(3, 12, 7, dtype=torch.float64)
-    y = x.clone()
-    torch.ops.isoloco.iso_flatten_(x)  # no method: "auto"
-    ik.iso_merge_([y], method="auto")
-    assert torch.equal(x, y)
-    err = (x - iso_flatten_ref(y.clone())).norm() / x.norm()  # and it is the Iso-C flatten
-    assert err < 1e-10
-
-
-# -- autograd: refused, not silently dropped --------------------------------------------------
-
-
-def test_iso_flatten_refuses_a_tensor_that_requires_grad_with_grad_on():
-    x = torch.randn(6, 4, requires_grad=True)
-    before = x.detach().clone()
-    with pytest.raises(RuntimeError, match=r"iso_flatten: x requires grad, but Iso-C has no backward.*x\.detach\(\)"):
-        ik.iso_flatten(x)
-    nonleaf = x * 2
-    with pytest.raises(RuntimeError, match="requires grad"):
-        ik.iso_flatten(nonleaf)
-    assert torch.equal(x.detach(), before) and x.grad is None
-    ref = iso_flatten_ref(before).float()
-    for y in (ik.iso_flatten(x.detach()), _under_no_grad(x)):
-        assert not y.requires_grad and torch.allclose(y, ref, atol=1e-5)
-
-
-def _under_no_grad(x):
-    with torch.no_grad():
-        return ik.iso_flatten(x)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # -- parameters with 3 or more dims -------------------------------------------------------------
@@ -67,6 +29,7 @@ def _conv_net():
     return nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 4, 1), nn.Flatten(), nn.Linear(4 * 4 * 4, 5))
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_nd_params_are_named_once_at_construction():
     net = _conv_net()
     with warnings.catch_warnings(record=True) as w:
@@ -111,14 +74,17 @@ def _step_and_compare(iso_nd: bool, momentum: float = 0.8):
     return params
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_iso_nd_flattens_each_nd_grad_as_dim0_by_the_rest():
     _step_and_compare(iso_nd=True)
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_default_gives_nd_grads_the_plain_diloco_update():
     _step_and_compare(iso_nd=False)
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_iso_nd_is_checked_and_survives_copies():
     with pytest.raises(ValueError, match="iso_nd must be a bool, got 'yes'"):
         ik.IsoLoCo(_conv_net().parameters(), iso_nd="yes")
@@ -130,6 +96,7 @@ def test_iso_nd_is_checked_and_survives_copies():
     ), "iso_nd stays out of the SGD-shaped state dict"
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.slow  # a fresh interpreter with a process group
 def test_iso_nd_is_refused_for_nd_dtensor_params_and_sharded_isoloco_warns():
     """One gloo rank in a process of its own (a default process group would leak into other tests)."""
@@ -162,23 +129,3 @@ def test_iso_nd_is_refused_for_nd_dtensor_params_and_sharded_isoloco_warns():
     assert "REFUSED IsoLoCo: iso_nd=True is not supported for DTensor params" in out.stdout, out.stdout
     sharded = out.stdout.split("SHARDED", 1)[1]
     assert "<string>: ShardedIsoLoCo: 1 param(s) with 3 or more dims (first: param 0 (shape (4, 2, 3)))" in sharded
-
-
-# -- momentum 0 with Nesterov: accepted (plain averaging), where SGD refuses --------------------
-
-
-def test_momentum_zero_with_nesterov_is_the_plain_step_sgd_refuses():
-    with pytest.raises(ValueError, match="Nesterov momentum requires a momentum"):
-        torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=1.0, momentum=0, nesterov=True)
-    torch.manual_seed(1)
-    p = nn.Parameter(torch.randn(5, 3))
-    q = nn.Parameter(p.detach().clone())
-    opt = ik.IsoLoCo([p], lr=0.7, momentum=0, nesterov=True, iso=False)
-    sgd = torch.optim.SGD([q], lr=0.7, momentum=0)
-    for _ in range(3):
-        g = torch.randn(5, 3)
-        p.grad, q.grad = g.clone(), g.clone()
-        opt.step()
-        sgd.step()
-        assert torch.allclose(p, q, atol=1e-6)
-    _step_and_compare(iso_nd=True, momentum=0.0)  # with Iso-C: θ ← θ − lr·iso(Δ)
