@@ -62,7 +62,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script:
 
 from isoloco_kernels.train import Setup, TrainConfig, load_corpus, run_mode
 from isoloco_kernels.train.config import OUTER_DEFAULTS
-from study.summarize import read_jsonl, results_files, run_key
+from study.common.records import read_jsonl, results_files, run_key
 
 STEPS_PER_WORKER = 300
 EVAL_WINDOWS = 1024  # per split: the paired-difference noise of 64 windows hid gaps ≤ 0.05
@@ -129,7 +129,7 @@ def parse_lrs(text: str) -> list[tuple[str, float | None, float | None]]:
 def study_folder(out: Path) -> Path:
     """The study an --out file belongs to: study/ for study/<question>/results/<file>.jsonl; for any other
     --out its own folder (a scratch study). The study folder holds the claims (.claims/), the BPE tokenizer
-    cache (.tokenizers/) and STOP; its run records are summarize.results_files(folder)."""
+    cache (.tokenizers/) and STOP; its run records are common.records.results_files(folder)."""
     return out.parent.parent.parent if out.parent.name == "results" else out.parent
 
 
@@ -152,7 +152,7 @@ def cell_of(k: tuple) -> tuple:
 
 
 def grid_settings(v3: dict) -> dict:
-    """The settings of the grid (v3.grids: constant schedule, uncompressed; any μ) a `best:` job picks from."""
+    """The settings of the grid (common.grids.grids: constant schedule, uncompressed; any μ) a `best:` job picks from."""
     return {**{k: v for k, v in v3.items() if k not in ("outer_schedule", "compress")}, "mu": None}
 
 
@@ -360,7 +360,7 @@ def main() -> None:
     if best:  # each method's best config so far in the cell, on more seeds
         if study != "v3":
             p.error("--lrs best:MODES picks from study v3's grids: add --part v3")
-        from study.cells.v3 import best_jobs
+        from study.common.grids import best_jobs
 
         grid = {k: v for k, v in v3.items() if k not in ("outer_schedule", "compress")}  # the grid best: reads
         grid_cells = {

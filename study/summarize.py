@@ -1,34 +1,27 @@
-"""Summarize every question's study/<question>/results/*.jsonl: tables (markdown), summary JSONs and PNGs.
+"""Regenerate every summary, plot and table of the study from its questions' run records.
 
-    python study/summarize.py            # or python -m study.summarize: regenerates every summary and plot
-                                         # and prints the markdown tables the questions' notes show
+    python study/summarize.py            # or: python -m study.summarize
 
-This file reads the run records (read_jsonl; run_key, what makes a run that run; results_files, every
-question's results files in one order; load, their runs once), holds the paired bootstrap interval the
-studies' gaps use (paired_bootstrap_ci), and runs the pipeline (main), each table printed after its
-`<!-- name -->` marker and each output written into its question's folder:
+reads every question's study/<question>/results/*.jsonl (common/records.py `load`), writes each summary and plot
+into its question's folder and prints each table, after its `<!-- name -->` marker, for the questions' notes:
 
-    init_scale/   study v2's summary, tables and figures (v2.py, v2_plots.py): summary_v2.json, study_v2*.png
-    cells/        study v3's (v3.py): summary_v3.json, study_v3.png
-    merges/       study v5 part B's (v5.py): summary_v5_merges.json, study_v5_merges.png
-    horizon/      study v6's (v6.py): summary_v6.json (parts A, B and k_scaling's part C), study_v6_horizon.png
-    k_scaling/    study v6 part C's plot: study_v6_fixed_compute.png
-    compression/  the compressed exchange's (compression.py): summary_compress.json, study_compress.png
-    precision/    study v4's (v4.py): summary_v4.json, study_v4.png
+    init_scale/   study v2 (v2.py, v2_plots.py): summary_v2.json, study_v2.png, study_v2_gap.png, study_v2_grid.png
+    cells/        study v3 (v3.py): summary_v3.json, study_v3.png
+    merges/       study v5 part B (v5.py): summary_v5_merges.json, study_v5_merges.png
+    horizon/      study v6 parts A and B (v6.py): summary_v6.json (with k_scaling's part C), study_v6_horizon.png
+    k_scaling/    study v6 part C (v6.py): study_v6_fixed_compute.png
+    compression/  the compressed exchange (compression.py): summary_compress.json, study_compress.png
+    precision/    study v4 (v4.py): summary_v4.json, study_v4.png
 
-where their runs exist. run_study.py imports read_jsonl, results_files and run_key from here.
-
-Study v2 records ("study": "v2" in the JSONL) are summarized per (init, vocab, K, H, rounds) cell,
-v1 runs joining the v2 cells as GPT-2-init byte-level runs without divergence measurements (v2.py).
-Study v1 is frozen into its results: its tables are in study/cells/notes.md, its numbers in
-study/cells/summary.json and its figure in study/cells/study.png, all written by the v1 pipeline of this
-file, which git history keeps.
+each where its runs exist. Study v2 records ("study": "v2" in the JSONL) are summarized per (init, vocab, K, H,
+rounds) cell, v1 runs joining the v2 cells as GPT-2-init byte-level runs without divergence measurements (v2.py).
+Study v1 is frozen into its results: its tables are in cells/notes.md, its numbers in cells/summary.json and its
+figure in cells/study.png, all written by the v1 pipeline of this file, which git history keeps.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -38,106 +31,10 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))
 
+from study.common.records import load, plain, read_jsonl
+from study.common.stats import paired_bootstrap_ci
 from study.init_scale.v2 import markdown_v2, summary_v2
 from study.init_scale.v2_plots import plot_grid, plots_v2
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The run records of one results file. ValueError naming the file and line for a line that is
-    not a JSON object (a run cut off while it was written: delete that line and rerun the job)."""
-    out = []
-    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"{path}:{i}: not a JSON record ({e.msg}); a run cut off while it was written? "
-                "delete the line and run the job again"
-            ) from None
-        if not isinstance(r, dict):
-            raise ValueError(f"{path}:{i}: a {type(r).__name__}, not a run record (a JSON object)")
-        out.append(r)
-    return out
-
-
-def run_key(r: dict) -> tuple:
-    """What makes a run the run it is: its config (records from before the selection / test split
-    lack eval_split: they were scored on 64 windows over the whole held-out text), and study v3's
-    regime settings and outer momentum ("v3")."""
-    v3 = r.get("v3")
-    return (
-        r["seed"],
-        r["workers"],
-        r["inner_steps"],
-        r["mode"],
-        r["outer_lr"],
-        r.get("study", "v1"),
-        r.get("init", "gpt2"),
-        r.get("vocab", 256),
-        r["rounds"],
-        r.get("eval_split", "whole"),
-        r.get("eval_windows", 64),
-        None if v3 is None else tuple(sorted(v3.items())),
-    )
-
-
-def results_files(study: Path = HERE) -> list[Path]:
-    """Every run-record file of the study in `study`: each question's results/*.jsonl (and any *.jsonl in
-    `study` itself: a scratch study's, run_study.study_folder), in the order of their names. That is the order
-    the one results folder listed them in before the study was split by question, and it matters: a run two
-    processes both executed is kept as first read. Two files of one name would make the order ambiguous."""
-    files = sorted([*study.glob("*/results/*.jsonl"), *study.glob("*.jsonl")], key=lambda f: f.name)
-    names = [f.name for f in files]
-    if len(set(names)) != len(names):
-        raise ValueError(f"{study}: two results files share a name: {sorted(n for n in names if names.count(n) > 1)}")
-    return files
-
-
-def load(study: Path = HERE) -> list[dict]:
-    """The runs of every results file of the study (results_files), each once (a run two processes both
-    executed is kept as first read)."""
-    recs, seen = [], set()
-    for f in results_files(study):
-        for r in read_jsonl(f):
-            k = run_key(r)
-            if k not in seen:
-                seen.add(k)
-                recs.append(r)
-    return recs
-
-
-def plain(r: dict) -> bool:
-    """A run at a constant outer schedule with an uncompressed exchange: what every study before v6 ran, and all
-    that their summaries (v2 to v5) read. Study v6's scheduled runs and the compressed-exchange runs have their own."""
-    v3 = r.get("v3") or {}
-    return "compress" not in v3 and v3.get("outer_schedule", "constant") == "constant"
-
-
-def paired_bootstrap_ci(a, b, level: float = 0.95, n_boot: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
-    """(mean, lo, hi): the mean of the paired differences a_i − b_i and its percentile-bootstrap
-    interval at `level`. Pair i is one seed of both methods (same init and data), so the pairs are
-    resampled together, with replacement, n_boot times, and the interval is the (1 − level)/2 and
-    (1 + level)/2 quantiles of the resampled means. Deterministic for a given seed. With fewer than
-    two pairs there is no interval: lo and hi are NaN. With few pairs (3 seeds) the percentile
-    interval is too narrow (it cannot be wider than the pairs' range); read it with the pairs."""
-    import random
-
-    if len(a) != len(b):
-        raise ValueError(f"paired samples must have the same length, got {len(a)} and {len(b)}")
-    if not 0 < level < 1 or n_boot < 1:
-        raise ValueError(f"level must be in (0, 1) and n_boot ≥ 1, got {level}, {n_boot}")
-    d = [x - y for x, y in zip(a, b)]
-    if not d:
-        raise ValueError("no pairs")
-    mean = statistics.fmean(d)
-    if len(d) < 2:
-        return mean, float("nan"), float("nan")
-    rng, n = random.Random(seed), len(d)
-    boots = sorted(statistics.fmean(rng.choices(d, k=n)) for _ in range(n_boot))
-    q = lambda p: boots[min(n_boot - 1, max(0, round(p * (n_boot - 1))))]
-    return mean, q((1 - level) / 2), q((1 + level) / 2)
 
 
 def main() -> None:

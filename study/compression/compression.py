@@ -1,7 +1,7 @@
 """Compressed exchange: does IsoLoCo's gain over DiLoCo survive 8-, 4- and 2-bit pseudo-gradients?
 
 The runs are study v3 records whose settings carry "compress" (a compress.parse spec: format, block, β and, where
-set, the error feedback's placement); the uncompressed runs of the same cell are the v3 grid's (study/cells/v3.py
+set, the error feedback's placement); the uncompressed runs of the same cell are the v3 grid's (study/common/grids.py
 `grids`). In each (spec, method) the config is v3's rule (`best_config`: the lowest mean selection loss over the
 seeds every config has), so a spec run at one lr takes that lr and a retuned spec (the 2-bit cells, three lrs)
 takes its best. Reported on the test split, paired per seed, with 95 % Student-t intervals:
@@ -22,7 +22,8 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from study.cells.v3 import _cell, _fmt, best_config, grids, paired_t
+from study.common.grids import best_config, grids, record_cell
+from study.common.stats import fmt, paired_t
 
 METHODS = ("diloco", "isoloco")
 UNCOMPRESSED = "fp32"  # the uncompressed route's row: a ring all-reduce in float32
@@ -36,7 +37,7 @@ def compressed_grids(recs: list[dict]) -> dict:
         if r.get("study") != "v3" or spec is None or r["v3"].get("outer_schedule", "constant") != "constant":
             continue
         if r["mode"] in METHODS:
-            out[_cell(r)][spec][r["mode"]][(r.get("outer_lr"), r.get("outer_momentum"))].setdefault(r["seed"], r)
+            out[record_cell(r)][spec][r["mode"]][(r.get("outer_lr"), r.get("outer_momentum"))].setdefault(r["seed"], r)
     return out
 
 
@@ -73,7 +74,7 @@ def _pick(grid: dict) -> dict | None:
 def summarize_compress(recs: list[dict]) -> dict:
     """{cell label: {"rows": {spec: {method: pick, "iso_minus_diloco": gap, "<method>_vs_32bit": gap}},
     "ef": {format:block: {method: with − without}}}} for every cell with compressed runs."""
-    from study.cells.v3 import cell_label
+    from study.common.grids import cell_label
 
     plain = grids(recs)
     out = {}
@@ -118,7 +119,7 @@ def _order(spec: str) -> tuple:
 def _iv(g: dict | None) -> str:
     if not g:
         return "—"
-    return f"{_fmt(g['mean'])} [{_fmt(g['t_lo'])}, {_fmt(g['t_hi'])}]"
+    return f"{fmt(g['mean'])} [{fmt(g['t_lo'])}, {fmt(g['t_hi'])}]"
 
 
 def markdown_compress(s: dict) -> str:
@@ -139,7 +140,7 @@ def markdown_compress(s: dict) -> str:
             for m in METHODS:
                 p = row.get(m)
                 edge = ", edge" if p and p["edge"] and len(p["grid"]) > 1 else ""  # a lone lr is no tuned grid
-                cells.append("—" if not p else f"{_fmt(p['test_mean'], '.4f')} ({p['lr']} @ {p['momentum']}{edge})")
+                cells.append("—" if not p else f"{fmt(p['test_mean'], '.4f')} ({p['lr']} @ {p['momentum']}{edge})")
                 cells.append("" if spec == UNCOMPRESSED else _iv(row.get(f"{m}_vs_32bit")))
             lines.append(f"| {spec} | {ratio} | {' | '.join(cells)} | {_iv(row.get('iso_minus_diloco'))} |")
         if c["ef"]:

@@ -2,7 +2,7 @@
 
 The base cell (tiny preset, K 4, H 30, 4 × 64 bytes, AdamW inner) trained for 300 outer rounds (9,000 inner
 steps per worker, ≈ 19.7 tokens per parameter), both held-out splits scored every 10 rounds. Each method is
-tuned at that horizon by v3's rule (study/cells/v3.py `best_config`: seed-0 pick on the selection split at the last
+tuned at that horizon by v3's rule (study/common/grids.py `best_config`: seed-0 pick on the selection split at the last
 round, seeds 1 and 2 of the pick, the test split reported). The table gives IsoLoCo − DiLoCo on the test
 split at rounds 10, 30, 100 and the end, paired per seed, with a 95 % Student-t interval, and each method's
 gap to DDP at the same tokens; the plot draws the gap against the rounds (per seed and the mean).
@@ -12,7 +12,8 @@ gap to DDP at the same tokens; the plot draws the gap against the rounds (per se
 
 from __future__ import annotations
 
-from study.cells.v3 import _cell, _fmt, best_config, grids, paired_t
+from study.common.grids import best_config, grids, record_cell
+from study.common.stats import fmt, paired_t
 
 #: The horizon cell: v3's cell keys (K, H, rounds, vocab, init) and settings (batch, seq_len, inner, inner_lr, model).
 HORIZON = (4, 30, 300, 256, "gpt2", 4, 64, "adamw", 3e-3, "tiny")
@@ -22,7 +23,7 @@ TINY_PARAMS = 467_584
 
 
 def horizon_picks(recs: list[dict], cell: tuple = HORIZON) -> dict:
-    """method -> its best config at the horizon (v3.best_config) and that config's records by seed."""
+    """method -> its best config at the horizon (common.grids.best_config) and that config's records by seed."""
     grid = grids(recs).get(cell, {})
     out = {}
     for mode in ("ddp", "diloco", "isoloco"):
@@ -72,7 +73,7 @@ def summarize_v6(recs: list[dict], cell: tuple = HORIZON) -> dict:
 def _interval(g: dict | None) -> str:
     if not g:
         return "—"
-    return f"{_fmt(g['mean'])} [{_fmt(g['t_lo'])}, {_fmt(g['t_hi'])}] ({g['seeds']} seeds)"
+    return f"{fmt(g['mean'])} [{fmt(g['t_lo'])}, {fmt(g['t_hi'])}] ({g['seeds']} seeds)"
 
 
 def markdown_v6(s: dict) -> str:
@@ -134,7 +135,7 @@ def _schedule_runs(recs: list[dict], cell: tuple, schedule: str, mode: str, lr, 
     out: dict = {}
     for r in recs:
         v = r.get("v3") or {}
-        if r.get("study") != "v3" or "compress" in v or _cell(r) != cell or r["mode"] != mode:
+        if r.get("study") != "v3" or "compress" in v or record_cell(r) != cell or r["mode"] != mode:
             continue
         if v.get("outer_schedule", "constant") != schedule or (r.get("outer_lr"), r.get("outer_momentum")) != (lr, mu):
             continue
@@ -147,7 +148,7 @@ def _seed0_under(recs: list[dict], cell: tuple, schedule: str):
     """Seed 0's DiLoCo and IsoLoCo records in `cell` under `schedule`, uncompressed, at any lr and μ."""
     for r in recs:
         v = r.get("v3") or {}
-        if r.get("study") == "v3" and r["seed"] == 0 and "compress" not in v and _cell(r) == cell:
+        if r.get("study") == "v3" and r["seed"] == 0 and "compress" not in v and record_cell(r) == cell:
             if v.get("outer_schedule", "constant") == schedule and r["mode"] in ("diloco", "isoloco"):
                 yield r
 

@@ -295,7 +295,7 @@ def correlations(pts: list[tuple]) -> dict:
 
 
 def summary_v2(recs: list[dict]) -> tuple[dict, list[dict]]:
-    """The v2 summary (what summary_v2.json holds) of the runs `summarize.load` read, and the v2 runs."""
+    """The v2 summary (what summary_v2.json holds) of the runs `common.records.load` read, and the v2 runs."""
     # v1 and v2 were scored on the 64 windows over the whole held-out text of their loop; runs scored
     # on the selection / test splits (records with "eval_split") are not mixed into their tables
     recs = [r for r in recs if "eval_split" not in r]

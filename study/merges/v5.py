@@ -3,7 +3,7 @@
 Every merge is a study method (run_study.VARIANTS: "tsv", "iso_cts", "ties", "dare" with IsoLoCo's
 Nesterov outer step at μ 0.8, "<merge>-sgd" and "isoloco-sgd" with outer SGD), tuned over its outer lr
 by v3's rule (seed-0 pick on the selection split, seeds 1 and 2 of the pick, test split reported,
-study/cells/v3.py `best_config`). Each row's gap to DiLoCo (mean: tuned over lr and μ in v3) is paired per
+study/common/grids.py `best_config`). Each row's gap to DiLoCo (mean: tuned over lr and μ in v3) is paired per
 seed with a 95 % Student-t interval; "edge" marks a pick on its grid's edge; the outer step's seconds
 per round come from the pick's records (the cost a user pays, on the 2-core CPU the study ran on).
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import statistics
 
-from study.cells.v3 import BASE, _fmt, _paired_gap
+from study.common.grids import BASE
+from study.common.stats import fmt, paired_gap
 
 # (method, outer step, study mode) in the table's order; mean/Nesterov is DiLoCo itself (the baseline)
 ROWS = (
@@ -79,7 +80,7 @@ def summarize_merges(v3_summary: dict, recs: list[dict], paired_ci) -> list[dict
                 "edge": best["edge"],
                 "seeds": sorted(best["test"]),
                 "test_mean": statistics.fmean(test) if test else None,
-                "gap": None if mode == "diloco" else _paired_gap(best, row["diloco"], paired_ci),
+                "gap": None if mode == "diloco" else paired_gap(best, row["diloco"], paired_ci),
                 "outer_s_per_round": _outer_s_per_round(recs, mode, best),
             }
         )
@@ -93,13 +94,13 @@ def markdown_merges(rows: list[dict]) -> str:
     ]
     for r in rows:
         g = r["gap"]
-        gap = "—" if g is None else f"{_fmt(g['mean'])} [{_fmt(g['t_lo'])}, {_fmt(g['t_hi'])}]"
+        gap = "—" if g is None else f"{fmt(g['mean'])} [{fmt(g['t_lo'])}, {fmt(g['t_hi'])}]"
         if g is not None and g["t_hi"] < 0:
             gap = f"**{gap}**"
         pick = f"{r['lr']:g} @ {r['momentum']:g}" + (" (edge)" if r["edge"] else "")
         sec = "—" if r["outer_s_per_round"] is None else f"{r['outer_s_per_round']:.3f}"
         lines.append(
-            f"| {r['method']} | {r['outer']} | {pick} | {_fmt(r['test_mean'], '.3f')} ({len(r['seeds'])}) | {gap} "
+            f"| {r['method']} | {r['outer']} | {pick} | {fmt(r['test_mean'], '.3f')} ({len(r['seeds'])}) | {gap} "
             f"| {sec} |"
         )
     return "\n".join(lines)

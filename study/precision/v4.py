@@ -17,7 +17,8 @@ import ast
 import statistics
 from collections import defaultdict
 
-from study.cells.v3 import CELL_KEYS, SETTING_KEYS, _mean, cell_label, short_label, t_interval
+from study.common.grids import CELL_KEYS, SETTING_KEYS, cell_label, short_label
+from study.common.stats import mean_of, t_interval
 
 ANCHOR = "svd"
 # loosest first: what each method does to the flatten (flattens.py for the study-only ones)
@@ -56,14 +57,14 @@ NOISE_PREFIX = "svd_noise"  # diagnostics: what error the loss notices, not meth
 
 
 def _cell(r: dict) -> tuple:
-    """v3's cell of a record; init and vocab as summarize.run_key reads them (the first v4 records lack them:
+    """v3's cell of a record; init and vocab as common.records.run_key reads them (the first v4 records lack them:
     GPT-2 init, bytes)."""
     defaults = {"init": "gpt2", "vocab": 256}
     return tuple(r.get(k, defaults.get(k)) for k in CELL_KEYS) + tuple(r["v3"].get(k) for k in SETTING_KEYS)
 
 
 def _cell_of_key(key: tuple) -> tuple:
-    """The cell of a run key (summarize.run_key) as `_cell` names it."""
+    """The cell of a run key (common.records.run_key) as `_cell` names it."""
     seed, K, H, mode, lr, study, init, vocab, rounds, split, windows, settings = key
     s = dict(settings)
     return (K, H, rounds, vocab, init) + tuple(s.get(k) for k in SETTING_KEYS)
@@ -130,7 +131,7 @@ def summarize_v4(recs: list[dict], spectra: list[dict]) -> dict:
                     "fallbacks": None
                     if not fb
                     else {"matrices": sum(f["matrices"] for f in fb), "recomputed": sum(f["recomputed"] for f in fb)},
-                    "cpu_s": _mean(r.get("cpu_s") for r in runs.values()),
+                    "cpu_s": mean_of(r.get("cpu_s") for r in runs.values()),
                 }
             label = cell_label(cell) + f", IsoLoCo {lr:g} @ {mu:g}"
             out[label] = {"cell": dict(zip(CELL_KEYS + SETTING_KEYS, cell)), "config": [lr, mu], "methods": rows}

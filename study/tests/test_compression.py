@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from study.cells import v3
+from study.common.grids import grids
 from study.compression import compression as comp
 from study.tests.helpers import study_record
 
@@ -37,7 +37,7 @@ def _records():
 
 
 def test_compressed_runs_never_join_the_v3_grids():
-    cells = v3.grids(_records())
+    cells = grids(_records())
     (cell,) = cells
     assert set(cells[cell]["diloco"]) == {(0.7, 0.0)} and set(cells[cell]["isoloco"]) == {(3.2, 0.8)}
 

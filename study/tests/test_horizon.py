@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from study.cells import v3
+from study.common.grids import grids
 from study.horizon import v6
 from study.tests.helpers import study_record
 
@@ -90,7 +90,7 @@ def test_runs_with_an_outer_schedule_are_not_grid_points():
     plain = _rec("diloco", 0.7, 0.0, 0, 1.6, lambda r: 2.0)
     warm = _rec("diloco", 0.5, 0.0, 0, 1.1, lambda r: 1.5)  # better, but warmed up: not a grid point
     warm["v3"] = {**warm["v3"], "outer_schedule": "warmup"}
-    (grid,) = v3.grids([plain, warm]).values()
+    (grid,) = grids([plain, warm]).values()
     assert list(grid["diloco"]) == [(0.7, 0.0)]
 
 

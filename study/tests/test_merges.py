@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from study import run_study as rs
-from study import summarize
 from study.capacity import v5_mechanism as vm
 from study.cells import v3
+from study.common.stats import paired_bootstrap_ci
 from study.merges import v5
 from study.tests.helpers import study_record
 
@@ -44,9 +44,7 @@ def test_the_merge_table_pairs_each_pick_with_tuned_diloco():
         _rec("tsv", 1.8, 0.8, 1, 2.41, 2.31, outer_s=16.0),
         _rec("tsv", 1.8, 0.8, 2, 2.42, 2.32, outer_s=18.0),
     ]
-    rows = v5.summarize_merges(
-        v3.summarize_v3(recs, summarize.paired_bootstrap_ci), recs, summarize.paired_bootstrap_ci
-    )
+    rows = v5.summarize_merges(v3.summarize_v3(recs, paired_bootstrap_ci), recs, paired_bootstrap_ci)
     by_mode = {r["mode"]: r for r in rows}
     assert set(by_mode) == {"diloco", "tsv"}
     tsv = by_mode["tsv"]

@@ -14,8 +14,8 @@ import torch
 
 from isoloco_kernels.flatten import registry as flatten
 from isoloco_kernels.reference import iso_flatten_ref
+from study.common.records import run_key
 from study.precision import flattens, v4
-from study.summarize import run_key
 from study.tests.helpers import study_record
 from tests.helpers import flatness as helpers_flatness
 from tests.helpers import rel_err

@@ -14,7 +14,8 @@ import torch
 from isoloco_kernels.train import Setup, TrainConfig, run_mode
 from isoloco_kernels.train.data import Corpus
 from study.cells import v3 as v3_module
-from study.summarize import paired_bootstrap_ci, run_key
+from study.common.records import run_key
+from study.common.stats import paired_bootstrap_ci
 from study.tests.helpers import study_record
 
 STUDY = Path(__file__).resolve().parents[1]
