@@ -452,51 +452,6 @@ except SystemExit as e:
     assert (tmp_path / "run" / "results.json").exists() and not (tmp_path / "run" / "loss.png").exists()
 
 
-def test_captures_become_bucket_sets(tmp_path):
-    from bench.captured import load_captured_sets, slim
-
-    cap = tmp_path / "cap"
-    assert (
-        main(
-            CLI_SMALL
-            + [
-                "--out",
-                str(tmp_path / "run"),
-                "--mode",
-                "diloco",
-                "--save-pseudo-gradients",
-                str(cap),
-                "--save-rounds",
-                "last",
-            ]
-        )
-        == 0
-    )
-    small = slim(cap, tmp_path / "slim", keep=["tok.", "head.", "blocks.1."], dtype="float16")
-    assert [p.name for p in small] == ["round_002.pt"]
-    for folder, n_mats in ((cap, 11), (tmp_path / "slim", 6)):
-        ((name, e),) = load_captured_sets(folder).items()
-        assert name == "captured-diloco-r2"
-        assert sum(b for b, _, _ in e["shapes"]) == n_mats
-        for (b, m, n), x, names, cond in zip(e["shapes"], e["src"], e["names"], e["cond"]):
-            assert x.shape == (b, m, n) and m >= n and x.dtype == torch.float32 and len(names) == b
-            assert all(c is not None and c >= 1 for c in cond)
-        assert any(n.endswith("ᵀ") for ns in e["names"] for n in ns)  # MLP down (128×512) stored tall
-
-
-def test_committed_capture_sample():
-    from bench.captured import DATA, load_captured_sets
-
-    size = sum(p.stat().st_size for p in DATA.rglob("*") if p.is_file())
-    assert size < 2_000_000
-    sets = load_captured_sets()
-    assert {"captured-bytes-isoloco-r10", "captured-bpe1024-isoloco-r10"} <= set(sets)
-    bpe = sets["captured-bpe1024-isoloco-r10"]
-    assert (2, 1024, 128) in bpe["shapes"]  # the BPE embedding and head
-    for e in sets.values():
-        assert all(torch.isfinite(x).all() and x.abs().max() > 0 for x in e["src"])
-
-
 # ----------------------------------------------------------------------------------------------
 # selection and test splits, Muon inner steps, outer momentum, the torch init's position table
 
