@@ -9,7 +9,7 @@ into its question's folder and prints each table, after its `<!-- name -->` mark
     cells/        study v3 (v3.py): summary_v3.json, study_v3.png
     merges/       study v5 part B (v5.py): summary_v5_merges.json, study_v5_merges.png
     horizon/      study v6 parts A and B (v6.py): summary_v6.json (with k_scaling's part C), study_v6_horizon.png
-    k_scaling/    study v6 part C (v6.py): study_v6_fixed_compute.png
+    k_scaling/    study v6 part C (fixed_compute.py): study_v6_fixed_compute.png
     compression/  the compressed exchange (compression.py): summary_compress.json, study_compress.png
     precision/    study v4 (v4.py): summary_v4.json, study_v4.png
 
@@ -76,18 +76,19 @@ def main() -> None:
             (HERE / "merges" / "summary_v5_merges.json").write_text(json.dumps(merges, indent=1))
             plot_merges(merges, HERE / "merges" / "study_v5_merges.png")
             print("\n<!-- v5 merges -->\n" + markdown_merges(merges))
-        from study.horizon import v6  # study v6: the horizon (A), outer schedules (B), K at fixed compute (C)
+        from study.horizon import v6  # study v6: the horizon (A), outer schedules (B)
+        from study.k_scaling import fixed_compute  # study v6 part C: K at fixed compute
 
         if any(r.get("rounds") == v6.HORIZON[2] for r in v3_recs):
             s6 = v6.summarize_v6(v3_recs)
             s6["schedules"] = v6.summarize_schedules([r for r in every if r.get("study") == "v3"])
-            s6["fixed_compute"] = v6.summarize_fixed_compute(v3_recs)
+            s6["fixed_compute"] = fixed_compute.summarize_fixed_compute(v3_recs)
             (HERE / "horizon" / "summary_v6.json").write_text(json.dumps(s6, indent=1))
             v6.plot_v6(s6, HERE / "horizon" / "study_v6_horizon.png")
-            v6.plot_fixed_compute(s6["fixed_compute"], HERE / "k_scaling" / "study_v6_fixed_compute.png")
+            fixed_compute.plot_fixed_compute(s6["fixed_compute"], HERE / "k_scaling" / "study_v6_fixed_compute.png")
             print("\n<!-- v6 horizon -->\n" + v6.markdown_v6(s6))
             print("\n<!-- v6 schedules -->\n" + v6.markdown_schedules(s6["schedules"]))
-            print("\n<!-- v6 fixed compute -->\n" + v6.markdown_fixed_compute(s6["fixed_compute"]))
+            print("\n<!-- v6 fixed compute -->\n" + fixed_compute.markdown_fixed_compute(s6["fixed_compute"]))
         from study.compression.compression import markdown_compress, plot_compress, summarize_compress
 
         comp = summarize_compress([r for r in every if r.get("study") == "v3"])

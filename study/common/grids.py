@@ -111,3 +111,15 @@ def best_jobs(recs: list[dict], cell: tuple, modes, default_momentum: dict) -> l
             mu = None if b["momentum"] == default_momentum.get(mode) else b["momentum"]
             out.append((mode, b["lr"], mu))
     return out
+
+
+def cell_picks(recs: list[dict], cell: tuple) -> dict:
+    """method -> its best config in `cell` (best_config) and that config's records by seed, for DDP, DiLoCo and
+    IsoLoCo."""
+    grid = grids(recs).get(cell, {})
+    out = {}
+    for mode in ("ddp", "diloco", "isoloco"):
+        best = best_config(grid.get(mode, {}))
+        if best is not None:
+            out[mode] = {**best, "runs": grid[mode][(best["lr"], best["momentum"])]}
+    return out

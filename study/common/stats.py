@@ -1,8 +1,8 @@
 """The paired statistics the questions' gaps use: one seed is one pair (same init and data for both methods).
 
 paired_bootstrap_ci, the percentile bootstrap of the mean paired difference; t_interval, its 95 % Student-t
-interval; paired_t and paired_gap, a − b over the seeds both have with those intervals; mean_of and fmt, the
-mean and the number format of the tables.
+interval; paired_t and paired_gap, a − b over the seeds both have with those intervals; mean_of, fmt and
+interval_text, the mean and the number formats of the tables.
 """
 
 from __future__ import annotations
@@ -81,3 +81,10 @@ def paired_t(a: dict, b: dict) -> dict | None:
 
 def fmt(x, spec="+.3f"):
     return "—" if x is None or x != x else format(x, spec)
+
+
+def interval_text(g: dict | None) -> str:
+    """A paired_t gap as the tables write it: mean [95 % t] (seeds)."""
+    if not g:
+        return "—"
+    return f"{fmt(g['mean'])} [{fmt(g['t_lo'])}, {fmt(g['t_hi'])}] ({g['seeds']} seeds)"

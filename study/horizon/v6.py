@@ -12,25 +12,14 @@ gap to DDP at the same tokens; the plot draws the gap against the rounds (per se
 
 from __future__ import annotations
 
-from study.common.grids import best_config, grids, record_cell
-from study.common.stats import fmt, paired_t
+from study.common.grids import cell_picks, grids, record_cell
+from study.common.stats import interval_text, paired_t
 
 #: The horizon cell: v3's cell keys (K, H, rounds, vocab, init) and settings (batch, seq_len, inner, inner_lr, model).
 HORIZON = (4, 30, 300, 256, "gpt2", 4, 64, "adamw", 3e-3, "tiny")
 CHECKPOINTS = (10, 30, 100, 300)
 TOKENS_PER_ROUND = 4 * 30 * 4 * 64  # K × H × batch × seq_len
 TINY_PARAMS = 467_584
-
-
-def horizon_picks(recs: list[dict], cell: tuple = HORIZON) -> dict:
-    """method -> its best config at the horizon (common.grids.best_config) and that config's records by seed."""
-    grid = grids(recs).get(cell, {})
-    out = {}
-    for mode in ("ddp", "diloco", "isoloco"):
-        best = best_config(grid.get(mode, {}))
-        if best is not None:
-            out[mode] = {**best, "runs": grid[mode][(best["lr"], best["momentum"])]}
-    return out
 
 
 def test_at_round(r: dict, rnd: int) -> float | None:
@@ -49,7 +38,7 @@ def _gap(a: dict, b: dict, rnd: int) -> dict | None:
 
 def summarize_v6(recs: list[dict], cell: tuple = HORIZON) -> dict:
     """The horizon's picks, IsoLoCo − DiLoCo at each checkpoint round, each method's gap to DDP at the end."""
-    picks = horizon_picks(recs, cell)
+    picks = cell_picks(recs, cell)
     out: dict = {
         "rounds": cell[2],
         "tokens_per_param": cell[2] * TOKENS_PER_ROUND / TINY_PARAMS,
@@ -70,12 +59,6 @@ def summarize_v6(recs: list[dict], cell: tuple = HORIZON) -> dict:
     return out
 
 
-def _interval(g: dict | None) -> str:
-    if not g:
-        return "—"
-    return f"{fmt(g['mean'])} [{fmt(g['t_lo'])}, {fmt(g['t_hi'])}] ({g['seeds']} seeds)"
-
-
 def markdown_v6(s: dict) -> str:
     picks = s["picks"]
     lines = [
@@ -91,9 +74,9 @@ def markdown_v6(s: dict) -> str:
             tests = ", ".join(f"{v:.4f}" for _, v in sorted(p["test"].items()) if v is not None)
             lines.append(f"| {m} | {cfg} | {'yes' if p['edge'] else 'no'} | {tests} |")
     lines += ["", "| round | IsoLoCo − DiLoCo (test, mean [95 % t]) |", "|---|---|"]
-    lines += [f"| {g['round']} | {_interval(g)} |" for g in s.get("gap", [])]
+    lines += [f"| {g['round']} | {interval_text(g)} |" for g in s.get("gap", [])]
     for m, g in (s.get("to_ddp") or {}).items():
-        lines.append(f"\n{m} − DDP at the end: {_interval(g)}")
+        lines.append(f"\n{m} − DDP at the end: {interval_text(g)}")
     return "\n".join(lines)
 
 
@@ -183,7 +166,7 @@ def summarize_schedules(recs: list[dict], cell: tuple = HORIZON, short: tuple = 
     """Part B: each method at its horizon pick under each outer schedule against the same config at a constant
     schedule (test split at the last round, paired per seed, 95 % t), IsoLoCo − DiLoCo under each schedule; and
     at 10 rounds, scored every round, IsoLoCo − DiLoCo after round 1 and round 10, constant and warmed up."""
-    picks = horizon_picks(recs, cell)
+    picks = cell_picks(recs, cell)
     out: dict = {"horizon": {}, "short": {}}
     rounds = cell[2]
     for sched in ("warmup", "warmup-cosine", "momentum-warmup"):
@@ -204,7 +187,7 @@ def summarize_schedules(recs: list[dict], cell: tuple = HORIZON, short: tuple = 
             row["retuned"] = _retuned(recs, cell, sched, rounds)
         if row:
             out["horizon"][sched] = row
-    short_picks = horizon_picks(recs, short)
+    short_picks = cell_picks(recs, short)
     cfg = {m: (p["lr"], p["momentum"]) for m, p in short_picks.items()}
     if "isoloco" in cfg and "diloco" in cfg:
         dil = _schedule_runs(recs, short, "constant", "diloco", *cfg["diloco"], eval_every=1)
@@ -229,8 +212,8 @@ def markdown_schedules(s: dict) -> str:
     for sched, row in s["horizon"].items():
         d, i = row.get("diloco") or {}, row.get("isoloco") or {}
         lines.append(
-            f"| {sched} | {_interval(d.get('vs_constant'))} | {_interval(i.get('vs_constant'))} | "
-            f"{_interval(row.get('iso_minus_diloco'))} |"
+            f"| {sched} | {interval_text(d.get('vs_constant'))} | {interval_text(i.get('vs_constant'))} | "
+            f"{interval_text(row.get('iso_minus_diloco'))} |"
         )
     for sched, row in s["horizon"].items():
         for m, losses in (row.get("seed0_selection") or {}).items():
@@ -239,12 +222,12 @@ def markdown_schedules(s: dict) -> str:
         if row.get("retuned"):
             picks = ", ".join(f"{m} {cfg}" for m, cfg in row["retuned"]["picks"].items())
             lines.append(
-                f"IsoLoCo − DiLoCo at the picks under {sched} ({picks}): {_interval(row['retuned'].get('iso_minus_diloco'))}"
+                f"IsoLoCo − DiLoCo at the picks under {sched} ({picks}): {interval_text(row['retuned'].get('iso_minus_diloco'))}"
             )
     if s["short"]:
         lines += ["", "| IsoLoCo − DiLoCo at 10 rounds | after round 1 | 2 | 5 | 10 |", "|---|---|---|---|---|"]
         for sched, g in s["short"].items():
-            cells = " | ".join(_interval(g.get(f"round_{r}")) for r in (1, 2, 5, 10))
+            cells = " | ".join(interval_text(g.get(f"round_{r}")) for r in (1, 2, 5, 10))
             name = (
                 "IsoLoCo warmup − IsoLoCo constant"
                 if sched == "warmup_vs_constant"
@@ -252,87 +235,3 @@ def markdown_schedules(s: dict) -> str:
             )
             lines.append(f"| {name} | {cells} |")
     return "\n".join(lines)
-
-
-# -- part C: K at fixed compute -------------------------------------------------------------------------------------
-
-#: K -> outer rounds at part A's token budget (K × rounds = 1,200 worker-rounds of H 30 × 4 × 64 tokens)
-FIXED_COMPUTE = {2: 600, 4: 300, 8: 150, 16: 75}
-
-
-def _final_gap(a: dict, b: dict) -> dict | None:
-    """a − b on the test split at the runs' last round, paired over the seeds both picks have."""
-    return paired_t(*({s: r["final_test_loss"] for s, r in x["runs"].items()} for x in (a, b)))
-
-
-def summarize_fixed_compute(recs: list[dict], base: tuple = HORIZON) -> list[dict]:
-    """Part C: per K, IsoLoCo − DiLoCo at the end of part A's token budget (each method tuned in that cell), beside
-    the same K's gap after 10 rounds (v3's fixed-rounds cells, more tokens at larger K). Rows only for the K with
-    both picks at fixed compute."""
-    rows = []
-    for K, rounds in sorted(FIXED_COMPUTE.items()):
-        cell = (K, base[1], rounds, *base[3:])
-        picks = horizon_picks(recs, cell)
-        if "diloco" not in picks or "isoloco" not in picks:
-            continue
-        short = horizon_picks(recs, (K, base[1], 10, *base[3:]))
-        row = {
-            "workers": K,
-            "rounds": rounds,
-            "tokens_per_param": K * base[1] * rounds * base[5] * base[6] / TINY_PARAMS,
-            "picks": {m: {k: v for k, v in p.items() if k != "runs"} for m, p in picks.items()},
-            "gap": _final_gap(picks["isoloco"], picks["diloco"]),
-            "gap_10_rounds": _final_gap(short["isoloco"], short["diloco"]) if len(short) >= 2 else None,
-        }
-        if "ddp" in picks:
-            row["to_ddp"] = {m: _final_gap(picks[m], picks["ddp"]) for m in ("diloco", "isoloco")}
-        rows.append(row)
-    return rows
-
-
-def markdown_fixed_compute(rows: list[dict]) -> str:
-    lines = [
-        "| K | rounds (tokens/param) | DiLoCo pick | IsoLoCo pick | IsoLoCo − DiLoCo at fixed compute | after 10 rounds |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        d, i = r["picks"]["diloco"], r["picks"]["isoloco"]
-        lines.append(
-            f"| {r['workers']} | {r['rounds']} ({r['tokens_per_param']:.1f}) | {d['lr']} @ {d['momentum']} | "
-            f"{i['lr']} @ {i['momentum']} | {_interval(r['gap'])} | {_interval(r['gap_10_rounds'])} |"
-        )
-    return "\n".join(lines)
-
-
-def plot_fixed_compute(rows: list[dict], path) -> None:
-    """IsoLoCo − DiLoCo against K: at part A's token budget (fewer rounds at larger K) and after 10 rounds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if r["gap"]]
-    if not rows:
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label, colour in (
-        ("gap", "fixed compute (≈ 19.7 tokens/param)", "C0"),
-        ("gap_10_rounds", "10 rounds", "C1"),
-    ):
-        pts = [(r["workers"], r[key]) for r in rows if r.get(key)]
-        if not pts:
-            continue
-        ks = [k for k, _ in pts]
-        mean = [g["mean"] for _, g in pts]
-        err = [[g["mean"] - g["t_lo"] for _, g in pts], [g["t_hi"] - g["mean"] for _, g in pts]]
-        ax.errorbar(ks, mean, yerr=err, marker="o", capsize=3, color=colour, label=f"{label}, 95 % t")
-    ax.axhline(0.0, color="k", lw=0.6)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks([r["workers"] for r in rows], [str(r["workers"]) for r in rows])
-    ax.set_xlabel("workers K")
-    ax.set_ylabel("IsoLoCo − DiLoCo, test loss (nats/byte)")
-    ax.set_title("Study v6 C: K at fixed compute")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

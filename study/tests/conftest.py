@@ -6,7 +6,7 @@ import pytest
 
 #: Test files whose tests start fresh interpreters that train (the runner's end-to-end runs):
 #: `-m "not slow"` leaves them out, as tests/conftest.py does for the package's.
-SLOW_FILES = {"test_runner.py", "test_precision.py"}
+SLOW_FILES = {"test_runner.py", "test_precision.py", "test_scale.py"}
 
 
 def pytest_configure(config):

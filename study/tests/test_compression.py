@@ -1,4 +1,4 @@
-"""The compressed-exchange study's table (study/compression.py) on synthetic records whose answer is known."""
+"""The compressed-exchange study's table (study/compression/compression.py) on synthetic records whose answer is known."""
 
 from __future__ import annotations
 

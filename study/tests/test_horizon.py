@@ -1,12 +1,9 @@
-"""Study v6's code on synthetic records whose answer is known: the horizon table (study/v6.py) and the GPU
-point's dry run (study/gpu_point.py)."""
+"""Study v6 parts A and B on synthetic records whose answer is known: the horizon table and the outer schedules'
+table (study/horizon/v6.py)."""
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -67,22 +64,6 @@ def test_a_run_not_scored_at_a_checkpoint_leaves_that_row_out():
     for r in recs:
         r["tokens"], r["test_loss"] = [0, 300 * TPR], [5.0, r["test_loss"][-1]]
     assert [g["round"] for g in v6.summarize_v6(recs)["gap"]] == [300]
-
-
-@pytest.mark.slow
-def test_the_gpu_point_dry_run_writes_a_line_per_run(tmp_path):
-    out = tmp_path / "gpu_point.jsonl"
-    proc = subprocess.run(
-        [sys.executable, str(STUDY / "scale" / "gpu_point.py"), "--dry-run", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["run"] for r in lines] == ["diloco-official", "diloco-pick", "isoloco"]
-    assert all(r["dry_run"] and r["rounds"] == 2 and len(r["heldout_loss"]) == 3 and r["epochs"] > 0 for r in lines)
-    assert not (tmp_path / "gpu_point_corpus.txt").exists()
 
 
 def test_runs_with_an_outer_schedule_are_not_grid_points():
@@ -151,34 +132,3 @@ def test_the_schedule_table_pairs_each_schedule_with_the_constant_pick_and_the_s
     table = v6.markdown_schedules(s)
     assert "| warmup |" in table and "| IsoLoCo warmup (DiLoCo constant) |" in table
     assert "| IsoLoCo warmup − IsoLoCo constant | -1.360" in table
-
-
-def test_the_fixed_compute_table_pairs_each_k_at_its_budget_beside_its_10_round_gap(tmp_path):
-    recs = []
-    for seed in (0, 1, 2):
-        for K, rounds, d_test, i_test in ((16, 75, 1.50, 1.45), (2, 600, 1.40, 1.41)):
-            for mode, lr, mu, sel, test in (("diloco", 1.0, 0.0, 1.6, d_test), ("isoloco", 4.2, 0.8, 1.5, i_test)):
-                r = study_record(mode, lr, mu, seed, sel, test + 0.01 * seed * (mode == "isoloco"), batch=4)
-                r.update(workers=K, rounds=rounds)
-                recs.append(r)
-        for mode, test in (("diloco", 2.5), ("isoloco", 2.2)):  # K 16 after 10 rounds (v3's fixed-rounds cell)
-            r = study_record(mode, 1.0 if mode == "diloco" else 4.2, 0.0 if mode == "diloco" else 0.8, seed, 2.0, test)
-            r.update(workers=16, batch=4)
-            r["v3"]["batch"] = 4
-            recs.append(r)
-    recs.append(study_record("isoloco", 5.6, 0.8, 0, 1.7, 1.0, batch=4) | {"workers": 16, "rounds": 75})  # not picked
-    rows = {r["workers"]: r for r in v6.summarize_fixed_compute(recs)}
-    assert sorted(rows) == [2, 16]  # K 4 and 8 have no runs: no rows
-    k16, k2 = rows[16], rows[2]
-    assert k16["picks"]["isoloco"]["lr"] == 4.2 and k16["tokens_per_param"] == pytest.approx(
-        16 * 30 * 75 * 256 / 467_584
-    )
-    assert k16["gap"]["mean"] == pytest.approx(-0.05 + 0.01) and k16["gap"]["seeds"] == 3
-    assert k16["gap_10_rounds"]["mean"] == pytest.approx(-0.3)
-    assert k2["gap"]["mean"] == pytest.approx(0.01 + 0.01) and k2["gap_10_rounds"] is None
-    table = v6.markdown_fixed_compute(list(rows.values()))
-    assert "| 16 | 75 (" in table and "| 2 | 600 (" in table
-    v6.plot_fixed_compute(list(rows.values()), tmp_path / "k.png")
-    assert (tmp_path / "k.png").stat().st_size > 1000
-    v6.plot_fixed_compute([], tmp_path / "none.png")  # no K with both picks: no plot
-    assert not (tmp_path / "none.png").exists()

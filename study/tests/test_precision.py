@@ -1,5 +1,5 @@
-"""Study v4's comparison flattens (study/flattens.py), its runner settings (--part v4, --iso-method,
---spectra) and its summary (study/v4.py): how exact must the flatten be for training?"""
+"""Study v4's comparison flattens (study/precision/flattens.py), its runner settings (--part v4, --iso-method,
+--spectra) and its summary (study/precision/v4.py): how exact must the flatten be for training?"""
 
 from __future__ import annotations
 
