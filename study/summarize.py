@@ -12,6 +12,7 @@ into its question's folder and prints each table, after its `<!-- name -->` mark
     k_scaling/    study v6 part C (fixed_compute.py): study_v6_fixed_compute.png
     compression/  the compressed exchange (compression.py): summary_compress.json, study_compress.png
     precision/    study v4 (v4.py): summary_v4.json, study_v4.png
+    capacity/     study v5 part A's mechanism (v5_mechanism.py, its own records): study_v5_mechanism.png
 
 each where its runs exist. Study v2 records ("study": "v2" in the JSONL) are summarized per (init, vocab, K, H,
 rounds) cell, v1 runs joining the v2 cells as GPT-2-init byte-level runs without divergence measurements (v2.py).
@@ -108,6 +109,11 @@ def main() -> None:
         plot_v4(v4, HERE / "precision" / "study_v4.png")
         print("\n<!-- v4 -->\n" + markdown_v4(v4) + "\n\n" + markdown_verdict(v, v4))
         print(f"\n{len(v4_recs)} v4 runs, {sum(r.get('cpu_s', 0.0) for r in v4_recs) / 60:.1f} CPU-min")
+    from study.capacity import v5_mechanism  # study v5 part A's mechanism: records of its own (results/mechanism/)
+
+    if v5_mechanism.OUT.exists():
+        v5_mechanism.plot(HERE / "capacity" / "study_v5_mechanism.png")
+        print("\n<!-- v5 mechanism -->\n" + v5_mechanism.report())
 
 
 if __name__ == "__main__":
