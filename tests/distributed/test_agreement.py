@@ -27,7 +27,10 @@ from isoloco_kernels.distributed import agree as A
 from tests.distributed.test_distributed import _model, _pseudo_grads
 from tests.spawn import Checks, groups, spawn
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+pytestmark = [
+    pytest.mark.slow,  # spawns gloo ranks
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available"),
+]
 
 PG_TIMEOUT_S = 12  # a collective left waiting fails its rank after this
 FAST_S = 6  # every rank must raise within this (half the timeout: nobody waited for it)

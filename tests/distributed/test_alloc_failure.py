@@ -23,7 +23,10 @@ from isoloco_kernels.distributed import DistributedStepError
 from isoloco_kernels.distributed import pipeline as C
 from tests.spawn import PG_TIMEOUT_S, Checks, groups, params
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+pytestmark = [
+    pytest.mark.slow,  # spawns gloo ranks
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available"),
+]
 
 CHECKS = Checks()
 #: route → the comm_buffer calls of one step, in order (each a site a failure is injected at)

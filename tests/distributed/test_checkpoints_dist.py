@@ -18,6 +18,8 @@ from isoloco_kernels import IsoLoCo, MergeLoCo, ShardedIsoLoCo
 from tests.helpers import seeded, step_as_rank
 from tests.spawn import Checks, groups, params
 
+pytestmark = pytest.mark.slow  # spawns gloo ranks
+
 SHAPES = [(12, 8), (5,), (8, 12), (40, 6), ()]
 MERGES = [("iso_c", {}), ("mean", {}), ("tsv", {}), ("iso_cts", {}), ("ties", {"sparsity": 0.3}), ("dare", {"seed": 2})]
 TABLES = {2: Checks(), 3: Checks()}

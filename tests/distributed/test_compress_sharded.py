@@ -22,6 +22,8 @@ from isoloco_kernels.distributed import compressed
 from tests.helpers import seeded, step_as_rank
 from tests.spawn import Checks, groups, params
 
+pytestmark = pytest.mark.slow  # spawns gloo ranks
+
 SHAPES = [(12, 8), (5,), (8, 12), (12, 8), (40, 6), ()]
 TABLES = {2: Checks(), 3: Checks()}
 #: (spec, merge, solo_above): nearest with error feedback at the default placement (each worker's Δ), stochastic

@@ -25,7 +25,10 @@ from isoloco_kernels.distributed import DistributedStepError
 from isoloco_kernels.distributed import agree as A
 from tests.spawn import PG_TIMEOUT_S, Checks, groups, params
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+pytestmark = [
+    pytest.mark.slow,  # spawns gloo ranks
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available"),
+]
 
 CHECKS = Checks()
 VICTIM = 1  # the rank whose allocations fail

@@ -24,7 +24,10 @@ from isoloco_kernels.reference import iso_flatten_ref, isoloco_step_ref
 from tests.helpers import TOL, rel_err
 from tests.spawn import PG_TIMEOUT_S, Checks, finished, groups, record
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+pytestmark = [
+    pytest.mark.slow,  # spawns gloo ranks
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available"),
+]
 
 
 # ----------------------------------------------------------------------------------------------

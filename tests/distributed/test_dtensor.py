@@ -34,7 +34,10 @@ from isoloco_kernels.outer import core as outer
 from tests.helpers import TOL, rel_err, spectrum, with_spectrum
 from tests.spawn import PG_TIMEOUT_S, Checks, groups, params
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+pytestmark = [
+    pytest.mark.slow,  # spawns gloo ranks
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available"),
+]
 
 TOL_FP32 = 1e-5  # whole-model relative error vs single-process IsoLoCo after several outer steps
 

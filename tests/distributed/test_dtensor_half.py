@@ -32,7 +32,10 @@ from tests.distributed.test_dtensor import TOL_FP32, TinyLlama, _pseudo_grad
 from tests.helpers import TOL, rel_err
 from tests.spawn import PG_TIMEOUT_S, Checks, groups, params
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+pytestmark = [
+    pytest.mark.slow,  # spawns gloo ranks
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available"),
+]
 
 HALF = (torch.bfloat16, torch.float16)
 ROUTES = ("auto", "gram", "owner", "gather")

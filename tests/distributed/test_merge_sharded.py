@@ -15,6 +15,8 @@ from isoloco_kernels.distributed.merge_route import wire_bytes
 from tests.helpers import seeded, step_as_rank
 from tests.spawn import Checks, groups, params
 
+pytestmark = pytest.mark.slow  # spawns gloo ranks
+
 SHAPES = [(12, 8), (5,), (8, 12), (12, 8), (3, 4, 2), (40, 6), ()]
 MERGE_CASES = [("tsv", {}), ("iso_cts", {}), ("ties", {"sparsity": 0.2}), ("dare", {"seed": 4}), ("mean", {})]
 TABLES = {2: Checks(), 3: Checks()}

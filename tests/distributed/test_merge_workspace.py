@@ -21,7 +21,10 @@ from isoloco_kernels.flatten import buckets
 from isoloco_kernels.flatten import registry as flatten
 from tests.spawn import Checks, groups, params
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+pytestmark = [
+    pytest.mark.slow,  # spawns gloo ranks
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available"),
+]
 
 CHECKS = Checks()
 B, M, N = 64, 32, 256

@@ -20,6 +20,8 @@ from torch import nn
 
 import isoloco_kernels as ik
 
+pytestmark = pytest.mark.slow  # runs the examples in fresh interpreters
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 TINY = ["--rounds", "2", "--inner", "3"]

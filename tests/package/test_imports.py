@@ -11,6 +11,8 @@ import pytest
 
 import isoloco_kernels
 
+pytestmark = pytest.mark.slow  # imports every module in a fresh interpreter
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

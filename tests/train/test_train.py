@@ -23,7 +23,10 @@ SMALL = dict(model="tiny", seq_len=16, workers=2, inner_steps=3, rounds=2, batch
 CLI_SMALL = "-K 2 -H 2 -R 2 --batch 2 --seq-len 16 --eval-windows 8 --max-bytes 60000 --quiet --threads 1".split()
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # small computations (tests/conftest.py)
+pytestmark = [
+    pytest.mark.slow,  # trains the reference loop
+    pytest.mark.usefixtures("one_thread"),  # small computations (tests/conftest.py)
+]
 
 
 @pytest.fixture(scope="module")

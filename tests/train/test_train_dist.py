@@ -20,6 +20,8 @@ from isoloco_kernels.train.dist import Launch, check_outer, launched_by_torchrun
 from tests.helpers import TOL
 from tests.spawn import free_port
 
+pytestmark = pytest.mark.slow  # launches training ranks under torchrun
+
 FLAGS = "-H 2 -R 2 --batch 2 --seq-len 16 --eval-windows 8 --max-bytes 200000 --quiet --seed 3".split()
 OUTER_MODES = ["diloco", "isoloco", "isoloco-sgd", "avg"]
 LAUNCH_TIMEOUT_S = 240
