@@ -1,5 +1,5 @@
 """The numbers on the README's first screen, generated from the committed result files they come from
-(tests/test_readme.py checks that the README says exactly these).
+(tests/package/test_readme.py checks that the README says exactly these).
 
     python study/readme_numbers.py                 # prints each README sentence and its source file
     python study/readme_numbers.py --run-example   # reruns examples/diloco_minimal.py at its default
