@@ -269,42 +269,6 @@ def rerun_under_interpreter(test_file: str, min_passed: int, timeout: int = 900)
     assert "failed" not in proc.stdout.splitlines()[-1], tail
 
 
-def study_module(name: str):
-    """A module of study/ (its scripts import each other by plain name, so study/ is on sys.path while
-    it loads)."""
-    import importlib
-    import sys
-
-    study = str(Path(__file__).resolve().parents[1] / "study")
-    sys.path.insert(0, study)
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(study)
-
-
-def study_record(mode, lr, momentum, seed, sel, test, *, outer_s=None, **cell) -> dict:
-    """A study v3 run record as run_study.py writes it: K 4, H 30, 10 rounds, bytes, GPT-2 init; `cell`
-    overrides its v3 cell (default 16 × 64 bytes, AdamW 3e-3, the tiny model); sel/test: the final
-    selection and test losses; outer_s: the outer step's seconds in all (v5 records carry it)."""
-    return {
-        "study": "v3",
-        "mode": mode,
-        "outer_lr": lr,
-        "outer_momentum": momentum,
-        "seed": seed,
-        "workers": 4,
-        "inner_steps": 30,
-        "rounds": 10,
-        "vocab": 256,
-        "init": "gpt2",
-        "final_loss": sel,
-        "final_test_loss": test,
-        "outer_step_s": outer_s,
-        "v3": {"batch": 16, "seq_len": 64, "inner": "adamw", "inner_lr": 3e-3, "model": "tiny", **cell},
-    }
-
-
 def seeded(shapes, seed: int, dtype=torch.float32, k: Optional[int] = None) -> list:
     """One N(0, 1) tensor per shape from a generator seeded `seed` (with k: a [k, *shape] stack of k workers' deltas),
     cast to dtype: the params and pseudo-gradients the multi-rank tests share between ranks and one process."""
