@@ -22,6 +22,8 @@ from tests.helpers import rel_err
 
 STUDY = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.slow  # fresh interpreters that train
+
 
 @pytest.fixture(scope="module")
 def F():

@@ -17,6 +17,8 @@ from study.common.records import run_key
 
 STUDY = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.slow  # fresh interpreters that train
+
 
 @pytest.fixture(scope="module")
 def run_study():

@@ -11,8 +11,9 @@ import pytest
 
 STUDY = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.slow  # a fresh interpreter that trains
 
-@pytest.mark.slow
+
 def test_the_gpu_point_dry_run_writes_a_line_per_run(tmp_path):
     out = tmp_path / "gpu_point.jsonl"
     proc = subprocess.run(
