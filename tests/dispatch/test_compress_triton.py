@@ -185,7 +185,7 @@ def test_compress_routes_through_the_kernels(interp, monkeypatch):
 
 def _quant_launches(monkeypatch, s: Compression, dt, rdt, with_res, n=5000):
     from isoloco_kernels.triton import quant
-    from tests.test_triton import _launches
+    from tests.dispatch.test_triton import _launches
 
     d = torch.empty(n, dtype=dt)
     r = torch.empty(n, dtype=rdt) if with_res else None
@@ -216,7 +216,7 @@ def test_kernels_compile_for_sm80_and_sm90(monkeypatch, capability, case):
     """Both kernels build for the GPU, each as the unmasked launch of the full programs and the masked
     one of the last, with the premises of their bit-exactness in the PTX (correctly rounded division,
     no fused multiply-add) and vector loads where unmasked."""
-    from tests.test_triton import _compile_launch
+    from tests.dispatch.test_triton import _compile_launch
 
     fmt, rounding, beta, dt, rdt, with_res, block = case
     s = Compression(fmt, block, rounding, ef_beta=beta, residual_dtype=rdt if beta is not None else None)

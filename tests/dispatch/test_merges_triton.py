@@ -103,7 +103,7 @@ def test_kernel_compiles_for_gpus(monkeypatch, capability, random, disjoint, dty
     """Real GPU code, built without a GPU (the interpreter accepts code the compiler rejects):
     the uint32 hash, the constexpr K loop, float64 and half loads."""
     from isoloco_kernels.triton import sparse_merge as km
-    from tests.test_triton import _compile_launch, _launches
+    from tests.dispatch.test_triton import _compile_launch, _launches
 
     cd = torch.float64 if dtype == torch.float64 else torch.float32
     x, out = torch.empty(4, 3000, dtype=dtype), torch.empty(3000, dtype=cd)

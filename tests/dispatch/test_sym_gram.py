@@ -123,7 +123,7 @@ def test_bad_arguments_are_refused_by_name():
 )
 def test_the_kernel_compiles_for_tensor_core_gpus(monkeypatch, capability, dtype, precision, with_b):
     from isoloco_kernels.triton import sym_gram as sg
-    from tests.test_triton import _compile_launch, _launches
+    from tests.dispatch.test_triton import _compile_launch, _launches
 
     x = torch.empty(2, 100, 300, dtype=dtype)
     b = torch.empty(2, 100, 100) if with_b else None
