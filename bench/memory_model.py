@@ -6,7 +6,7 @@ Two parts:
   method allocates, CPU or CUDA) on a set of small wide, tall and square batches of random
   Gaussians (which send some matrices down each method's fallback), and fit bytes = a·r·k + b·r²
   per matrix (r ≤ k its sides), raised by the fit's worst under-estimate and 20 %: the
-  coefficients of `isoloco_kernels.flatten.buckets.WORKSPACE_MODEL` (`--fit` prints them).
+  coefficients of `isoloco_kernels.flatten.registry.WORKSPACE_MODEL` (`--fit` prints them).
 - `model`: from a bucket set's shapes (bench/shapes.py), the modelled peak extra memory of
   `iso_merge_` and of `IsoLoCo.step` per method, with the flatten in slices of
   `buckets.workspace_bytes()` and without (the whole bucket at once, as before slicing).
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench.shapes import SETS, bucket_shapes, decoder_weight_shapes  # noqa: E402
-from isoloco_kernels.flatten import buckets  # noqa: E402
+from isoloco_kernels.flatten import registry as buckets  # noqa: E402
 
 GIB = float(1 << 30)
 #: The methods the model covers (every registry method with a row; "auto" resolves to one).

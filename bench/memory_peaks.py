@@ -119,7 +119,7 @@ def _record(case: str, spec_name: str, method: str, device, pk: _Peak, modelled)
 def _modelled(spec_name: str, method: str, device) -> dict:
     """bench/memory_model.py's numbers at the current workspace; "auto" as the larger of what it
     resolves to (on a GPU gram or polar per shape, on the CPU eigh or svd)."""
-    from isoloco_kernels.flatten.buckets import workspace_bytes
+    from isoloco_kernels.flatten.registry import workspace_bytes
 
     auto = ("gram", "polar") if torch.device(device).type == "cuda" else ("eigh", "svd")
     names = auto if method == "auto" else (method,)

@@ -3,13 +3,37 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional, Sequence
 
 import torch
 
-from .reference import compute_dtype  # noqa: F401 (the one definition; imported from here by the kernels)
-
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_EPS64 = torch.finfo(torch.float64).eps
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The compute dtype of an input dtype: float16, bfloat16 and float32 → float32, float64 →
+    float64 (the one definition, for the kernels and reference.py alike)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rank_tol(m: int, n: int, dtype: torch.dtype) -> float:
+    """τ of the rank cut (reference.py's module docstring) for an m×n matrix of `dtype`: σ_i ≤ τ·σ_1 is
+    zero. One definition for the reference and the exact methods."""
+    return 4 * torch.finfo(compute_dtype(dtype)).eps + max(m, n) * _EPS64
+
+
+def is_dtensor(t) -> bool:
+    """Whether t is a DTensor, without importing torch.distributed.tensor (seconds to import): a DTensor
+    exists only once that module is loaded."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: in-place writes reach the DTensor); other tensors as they are."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def check_matrix_tensor(x, what: str) -> None:

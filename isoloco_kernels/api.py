@@ -1,10 +1,8 @@
 """The Python API over the isoloco ops: `iso_merge_` (the batched, all-or-nothing flatten of
-buckets), `iso_flatten` (out of place), `backends()` (what serves each op here), and
-`iso_merge_unchecked_` for callers that checked their buckets already (`sharded_iso_merge_`).
+buckets), `iso_flatten` (out of place) and `backends()` (what serves each op here).
 
-They call the ops through `torch.ops.isoloco` (registered by ops.py, which the package imports
-first and which re-exports these names) and read the dispatch tables (dispatch/table.py); nothing here
-registers or dispatches.
+They call the ops through `torch.ops.isoloco` (registered by ops.py, imported here) and read the
+dispatch tables (dispatch/table.py); nothing here registers, checks data or dispatches.
 """
 
 from __future__ import annotations
@@ -13,21 +11,14 @@ from typing import Sequence
 
 import torch
 
-from ._validate import (
-    SUPPORTED_DTYPES,
-    ResultOverflowError,
-    check_all_finite,
-    check_matrix_tensor,
-    check_writable,
-    is_fake,
-)
+from . import ops  # noqa: F401  (registers the isoloco ops this module calls)
+from ._validate import SUPPORTED_DTYPES, check_matrix_tensor
 from .dispatch import _ext
 from .dispatch import table as dispatch
 from .flatten import registry as flatten
-from .flatten.buckets import chunk_rows, flatten_chunked_
 from .flatten.registry import check_method
 
-__all__ = ["backends", "iso_flatten", "iso_merge_", "iso_merge_unchecked_"]
+__all__ = ["backends", "iso_flatten", "iso_merge_"]
 
 
 def iso_merge_(buckets: Sequence[torch.Tensor], *, method: str = "auto") -> list[torch.Tensor]:
@@ -69,59 +60,11 @@ def iso_merge_(buckets: Sequence[torch.Tensor], *, method: str = "auto") -> list
     method on the CPU, svd for float64 everywhere; see flatten.resolve_method).
     """
     buckets = list(buckets)
-    check_method(method)
-    names = [f"bucket {i}" for i in range(len(buckets))]
-    for b, name in zip(buckets, names):
-        check_matrix_tensor(b, name)
-    if any(is_fake(b) for b in buckets):  # no data: shapes only
-        for b in buckets:
-            torch.ops.isoloco.iso_flatten_(b, method)
-        return buckets
-    check_writable(buckets, names)
-    check_all_finite(buckets, names)
-    todo = [i for i, b in enumerate(buckets) if b.numel()]
-    last = max(todo, key=lambda i: buckets[i].numel(), default=None)
-    aside = {i: buckets[i].clone() for i in todo if i != last}
-    for i, c in aside.items():
-        _flatten_bucket_(c, method, i)
-    if last is not None:  # its last slice in place, the slices before it aside
-        x3 = buckets[last] if buckets[last].ndim == 3 else buckets[last].unsqueeze(0)
-        cut = (x3.shape[0] - 1) // chunk_rows(method, x3) * chunk_rows(method, x3)
-        head = x3[:cut].clone()
-        _flatten_bucket_(head, method, last)
-        _flatten_bucket_(x3[cut:], method, last, offset=cut)
-        x3[:cut].copy_(head)
-    for i, c in aside.items():
-        buckets[i].copy_(c)
+    check_method(method)  # the op's schema would refuse these, less clearly
+    for i, b in enumerate(buckets):
+        check_matrix_tensor(b, f"bucket {i}")
+    torch.ops.isoloco.iso_merge_(buckets, method)
     return buckets
-
-
-def _flatten_bucket_(x: torch.Tensor, method: str, i: int, offset: int = 0) -> None:
-    """Bucket i (checked) flattened in place in slices of bounded scratch (`buckets.flatten_chunked_`);
-    a result that does not fit names bucket i and the matrix (offset: x's first matrix in the bucket)."""
-    try:
-        flatten_chunked_(x, method)
-    except ResultOverflowError as e:
-        j = None if e.matrix is None else e.matrix + offset
-        raise ResultOverflowError(
-            f"bucket {i}: {str(e).replace(f'matrix {e.matrix}', f'matrix {j}', 1)}", matrix=j, bucket=i
-        ) from None
-
-
-def iso_merge_unchecked_(buckets: Sequence[torch.Tensor], method: str, *, first: int = 0, index=None) -> None:
-    """The flatten of every non-empty bucket, for callers that already checked all of them (the
-    op's checks: type, rank, method, writable, finite), each in slices whose scratch stays within
-    `buckets.workspace_bytes()` (`buckets.flatten_chunked_`, as `iso_merge_`). A result that does
-    not fit its dtype raises ResultOverflowError naming the bucket (its position in `index`, or
-    first + its position) and the matrix; that bucket's slices before the matrix's are already
-    written, so callers pass scratch copies (`sharded_iso_merge_` does)."""
-    for k, b in enumerate(buckets):
-        if b.numel():
-            try:
-                flatten_chunked_(b, method)
-            except ResultOverflowError as e:
-                i = index[k] if index is not None else first + k
-                raise ResultOverflowError(f"bucket {i}: {e}", matrix=e.matrix, bucket=i) from None
 
 
 def iso_flatten(x: torch.Tensor, *, method: str = "auto") -> torch.Tensor:

@@ -1,25 +1,38 @@
-"""The isoloco torch ops: every schema, its fake (meta) impl, and which backend serves each device.
+"""The isoloco torch ops: every schema, its fake (meta) impl and its implementation — the one door into
+the kernels. `iso_merge_`, `iso_flatten`, every optimizer's step and the sharded routes call these ops
+(through `torch.ops.isoloco`); nothing goes around them to a flatten method or a backend.
 
-    isoloco::iso_flatten_(Tensor(a!) x, str method) -> ()
-        Iso-C flatten of a [m, n] or [B, m, n] tensor in place (see reference.py for the math).
+    isoloco::iso_merge_(Tensor(a!)[] buckets, str method="auto", bool checked=False) -> ()
+        Iso-C flatten of every bucket ([m, n] or [B, m, n]) in place (see reference.py for the math),
+        each in slices of bounded scratch (`flatten.registry.workspace_bytes`), all or nothing across
+        the buckets (the slices before the last are flattened into copies, written back once every
+        bucket succeeded). checked=True is for callers that already read every bucket for the
+        finiteness rule and own them as scratch (the optimizers' packed buffers, checked in the pass
+        over their grads): no second read, and each bucket is flattened in place slice by slice with
+        no copies (a failure may leave earlier slices written).
+    isoloco::iso_flatten_(Tensor(a!) x, str method="auto") -> ()
+        iso_merge_([x], method): the same checks, the same bounded scratch, all or nothing.
     isoloco::iso_scale_(Tensor(a!) x, Tensor q) -> Tensor
         The Iso-C epilogue: s̄ = ⟨x, q⟩ / min(m, n) per matrix, x ← s̄·q; returns s̄ (float32, or
         float64 for float64 x), shape x.shape[:-2].
     isoloco::nesterov_outer_(Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor[] updates,
-                             float lr, float momentum, Tensor? scales) -> ()
-        reference.nesterov_ref's step with s·u for u, s = scales[i] (1 when scales is None).
+                             float lr, float momentum, float[]? amax=None) -> ()
+        reference.nesterov_ref's step of every tensor. amax: upper bounds the caller already holds on
+        the largest |entry| of params, bufs and updates (3n values, that order; NaN where unknown):
+        those tensors are not read again for the finiteness rule (the optimizers found them in the
+        pass that checked their grads). A bound below the true value voids rule 2 for that tensor.
 
-Every implementation registered here checks its arguments and the finiteness rule (below: one
-check per op, the same on every device) and then runs what `dispatch.select` picks: on CUDA the compiled extension's kernels
+Every implementation checks its arguments and the finiteness rule (below: one check per op, the same on
+every device) and then runs what `dispatch.select` picks: on CUDA the compiled extension's kernels
 (csrc/, registered as the private ops csrc_iso_scale_ / csrc_nesterov_outer_), the same kernels
 through CuPy, Triton or torch; torch on the CPU. The Python API over the ops (`iso_merge_`,
-`iso_flatten`, `backends`) is api.py; its names stay importable from here.
+`iso_flatten`, `backends`) is api.py, which imports this module.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -32,13 +45,13 @@ from ._validate import (
     check_matrix_tensor,
     check_writable,
     compute_dtype,
+    is_fake,
     read_write_overlaps,
 )
-from .api import backends, iso_flatten, iso_merge_, iso_merge_unchecked_  # noqa: F401  (the Python API, re-exported)
 from .dispatch import _ext
 from .dispatch import table as dispatch
-from .dispatch.torch_nesterov import update_compute_dtype
-from .flatten.registry import check_method, iso_flatten_impl
+from .dispatch.table import update_compute_dtype
+from .flatten.registry import check_method, chunk_rows, flatten_chunked_
 
 _lib = torch.library.Library("isoloco", "DEF")  # noqa: TOR901 (owned by this module)
 
@@ -47,15 +60,16 @@ _lib = torch.library.Library("isoloco", "DEF")  # noqa: TOR901 (owned by this mo
 # graphs skip graphs holding these ops (torch >= 2.8 has the tag; older torch: none).
 _HOST_BOUND = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
-# One flatten for every device: the method registry and "auto" live in flatten/registry.py; the default is
-# the Python API's, so `torch.ops.isoloco.iso_flatten_(x)` means `iso_merge_([x])`.
+# One flatten for every device: the method registry and "auto" live in flatten/registry.py, the bounded
+# scratch too; `torch.ops.isoloco.iso_flatten_(x)` means `iso_merge_([x])`.
+_lib.define('iso_merge_(Tensor(a!)[] buckets, str method="auto", bool checked=False) -> ()', tags=_HOST_BOUND)
 _lib.define('iso_flatten_(Tensor(a!) x, str method="auto") -> ()', tags=_HOST_BOUND)
 # Iso-C epilogue; CUDA kernel in csrc/iso_scale.cu.
 _lib.define("iso_scale_(Tensor(a!) x, Tensor q) -> Tensor")
 # Multi-tensor Nesterov outer update; CUDA kernel in csrc/nesterov.cu.
 _lib.define(
     "nesterov_outer_(Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor[] updates, "
-    "float lr, float momentum, Tensor? scales) -> ()",
+    "float lr, float momentum, float[]? amax=None) -> ()",
     tags=_HOST_BOUND,
 )
 
@@ -87,19 +101,81 @@ def _safe(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max / 4
 
 
+def _merge_(buckets: list[torch.Tensor], method: str, names: list[str], checked: bool) -> None:
+    """iso_merge_'s implementation: every check of every bucket, then the flatten (see the schema)."""
+    check_method(method)
+    for b, name in zip(buckets, names):
+        check_matrix_tensor(b, name)
+    check_writable(buckets, names)
+    if not checked:
+        check_all_finite(buckets, names)
+    todo = [i for i, b in enumerate(buckets) if b.numel()]
+    if checked:
+        for i in todo:
+            _flatten_bucket_(buckets[i], method, names[i])
+        return
+    last = max(todo, key=lambda i: buckets[i].numel(), default=None)
+    aside = {i: buckets[i].clone() for i in todo if i != last}
+    for i, c in aside.items():
+        _flatten_bucket_(c, method, names[i])
+    if last is not None:  # its last slice in place, the slices before it aside
+        x3 = buckets[last] if buckets[last].ndim == 3 else buckets[last].unsqueeze(0)
+        cut = (x3.shape[0] - 1) // chunk_rows(method, x3) * chunk_rows(method, x3)
+        head = x3[:cut].clone()
+        _flatten_bucket_(head, method, names[last], bucket=last)
+        _flatten_bucket_(x3[cut:], method, names[last], offset=cut, bucket=last)
+        x3[:cut].copy_(head)
+    for i, c in aside.items():
+        buckets[i].copy_(c)
+
+
+def _flatten_bucket_(x: torch.Tensor, method: str, name: str, offset: int = 0, bucket: Optional[int] = None) -> None:
+    """One checked bucket flattened in place in slices of bounded scratch (`buckets.flatten_chunked_`); a
+    result that does not fit names the bucket and the matrix (offset: x's first matrix in the bucket)."""
+    try:
+        flatten_chunked_(x, method)
+    except ResultOverflowError as e:
+        j = None if e.matrix is None else e.matrix + offset
+        i = bucket if bucket is not None else _index(name)
+        raise ResultOverflowError(
+            f"{name}: {str(e).replace(f'matrix {e.matrix}', f'matrix {j}', 1)}", matrix=j, bucket=i
+        ) from None
+
+
+def _index(name: str) -> Optional[int]:
+    tail = name.rsplit(" ", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+@torch.library.impl(_lib, "iso_merge_", "CompositeExplicitAutograd")
+def _iso_merge_impl(buckets: list[torch.Tensor], method: str = "auto", checked: bool = False) -> None:
+    _merge_(list(buckets), method, [f"bucket {i}" for i in range(len(buckets))], checked)
+
+
+@torch.library.register_fake("isoloco::iso_merge_", lib=_lib)
+def _iso_merge_fake(buckets: list[torch.Tensor], method: str = "auto", checked: bool = False) -> None:
+    _check_shapes_only(list(buckets), method, [f"bucket {i}" for i in range(len(buckets))])
+
+
+def _check_shapes_only(buckets: list[torch.Tensor], method: str, names: list[str]) -> None:
+    """The fake (meta) kernel's checks: metadata only for FakeTensors (tracing); a plain meta tensor, which
+    holds no data to flatten, is refused by name, as on every other device."""
+    check_method(method)
+    for b, name in zip(buckets, names):
+        check_matrix_tensor(b, name)
+    real = [(b, name) for b, name in zip(buckets, names) if not is_fake(b)]
+    if real:
+        check_writable([b for b, _ in real], [name for _, name in real])
+
+
 @torch.library.impl(_lib, "iso_flatten_", "CompositeExplicitAutograd")
 def _iso_flatten_(x: torch.Tensor, method: str = "auto") -> None:
-    check_matrix_tensor(x, "iso_flatten_: x")
-    check_method(method)
-    check_writable([x], ["iso_flatten_: x"])
-    check_all_finite([x], ["iso_flatten_: x"])
-    iso_flatten_impl(x, method)
+    _merge_([x], method, ["iso_flatten_: x"], checked=False)
 
 
 @torch.library.register_fake("isoloco::iso_flatten_", lib=_lib)
 def _iso_flatten_fake(x: torch.Tensor, method: str = "auto") -> None:
-    check_matrix_tensor(x, "iso_flatten_: x")
-    check_method(method)
+    _check_shapes_only([x], method, ["iso_flatten_: x"])
 
 
 def _check_scale_args(x: torch.Tensor, q: torch.Tensor) -> None:
@@ -170,7 +246,7 @@ def _iso_scale_fake(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[:-2], dtype=compute_dtype(x.dtype))
 
 
-def check_nesterov_args(params, bufs, updates, lr, momentum, scales) -> None:
+def check_nesterov_args(params, bufs, updates, lr, momentum, amax=None) -> None:
     """Lengths, shapes, devices and dtypes of a nesterov_outer_ call; cheap, no device sync."""
     if not (len(params) == len(bufs) == len(updates)):
         raise ValueError(
@@ -195,16 +271,11 @@ def check_nesterov_args(params, bufs, updates, lr, momentum, scales) -> None:
             raise TypeError(
                 f"nesterov_outer_: buf {i} is {b.dtype}; it must be float32 or the param's dtype ({p.dtype})"
             )
-    if scales is not None:
-        if scales.ndim != 1 or scales.numel() != len(params):
-            raise ValueError(
-                f"nesterov_outer_: scales must be 1-D with one entry per tensor ({len(params)}), "
-                f"got shape {tuple(scales.shape)}"
-            )
-        if params and scales.device != params[0].device:
-            raise ValueError("nesterov_outer_: scales must be on the params' device")
-        if not scales.is_floating_point():
-            raise TypeError(f"nesterov_outer_: scales must be floating point, got {scales.dtype}")
+    if amax is not None and len(amax) != 3 * len(params):
+        raise ValueError(
+            f"nesterov_outer_: amax must have 3 entries per tensor ({3 * len(params)}: params, bufs, updates), "
+            f"got {len(amax)}"
+        )
     if not (math.isfinite(lr) and math.isfinite(momentum)):  # NaN or ±Inf: every param would be NaN/Inf
         raise ValueError(f"nesterov_outer_: lr and momentum must be finite numbers, got lr={lr}, momentum={momentum}")
 
@@ -220,13 +291,12 @@ def check_nesterov_written(params, bufs) -> None:
     )
 
 
-def check_nesterov_reads(params, bufs, updates, scales) -> None:
-    """No update (and not `scales`) shares memory with a param or buffer the op writes: the
-    backends read the updates while they write, so an aliased update would be read half-updated."""
+def check_nesterov_reads(params, bufs, updates) -> None:
+    """No update shares memory with a param or buffer the op writes: the backends read the updates
+    while they write, so an aliased update would be read half-updated."""
     n = len(params)
-    reads = [*updates, *([] if scales is None else [scales])]
-    for r, w in read_write_overlaps(reads, [*params, *bufs]):
-        what = f"update {r}" if r < n else "scales"
+    for r, w in read_write_overlaps(list(updates), [*params, *bufs]):
+        what = f"update {r}"
         whom = f"param {w}" if w < n else f"buf {w - n}"
         raise RuntimeError(
             f"nesterov_outer_: {what} shares memory with {whom}, which the op writes while reading "
@@ -244,9 +314,9 @@ def _nesterov_fits(p, b, ap: float, ab: float, au: float, lr: float, mu: float) 
     return max(lr, lr * mu, mu, au, dp) < lim and nb < min(lim, _safe(b.dtype)) and ap + dp < _safe(p.dtype)
 
 
-def _nesterov_aside(p, b, u, lr: float, mu: float, s: float, name: str, i: int):
+def _nesterov_aside(p, b, u, lr: float, mu: float, name: str, i: int):
     """One tensor's update in float64 on scratch; (p', buf') in their dtypes, or ResultOverflowError."""
-    g = u.to(torch.float64) * s
+    g = u.to(torch.float64)
     b64 = b.to(torch.float64).mul_(mu).add_(g)
     p64 = p.to(torch.float64).sub_(g.add_(b64, alpha=mu).mul_(lr))
     out = p64.to(p.dtype), b64.to(b.dtype)
@@ -260,43 +330,37 @@ def _nesterov_aside(p, b, u, lr: float, mu: float, s: float, name: str, i: int):
     return out
 
 
-def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales, names=None, amax=None) -> Callable[[], None]:
+def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, amax=None, names=None) -> Callable[[], None]:
     """Every check of nesterov_outer_ (arguments, written tensors, updates aliasing them, the
     finiteness rule) and the float64 update of the tensors whose compute-dtype update could
-    overflow, before any write;
-    returns the function that writes. names[i] names tensor i in errors (default
-    "nesterov_outer_: tensor i"). One fused pass and one host sync per device.
+    overflow, before any write; returns the function that writes. names[i] names tensor i in errors
+    (default "nesterov_outer_: tensor i"). One fused pass and one host sync per device.
 
-    amax: for callers that already know them (the optimizers: outer/core.py), a finite upper bound
-    on the largest |entry| of each of params, bufs, updates (3n entries, that order; None where
-    unknown): those tensors are not read here. A tensor whose bound is too loose to show its
-    update fits is read once more (its exact largest entry) before it is sent to the float64 path.
-    The returned function's `amax` attribute holds the values used (bounds or exact)."""
+    amax: a finite upper bound on the largest |entry| of each of params, bufs, updates (3n entries,
+    that order; None or NaN where unknown): those tensors are not read here. A tensor whose bound is
+    too loose to show its update fits is read once more (its exact largest entry) before it is sent
+    to the float64 path. The returned function's `amax` attribute holds the values used (bounds or
+    exact): passed back as the op's `amax`, they let the op skip every read (`outer.prepare_nesterov`
+    checks all its calls this way before the first writes)."""
     params, bufs, updates = list(params), list(bufs), list(updates)
     lr, momentum = float(lr), float(momentum)
-    check_nesterov_args(params, bufs, updates, lr, momentum, scales)
+    check_nesterov_args(params, bufs, updates, lr, momentum, amax)
     check_nesterov_written(params, bufs)
-    check_nesterov_reads(params, bufs, updates, scales)
+    check_nesterov_reads(params, bufs, updates)
     n = len(params)
     names = names or [f"nesterov_outer_: tensor {i}" for i in range(n)]
     tensors = [*params, *bufs, *updates]
     labels = [f"{nm}: {w}" for w in ("param", "momentum buffer", "update") for nm in names]
-    known = [None] * (3 * n) if amax is None else list(amax)
-    if len(known) != 3 * n:
-        raise ValueError(f"nesterov_outer_: amax must have 3 entries per tensor ({3 * n}), got {len(known)}")
+    known = [None] * (3 * n) if amax is None else [None if a is None or math.isnan(a) else float(a) for a in amax]
     read = [j for j in range(3 * n) if known[j] is None]
     got = amaxes([tensors[j] for j in read])
     check_amax_finite([tensors[j] for j in read], got, [labels[j] for j in read])
     for j, v in zip(read, got):
         known[j] = v
     amax = known
-    s = [1.0] * n if scales is None else scales.tolist()
-    for i, v in enumerate(s):
-        if not math.isfinite(v):
-            raise ValueError(f"{names[i]}: scales[{i}] is {v}; scales must be finite; nothing was written")
 
     def fits(i: int) -> bool:
-        return _nesterov_fits(params[i], bufs[i], amax[i], amax[n + i], abs(s[i]) * amax[2 * n + i], lr, momentum)
+        return _nesterov_fits(params[i], bufs[i], amax[i], amax[n + i], amax[2 * n + i], lr, momentum)
 
     # bounds too loose to show the update fits: the exact largest entries decide (one more pass)
     loose = [j for i in range(n) if not fits(i) for j in (i, n + i, 2 * n + i) if j not in read]
@@ -306,16 +370,10 @@ def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales, names=N
         for j, v in zip(loose, exact):
             amax[j] = v
     aside = {
-        i: _nesterov_aside(params[i], bufs[i], updates[i], lr, momentum, s[i], names[i], i)
-        for i in range(n)
-        if not fits(i)
+        i: _nesterov_aside(params[i], bufs[i], updates[i], lr, momentum, names[i], i) for i in range(n) if not fits(i)
     }
     rest = [i for i in range(n) if i not in aside]
-    if len(rest) == n:
-        args = (params, bufs, updates, lr, momentum, scales)
-    else:
-        sc = None if scales is None else scales[torch.tensor(rest, dtype=torch.long, device=scales.device)]
-        args = ([params[i] for i in rest], [bufs[i] for i in rest], [updates[i] for i in rest], lr, momentum, sc)
+    args = ([params[i] for i in rest], [bufs[i] for i in rest], [updates[i] for i in rest], lr, momentum, None)
 
     def apply() -> None:
         if args[0]:
@@ -323,7 +381,7 @@ def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales, names=N
             # The backends (torch's fused CPU SGD, the CUDA extension, CuPy, Triton) write through
             # kernels that leave version counters alone: bump them, as any in-place torch op does,
             # so autograd sees the write and a buffer written here is never trusted as unchanged
-            # by another optimizer (momentum._trusted_bound).
+            # by another optimizer (outer.core's recorded bounds).
             torch.autograd.graph.increment_version([t for t in (*args[0], *args[1]) if not t.is_inference()])
         for i, (p_new, b_new) in aside.items():
             params[i].copy_(p_new)
@@ -335,19 +393,19 @@ def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales, names=N
 
 @torch.library.impl(_lib, "nesterov_outer_", "CPU")
 @torch.library.impl(_lib, "nesterov_outer_", "CUDA")
-def _nesterov_outer_impl(params, bufs, updates, lr, momentum, scales) -> None:
-    prepare_nesterov_outer_(params, bufs, updates, lr, momentum, scales)()
+def _nesterov_outer_impl(params, bufs, updates, lr, momentum, amax=None) -> None:
+    prepare_nesterov_outer_(params, bufs, updates, lr, momentum, amax)()
 
 
 @torch.library.impl(_lib, "nesterov_outer_", "CompositeExplicitAutograd")
-def _nesterov_outer_no_tensors(params, bufs, updates, lr, momentum, scales) -> None:
-    """Reached only when no CPU/CUDA kernel applies: a call without any tensor (empty lists, no
-    scales) checks its numbers and does nothing; tensors on another device are refused by name."""
-    check_nesterov_args(params, bufs, updates, lr, momentum, scales)
+def _nesterov_outer_no_tensors(params, bufs, updates, lr, momentum, amax=None) -> None:
+    """Reached only when no CPU/CUDA kernel applies: a call without any tensor (empty lists) checks its
+    numbers and does nothing; tensors on another device are refused by name."""
+    check_nesterov_args(params, bufs, updates, lr, momentum, amax)
     if params:
         raise NotImplementedError(f"nesterov_outer_: no kernel for tensors on {params[0].device}")
 
 
 @torch.library.register_fake("isoloco::nesterov_outer_", lib=_lib)
-def _nesterov_outer_fake(params, bufs, updates, lr, momentum, scales) -> None:
-    check_nesterov_args(params, bufs, updates, lr, momentum, scales)
+def _nesterov_outer_fake(params, bufs, updates, lr, momentum, amax=None) -> None:
+    check_nesterov_args(params, bufs, updates, lr, momentum, amax)

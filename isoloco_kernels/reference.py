@@ -31,20 +31,9 @@ from __future__ import annotations
 
 import torch
 
+from ._validate import compute_dtype, rank_tol
+
 __all__ = ["iso_flatten_ref", "polar_ref", "nesterov_ref", "isoloco_step_ref", "rank_tol", "compute_dtype"]
-
-_EPS64 = torch.finfo(torch.float64).eps
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The compute dtype of an input dtype: float16, bfloat16 and float32 → float32, float64 →
-    float64 (the one definition; the kernels import it through _validate)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def rank_tol(m: int, n: int, dtype: torch.dtype) -> float:
-    """τ of the rank cut (module docstring) for an m×n matrix of `dtype`: σ_i ≤ τ·σ_1 is zero."""
-    return 4 * torch.finfo(compute_dtype(dtype)).eps + max(m, n) * _EPS64
 
 
 def _svd64(x: torch.Tensor):

@@ -60,7 +60,7 @@ ops = torch.ops.isoloco
 
 
 # ----------------------------------------------------------------------------------------------
-# nesterov_outer_: an update (or the scales) sharing memory with a tensor the op writes
+# nesterov_outer_: an update sharing memory with a tensor the op writes
 
 
 def _three(seed):
@@ -76,49 +76,44 @@ def _shifted(P, B, U):
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(
-    "alias, momentum, scales, match",
+    "alias, momentum, match",
     [
         # update 1 is param 0: the op wrote param 0 before reading update 1 (error ~1.1)
         pytest.param(
             lambda P, B, U: [U[0], P[0]],
             0.9,
-            None,
             r"update 1 shares memory with param 0",
             id="update-is-another-param",
         ),
         # update 0 is its own buffer: with μ = 0 the buffer was zeroed before it was read
         pytest.param(
-            lambda P, B, U: [B[0], U[1]], 0.0, None, r"update 0 shares memory with buf 0", id="update-is-its-buffer-mu0"
-        ),
-        pytest.param(
-            lambda P, B, U: [B[0], U[1]],
-            0.9,
-            torch.tensor([2.0, 1.0]),
-            r"update 0 shares memory with buf 0",
-            id="update-is-its-buffer-scaled",
+            lambda P, B, U: [B[0], U[1]], 0.0, r"update 0 shares memory with buf 0", id="update-is-its-buffer-mu0"
         ),
         # update 1 is its own param shifted by one element: read after its neighbour was written
-        pytest.param(_shifted, 0.9, None, r"update 1 shares memory with param 1", id="update-overlaps-its-param"),
+        pytest.param(_shifted, 0.9, r"update 1 shares memory with param 1", id="update-overlaps-its-param"),
     ],
 )
-def test_nesterov_refuses_an_update_that_aliases_a_written_tensor(alias, momentum, scales, match):
+def test_nesterov_refuses_an_update_that_aliases_a_written_tensor(alias, momentum, match):
     P, B, U = _three(1)
     U = alias(P, B, U)
     before = [t.clone() for t in (*P, *B)]
     with pytest.raises(RuntimeError, match=match + r".*nothing was written"):
-        ops.nesterov_outer_(P, B, U, 0.5, momentum, scales)
+        ops.nesterov_outer_(P, B, U, 0.5, momentum)
     assert all(torch.equal(a, b) for a, b in zip(before, (*P, *B)))
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_nesterov_refuses_scales_that_alias_a_buffer_with_nothing_written():
-    # torch's foreach refused it only while writing ("some elements ... refer to a single memory location")
-    g = _gen(2)
-    P, B, U = [torch.randn(1, generator=g)], [torch.randn(1, generator=g)], [torch.randn(1, generator=g)]
-    before = [P[0].clone(), B[0].clone()]
-    with pytest.raises(RuntimeError, match=r"scales shares memory with buf 0.*nothing was written"):
-        ops.nesterov_outer_(P, B, U, 0.5, 0.9, B[0])
-    assert torch.equal(P[0], before[0]) and torch.equal(B[0], before[1])
+def test_nesterov_amax_bounds_replace_the_reads_and_must_be_three_per_tensor():
+    P, B, U = _three(2)
+    want_p, want_b = [p.clone() for p in P], [b.clone() for b in B]
+    ops.nesterov_outer_(want_p, want_b, U, 0.5, 0.9)
+    # the exact largest entries as bounds, one NaN (unknown: read here): the same result
+    bounds = [float(t.abs().max()) for t in (*P, *B, *U)]
+    bounds[1] = float("nan")
+    ops.nesterov_outer_(P, B, U, 0.5, 0.9, bounds)
+    assert all(torch.equal(a, b) for a, b in zip((*P, *B), (*want_p, *want_b)))
+    with pytest.raises(ValueError, match=r"amax must have 3 entries per tensor \(6"):
+        ops.nesterov_outer_(P, B, U, 0.5, 0.9, bounds[:5])
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -235,27 +230,19 @@ def _nan(t):
 @pytest.mark.parametrize(
     "edit,match",
     [
-        pytest.param(lambda P, B, U, S: (P, B, [U[0], _nan(U[1])], S), r"tensor 1: update.*NaN", id="nan-update"),
-        pytest.param(
-            lambda P, B, U, S: (P, B, [U[0], U[1] * float("inf")], S), r"tensor 1: update.*Inf", id="inf-update"
-        ),
-        pytest.param(lambda P, B, U, S: ([P[0], _nan(P[1])], B, U, S), r"tensor 1: param.*NaN", id="nan-param"),
-        pytest.param(lambda P, B, U, S: (P, [B[0], _nan(B[1])], U, S), r"tensor 1: momentum buffer.*NaN", id="nan-buf"),
-        pytest.param(
-            lambda P, B, U, S: (P, B, U, torch.tensor([1.0, float("nan")])), r"scales\[1\] is nan", id="scales-nan"
-        ),
-        pytest.param(
-            lambda P, B, U, S: (P, B, U, torch.tensor([float("inf"), 1.0])), r"scales\[0\] is inf", id="scales-inf"
-        ),
+        pytest.param(lambda P, B, U: (P, B, [U[0], _nan(U[1])]), r"tensor 1: update.*NaN", id="nan-update"),
+        pytest.param(lambda P, B, U: (P, B, [U[0], U[1] * float("inf")]), r"tensor 1: update.*Inf", id="inf-update"),
+        pytest.param(lambda P, B, U: ([P[0], _nan(P[1])], B, U), r"tensor 1: param.*NaN", id="nan-param"),
+        pytest.param(lambda P, B, U: (P, [B[0], _nan(B[1])], U), r"tensor 1: momentum buffer.*NaN", id="nan-buf"),
     ],
 )
 def test_nesterov_refuses_non_finite_input_with_nothing_written(edit, match):
     P, B, U = _triple()
-    P, B, U, S = edit(P, B, U, None)
+    P, B, U = edit(P, B, U)
     # the first param and buffer are fine and must stay as they were
     before = P[0].clone(), B[0].clone()
     with pytest.raises(ValueError, match=match):
-        ops.nesterov_outer_(P, B, U, 0.5, 0.9, S)
+        ops.nesterov_outer_(P, B, U, 0.5, 0.9)
     assert torch.equal(P[0], before[0]) and torch.equal(B[0], before[1])
 
 
@@ -268,23 +255,18 @@ def test_nesterov_fp16_overflow_is_refused_with_nothing_written():
     with pytest.raises(
         ResultOverflowError, match=r"tensor 2: the outer update.*overflows the param's dtype torch.float16"
     ):
-        ops.nesterov_outer_([*P, ph], [*B, torch.zeros(5)], [*U, torch.full((5,), 6e4)], 1.0, 0.9, None)
+        ops.nesterov_outer_([*P, ph], [*B, torch.zeros(5)], [*U, torch.full((5,), 6e4)], 1.0, 0.9)
     assert all(torch.equal(a, b) for a, b in zip(P + B, before[0] + before[1])) and not ph.any()
 
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.filterwarnings("ignore::isoloco_kernels.flatten.iteration_stats.FlattenFallbackWarning")
-@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
-def test_nesterov_huge_lr_gives_the_exact_result_when_it_fits(scaled):
+def test_nesterov_huge_lr_gives_the_exact_result_when_it_fits():
     # lr = 1e39 does not fit float32: the kernels turned it into Inf; the exact result is ~2e9
     P, B, U = _triple(32)
     B, U = [b * 1e-30 for b in B], [u * 1e-30 for u in U]
-    S = torch.tensor([2.0, 0.5]) if scaled else None
-    want = [
-        nesterov_ref(p, b, u, 1e39, 0.9, 1.0 if S is None else float(s))
-        for p, b, u, s in zip(P, B, U, S if S is not None else [None] * 2)
-    ]
-    ops.nesterov_outer_(P, B, U, 1e39, 0.9, S)
+    want = [nesterov_ref(p, b, u, 1e39, 0.9) for p, b, u in zip(P, B, U)]
+    ops.nesterov_outer_(P, B, U, 1e39, 0.9)
     for p, b, (wp, wb) in zip(P, B, want):
         assert torch.isfinite(p).all() and rel_err(p, wp) <= TOL[("update", torch.float32)]
         assert rel_err(b, wb) <= TOL[("update", torch.float32)]

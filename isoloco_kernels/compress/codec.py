@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from ..reference import compute_dtype
+from .._validate import compute_dtype
 from .spec import FORMATS, Compression, Format, _check_u32, bytes_of
 
 __all__ = [

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from .. import triton as _tk
-from ..reference import compute_dtype
+from .._validate import compute_dtype
 from .codec import Packed, _blocks, _check_packed, check_call, pack_codes, quantize_blocks, stream_keys, unpack_add_
 from .spec import FORMATS, Compression
 

@@ -383,7 +383,7 @@ def _listed(params):
 def _dtensor_mesh(params) -> Optional[Any]:
     """The mesh the DTensor step agrees over, for DTensor params; None without DTensors (or when
     the meshes do not nest: the optimizer then refuses them alike on every rank)."""
-    from ..outer.core import is_dtensor
+    from .._validate import is_dtensor
 
     def tensors(x) -> list:  # a tensor, a (name, tensor) pair, or a group's list of either
         if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..outer import core as outer
+from ..outer import sgd_state as outer
 from ..outer.merge_state import check_merge_entry, merge_entry
 from . import compressed
 from .agree import Agreement, gather_objects

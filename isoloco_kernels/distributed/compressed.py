@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .._validate import check_all_finite, compute_dtype
+from .._validate import ResultOverflowError, check_all_finite, compute_dtype
 from ..compress import Compression, Packed, bytes_of, compress, decompress_add_, parse
 from ..compress.codec import mix32
 from ..merges import merge_groups
@@ -134,13 +134,17 @@ def owner_step(opt, params, groups, inputs: dict[int, torch.Tensor], buckets=Non
         p, lr, mu = params[i], float(groups[i]["lr"]), float(groups[i]["momentum"])
         cd = compute_dtype(p.dtype)
         g = m[i].to(cd)
-        if mu == 0:  # torch.optim.SGD at μ = 0: θ ← θ − lr·M, no buffer made or touched
-            bufs[i], change = None, g * -lr
-        else:
-            held = opt.state[p].get("momentum_buffer") if p in opt.state else None
-            buf = g.clone() if held is None else torch.add(g, held.to(cd), alpha=mu)  # μ·0 + M = M exactly
-            bufs[i], change = buf, torch.add(g, buf, alpha=mu).mul_(-lr)
         name = f"the update of param {i} (shape {tuple(p.shape)})"
+        # The Nesterov op on scratch from θ = 0: change = −lr·(M + μ·buf'), buf' = μ·buf + M (a new buffer
+        # starts at zero: buf' = M exactly; μ = 0, torch.optim.SGD's rule: the held buffer is not touched).
+        held = opt.state[p].get("momentum_buffer") if p in opt.state and mu != 0 else None
+        buf = torch.zeros_like(g) if held is None else held.to(cd, copy=True)
+        change = torch.zeros_like(g)
+        try:
+            torch.ops.isoloco.nesterov_outer_([change], [buf], [g], lr, mu)
+        except ResultOverflowError as e:
+            raise ResultOverflowError(f"{name}: {str(e).split(': ', 2)[-1]}", tensor=i) from None
+        bufs[i] = None if mu == 0 else buf
         if spec.update == "full":
             updates[i] = (p.detach().to(cd) + change).to(p.dtype)
             check_all_finite([updates[i]], [name])

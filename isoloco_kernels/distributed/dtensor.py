@@ -22,8 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .._validate import _overlap, _span, compute_dtype
-from ..outer.core import Entry, collect, is_dtensor, local, nesterov_rows, prepare_nesterov
+from .._validate import _overlap, _span, compute_dtype, is_dtensor, local
+from ..outer.core import Entry, collect, nesterov_rows, prepare_nesterov
 from .agree import Agreement, fingerprint, largest_mesh, optimizer_settings
 from .collectives import GatherSegments, OwnerSplits, gather_buffers, owner_buffers
 from .plan import ShardLayout, shard_sizes
@@ -217,7 +217,7 @@ def _collect_entries(opt) -> list[Entry]:
     return collect(
         opt,
         "IsoLoCo.step",
-        lambda gi, pi, p: f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) on rank {rank}",
+        f"param_groups[{{gi}}]['params'][{{pi}}] (shape {{shape}}) on rank {rank}",
         _check_grad,
     )
 

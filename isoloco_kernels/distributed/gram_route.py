@@ -16,8 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .._validate import check_all_finite, compute_dtype
-from ..outer.core import local
+from .._validate import check_all_finite, compute_dtype, local
 from . import pipeline
 from .agree import comm_device
 

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 
 from .._validate import check_all_finite, check_matrix_tensor, check_writable
-from ..api import iso_merge_unchecked_
 from ..flatten.registry import check_method
 from . import pipeline
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, renamed_keyword
@@ -97,9 +96,9 @@ def sharded_iso_merge_(
         return buckets[k] if j is None else buckets[k][j]
 
     # My matrices, copied aside and flattened before anyone writes (the flatten takes each batch in
-    # slices of bounded scratch, `api.iso_merge_unchecked_`: only these copies are written).
+    # slices of bounded scratch; checked above: only these copies are written).
     ag.attempt(_copy_aside, bufs, unit)
-    ag.attempt(iso_merge_unchecked_, [blk for blk, _ in bufs.batches], method)  # checked above
+    ag.attempt(torch.ops.isoloco.iso_merge_, [blk for blk, _ in bufs.batches], method, True)
     ag.settle()  # any failure reaches the other ranks before they write
 
     # From here the collectives run on every rank whatever happens locally; the local work between

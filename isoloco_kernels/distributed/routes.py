@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from ..outer.core import Entry, bucket_flatten, local
+from .._validate import local
+from ..outer.core import Entry, bucket_flatten
 from .collectives import (
     GatherSegments,
     all_gather_shards,

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from .._validate import amaxes, check_amax_finite
-from ..flatten.buckets import BucketPlan
+from .._validate import amaxes, check_amax_finite, is_dtensor
 from ..merges import merge_groups
 from ..merges.options import resolve_options
 from ..outer import core as outer
+from ..outer import sgd_state
+from ..outer.core import BucketPlan
 from ..outer.nd import warn_nd_params
 from ..outer.sgd_state import SGDArgs, sgd_shaped
 from . import checkpoint, compressed, pipeline
@@ -134,16 +135,16 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for k, g in enumerate(self.param_groups):
             where = f"ShardedIsoLoCo: param group {k}"
-            outer.sgd_keywords(where, **{key: g[key] for key in outer.SGD_KEYS})
+            sgd_state.sgd_keywords(where, **{key: g[key] for key in sgd_state.SGD_KEYS})
             outer.check_group(g, where)
         self._buckets: Optional[BucketPlan] = None  # batched Iso-C of my matrices, reused across steps
         self.method, self.chunk_bytes, self.solo_above = method, chunk_bytes, solo_above
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._index = {p: i for i, p in enumerate(self._params)}
         self._group_of = [k for k, g in enumerate(self.param_groups) for _ in g["params"]]
-        outer.check_param_dtypes(self._params, "ShardedIsoLoCo")
+        sgd_state.check_param_dtypes(self._params, "ShardedIsoLoCo")
         for i, p in enumerate(self._params):
-            if outer.is_dtensor(p):
+            if is_dtensor(p):
                 raise TypeError(
                     f"ShardedIsoLoCo: param {i} (shape {tuple(p.shape)}, placements {tuple(p.placements)}) is a "
                     "DTensor (FSDP2 / tensor parallel); ShardedIsoLoCo steps whole tensors replicated on every "
@@ -282,12 +283,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         """Every rank's pseudo-gradients, checked (every param needs one: all are reduced and
         written), with the held momentum (`outer.collect`)."""
 
-        def check(p, g, name):
-            if g.shape != p.shape or g.device != p.device:
-                raise ValueError(f"{name}: grad has shape {tuple(g.shape)} on {g.device}, the param is on {p.device}")
-
         # the params are checked where they are updated (the owned ones, `_compute`), not here
-        entries = outer.collect(self, "ShardedIsoLoCo.step", self._name, check, require_grads=True, check_params=False)
+        where, name = "ShardedIsoLoCo.step", f"param {{i}} (shape {{shape}}) on rank {self.rank}"
+        entries = outer.collect(self, where, name, require_grads=True, check_params=False)
         return [e.g for e in entries]
 
     def _reduce(self, grads, bufs: dict, attempt) -> tuple[dict, dict[int, torch.Tensor]]:

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validate import check_result_fits, pow2_scale
-from ..reference import rank_tol
+from .._validate import check_result_fits, pow2_scale, rank_tol
 
 F64 = torch.float64
 #: eigh serves a matrix only when σ_r / σ_1 is at least this (per input dtype), else svd does.

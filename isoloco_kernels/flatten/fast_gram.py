@@ -36,8 +36,7 @@ import math
 
 import torch
 
-from .._validate import ResultOverflowError, _describe_nonfinite, compute_dtype, overflow_limit
-from ..reference import rank_tol
+from .._validate import ResultOverflowError, _describe_nonfinite, compute_dtype, overflow_limit, rank_tol
 from . import exact, gram, tf32
 from .polar import TF32X2, TF32X3, certificate_flops, polar_flops
 

@@ -18,8 +18,7 @@ import math
 
 import torch
 
-from .._validate import ResultOverflowError, _describe_nonfinite, overflow_limit
-from ..reference import rank_tol
+from .._validate import ResultOverflowError, _describe_nonfinite, overflow_limit, rank_tol
 from . import exact, iteration_stats
 from .iteration_stats import FlattenFallbackWarning, Recorder
 

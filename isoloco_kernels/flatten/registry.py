@@ -15,18 +15,27 @@ bfloat16 after, its flat spectrum certified per matrix, "polar" for the rest), "
 ~1e5 for float32 input; residual-checked, SVD for the matrices that miss) and "auto" (see
 `resolve_method`). A new method: its module, one line in `METHODS`, one tolerance row in
 tests/helpers.py.
+
+Bounded workspace: a method's scratch grows with the batch it is given (`WORKSPACE_MODEL`: bytes per
+element and per r² of each matrix, measured on the CPU with torch's MemTracker, bench/memory_model.py),
+so `flatten_chunked_` hands a [B, m, n] tensor to the method in slices of at most `chunk_rows`
+matrices, each slice's scratch within `workspace_bytes()` (2 GiB unless $ISOLOCO_WORKSPACE_BYTES says
+otherwise). A single matrix whose own scratch is larger than that is flattened alone: the bound is then
+that matrix's scratch. Every door into the flatten (the isoloco ops, ops.py) runs through it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import re
 from typing import Callable, Optional
 
 import torch
 
+from .._validate import ResultOverflowError, compute_dtype
 from . import exact, fast, gram, polar
 from .iteration_stats import Recorder
 
@@ -229,3 +238,103 @@ def iso_flatten_impl(x: torch.Tensor, method: str) -> None:
         return
     x3 = x if x.ndim == 3 else x.unsqueeze(0)
     METHODS[resolve_method(method, x3)].run(x3)
+
+
+# -- the bounded workspace: one rule behind every door -----------------------------------------
+
+#: Default scratch one flatten call may take beside its input (bytes): 2 GiB.
+WORKSPACE_BYTES = 2 << 30
+#: Environment override of WORKSPACE_BYTES (an integer number of bytes > 0).
+WORKSPACE_ENV = "ISOLOCO_WORKSPACE_BYTES"
+
+#: Peak scratch of each method per matrix of a [B, r, k] batch (r ≤ k), in bytes: a·r·k + b·r²,
+#: (a, b) per compute dtype. Fitted to torch MemTracker peaks on the CPU over wide, tall and square
+#: batches of random Gaussians (some of whose matrices take each method's fallback), then raised
+#: by the fit's worst under-estimate and 20 %: `python bench/memory_model.py --fit` measures them.
+WORKSPACE_MODEL = {
+    torch.float32: {
+        "svd": (50.7, 9.7),
+        "eigh": (42.1, 9.7),
+        "polar": (18.9, 20.5),
+        "polar_bf16": (27.5, 13.7),
+        "gram": (7.0, 44.9),
+        "polar_tf32x3": (48.0, 15.0),
+        "fast": (25.1, 27.6),
+    },
+    torch.float64: {
+        "svd": (50.7, 9.7),
+        "eigh": (57.3, 17.3),
+        "polar": (36.5, 41.4),
+        "polar_bf16": (39.4, 12.3),
+        "gram": (13.8, 39.1),
+        "polar_tf32x3": (36.5, 41.4),
+        "fast": (33.5, 49.4),
+    },
+}
+
+
+def workspace_bytes() -> int:
+    """The scratch budget of one flatten call: $ISOLOCO_WORKSPACE_BYTES if set, else WORKSPACE_BYTES."""
+    env = os.environ.get(WORKSPACE_ENV, "").strip()
+    if not env:
+        return WORKSPACE_BYTES
+    try:
+        value = int(env)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{WORKSPACE_ENV} must be a whole number of bytes > 0, got {env!r}")
+    return value
+
+
+def method_workspace(method: str, m: int, n: int, dtype: torch.dtype, kind: str = "cuda") -> int:
+    """Modelled peak scratch (bytes) of flattening one m×n matrix whose compute dtype is `dtype`
+    with `method` (a registry name other than "auto"; `WORKSPACE_MODEL`, its largest coefficients
+    for a method it has no row for). "fast" on a shape its Gram route serves on a device of `kind`
+    (fast.route_for) takes that route's model instead (fast_gram.workspace: O(r²) and one block)."""
+    if method == "fast":
+        from . import fast_gram
+
+        if fast.route_for(m, n, kind) == "gram":
+            return fast_gram.workspace(m, n, 8 if compute_dtype(dtype) == torch.float64 else 4)
+    table = WORKSPACE_MODEL[torch.float64 if compute_dtype(dtype) == torch.float64 else torch.float32]
+    # a method without a row: the largest of every row's coefficients (an upper bound, not a model)
+    a, b = table.get(method) or (max(a for a, _ in table.values()), max(b for _, b in table.values()))
+    r, k = min(m, n), max(m, n)
+    if method == "gram":  # its column blocks stop growing at gram.COLUMN_BLOCK_BYTES (the fit's a·r·k below)
+        from .gram import COLUMN_BLOCK_BYTES
+
+        return math.ceil(min(a * r * k, COLUMN_BLOCK_BYTES) + b * r * r)
+    return math.ceil(a * r * k + b * r * r)
+
+
+def chunk_rows(method: str, x3: torch.Tensor, workspace: Optional[int] = None) -> int:
+    """How many matrices of the [B, m, n] batch x3 one call of `method` may take so that its
+    modelled scratch stays within `workspace` (default `workspace_bytes()`); at least 1."""
+    _, m, n = x3.shape
+    resolved = resolve_method(method, x3[:1])
+    per = method_workspace(resolved, m, n, x3.dtype, fast.device_kind(x3) if resolved == "fast" else "cuda")
+    if resolved == "polar" or resolved == "polar_bf16":  # the matrices missing its check go to gram
+        per = max(per, method_workspace("gram", m, n, x3.dtype))
+    budget = workspace_bytes() if workspace is None else workspace
+    return max(1, min(x3.shape[0], budget // max(per, 1)))
+
+
+def flatten_chunked_(x: torch.Tensor, method: str, workspace: Optional[int] = None) -> None:
+    """The flatten of a checked [m, n] or [B, m, n] tensor (finite, writable: the op's checks,
+    done by the caller) in slices of `chunk_rows` matrices, each in place: scratch bounded by
+    `workspace` instead of growing with B. A slice whose result does not fit its dtype raises
+    ResultOverflowError with the matrix index in x; the slices before it are already written, so
+    callers flatten scratch buffers (the optimizers' buckets) or copies (the iso_merge_ op)."""
+    if x.numel() == 0:
+        return
+    x3 = x if x.ndim == 3 else x.unsqueeze(0)
+    step = chunk_rows(method, x3, workspace)
+    for start in range(0, x3.shape[0], step):
+        try:
+            iso_flatten_impl(x3[start : start + step], method)
+        except ResultOverflowError as e:
+            if e.matrix is None:
+                raise
+            i = start + e.matrix
+            raise ResultOverflowError(str(e).replace(f"matrix {e.matrix}", f"matrix {i}", 1), matrix=i) from None

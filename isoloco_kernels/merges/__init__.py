@@ -34,7 +34,7 @@ from .._validate import (
     compute_dtype,
     overflow_limit,
 )
-from ..ops import iso_flatten
+from ..api import iso_flatten
 from .options import MERGES, resolve_options
 from .sparse import sparse_merge
 from .spectral import iso_cts_merge, tsv_merge

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import iso_flatten
-from ..reference import rank_tol
+from .._validate import rank_tol
+from ..api import iso_flatten
 from .reference import task_share
 
 __all__ = ["polar_factor", "tsv_merge", "iso_cts_merge"]

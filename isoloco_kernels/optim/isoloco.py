@@ -14,31 +14,27 @@ optimizer") has the contract.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from .. import distributed
+from .._validate import is_dtensor
 from ..distributed import dtensor, process_group
 from ..distributed.agree import agreed_init, describe, optimizer_settings
 from ..distributed.checkpoint import refuse_rank_state
-from ..flatten.buckets import BucketPlan
-from ..outer.core import (
-    SGD_KEYS,
-    Entry,
-    bucket_flatten,
-    check_group,
-    check_param_dtypes,
-    collect,
-    load_sgd_state,
-    nesterov_rows,
-    prepare_nesterov,
-    sgd_keywords,
-)
+from ..outer.core import BucketPlan, Entry, bucket_flatten, check_group, collect, nesterov_rows, prepare_nesterov
 from ..outer.nd import as_matrix, warn_nd_params
-from ..outer.sgd_state import SGDArgs, refuse_foreign_state, sgd_shaped
+from ..outer.sgd_state import (
+    SGD_KEYS,
+    SGDArgs,
+    check_param_dtypes,
+    load_sgd_state,
+    refuse_foreign_state,
+    sgd_keywords,
+    sgd_shaped,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -49,11 +45,6 @@ __all__ = ["IsoLoCo", "sgd_keywords"]
 
 def _name(gi: int, pi: int, p: torch.Tensor) -> str:
     return f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
-
-
-def _check_plain(where: str, p: torch.Tensor, g: torch.Tensor, name: str) -> None:
-    if g.shape != p.shape or g.device != p.device:
-        raise ValueError(f"{where}: {name}: grad has shape {tuple(g.shape)} on {g.device}, param is on {p.device}")
 
 
 class IsoLoCo(torch.optim.Optimizer):
@@ -263,8 +254,7 @@ class IsoLoCo(torch.optim.Optimizer):
 
     def _collect_grads(self) -> list[Entry]:
         """Every param with a grad, all checked (`outer.collect`)."""
-        who = type(self).__name__
-        return collect(self, who, _name, functools.partial(_check_plain, who))
+        return collect(self, type(self).__name__)
 
     def _iso_updates(self, entries, ag=None) -> dict[int, torch.Tensor]:
         """Iso-C of every 2-D grad in an iso group, batched by shape (`outer.bucket_flatten`, the
@@ -292,11 +282,15 @@ class IsoLoCo(torch.optim.Optimizer):
             self._plan = BucketPlan(mats)
         return self._plan.pack(mats)
 
+    def _uses_dtensor(self) -> bool:
+        """Whether the params are DTensors (FSDP2 / TP: all or none, `dtensor.check_params`)."""
+        return any(is_dtensor(p) for g in self.param_groups for p in g["params"])
+
     @torch.no_grad()
     def _update(self, failed: Optional[BaseException] = None) -> None:
         """failed: what the closure raised (only passed over a process group or with DTensor
         params, where the other ranks must learn of it before anyone writes)."""
-        if dtensor.uses_dtensor(self):  # -- DTensor params: the sharded step lives in dtensor.py --
+        if self._uses_dtensor():  # -- DTensor params: the sharded step lives in dtensor.py --
             return dtensor.step_(self, failed)
         group = self._group()
         if group is not None:  # -- over a process group: distributed/process_group.py --
@@ -347,7 +341,7 @@ class IsoLoCo(torch.optim.Optimizer):
                 with torch.enable_grad():
                     loss = closure()
             except Exception as e:  # noqa: BLE001
-                if self._process_group is None and not dtensor.uses_dtensor(self):
+                if self._process_group is None and not self._uses_dtensor():
                     raise
                 failed = e  # over a process group or a device mesh: every rank must fail together
         self._update(failed)

@@ -110,7 +110,7 @@ class MergeLoCo(IsoLoCo):
         self._pending: Optional[list] = None  # stacks set_deltas checked, for the next step
         compressed.attach(self, compress, "MergeLoCo")  # this process's K workers' residuals, once stepped
         super().__init__(params, **asdict(sgd), iso=iso, method=method, dtensor_route=dtensor_route, iso_nd=iso_nd)
-        from ..outer.core import is_dtensor
+        from .._validate import is_dtensor
 
         if any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
             raise ValueError("MergeLoCo: DTensor params are not supported (merge their full tensors, or use IsoLoCo)")

@@ -15,15 +15,23 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
-import sys
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .._validate import SUPPORTED_DTYPES, check_all_finite, check_writable, compute_dtype, overflow_limit
+from .._validate import (
+    SUPPORTED_DTYPES,
+    check_all_finite,
+    check_writable,
+    compute_dtype,
+    is_dtensor,
+    local,
+    overflow_limit,
+)
 from ..flatten.registry import check_method
+from .core import check_group, check_hyper
 
 __all__ = [
     "SGDArgs",
@@ -45,59 +53,6 @@ __all__ = [
 SGD_KEYS = dict(
     dampening=0, weight_decay=0, nesterov=True, maximize=False, foreach=None, differentiable=False, fused=None
 )
-
-
-# -- DTensors without importing torch.distributed.tensor (seconds to import): a DTensor exists
-#    only once that module is loaded.
-
-
-def is_dtensor(t) -> bool:
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(t, mod.DTensor)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a view: in-place writes reach the DTensor); other tensors as they are."""
-    return t.to_local() if is_dtensor(t) else t
-
-
-# -- hyper-parameters and groups --------------------------------------------------------------
-
-
-def _number(v: Any, key: str, where: str) -> float:
-    """v as a float; a one-element tensor counts (as torch's optimizers accept a tensor lr)."""
-    if isinstance(v, torch.Tensor):
-        if v.device.type == "meta":
-            raise ValueError(f"{where}: '{key}' is a meta tensor, which holds no value; pass a number")
-        if v.numel() != 1:
-            raise ValueError(f"{where}: a Tensor {key} must have one element, got shape {tuple(v.shape)}")
-        return float(v)
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f"{where}: '{key}' must be a real number, got {type(v).__name__} {v!r}")
-    return float(v)
-
-
-def check_hyper(lr: Any, momentum: Any, where: str) -> None:
-    if not 0.0 <= _number(lr, "lr", where) < float("inf"):
-        raise ValueError(f"{where}: invalid learning rate: {lr} ('lr' must be a finite number >= 0)")
-    if not 0.0 <= _number(momentum, "momentum", where) < float("inf"):
-        raise ValueError(f"{where}: invalid momentum value: {momentum} ('momentum' must be a finite number >= 0)")
-
-
-def check_group(group: dict, where: str) -> None:
-    """A group the outer step can run: lr/momentum valid, SGD's other knobs at IsoLoCo's values."""
-    for key in ("lr", "momentum"):
-        if key not in group:
-            raise ValueError(f"{where}: the group has no '{key}'")
-    check_hyper(group["lr"], group["momentum"], where)
-    for key, want in (("dampening", 0), ("weight_decay", 0), ("nesterov", True), ("maximize", False)):
-        if key in group and group[key] != want:
-            raise ValueError(
-                f"{where}: {key}={group[key]!r}, but IsoLoCo applies Nesterov momentum without "
-                f"dampening, weight decay or maximize ({key} must be {want!r})"
-            )
-    if not isinstance(group.get("iso", True), bool):
-        raise ValueError(f"{where}: iso must be a bool, got {group['iso']!r}")
 
 
 def outer_defaults(

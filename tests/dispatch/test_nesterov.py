@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import isoloco_kernels  # noqa: F401  (registers torch.ops.isoloco)
-from isoloco_kernels.dispatch import torch_nesterov as nesterov
+from isoloco_kernels.dispatch import table as nesterov
 from isoloco_kernels.reference import nesterov_ref
 from tests.helpers import TOL, rel_err
 

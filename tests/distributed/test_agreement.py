@@ -71,7 +71,7 @@ def _refused_on_last(rank, world, odd, fn, text, tensors):
 def _snapshot(opt, tensors):
     out = [t.detach().clone() for t in tensors]
     if opt is not None:
-        from isoloco_kernels.outer.core import local  # a DTensor's local shard: compared without collectives
+        from isoloco_kernels._validate import local  # a DTensor's local shard: compared without collectives
 
         out += [local(st["momentum_buffer"]).detach().clone() for st in opt.state.values() if "momentum_buffer" in st]
     return out
@@ -283,7 +283,7 @@ def _dtensor_opt(rank, world, **kw):
 
 
 def _dtensor_watch(params, grads=True):
-    from isoloco_kernels.outer.core import local
+    from isoloco_kernels._validate import local
 
     return [local(p) for p in params] + ([local(p.grad) for p in params] if grads else [])
 
@@ -580,7 +580,7 @@ def _every_collective(rank, world, rule):
     ps[0].grad = distribute_tensor(low, mesh, [Shard(0)], src_data_rank=None)
     opt.step()
     assert opt.dtensor_stats.gram_exact >= 1, opt.dtensor_stats
-    from isoloco_kernels.outer.core import local
+    from isoloco_kernels._validate import local
 
     nan_on_last(local(ps[0].grad))
     with pytest.raises(D.DistributedStepError):

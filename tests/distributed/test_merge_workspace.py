@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from isoloco_kernels import IsoLoCo
-from isoloco_kernels.flatten import buckets
+from isoloco_kernels.flatten import registry as buckets
 from isoloco_kernels.flatten import registry as flatten
 from tests.spawn import Checks, groups, params
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
-from isoloco_kernels.flatten.buckets import BucketPlan
+from isoloco_kernels.outer.core import BucketPlan
 from isoloco_kernels.reference import iso_flatten_ref
 from tests.helpers import TOL, rel_err
 

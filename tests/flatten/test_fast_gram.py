@@ -390,7 +390,7 @@ def test_a_large_matrix_is_read_in_capped_blocks(monkeypatch, method):
     """With gram.COLUMN_BLOCK_BYTES scaled down to 64 KiB, a 1 MB matrix is read in blocks: the
     scratch stays near the cap and the r×r matrices, far below the half-the-matrix default of before
     (the cap is what bounds llama-8b's 128256 × 4096 matrices), and buckets.method_workspace bounds it."""
-    from isoloco_kernels.flatten import buckets
+    from isoloco_kernels.flatten import registry as buckets
 
     cap = 64 << 10
     monkeypatch.setattr(gram, "COLUMN_BLOCK_BYTES", cap)

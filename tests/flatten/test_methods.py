@@ -155,7 +155,7 @@ def check_a_fallback_warning_raised_as_an_error_changes_nothing(method):
     was; a method that warns about nothing writes its result."""
     import os
 
-    from isoloco_kernels.flatten import buckets as bk
+    from isoloco_kernels.flatten import registry as bk
 
     g = gen("warn-as-error")
     x = torch.randn(3, 12, 20, generator=g, dtype=torch.float64).float()

@@ -502,7 +502,7 @@ def test_bucket_flatten_batches_by_shape_reuses_its_plan_and_names_an_overflow()
 def test_outer_defaults_checks_in_order_for_both_optimizers():
     """outer.outer_defaults: one constructor check for IsoLoCo and ShardedIsoLoCo (lr, momentum,
     then SGD's keys, then method, then iso)."""
-    from isoloco_kernels.outer.core import SGD_KEYS, outer_defaults
+    from isoloco_kernels.outer.sgd_state import SGD_KEYS, outer_defaults
 
     assert outer_defaults("X", 1.0, 0.5, True, "auto") == dict(lr=1.0, momentum=0.5, iso=True, **SGD_KEYS)
     with pytest.raises(ValueError, match="X: invalid learning rate"):

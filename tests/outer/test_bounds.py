@@ -20,7 +20,7 @@ import torch
 import isoloco_kernels as ik
 from isoloco_kernels._validate import ResultOverflowError, compute_dtype
 from isoloco_kernels.flatten import registry as flatten
-from isoloco_kernels.outer import momentum
+from isoloco_kernels.outer import core as momentum
 from isoloco_kernels.outer.core import Entry
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
