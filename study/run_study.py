@@ -63,6 +63,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script:
 from isoloco_kernels.train import Setup, TrainConfig, load_corpus, run_mode
 from isoloco_kernels.train.config import OUTER_DEFAULTS
 from study.common.records import read_jsonl, results_files, run_key
+from study.precision.spectra import capture_rounds, write_spectra
 
 STEPS_PER_WORKER = 300
 EVAL_WINDOWS = 1024  # per split: the paired-difference noise of 64 windows hid gaps ≤ 0.05
@@ -192,38 +193,6 @@ def claim(folder: Path, k: tuple) -> bool:
     with os.fdopen(fd, "w") as f:
         f.write(repr(k))
     return True
-
-
-def capture_rounds(into: dict, rounds: set):
-    """A run_mode capture callback keeping a float32 copy of the averaged Δ of the 2-D parameters in
-    these (1-based) rounds: into[round] = {name: Δ}."""
-
-    def capture(r: int, names, mean_delta) -> None:
-        if r in rounds:
-            into[r] = {n: d.detach().to("cpu", torch.float32).clone() for n, d in zip(names, mean_delta) if d.ndim == 2}
-
-    return capture
-
-
-def write_spectra(path: Path, key: tuple, captured: dict, methods: list[str], rounds: int) -> None:
-    """One line per captured round: per matrix its shape, σ₁/σ_min and σ₁/σ̄, and per method its
-    relative Frobenius error against reference.py and its flatness (flattens.error_and_flatness)."""
-    from study.precision import flattens
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for rnd, deltas in sorted(captured.items()):
-        mats = {}
-        for name, d in deltas.items():
-            s = torch.linalg.svdvals(d.to(torch.float64))
-            mats[name] = {
-                "shape": list(d.shape),
-                "cond": float(s[0] / s[-1]) if s[-1] > 0 else None,
-                "top_over_mean": float(s[0] / s.mean()) if s.mean() > 0 else None,
-                "methods": {m: list(flattens.error_and_flatness(m, d)) for m in methods},
-            }
-        line = {"key": repr(key), "round": rnd, "rounds": rounds, "matrices": mats}
-        with path.open("a") as f:
-            f.write(json.dumps(line) + "\n")
 
 
 def main() -> None:
