@@ -17,7 +17,6 @@ agreement. Every tensor the package hands to a collective of a group lives on `c
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 import numbers
@@ -40,7 +39,8 @@ __all__ = [
     "DistributedStepError",
     "agree",
     "agree_on_mesh",
-    "agreed_init",
+    "construct_together",
+    "listed",
     "all_gather_single",
     "check_on_comm_device",
     "comm_device",
@@ -367,7 +367,7 @@ class Agreement:
             raise
 
 
-def _listed(params):
+def listed(params):
     """params (an iterable of tensors or of param-group dicts) as a list the caller can read and
     still pass on: generators are drained once, each group's own iterable too."""
     if isinstance(params, torch.Tensor):
@@ -419,32 +419,19 @@ def largest_mesh(dtensors) -> Any:
     return big
 
 
-def agreed_init(where: str, settings: Callable[[Any], dict]):
-    """Decorate an outer optimizer's `__init__(self, params, ..., process_group=None)` so that
-    every rank constructs or none does, instead of leaving the others waiting at their first
-    collective. The ranks agree over `process_group`, or over the device mesh of DTensor params
-    (neither: no agreement): a rank whose __init__ raised raises its own exception after the
-    agreement, the others DistributedStepError naming it; settings that differ between ranks
-    (`settings(self)`) raise DistributedStepError on every rank, naming them."""
-
-    def deco(init):
-        @functools.wraps(init)
-        def wrapper(self, *args, **kwargs):
-            group, mesh = kwargs.get("process_group"), None
-            if group is None:
-                args = list(args)
-                if args:
-                    args[0] = _listed(args[0])
-                    mesh = _dtensor_mesh(args[0])
-                elif "params" in kwargs:
-                    kwargs["params"] = _listed(kwargs["params"])
-                    mesh = _dtensor_mesh(kwargs["params"])
-            if (group is None and mesh is None) or (mesh.size() if mesh is not None else group_info(group)[1]) == 1:
-                return init(self, *args, **kwargs)
-            ag = Agreement(where, group, mesh)
-            ag.attempt(lambda: init(self, *args, **kwargs))
-            ag.settle(settings=ag.attempt(settings, self), own_error=True)
-
-        return wrapper
-
-    return deco
+def construct_together(where: str, process_group, params, build: Callable[[], None], settings: Callable[[], dict]):
+    """Run an outer optimizer's `build()` so that every rank constructs or none does, instead of leaving the
+    others waiting at their first collective. The ranks agree over `process_group`, or over the device
+    mesh of DTensor params (neither, or one rank: `build()` alone): a rank whose build raised raises its
+    own exception after the agreement, the others DistributedStepError naming it; settings that differ
+    between ranks (`settings()`) raise DistributedStepError on every rank, naming them. `params` must be
+    a list (`listed`)."""
+    mesh = _dtensor_mesh(params) if process_group is None else None
+    if (process_group is None and mesh is None) or (
+        mesh.size() if mesh is not None else group_info(process_group)[1]
+    ) == 1:
+        build()
+        return
+    ag = Agreement(where, process_group, mesh)
+    ag.attempt(build)
+    ag.settle(settings=ag.attempt(settings), own_error=True)

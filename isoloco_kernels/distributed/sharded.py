@@ -21,7 +21,7 @@ from ..outer import core as outer
 from ..outer import sgd_state
 from ..outer.core import BucketPlan
 from ..outer.nd import warn_nd_params
-from ..outer.sgd_state import SGDArgs, sgd_shaped
+from ..outer.sgd_state import SGDArgs
 from . import checkpoint, compressed, pipeline
 from .agree import Agreement, check_on_comm_device, comm_device, group_info, optimizer_settings, renamed_keyword
 from .merge import PLAN_MISMATCH
@@ -47,11 +47,6 @@ if TYPE_CHECKING:
     from ..compress import Compression
 
 __all__ = ["ShardedIsoLoCo"]
-
-
-#: ShardedIsoLoCo's own keywords after SGD's (`sgd_shaped`), with their defaults.
-_OWN_KEYWORDS = dict(iso=True, method="auto", process_group=None, chunk_bytes=CHUNK_BYTES, solo_above=1.0)
-_OWN_KEYWORDS.update(merge="iso_c", merge_options=None, compress=None)
 
 
 class ShardedIsoLoCo(torch.optim.Optimizer):
@@ -91,22 +86,30 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         >>> outer.step(); outer.zero_grad()
     """
 
-    @sgd_shaped(var_keyword="old", **_OWN_KEYWORDS)
     def __init__(
         self,
         params: ParamsT,
-        sgd: SGDArgs,
+        lr: float | torch.Tensor = 1.8,
+        momentum: float | torch.Tensor = 0.8,
+        dampening: float = 0,
+        weight_decay: float = 0,
+        nesterov: bool = True,
         *,
-        iso: bool,
-        method: str,
-        process_group: Optional[ProcessGroup],
-        chunk_bytes: int,
-        solo_above: Optional[float],
-        merge: str,
-        merge_options: Optional[dict],
-        compress: Optional[Compression],
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+        iso: bool = True,
+        method: str = "auto",
+        process_group: Optional[ProcessGroup] = None,
+        chunk_bytes: int = CHUNK_BYTES,
+        solo_above: Optional[float] = 1.0,
+        merge: str = "iso_c",
+        merge_options: Optional[dict] = None,
+        compress: Optional[Compression | str] = None,
         **old: Any,
-    ):
+    ) -> None:
+        sgd = SGDArgs(lr, momentum, dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused)
         # group= was this keyword's first name (deprecated; the README promised it keeps working)
         # bucket_bytes=: chunk_bytes' old name, as sharded_iso_merge_ takes it
         chunk, rest = ({k: v for k, v in old.items() if (k == "bucket_bytes") == b} for b in (True, False))

@@ -22,7 +22,7 @@ import torch
 from .. import distributed
 from .._validate import is_dtensor
 from ..distributed import dtensor, process_group
-from ..distributed.agree import agreed_init, describe, optimizer_settings
+from ..distributed.agree import construct_together, describe, listed, optimizer_settings
 from ..distributed.checkpoint import refuse_rank_state
 from ..outer.core import BucketPlan, Entry, bucket_flatten, check_group, collect, nesterov_rows, prepare_nesterov
 from ..outer.nd import as_matrix, warn_nd_params
@@ -33,7 +33,6 @@ from ..outer.sgd_state import (
     load_sgd_state,
     refuse_foreign_state,
     sgd_keywords,
-    sgd_shaped,
 )
 
 if TYPE_CHECKING:
@@ -94,19 +93,34 @@ class IsoLoCo(torch.optim.Optimizer):
         >>> outer.step(); outer.zero_grad()
     """
 
-    @agreed_init("IsoLoCo()", lambda opt: opt._settings())
-    @sgd_shaped(iso=True, method="auto", process_group=None, dtensor_route="auto", iso_nd=False)
+    #: What the step does with the grads it is given: Iso-C of the (mean) pseudo-gradient. MergeLoCo sets its own.
+    merge = "iso_c"
+
     def __init__(
         self,
         params: ParamsT,
-        sgd: SGDArgs,
+        lr: float | torch.Tensor = 1.8,
+        momentum: float | torch.Tensor = 0.8,
+        dampening: float = 0,
+        weight_decay: float = 0,
+        nesterov: bool = True,
         *,
-        iso: bool,
-        method: str,
-        process_group: Optional[ProcessGroup],
-        dtensor_route: str,
-        iso_nd: bool,
-    ):
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+        iso: bool = True,
+        method: str = "auto",
+        process_group: Optional[ProcessGroup] = None,
+        dtensor_route: str = "auto",
+        iso_nd: bool = False,
+    ) -> None:
+        sgd = SGDArgs(lr, momentum, dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused)
+        params = listed(params)  # read twice: for the DTensor mesh, then by torch.optim.Optimizer
+        build = lambda: self._build(params, sgd, iso, method, process_group, dtensor_route, iso_nd)  # noqa: E731
+        construct_together(f"{type(self).__name__}()", process_group, params, build, self._settings)
+
+    def _build(self, params, sgd: SGDArgs, iso, method, process_group, dtensor_route, iso_nd) -> None:
         who = type(self).__name__  # errors name the optimizer that raised (MergeLoCo is one)
         defaults = sgd.defaults(who, iso, method)
         if not isinstance(iso_nd, bool):
@@ -262,6 +276,8 @@ class IsoLoCo(torch.optim.Optimizer):
         the step's Agreement) the packing runs under `ag.attempt` and the flatten is split across
         the ranks by `sharded_iso_merge_` inside that agreement. With iso_nd, N-D grads go as
         matrices (dim 0 × the rest) and the results are reshaped back."""
+        if self.merge != "iso_c":  # MergeLoCo: the grads hold another merge's result, already the update
+            return {}
         nd = self.iso_nd
         chosen = [k for k, e in enumerate(entries) if e.iso or (nd and e.group["iso"] and e.g.ndim > 2 and e.g.numel())]
         mats = [entries[k].g if entries[k].g.ndim == 2 else as_matrix(entries[k].g) for k in chosen]  # checked

@@ -19,7 +19,6 @@ update exactly as `ShardedIsoLoCo(compress=...)` over K ranks computes them (opt
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
@@ -29,7 +28,6 @@ from ..distributed import compressed
 from ..merges import check_stacks, merge_groups
 from ..merges.options import resolve_options
 from ..outer.merge_state import check_merge_entry, merge_entry
-from ..outer.sgd_state import SGDArgs, sgd_shaped
 from .compressed import simulated_step
 from .isoloco import IsoLoCo
 
@@ -75,30 +73,28 @@ class MergeLoCo(IsoLoCo):
         True
     """
 
-    @sgd_shaped(
-        merge="iso_c",
-        merge_options=None,
-        iso=True,
-        method="auto",
-        process_group=None,
-        dtensor_route="auto",
-        iso_nd=False,
-        compress=None,
-    )
     def __init__(
         self,
         params: ParamsT,
-        sgd: SGDArgs,
+        lr: float | torch.Tensor = 1.8,
+        momentum: float | torch.Tensor = 0.8,
+        dampening: float = 0,
+        weight_decay: float = 0,
+        nesterov: bool = True,
         *,
-        merge: str,
-        merge_options: Optional[dict],
-        iso: bool,
-        method: str,
-        process_group: None,
-        dtensor_route: str,
-        iso_nd: bool,
-        compress: Optional[Compression],
-    ):
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+        merge: str = "iso_c",
+        merge_options: Optional[dict] = None,
+        iso: bool = True,
+        method: str = "auto",
+        process_group: None = None,
+        dtensor_route: str = "auto",
+        iso_nd: bool = False,
+        compress: Optional[Compression | str] = None,
+    ) -> None:
         opts = dict(merge_options or {})
         try:
             resolve_options(merge, opts)  # refuses an unknown merge or option by name
@@ -109,15 +105,26 @@ class MergeLoCo(IsoLoCo):
         self.merge, self.merge_options, self.merged_steps = merge, opts, 0
         self._pending: Optional[list] = None  # stacks set_deltas checked, for the next step
         compressed.attach(self, compress, "MergeLoCo")  # this process's K workers' residuals, once stepped
-        super().__init__(params, **asdict(sgd), iso=iso, method=method, dtensor_route=dtensor_route, iso_nd=iso_nd)
+        super().__init__(
+            params,
+            lr,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+            maximize=maximize,
+            foreach=foreach,
+            differentiable=differentiable,
+            fused=fused,
+            iso=iso,
+            method=method,
+            dtensor_route=dtensor_route,
+            iso_nd=iso_nd,
+        )
         from .._validate import is_dtensor
 
         if any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
             raise ValueError("MergeLoCo: DTensor params are not supported (merge their full tensors, or use IsoLoCo)")
-
-    def _iso_updates(self, entries, ag=None):
-        # iso_c flattens the mean as IsoLoCo does; every other merge already is the update
-        return super()._iso_updates(entries, ag) if self.merge == "iso_c" else {}
 
     def _params(self) -> list[tuple[torch.Tensor, bool]]:
         return [(p, g.get("iso", True)) for g in self.param_groups for p in g["params"]]

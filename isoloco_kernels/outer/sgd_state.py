@@ -1,19 +1,16 @@
 """SGD-shaped settings and state of the outer optimizers (`IsoLoCo`, `ShardedIsoLoCo`, the DTensor step).
 
 What makes a group, a constructor call and a state dict look like torch.optim.SGD's (DESIGN.md,
-"Drop-in means SGD-shaped"): SGD's keys at IsoLoCo's values (`SGD_KEYS`), hyper-parameter and group
-checks (`check_hyper`, `check_group`), SGD's keywords (`sgd_keywords`), constructor defaults
-(`outer_defaults`), the one SGD-shaped constructor signature of all three optimizers (`sgd_shaped`,
-`SGDArgs`), and the state dict: checked before anything loads (`check_state_dict`), loaded
-with torch's rule plus a warning when a checkpoint changes `iso` and float32 momentum restored for
-half params (`load_sgd_state`). Also the two DTensor helpers every outer module uses (`is_dtensor`,
-`local`). Re-exported by core.py, the outer-step core.
+"Drop-in means SGD-shaped"): SGD's keys at IsoLoCo's values (`SGD_KEYS`), SGD's keywords
+(`sgd_keywords`), constructor defaults (`outer_defaults`), the SGD-shaped part of the three optimizers'
+constructor calls (`SGDArgs`; each optimizer writes SGD's signature out), and the state dict: checked
+before anything loads (`check_state_dict`), loaded with torch's rule plus a warning when a checkpoint
+changes `iso` and float32 momentum restored for half params (`load_sgd_state`). The group checks every
+step runs (`check_hyper`, `check_group`) are core.py's.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import numbers
 import warnings
 from dataclasses import asdict, dataclass
@@ -46,7 +43,6 @@ __all__ = [
     "local",
     "outer_defaults",
     "sgd_keywords",
-    "sgd_shaped",
 ]
 
 #: SGD's group keys at the values that make SGD(nesterov=True) the update IsoLoCo applies.
@@ -94,61 +90,6 @@ class SGDArgs:
         """The checked defaults dict for torch.optim.Optimizer (`outer_defaults` + `sgd_keywords`)."""
         keys = {k: v for k, v in asdict(self).items() if k not in ("lr", "momentum")}
         return outer_defaults(where, self.lr, self.momentum, iso, method, lambda: sgd_keywords(where, **keys))
-
-
-#: SGD's positional parameters after `params`, in SGD's order; the rest of SGDArgs are keyword-only, as in SGD.
-_SGD_POSITIONAL = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
-
-
-def sgd_shaped(*, var_keyword: Optional[str] = None, **own: Any):
-    """Give an outer optimizer's `__init__(self, params, sgd: SGDArgs, **own)` torch.optim.SGD's signature.
-
-    The constructor takes `params, lr, momentum, dampening, weight_decay, nesterov` positionally and
-    `maximize, foreach, differentiable, fused` by keyword (SGD's positions, IsoLoCo's defaults: SGDArgs), then
-    the optimizer's own keyword-only arguments `own` (name=default) and, with `var_keyword`, a **kwargs catch-all
-    (deprecated aliases). So `partial(torch.optim.SGD, ...)` becomes `partial(IsoLoCo, ...)` unchanged for all three
-    optimizers, whose keywords, defaults and checks live here once. Wrong arity or an unknown keyword raise Python's
-    own TypeError; `inspect.signature` and help() show the whole signature."""
-    kw = inspect.Parameter.KEYWORD_ONLY
-    pos = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    base = SGDArgs()
-    fields = {f: t for f, t in SGDArgs.__annotations__.items()}  # name -> annotation (a string)
-
-    def wrap(init: Callable) -> Callable:
-        notes = {n: p.annotation for n, p in inspect.signature(init).parameters.items()}
-        params = [inspect.Parameter("self", pos), inspect.Parameter("params", pos, annotation=notes["params"])]
-        params += [inspect.Parameter(k, pos, default=getattr(base, k), annotation=fields[k]) for k in _SGD_POSITIONAL]
-        params += [
-            inspect.Parameter(k, kw, default=getattr(base, k), annotation=fields[k])
-            for k in SGD_KEYS
-            if k not in _SGD_POSITIONAL
-        ]
-        params += [
-            inspect.Parameter(k, kw, default=v, annotation=notes.get(k, inspect.Parameter.empty))
-            for k, v in own.items()
-        ]
-        if var_keyword is not None:
-            params.append(inspect.Parameter(var_keyword, inspect.Parameter.VAR_KEYWORD, annotation=notes[var_keyword]))
-        sig = inspect.Signature(params, return_annotation=None)
-
-        @functools.wraps(init)
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            try:
-                bound = sig.bind(self, *args, **kwargs)
-            except TypeError as e:  # Python's own message, with the optimizer's name
-                sep = " " if str(e).startswith("got ") else ": "
-                raise TypeError(f"{type(self).__name__}(){sep}{e}") from None
-            bound.apply_defaults()
-            a = dict(bound.arguments)
-            extra = a.pop(var_keyword, {}) if var_keyword is not None else {}
-            sgd = SGDArgs(**{k: a.pop(k) for k in list(a) if k in fields})
-            del a["self"]
-            init(self, a.pop("params"), sgd, **a, **extra)
-
-        __init__.__signature__ = sig
-        return __init__
-
-    return wrap
 
 
 def _flag(value, key: str, where: str, allow_none: bool = False) -> None:

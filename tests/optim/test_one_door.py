@@ -5,6 +5,7 @@ bounded-scratch rule."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -143,3 +144,81 @@ def test_every_door_flattens_in_bounded_slices(slices, door):
 
 def test_the_workspace_rule_is_read_from_the_environment():
     assert buckets.workspace_bytes() == int(os.environ.get(buckets.WORKSPACE_ENV, buckets.WORKSPACE_BYTES))
+
+
+# -- a step is a short walk: few modules, none re-entered -----------------------------------------
+
+
+def walk(fn) -> tuple[list[str], list[str]]:
+    """The package modules whose code runs during fn(), in first-entry order, and every re-entry: a module
+    entered again from a module it called (a callback up the call graph), as "module.function <- caller"."""
+    seen: list[str] = []
+    back: list[str] = []
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        mod = frame.f_globals.get("__name__", "")
+        if not mod.startswith("isoloco_kernels"):
+            return
+        if mod not in seen:
+            seen.append(mod)
+        chain, f = [], frame.f_back
+        while f is not None:
+            m = f.f_globals.get("__name__", "")
+            if m.startswith("isoloco_kernels") and (not chain or chain[-1] != m):
+                chain.append(m)
+            f = f.f_back
+        if chain and chain[0] != mod and mod in chain[1:]:
+            back.append(f"{mod}.{frame.f_code.co_name} <- {chain[0]}")
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen, sorted(set(back))
+
+
+def test_walk_sees_a_callback_up_the_call_graph():
+    """The counter can fail: a package function handed to `collect` that calls back into outer/core.py is a
+    re-entry (the callback stands in a module of its own, as a method of an optimizer would)."""
+    from isoloco_kernels.outer import core
+
+    ns = {"__name__": "isoloco_kernels._probe", "core": core}
+    exec("def check(p, g, name):\n    core.check_hyper(1.0, 0.0, name)\n", ns)
+    w = torch.randn(4, 3)
+    w.grad = torch.randn(4, 3)
+    opt = ik.IsoLoCo([w])
+    seen, back = walk(lambda: core.collect(opt, "here", check=ns["check"]))
+    assert "isoloco_kernels.outer.core" in seen
+    assert back == ["isoloco_kernels.outer.core.check_hyper <- isoloco_kernels._probe"], back
+
+
+def _steps(opt, model, **kw):
+    _grads(model)
+    opt.step(**kw)  # buffers and plans made
+    _grads(model)
+    return lambda: opt.step(**kw)
+
+
+def test_isoloco_step_is_a_short_walk():
+    model = _model()
+    seen, back = walk(_steps(ik.IsoLoCo(model.parameters(), lr=1.8, momentum=0.8), model))
+    assert len(seen) <= 7 and not back, (seen, back)
+
+
+def test_mergeloco_step_is_a_short_walk():
+    model = _model()
+    opt = ik.MergeLoCo(model.parameters(), lr=1.8, momentum=0.8)
+    deltas = [1e-2 * torch.randn(3, *p.shape) for p in model.parameters()]
+    seen, back = walk(_steps(opt, model, deltas=deltas))
+    assert len(seen) <= 10 and not back, (seen, back)
+
+
+@pytest.mark.parametrize("compress", [None, "int4"])
+def test_sharded_step_is_a_short_walk(one_rank_group, compress):
+    model = _model()
+    opt = ik.ShardedIsoLoCo(model.parameters(), lr=1.8, momentum=0.8, compress=compress)
+    seen, back = walk(_steps(opt, model))
+    assert len(seen) <= 10 and not back, (seen, back)
