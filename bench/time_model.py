@@ -243,3 +243,39 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# -- the Nesterov op: bytes per element of each route -----------------------------------------------
+#
+# The update itself needs five passes over the tensors (read param, buffer, update; write param, buffer):
+# its floor, the bytes `harness` counts as compulsory. What the finiteness rule adds depends on what the
+# caller already knows (ops.py, "The finiteness rule"):
+#   bare        torch.ops.isoloco.nesterov_outer_(…) with no bounds: one fused amax pass reads the param,
+#               the buffer and the update before anything is written (3 reads more);
+#   bounds      the same op given `amax` (the optimizers' route: their one pass over grads and params,
+#               `outer.core.collect`, found the bounds; a buffer this optimizer wrote last step is not read
+#               at all, `_trusted_bound`): nothing more inside the op;
+#   step        the optimizers' whole Nesterov half: `collect`'s pass over the grad and the param, then the
+#               op with bounds. For a 2-D param the grad is read by the flatten anyway (its pack copy), so a
+#               fused pack + amax would take 1 read off; the param read stays: an in-place write that bypasses
+#               the version counter cannot be ruled out, and the update must not start on a non-finite param.
+# A tensor whose bound cannot show its update fits the compute dtype goes aside in float64 (reads p, b, u,
+# three float64 temporaries written and read, p and b written): rare (entries near the dtype's largest),
+# and priced here only as its own route.
+
+def nesterov_bytes(route: str, param_bytes: int = 4, buf_bytes: int = 4, update_bytes: int = 4) -> dict:
+    """Bytes per element the Nesterov update moves on `route` ("bare", "bounds", "step" above; "aside": the
+    float64 path of one tensor), beside its floor (the five compulsory passes) and the share of copy bandwidth the floor
+    leaves at best (floor / bytes)."""
+    floor = 2 * param_bytes + 2 * buf_bytes + update_bytes
+    if route == "aside":
+        moved = floor + 3 * 2 * 8  # p, b, u in float64, each written once and read once
+    elif route == "bare":
+        moved = floor + param_bytes + buf_bytes + update_bytes
+    elif route == "bounds":
+        moved = floor
+    elif route == "step":
+        moved = floor + param_bytes + update_bytes  # collect reads the param and the grad (the update)
+    else:
+        raise ValueError(f"route must be 'bare', 'bounds', 'step' or 'aside', got {route!r}")
+    return {"route": route, "bytes": moved, "floor": floor, "best_share_of_copy": floor / moved}

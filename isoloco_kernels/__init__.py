@@ -1,6 +1,7 @@
 """isoloco_kernels: fast Iso-C merging and the IsoLoCo outer optimizer for DiLoCo-style training."""
 
 from ._validate import ResultOverflowError
+from .compress import Compression
 from .api import backends, iso_flatten, iso_merge_
 from .distributed import DistributedStepError, ShardedIsoLoCo, average_, sharded_iso_merge_
 from .flatten.gram import GramFallbackWarning
@@ -11,6 +12,7 @@ from .optim import IsoLoCo, MergeLoCo
 __version__ = "0.1.0"
 
 __all__ = [
+    "Compression",
     "DistributedStepError",
     "FlattenFallbackWarning",
     "GramFallbackWarning",

@@ -57,3 +57,57 @@ def test_candidates_are_priced_from_the_registry(run):
 def test_the_committed_table_is_what_the_script_prints(run):
     committed = (ROOT / "bench" / "results" / "time_model.md").read_text()
     assert tm.table(run) in committed, "regenerate: python bench/time_model.py --out bench/results/time_model.md"
+
+
+# -- the Nesterov op's bytes per element: the model's extra reads are the reads the checks make ----------
+
+
+class _CheckReads:
+    """Elements the finiteness checks read (their one fused pass, torch._foreach_norm) while active."""
+
+    def __init__(self, monkeypatch):
+        import torch
+
+        self.elements = 0
+        real = torch._foreach_norm
+
+        def counting(tensors, *args, **kwargs):
+            self.elements += sum(t.numel() for t in tensors)
+            return real(tensors, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "_foreach_norm", counting)
+
+
+def _tensors(n=3, size=(16, 24)):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [[torch.randn(size, generator=g) for _ in range(n)] for _ in range(3)]
+
+
+def test_nesterov_routes_read_what_the_model_says(monkeypatch):
+    """bare: the op reads param, buffer and update once more for its checks; bounds: nothing more; step:
+    the optimizer's pass over grads and params, then the op with bounds (its own buffers not re-read)."""
+    import torch
+
+    import isoloco_kernels as ik
+
+    per = {r: tm.nesterov_bytes(r) for r in ("bare", "bounds", "step")}
+    extra_passes = {r: (v["bytes"] - v["floor"]) // 4 for r, v in per.items()}  # float32: 4 bytes a pass
+    reads = _CheckReads(monkeypatch)
+    P, B, U = _tensors()
+    size = sum(p.numel() for p in P)
+    torch.ops.isoloco.nesterov_outer_(P, B, U, 0.7, 0.9)
+    assert reads.elements == extra_passes["bare"] * size
+    bounds = [float(t.abs().max()) for t in (*P, *B, *U)]
+    reads.elements = 0
+    torch.ops.isoloco.nesterov_outer_(P, B, U, 0.7, 0.9, bounds)
+    assert reads.elements == extra_passes["bounds"] * size == 0
+    opt = ik.IsoLoCo([p.requires_grad_() for p in P], lr=0.7, momentum=0.9, iso=False)
+    for p, u in zip(P, U):
+        p.grad = u
+    opt.step()  # its momentum buffers made; from now on trusted
+    reads.elements = 0
+    opt.step()
+    assert reads.elements == extra_passes["step"] * size
+    assert per["bounds"]["best_share_of_copy"] == 1.0 and per["bare"]["best_share_of_copy"] == 20 / 32
