@@ -1,8 +1,8 @@
 """isoloco_kernels: fast Iso-C merging and the IsoLoCo outer optimizer for DiLoCo-style training."""
 
 from ._validate import ResultOverflowError
-from .compress import Compression
 from .api import backends, iso_flatten, iso_merge_
+from .compress import Compression
 from .distributed import DistributedStepError, ShardedIsoLoCo, average_, sharded_iso_merge_
 from .flatten.gram import GramFallbackWarning
 from .flatten.iteration_stats import FlattenFallbackWarning
