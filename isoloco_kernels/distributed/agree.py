@@ -22,7 +22,6 @@ import math
 import numbers
 import pickle
 import threading
-import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -51,7 +50,6 @@ __all__ = [
     "group_info",
     "largest_mesh",
     "optimizer_settings",
-    "renamed_keyword",
 ]
 
 
@@ -125,20 +123,6 @@ def optimizer_settings(opt, **extra) -> dict[str, str]:
         for k, v in g.items():
             out[f"param_groups[{gi}]['{k}']"] = str(len(v)) + " params" if k == "params" else _setting(v)
     return out
-
-
-def renamed_keyword(extra: dict, old: str, new: str, value, default, where: str):
-    """The value of keyword `new`, or of its deprecated old name `old` when `extra` (the caller's other
-    keywords) holds it (then a DeprecationWarning). Another keyword in `extra`, or both names given, raise TypeError."""
-    unknown = sorted(set(extra) - {old})
-    if unknown:
-        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
-    if old not in extra:
-        return value
-    if value is not default:
-        raise TypeError(f"{where}: {old}= is the old name of {new}=; pass {new}= only")
-    warnings.warn(f"{where}: {old}= is deprecated, pass {new}= instead", DeprecationWarning, stacklevel=3)
-    return extra[old]
 
 
 # The agreements' control tensors, made once per (length, device, thread) and reused: after a thread's first agreement

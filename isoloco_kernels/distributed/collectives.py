@@ -12,45 +12,30 @@ ranks agree.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .._validate import check_all_finite, check_writable
 from . import pipeline
-from .agree import Agreement, all_gather_single, comm_device, describe, fingerprint, group_info, renamed_keyword
-from .pipeline import (  # noqa: F401  (re-exported: their old home)
-    BUCKET_BYTES,
+from .agree import Agreement, all_gather_single, comm_device, describe, fingerprint, group_info
+from .pipeline import (
     CHUNK_BYTES,
     InFlight,
     _chunks,
     _copy_back,
     _offsets,
     _pack_chunk,
-    _pieces,
-    all_gather_segments,
-    broadcast_from_owner,
-    broadcast_into,
-    check_chunk_bytes,
-    comm_buffer,
     flat_view,
-    gather_segment_buffers,
     reduce_dtype,
-    reduce_scatter_buffers,
-    reduce_scatter_mean,
-    reduce_scatter_single,
-    reduce_to_owner,
-    reduce_to_owner_buffers,
-    run_here,
-    scatter_into,
 )
 from .plan import plan_shards
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["CHUNK_BYTES", "BUCKET_BYTES", "average_"]
+__all__ = ["CHUNK_BYTES", "average_"]
 
 
 def average_(
@@ -58,7 +43,6 @@ def average_(
     process_group: Optional[ProcessGroup] = None,
     *,
     chunk_bytes: int = CHUNK_BYTES,
-    **old: Any,
 ) -> list[torch.Tensor]:
     """All-reduce-mean a list of tensors in place over `process_group` (None: the default group), in
     chunks of about chunk_bytes: DiLoCo's pseudo-gradient average, after which the grads are
@@ -70,8 +54,7 @@ def average_(
     DiLoCo pseudo-gradient average), with the same chunk_bytes. float16 and bfloat16 tensors
     are summed in float32 buffers and get the float32 mean rounded once to their dtype. Tensors off the group's
     communication device (`agree.comm_device`) travel through buffers on it. Returns the tensors
-    as a list. `group=` and `bucket_bytes=` are the old names of process_group and chunk_bytes
-    (DeprecationWarning), as for every distributed entry point.
+    as a list.
 
     Raises:
         DistributedStepError: on every rank, for bad input on any rank (type, dtype, NaN/Inf) or ranks
@@ -84,17 +67,7 @@ def average_(
         >>> [float(g.sum()) for g in average_(grads)]  # the same on every rank: the mean of the ranks'
         [12.0, 5.0]
     """
-    chunk_bytes = renamed_keyword(  # bucket_bytes=: chunk_bytes' old name, as everywhere
-        {k: v for k, v in old.items() if k == "bucket_bytes"},
-        "bucket_bytes",
-        "chunk_bytes",
-        chunk_bytes,
-        CHUNK_BYTES,
-        "average_",
-    )
-    group = renamed_keyword(
-        {k: v for k, v in old.items() if k != "bucket_bytes"}, "group", "process_group", process_group, None, "average_"
-    )
+    group = process_group
     tensors = list(tensors)
     _, world = group_info(group)
     ag = Agreement("average_", group, alone=world == 1)

@@ -6,14 +6,14 @@ Iso-C-flattens the matrices `plan_shards` gives it and the results are all-gathe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
 from .._validate import check_all_finite, check_matrix_tensor, check_writable
 from ..flatten.registry import check_method
 from . import pipeline
-from .agree import Agreement, check_on_comm_device, comm_device, group_info, renamed_keyword
+from .agree import Agreement, check_on_comm_device, comm_device, group_info
 from .pipeline import CHUNK_BYTES, broadcast_into, check_chunk_bytes, scatter_into
 from .plan import plan_shards
 
@@ -33,7 +33,6 @@ def sharded_iso_merge_(
     chunk_bytes: int = CHUNK_BYTES,
     solo_above: Optional[float] = 1.0,
     agreement: Optional[Agreement] = None,
-    **old: Any,
 ) -> list[torch.Tensor]:
     """`iso_merge_` for buckets that are already averaged (equal on every rank), with the work split.
 
@@ -48,8 +47,7 @@ def sharded_iso_merge_(
     differs) and no bucket changes; so does a buffer one rank cannot allocate (every buffer is made
     before the ranks first agree). Each rank's share is flattened in slices whose scratch stays
     within `buckets.workspace_bytes()`, as in `iso_merge_`. `process_group`: the group (None: the
-    default group); `group=` is its old name and `bucket_bytes=` the old name of chunk_bytes (both
-    still accepted, with a DeprecationWarning). `agreement`: an outer step's `agree.Agreement`
+    default group). `agreement`: an outer step's `agree.Agreement`
     over the same group, to run inside (a failure of that step's local work before this call is
     reported at this call's first agreement, and the step agrees again after it); None: this call
     agrees on its own, and once more at its end (a failure while writing reaches every rank).
@@ -65,12 +63,7 @@ def sharded_iso_merge_(
         >>> bool(torch.allclose(sharded_iso_merge_([b])[0], ref, atol=1e-6))
         True
     """
-    where = "sharded_iso_merge_"
-    group = renamed_keyword(
-        {k: v for k, v in old.items() if k != "bucket_bytes"}, "group", "process_group", process_group, None, where
-    )
-    old_chunk = {k: v for k, v in old.items() if k == "bucket_bytes"}
-    chunk_bytes = renamed_keyword(old_chunk, "bucket_bytes", "chunk_bytes", chunk_bytes, CHUNK_BYTES, where)
+    group = process_group
     buckets = list(buckets)
     rank, world = group_info(group)
     ag = agreement if agreement is not None else Agreement("sharded_iso_merge_", group, mismatch=PLAN_MISMATCH)

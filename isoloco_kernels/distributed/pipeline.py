@@ -10,7 +10,7 @@ broadcast into) were checked to live there by the caller. Means are summed in th
 (`reduce_dtype`: float32 for float16 and bfloat16) and rounded to the tensors' dtype once, after
 the division: a float16 sum that overflows where the mean fits gives the mean, and a bfloat16 mean
 over many ranks is rounded once, not per addition. The local work between two collectives runs
-under the caller's `attempt` (`Agreement.attempt`). Re-exported by collectives.py.
+under the caller's `attempt` (`Agreement.attempt`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from .plan import ShardPlan, owned_views
 
 #: Default size of one communication chunk (all ranks' pieces together), as DDP's 25 MB buckets.
 CHUNK_BYTES = 25 * 1024 * 1024
-BUCKET_BYTES = CHUNK_BYTES  # its old name
 
 # torch 2.14 renamed the single-tensor reduce-scatter; older releases only have the old name.
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)

@@ -10,7 +10,7 @@ All-or-nothing across ranks (agree.py). docs/distributed.md has the contract.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -23,7 +23,7 @@ from ..outer.core import BucketPlan
 from ..outer.nd import warn_nd_params
 from ..outer.sgd_state import SGDArgs
 from . import checkpoint, compressed, pipeline
-from .agree import Agreement, check_on_comm_device, comm_device, group_info, optimizer_settings, renamed_keyword
+from .agree import Agreement, check_on_comm_device, comm_device, group_info, optimizer_settings
 from .merge import PLAN_MISMATCH
 from .merge_route import exchange_workers, merge_buffers, merged_updates
 from .pipeline import (
@@ -107,14 +107,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         merge: str = "iso_c",
         merge_options: Optional[dict] = None,
         compress: Optional[Compression | str] = None,
-        **old: Any,
     ) -> None:
         sgd = SGDArgs(lr, momentum, dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused)
-        # group= was this keyword's first name (deprecated; the README promised it keeps working)
-        # bucket_bytes=: chunk_bytes' old name, as sharded_iso_merge_ takes it
-        chunk, rest = ({k: v for k, v in old.items() if (k == "bucket_bytes") == b} for b in (True, False))
-        chunk_bytes = renamed_keyword(chunk, "bucket_bytes", "chunk_bytes", chunk_bytes, CHUNK_BYTES, "ShardedIsoLoCo")
-        process_group = renamed_keyword(rest, "group", "process_group", process_group, None, "ShardedIsoLoCo")
         self.process_group = process_group
         self.rank, self.world_size = group_info(process_group)
         self._built = False

@@ -19,7 +19,7 @@ import math
 import torch
 
 from .._validate import ResultOverflowError, _describe_nonfinite, overflow_limit, rank_tol
-from . import exact, iteration_stats
+from . import exact
 from .iteration_stats import FlattenFallbackWarning, Recorder
 
 __all__ = [
@@ -76,10 +76,6 @@ class GramFallbackWarning(FlattenFallbackWarning):
 RECORDER = Recorder("gram", GramFallbackWarning)
 last_stats = RECORDER.last  # a copy of the running statistics of the Gram flatten (`FlattenStats`)
 reset_stats = RECORDER.reset
-
-
-def __getattr__(name: str):  # the old names PolarStats, PolarFallbackWarning
-    return iteration_stats.old_name(__name__, name)
 
 
 # ----------------------------------------------------------------------------------------------

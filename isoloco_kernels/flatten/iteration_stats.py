@@ -2,8 +2,7 @@
 
 Each such method keeps one `Recorder`; `Recorder.finish` records a call and, when matrices missed
 the method's accuracy check and were recomputed by another method, warns with the method's
-`FlattenFallbackWarning` class. The old names `PolarStats` and `PolarFallbackWarning` (from when
-only polar had a check) still work, with a DeprecationWarning.
+`FlattenFallbackWarning` class.
 """
 
 from __future__ import annotations
@@ -88,25 +87,3 @@ class Recorder:
                 self.warning,
                 stacklevel=stacklevel + 1,
             )
-
-
-_OLD_NAMES = {"PolarStats": "FlattenStats", "PolarFallbackWarning": "FlattenFallbackWarning"}
-
-
-def old_name(module: str, name: str):
-    """What an old name (`PolarStats`, `PolarFallbackWarning`) stands for, with a
-    DeprecationWarning; for the module `__getattr__` of every module that exported it."""
-    new = _OLD_NAMES.get(name)
-    if new is None:
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    warnings.warn(
-        f"{module}.{name} is deprecated: it is {new} (isoloco_kernels.flatten.iteration_stats), which serves "
-        f"every residual-checked flatten method",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return globals()[new]
-
-
-def __getattr__(name: str):
-    return old_name(__name__, name)

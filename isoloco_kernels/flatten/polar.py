@@ -4,8 +4,7 @@
 
 (Polar Express, arXiv:2505.16932; `COEFFS` from coefficients.py.) Float32 error ≤ 1e-3 to condition
 number 1e4; a per-matrix residual check sends what it cannot resolve to gram/SVD
-(`FlattenFallbackWarning`, `last_stats()`). The GEMMs run on torch (cuBLAS / CPU BLAS): `gemm="torch"`,
-the dispatch table's "polar_gemm" choice. The rank certificates ("polar_bf16"'s `full_rank`, "fast"'s
+(`FlattenFallbackWarning`, `last_stats()`). The GEMMs run on torch (cuBLAS / CPU BLAS). The rank certificates ("polar_bf16"'s `full_rank`, "fast"'s
 `certify`) are certificates.py. Derivation, accuracy and the check: docs/polar.md;
 measurements: bench/results/polar_accuracy.md.
 """
@@ -13,13 +12,11 @@ measurements: bench/results/polar_accuracy.md.
 from __future__ import annotations
 
 import contextlib
-import os
-import warnings
 
 import torch
 
 from .._validate import check_result_fits, compute_dtype, pow2_scale
-from . import iteration_stats, tf32
+from . import tf32
 from .certificates import CERTIFY_BLOCK_BYTES, RANK_FLOOR, certificate_flops, certify, full_rank  # noqa: F401
 from .iteration_stats import FlattenFallbackWarning, FlattenStats, Recorder
 
@@ -83,10 +80,6 @@ last_stats = RECORDER.last  # a copy of the running statistics of the polar flat
 reset_stats = RECORDER.reset
 
 
-def __getattr__(name: str):  # the old names PolarStats, PolarFallbackWarning
-    return iteration_stats.old_name(__name__, name)
-
-
 # ----------------------------------------------------------------------------------------------
 # Work
 
@@ -115,50 +108,12 @@ def polar_work(k: int, r: int, mode: str = "fp32") -> dict[str, float]:
 # The iteration
 
 
-#: The environment switch that chose the Triton GEMMs before they were removed.
-GEMM_ENV = "ISOLOCO_POLAR_GEMM"
-_TRITON_REMOVED = (
-    "the Triton GEMMs of the polar iteration were removed (never measured faster than "
-    "cuBLAS; git history keeps them in isoloco_kernels/experimental/)"
-)
-
-
-def _gemm_name(gemm: str | None, backend: str | None) -> str | None:
-    """`gemm`, or the deprecated keyword `backend` that named it before."""
-    if backend is not None:
-        warnings.warn(
-            "polar: the keyword backend= is deprecated; use gemm= (the GEMM provider)", DeprecationWarning, stacklevel=3
-        )
-        if gemm is not None and gemm != backend:
-            raise ValueError(f"polar: gemm={gemm!r} and the deprecated backend={backend!r} disagree")
-        gemm = backend
-    return gemm
-
-
-def _gemm_steps(x: torch.Tensor, gemm: str | None):
-    """The GEMMs of the iteration: `gemm` "torch" (cuBLAS / CPU BLAS), by default the dispatch
-    table's "polar_gemm" choice."""
-    from ..dispatch import table as dispatch
-
-    if gemm is None:
-        if os.environ.get(GEMM_ENV, "torch") == "triton":
-            warnings.warn(f"{GEMM_ENV}=triton is ignored: {_TRITON_REMOVED}; cuBLAS serves", stacklevel=4)
-        gemm = dispatch.select("polar_gemm", x.device, x).run(x)
-    if gemm == "triton":
-        raise ValueError(f"polar: gemm='triton' is no longer available: {_TRITON_REMOVED}; use 'torch'")
-    if gemm != "torch":
-        raise ValueError(f"polar: gemm must be 'torch', got {gemm!r}")
-    return TorchSteps
-
-
 def polar_factor(
     x3: torch.Tensor,
     coeffs=COEFFS,
     *,
     gemm_dtypes=None,
-    gemm: str | None = None,
     steps=None,
-    backend: str | None = None,
     observe=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Q, residual) for a [B, m, n] batch: Q ≈ U_r V_rᵀ in the compute dtype (float32, or float64
@@ -166,14 +121,11 @@ def polar_factor(
 
     gemm_dtypes: one per step for the GEMM operands: a dtype, or TF32X3 ("tf32x3": float32
     operands through three TF32 GEMMs, tf32.py); default: the compute dtype throughout;
-    gemm: the GEMM provider, "torch" (default: the dispatch table's "polar_gemm" choice, which is
-    torch); backend: its deprecated old name;
-    steps: an object with gram / square / step like `TorchSteps`, overriding gemm (the
+    steps: an object with gram / square / step like `TorchSteps` (default: `TorchSteps`, cuBLAS / CPU BLAS; the
     accuracy benchmark passes one that rounds GEMM operands to TF32);
     observe: called as observe(t, X) with the compute-dtype iterate after step t (wide
     orientation, σ_max ≤ 1 scaling), for checks between steps ("fast" certifies its spectrum so).
     """
-    gemm = _gemm_name(gemm, backend)
     if x3.ndim != 3:
         raise ValueError(f"polar_factor: expected [B, m, n], got shape {tuple(x3.shape)}")
     cd = compute_dtype(x3.dtype)
@@ -184,7 +136,7 @@ def polar_factor(
         gemm_dtypes = (cd,) * len(coeffs)
     if len(gemm_dtypes) != len(coeffs):
         raise ValueError(f"polar_factor: {len(coeffs)} steps but {len(gemm_dtypes)} gemm dtypes")
-    ops = steps if steps is not None else _gemm_steps(x, gemm)
+    ops = steps if steps is not None else TorchSteps
 
     # Exact rank bound r = min(#nonzero rows, #nonzero columns): the residual check's target.
     nz = x != 0
@@ -315,9 +267,7 @@ def _gemm_modes(x3: torch.Tensor, mode: str):
     return (torch.bfloat16,) * k + (cd,) * (len(COEFFS) - k)
 
 
-def flatten_polar_(
-    x3: torch.Tensor, *, mode: str = "fp32", gemm: str | None = None, backend: str | None = None
-) -> None:
+def flatten_polar_(x3: torch.Tensor, *, mode: str = "fp32") -> None:
     """In place Iso-C of a [B, m, n] batch through the polar iteration; all-or-nothing.
 
     mode "fp32": GEMMs in the compute dtype (IEEE float32, float64 for float64 input).
@@ -332,12 +282,10 @@ def flatten_polar_(
     Matrices that fail the residual check (and, in mode "bf16", the rank certificate `full_rank`:
     its bfloat16 steps would fill a null space) are recomputed exactly, with a
     FlattenFallbackWarning.
-    gemm: the GEMM provider (`polar_factor`); backend: its deprecated old name.
     """
-    gemm = _gemm_name(gemm, backend)
     gd = _gemm_modes(x3, mode)
     with ieee_fp32_matmul(x3.is_cuda and compute_dtype(x3.dtype) == torch.float32):
-        q, resid = polar_factor(x3, gemm_dtypes=gd, gemm=gemm)
+        q, resid = polar_factor(x3, gemm_dtypes=gd)
     tol = CHECK_TOL_F64 if compute_dtype(x3.dtype) == torch.float64 else CHECK_TOL
     fail = ~(resid <= tol)  # NaN counts as failed
     if mode == "bf16":

@@ -165,12 +165,6 @@ def _check_iso_false_is_sgd_under_a_momentum_schedule(rank, world):
             assert err <= 1e-14, f"step {s} (μ {mu}): param {i} differs from SGD by {err:.1e}"
 
 
-def _check_bucket_bytes_is_chunk_bytes_old_name(rank, world):
-    with pytest.warns(DeprecationWarning, match="bucket_bytes= is deprecated"):
-        opt = ShardedIsoLoCo(_params(), bucket_bytes=1 << 16)
-    assert opt.chunk_bytes == 1 << 16
-
-
 def _check_a_param_shape_that_differs_is_named_with_both_shapes(rank, world):
     from isoloco_kernels import DistributedStepError
 
@@ -208,7 +202,6 @@ for _table in TABLES.values():
     _table(_check_a_param_shape_that_differs_is_named_with_both_shapes)
     _table(_check_a_ranks_own_state_is_refused_where_a_whole_one_is_expected)
     _table(_check_iso_false_is_sgd_under_a_momentum_schedule)
-    _table(_check_bucket_bytes_is_chunk_bytes_old_name)
 
 
 def _body(rank, world, tmpdir):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import time
-import warnings
 
 import pytest
 import torch
@@ -430,65 +429,21 @@ def _check_sharded_iso_merge_equals_iso_merge(group, tmpdir):
 
 
 @_pair_check
-def _check_old_keyword_names_warn(group, tmpdir):
-    """The old names the 0.1 README promised still work, with a DeprecationWarning naming the new
-    keyword: `group=` and `bucket_bytes=` (chunk_bytes' old name) on every distributed entry point
-    (ShardedIsoLoCo, sharded_iso_merge_, average_), the same way everywhere; both names at once are
-    refused. The `group` and `bucket_bytes` attributes are gone."""
-    rank = dist.get_rank(group)
+def _check_old_keyword_names_are_refused(group, tmpdir):
+    """`group=` and `bucket_bytes=`, names of an unreleased 0.1, are refused by Python itself on every distributed
+    entry point (ShardedIsoLoCo, sharded_iso_merge_, average_), before any collective and with nothing changed."""
     params = _model(SHAPES_2, torch.float32)
-    with pytest.warns(DeprecationWarning, match=r"ShardedIsoLoCo: group= is deprecated, pass process_group="):
-        old = D.ShardedIsoLoCo(params, group=group)
-    assert old.process_group is group and old.world_size == 2 and not hasattr(old, "group")
-    new_params = _model(SHAPES_2, torch.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        new = D.ShardedIsoLoCo(new_params, process_group=group)
-    _run_sharded(params, SHAPES_2, torch.float32, rank, 1, old)
-    _run_sharded(new_params, SHAPES_2, torch.float32, rank, 1, new)
-    assert all(torch.equal(a, b) for a, b in zip(params, new_params))
-    with pytest.raises(TypeError, match="pass process_group= only"):
-        D.ShardedIsoLoCo(params, group=group, process_group=group)
-    with pytest.warns(DeprecationWarning, match=r"ShardedIsoLoCo: bucket_bytes= is deprecated, pass chunk_bytes="):
-        assert (
-            D.ShardedIsoLoCo(_model(SHAPES_2, torch.float32), process_group=group, bucket_bytes=640).chunk_bytes == 640
-        )
-    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_size'"):
-        D.ShardedIsoLoCo(params, process_group=group, bucket_size=64)
+    for kw in ({"group": group}, {"process_group": group, "bucket_bytes": 640}):
+        bad = next(k for k in kw if k != "process_group")
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{bad}'"):
+            D.ShardedIsoLoCo(params, **kw)
     bk = [torch.randn(2, 6, 5, generator=torch.Generator().manual_seed(1)), torch.randn(9, 4)]
-    want = [b.clone() for b in bk]
-    D.sharded_iso_merge_(want, process_group=group, chunk_bytes=64)
-    for old_kw, match in (
-        ({"bucket_bytes": 64}, r"sharded_iso_merge_: bucket_bytes= is deprecated, pass chunk_bytes="),
-        ({"group": group, "chunk_bytes": 64}, r"sharded_iso_merge_: group= is deprecated, pass process_group="),
-        ({"group": group, "bucket_bytes": 64}, r"is deprecated"),
-    ):
-        got = [b.clone() for b in bk]
-        with pytest.warns(DeprecationWarning, match=match):
-            D.sharded_iso_merge_(got, **({} if "group" in old_kw else {"process_group": group}), **old_kw)
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), old_kw
-    with pytest.raises(TypeError, match="pass chunk_bytes= only"):
-        D.sharded_iso_merge_(bk, group, bucket_bytes=64, chunk_bytes=32)
-    with pytest.raises(TypeError, match="pass process_group= only"):
-        D.sharded_iso_merge_(bk, group, group=group)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_size'"):
-        D.sharded_iso_merge_(bk, group, bucket_size=64)
-    xs = [torch.randn(5, 3, generator=torch.Generator().manual_seed(2 + rank)), torch.randn(11)]
-    got, want = [x.clone() for x in xs], [x.clone() for x in xs]
-    with pytest.warns(DeprecationWarning, match=r"average_: group= is deprecated, pass process_group="):
-        D.average_(got, group=group, chunk_bytes=24)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        D.average_(want, process_group=group, chunk_bytes=24)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    with pytest.raises(TypeError, match="pass process_group= only"):
-        D.average_(xs, group, group=group)
-    got = [x.clone() for x in xs]
-    with pytest.warns(DeprecationWarning, match=r"average_: bucket_bytes= is deprecated, pass chunk_bytes="):
-        D.average_(got, group, bucket_bytes=24)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_size'"):
-        D.average_(xs, group, bucket_size=24)
+    before = [b.clone() for b in bk]
+    for fn in (D.sharded_iso_merge_, D.average_):
+        for kw in ({"group": group}, {"bucket_bytes": 64}):
+            with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(kw))}'"):
+                fn(bk, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(bk, before))
 
 
 @_pair_check

@@ -428,23 +428,6 @@ def test_registry_facts_hold_together():
     assert flatten.flops_per_dtype("auto", 10, 5) is None
 
 
-@pytest.mark.parametrize("module", ["iteration_stats", "polar", "gram"])
-@pytest.mark.parametrize(
-    "old,new", [("PolarStats", "FlattenStats"), ("PolarFallbackWarning", "FlattenFallbackWarning")]
-)
-def test_old_stats_names_still_import_with_a_deprecation_warning(module, old, new):
-    import importlib
-
-    mod = importlib.import_module(f"isoloco_kernels.flatten.{module}")
-    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: it is {new}"):
-        got = getattr(mod, old)
-    assert got is getattr(iteration_stats, new)
-    with pytest.warns(DeprecationWarning):
-        exec(f"from isoloco_kernels.flatten.{module} import {old} as alias", {})
-    with pytest.raises(AttributeError):
-        getattr(mod, "NoSuchName")  # noqa: B009 (the attribute lookup is the test)
-
-
 # ----------------------------------------------------------------------------------------------
 # Adding a method: its module, one registry line, one tolerance row
 

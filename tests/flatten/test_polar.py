@@ -232,42 +232,10 @@ def test_auto_on_cpu_is_an_exact_method_at_its_row(shape):
     assert rel_err(ik.iso_flatten(x, method="auto"), iso_flatten_ref(x)) <= tol
 
 
-def test_polar_rejects_unknown_mode_and_gemm():
+def test_polar_rejects_an_unknown_mode():
     x = torch.randn(1, 4, 5)
     with pytest.raises(ValueError, match="mode must be"):
         polar.flatten_polar_(x, mode="fp8")
-    with pytest.raises(ValueError, match="gemm must be 'torch', got 'cutlass'"):
-        polar.polar_factor(x, gemm="cutlass")
-    # the Triton GEMMs are gone: asking for them says so
-    with pytest.raises(ValueError, match="gemm='triton' is no longer available: the Triton GEMMs .* removed"):
-        polar.flatten_polar_(x.clone(), gemm="triton")
-
-
-def test_gemm_torch_and_the_deprecated_backend_keyword():
-    x = with_spectrum(2, 12, 30, spectrum("geometric", 12, cond=1e2), _gen("gemm")).float()
-    q, resid = polar.polar_factor(x, gemm="torch")
-    assert rel_err(q, polar.polar_factor(x)[0]) == 0 and (resid <= polar.CHECK_TOL).all()
-    with pytest.warns(DeprecationWarning, match="backend= is deprecated; use gemm="):
-        q_old, _ = polar.polar_factor(x, backend="torch")
-    assert torch.equal(q_old, q)
-    y = x.clone()
-    with pytest.warns(DeprecationWarning, match="backend= is deprecated"):
-        polar.flatten_polar_(y, backend="torch")
-    assert rel_err(y, iso_flatten_ref(x)) <= TOL[("polar", torch.float32)]
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="no longer available"):
-        polar.polar_factor(x, backend="triton")
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="disagree"):
-        polar.polar_factor(x, gemm="torch", backend="cutlass")
-
-
-def test_the_old_triton_switch_is_ignored_with_a_warning(monkeypatch):
-    """ISOLOCO_POLAR_GEMM=triton chose the removed Triton GEMMs: cuBLAS / CPU BLAS serve, and a
-    warning says why."""
-    monkeypatch.setenv(polar.GEMM_ENV, "triton")
-    x = with_spectrum(1, 8, 20, spectrum("geometric", 8, cond=1e2), _gen("env")).float()
-    with pytest.warns(UserWarning, match="ISOLOCO_POLAR_GEMM=triton is ignored: the Triton GEMMs .* removed"):
-        out = ik.iso_flatten(x, method="polar")
-    assert rel_err(out, iso_flatten_ref(x)) <= TOL[("polar", torch.float32)]
 
 
 # ---------------------------------------------------------------------------------------------
