@@ -281,3 +281,17 @@ def step_as_rank(opt, params, stacks, rank: int) -> None:
     for p, d in zip(params, stacks):
         p.grad = d[rank].clone()
     opt.step()
+
+
+class CheckReads:
+    """Elements handed to torch._foreach_norm (the finiteness checks' one fused pass) while active."""
+
+    def __init__(self, monkeypatch):
+        self.elements = 0
+        real = torch._foreach_norm
+
+        def counting(tensors, *args, **kwargs):
+            self.elements += sum(t.numel() for t in tensors)
+            return real(tensors, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "_foreach_norm", counting)

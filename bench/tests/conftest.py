@@ -2,18 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """One torch thread for a module of small computations: on a busy 2-core machine a second thread
-    buys nothing and stalls."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from tests.conftest import one_thread  # noqa: F401  (the fixture, shared with the library's tests)
 
 
 def pytest_configure(config):

@@ -62,22 +62,6 @@ def test_the_committed_table_is_what_the_script_prints(run):
 # -- the Nesterov op's bytes per element: the model's extra reads are the reads the checks make ----------
 
 
-class _CheckReads:
-    """Elements the finiteness checks read (their one fused pass, torch._foreach_norm) while active."""
-
-    def __init__(self, monkeypatch):
-        import torch
-
-        self.elements = 0
-        real = torch._foreach_norm
-
-        def counting(tensors, *args, **kwargs):
-            self.elements += sum(t.numel() for t in tensors)
-            return real(tensors, *args, **kwargs)
-
-        monkeypatch.setattr(torch, "_foreach_norm", counting)
-
-
 def _tensors(n=3, size=(16, 24)):
     import torch
 
@@ -91,10 +75,11 @@ def test_nesterov_routes_read_what_the_model_says(monkeypatch):
     import torch
 
     import isoloco_kernels as ik
+    from tests.helpers import CheckReads
 
     per = {r: tm.nesterov_bytes(r) for r in ("bare", "bounds", "step")}
     extra_passes = {r: (v["bytes"] - v["floor"]) // 4 for r, v in per.items()}  # float32: 4 bytes a pass
-    reads = _CheckReads(monkeypatch)
+    reads = CheckReads(monkeypatch)
     P, B, U = _tensors()
     size = sum(p.numel() for p in P)
     torch.ops.isoloco.nesterov_outer_(P, B, U, 0.7, 0.9)

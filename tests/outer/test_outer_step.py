@@ -15,7 +15,7 @@ from isoloco_kernels._validate import ResultOverflowError
 from isoloco_kernels.flatten import registry as buckets
 from isoloco_kernels.flatten import registry as flatten
 from isoloco_kernels.reference import isoloco_step_ref
-from tests.helpers import rel_err
+from tests.helpers import CheckReads, rel_err
 
 GROWS = torch.tensor([[-1, 1, 1, 1], [-1, 1, 0.4, 0.4], [-0.8, 1, 1, -1], [-0.5, 1, -1, 1]], dtype=torch.float64)
 METHODS = [m for m in flatten.METHODS if m != "auto"]
@@ -36,25 +36,11 @@ def _grads(ps, seed: int) -> None:
         p.grad = torch.randn(p.shape, generator=g) * 0.1
 
 
-class _Reads:
-    """Elements handed to torch._foreach_norm (the checks' one fused pass) while active."""
-
-    def __init__(self, monkeypatch):
-        self.elements = 0
-        real = torch._foreach_norm
-
-        def counting(tensors, *args, **kwargs):
-            self.elements += sum(t.numel() for t in tensors)
-            return real(tensors, *args, **kwargs)
-
-        monkeypatch.setattr(torch, "_foreach_norm", counting)
-
-
 @pytest.mark.parametrize("iso", [False, True], ids=["sgd", "iso"])
 def test_step_reads_grads_and_params_once_and_its_own_buffers_not_at_all(monkeypatch, iso):
     ps = _params()
     opt = ik.IsoLoCo(ps, lr=0.7, momentum=0.9, iso=iso, method="svd")
-    reads = _Reads(monkeypatch)
+    reads = CheckReads(monkeypatch)
     size = sum(p.numel() for p in ps)
     for step in range(3):
         _grads(ps, 10 + step)
