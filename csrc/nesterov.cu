@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -20,9 +19,8 @@ namespace isoloco {
 namespace {
 
 // Only what memory safety needs, with ops.check_nesterov_args' rules (which run first, with the
-// finiteness, written-tensor and overlap checks): sizes, dtypes, devices, the scales vector.
-void check_args(at::TensorList params, at::TensorList bufs, at::TensorList updates,
-                const std::optional<at::Tensor>& scales) {
+// finiteness, written-tensor and overlap checks): sizes, dtypes, devices.
+void check_args(at::TensorList params, at::TensorList bufs, at::TensorList updates) {
   TORCH_CHECK_VALUE(params.size() == bufs.size() && bufs.size() == updates.size(),
                     "nesterov_outer_: params, bufs and updates must have one entry each per tensor, got ",
                     params.size(), ", ", bufs.size(), " and ", updates.size());
@@ -46,21 +44,11 @@ void check_args(at::TensorList params, at::TensorList bufs, at::TensorList updat
                      "; it must be float32 or the param's dtype (", pt, ")");
   }
   TORCH_CHECK(dev.is_cuda(), "nesterov_outer_: params must be CUDA tensors, got ", dev);
-  if (scales.has_value()) {
-    const at::Tensor& s = *scales;
-    TORCH_CHECK_VALUE(s.dim() == 1 && s.numel() == static_cast<int64_t>(params.size()),
-                      "nesterov_outer_: scales must be 1-D with one entry per tensor (",
-                      params.size(), "), got shape ", s.sizes());
-    TORCH_CHECK(s.device() == dev, "nesterov_outer_: scales must be on the params' device (", dev,
-                "), got ", s.device());
-    TORCH_CHECK_TYPE(s.is_floating_point(), "nesterov_outer_: scales must be floating point, got ",
-                     s.scalar_type());
-  }
 }
 
 void nesterov_outer_cuda(at::TensorList params, at::TensorList bufs, at::TensorList updates,
-                         double lr, double momentum, const std::optional<at::Tensor>& scales) {
-  check_args(params, bufs, updates, scales);  // everything before anything is written
+                         double lr, double momentum) {
+  check_args(params, bufs, updates);  // everything before anything is written
   if (params.empty()) return;
   const at::Device dev = params[0].device();
   const c10::cuda::CUDAGuard guard(dev);
@@ -102,8 +90,7 @@ void nesterov_outer_cuda(at::TensorList params, at::TensorList bufs, at::TensorL
       h[1] = reinterpret_cast<int64_t>(b[i].data_ptr());
       h[2] = reinterpret_cast<int64_t>(u[i].data_ptr());
       h[3] = p[i].numel();
-      h[4] = i;
-      h[5] = chunk;
+      h[4] = chunk;
       chunk += (p[i].numel() + ik::kNesterovChunk - 1) / ik::kNesterovChunk;
       h += ik::kNesterovFields;
     }
@@ -111,9 +98,6 @@ void nesterov_outer_cuda(at::TensorList params, at::TensorList bufs, at::TensorL
     group_blocks.push_back(chunk);
   }
   const at::Tensor table = host.to(dev, /*non_blocking=*/true);
-  const at::Tensor scales64 =
-      scales.has_value() ? scales->to(at::kDouble).contiguous() : at::Tensor();
-  const double* sp = scales64.defined() ? scales64.const_data_ptr<double>() : nullptr;
 
   const int64_t* tp = table.const_data_ptr<int64_t>();
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -125,7 +109,7 @@ void nesterov_outer_cuda(at::TensorList params, at::TensorList bufs, at::TensorL
       auto launch = [&]<typename TB>(std::type_identity<TB>) {
         dispatch_storage(ut, "nesterov_outer_: update", [&]<typename TU>(std::type_identity<TU>) {
           ik::nesterov_outer<TP, TB, TU, C><<<group_blocks[g], ik::kBlock, 0, stream>>>(
-              gtable, n, sp, static_cast<C>(lr), static_cast<C>(momentum));
+              gtable, n, static_cast<C>(lr), static_cast<C>(momentum));
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       };

@@ -76,8 +76,7 @@ _lib.define(
 # The compiled extension's kernels, behind the checks of the public ops (called by dispatch/table.py only).
 _lib.define("csrc_iso_scale_(Tensor(a!) x, Tensor q) -> Tensor")
 _lib.define(
-    "csrc_nesterov_outer_(Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor[] updates, "
-    "float lr, float momentum, Tensor? scales) -> ()",
+    "csrc_nesterov_outer_(Tensor(a!)[] params, Tensor(b!)[] bufs, Tensor[] updates, float lr, float momentum) -> ()",
     tags=_HOST_BOUND,
 )
 

@@ -64,15 +64,14 @@ def iso_flatten_ref(x: torch.Tensor) -> torch.Tensor:
     return (nuc / min(m, n))[..., None, None] * q
 
 
-def nesterov_ref(p, buf, update, lr: float, momentum: float, scale=1.0):
+def nesterov_ref(p, buf, update, lr: float, momentum: float):
     """One Nesterov outer step in float64; returns (new_p, new_buf).
 
-    buf ← μ·buf + s·u ;  p ← p − lr·(s·u + μ·buf). With buf starting at zero the first step gives
-    buf = s·u, exactly as torch.optim.SGD(nesterov=True, dampening=0) does. This is the rule of the
+    buf ← μ·buf + u ;  p ← p − lr·(u + μ·buf). With buf starting at zero the first step gives
+    buf = u, exactly as torch.optim.SGD(nesterov=True, dampening=0) does. This is the rule of the
     `nesterov_outer_` op for every μ; the optimizers follow SGD at μ = 0 (`sgd_nesterov_ref`).
     """
-    p64, b64, u64 = (t.detach().to("cpu", torch.float64) for t in (p, buf, update))
-    g = u64 * float(scale)
+    p64, b64, g = (t.detach().to("cpu", torch.float64) for t in (p, buf, update))
     b64 = momentum * b64 + g
     return p64 - lr * (g + momentum * b64), b64
 

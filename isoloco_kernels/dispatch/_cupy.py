@@ -7,7 +7,7 @@ checks mirror csrc/iso_scale.cu and csrc/nesterov.cu; the constants below mirror
 
     ok, why = available()      # (False, reason) without CuPy, a GPU or the kernel sources
     iso_scale_(x, q) -> s̄      # isoloco::iso_scale_
-    nesterov_outer_(params, bufs, updates, lr, momentum, scales=None)   # isoloco::nesterov_outer_
+    nesterov_outer_(params, bufs, updates, lr, momentum)   # isoloco::nesterov_outer_
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the packa
 BLOCK = 256
 VEC = 4
 NESTEROV_CHUNK = 8192
-NESTEROV_FIELDS = 6
+NESTEROV_FIELDS = 5
 
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.M)
 
@@ -159,8 +159,8 @@ def iso_scale_(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return sbar
 
 
-def nesterov_outer_(params, bufs, updates, lr: float, momentum: float, scales=None) -> None:
-    """Per tensor i, reference.nesterov_ref's step with g = s_i·u; one launch per dtype combination.
+def nesterov_outer_(params, bufs, updates, lr: float, momentum: float) -> None:
+    """Per tensor i, reference.nesterov_ref's step with g = u; one launch per dtype combination.
     Unchecked: reached only through the isoloco::nesterov_outer_ op, whose checks ran (ops.py)."""
     params, bufs, updates = list(params), list(bufs), list(updates)
     if not params:
@@ -179,13 +179,11 @@ def nesterov_outer_(params, bufs, updates, lr: float, momentum: float, scales=No
         chunk = 0
         for i in idx:
             p, b, u = work[i]
-            rows.append([p.data_ptr(), b.data_ptr(), u.data_ptr(), p.numel(), i, chunk])
+            rows.append([p.data_ptr(), b.data_ptr(), u.data_ptr(), p.numel(), chunk])
             chunk += -(-p.numel() // NESTEROV_CHUNK)
         blocks.append(chunk)
     host = torch.tensor(rows, dtype=torch.int64).flatten().pin_memory()
     table = host.to(dev, non_blocking=True)
-    s64 = scales.to(torch.float64).contiguous() if scales is not None else None
-    sp = _ptr(s64) if s64 is not None else np.uint64(0)
 
     offset = 0
     for ((pt, bt, ut), idx), nblocks in zip(groups.items(), blocks):
@@ -194,7 +192,7 @@ def nesterov_outer_(params, bufs, updates, lr: float, momentum: float, scales=No
         (fn,) = _kernels(dev.index, "nesterov.cuh", (name,))
         real = np.float64 if c == "double" else np.float32
         tptr = np.uint64(table.data_ptr() + offset * NESTEROV_FIELDS * 8)
-        _launch(fn, dev.index, nblocks, (tptr, np.int32(len(idx)), sp, real(lr), real(momentum)))
+        _launch(fn, dev.index, nblocks, (tptr, np.int32(len(idx)), real(lr), real(momentum)))
         offset += len(idx)
     for i, (p, b, _) in work.items():
         if p.data_ptr() != params[i].data_ptr() or not params[i].is_contiguous():

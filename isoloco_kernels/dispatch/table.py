@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -123,12 +123,12 @@ def _triton_iso_scale_supports(x, q) -> tuple[bool, str]:
 
 # -- the torch candidates: the CPU kernels, and the last CUDA fallback ---------------------------
 #
-# nesterov_outer_: for every tensor i, with s_i = scales[i] (1 when scales is None), the Nesterov step of
-# `reference.nesterov_ref` with g = s_i·u_i (torch.optim.SGD with nesterov=True, dampening=0; with buf
-# starting at zero the first step gives buf = g, as SGD does). The math runs in the compute dtype of each
-# (param, buf) pair: float64 when either is float64, else float32, so bfloat16 / float16 params with
-# float32 momentum buffers are updated in float32 and rounded once on store. torch._foreach_* per
-# (device, dtypes); torch's fused CPU SGD kernel for unscaled contiguous float32/float64 CPU groups.
+# nesterov_outer_: for every tensor i, the Nesterov step of `reference.nesterov_ref` with g = u_i
+# (torch.optim.SGD with nesterov=True, dampening=0; with buf starting at zero the first step gives
+# buf = g, as SGD does). The math runs in the compute dtype of each (param, buf) pair: float64 when either
+# is float64, else float32, so bfloat16 / float16 params with float32 momentum buffers are updated in
+# float32 and rounded once on store. torch._foreach_* per (device, dtypes); torch's fused CPU SGD kernel
+# for contiguous float32/float64 CPU groups.
 
 
 def iso_scale_torch(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -156,9 +156,9 @@ def _group(params, bufs, updates) -> dict[tuple, list[int]]:
     return groups
 
 
-def _foreach_group(P, B, U, S, lr: float, momentum: float) -> None:
-    """One (device, dtypes) group with torch._foreach_*; S: per-tensor 0-d scales or None."""
-    if momentum != 0 and _fused_cpu_ok(P, B, U, S):  # (with μ = 0 it would leave buf alone)
+def _foreach_group(P, B, U, lr: float, momentum: float) -> None:
+    """One (device, dtypes) group with torch._foreach_*."""
+    if momentum != 0 and _fused_cpu_ok(P, B, U):  # (with μ = 0 it would leave buf alone)
         # Same update as SGD(nesterov=True) with buf already holding the momentum (zeros at first):
         # torch's fused CPU kernel does it in one pass over p, buf and u and leaves u untouched. It serves
         # the tensors whose param and buffer are contiguous (an update that is not, e.g. a tall matrix's
@@ -183,40 +183,27 @@ def _foreach_group(P, B, U, S, lr: float, momentum: float) -> None:
             return
         P, B, U = [P[i] for i in rest], [B[i] for i in rest], [U[i] for i in rest]
     cd = update_compute_dtype(P[0].dtype, B[0].dtype)
-    if S is not None:
-        S = [s.to(cd) for s in S]
     Bc = B if B[0].dtype == cd else [b.to(cd) for b in B]
-    # Mixed-dtype foreach ops compute in the promoted dtype (cd) and round once on store, and s·u
-    # enters through addcmul: no converted or scaled copy of the updates is made.
+    # Mixed-dtype foreach ops compute in the promoted dtype (cd) and round once on store: no converted
+    # copy of the updates is made.
     torch._foreach_mul_(Bc, momentum)
-    if S is None:
-        torch._foreach_add_(Bc, U)
-    else:
-        torch._foreach_addcmul_(Bc, U, S)
+    torch._foreach_add_(Bc, U)
     if P[0].dtype == cd:
-        # p − lr·s·u − lr·μ·buf: two in-place passes, no temporary (the updates are read-only)
-        if S is None:
-            torch._foreach_add_(P, U, alpha=-lr)
-        else:
-            torch._foreach_addcmul_(P, U, S, value=-lr)
+        # p − lr·u − lr·μ·buf: two in-place passes, no temporary (the updates are read-only)
+        torch._foreach_add_(P, U, alpha=-lr)
         torch._foreach_add_(P, Bc, alpha=-lr * momentum)
     else:
-        # half params: p − lr·(s·u + μ·buf) with the sum formed in cd, rounded once
-        if S is None:
-            D = torch._foreach_add(U, Bc, alpha=momentum)
-        else:
-            D = torch._foreach_mul(Bc, momentum)
-            torch._foreach_addcmul_(D, U, S)
+        # half params: p − lr·(u + μ·buf) with the sum formed in cd, rounded once
+        D = torch._foreach_add(U, Bc, alpha=momentum)
         torch._foreach_add_(P, D, alpha=-lr)
     if Bc is not B:
         torch._foreach_copy_(B, Bc)
 
 
-def _fused_cpu_ok(P, B, U, S) -> bool:
-    """torch's fused SGD kernel serves an unscaled CPU group of one float32/float64 dtype (its contiguous tensors)."""
+def _fused_cpu_ok(P, B, U) -> bool:
+    """torch's fused SGD kernel serves a CPU group of one float32/float64 dtype (its contiguous tensors)."""
     return (
-        S is None
-        and hasattr(torch, "_fused_sgd_")
+        hasattr(torch, "_fused_sgd_")
         and P[0].device.type == "cpu"
         and P[0].dtype == B[0].dtype == U[0].dtype
         and P[0].dtype in (torch.float32, torch.float64)
@@ -229,21 +216,12 @@ def nesterov_outer_torch(
     updates: Sequence[torch.Tensor],
     lr: float,
     momentum: float,
-    scales: Optional[torch.Tensor],
 ) -> None:
     """The update with torch._foreach_* ops: four passes per group; no temporaries unless the
     params or bufs are half precision (then one compute-dtype temporary per tensor)."""
     lr, momentum = float(lr), float(momentum)
-    per_tensor = None if scales is None else scales.unbind(0)
     for idx in _group(params, bufs, updates).values():
-        _foreach_group(
-            [params[i] for i in idx],
-            [bufs[i] for i in idx],
-            [updates[i] for i in idx],
-            None if per_tensor is None else [per_tensor[i] for i in idx],
-            lr,
-            momentum,
-        )
+        _foreach_group([params[i] for i in idx], [bufs[i] for i in idx], [updates[i] for i in idx], lr, momentum)
 
 
 # -- implementations ----------------------------------------------------------------------------
@@ -253,8 +231,8 @@ def _csrc_iso_scale(x, q):
     return torch.ops.isoloco.csrc_iso_scale_(x, q)
 
 
-def _csrc_nesterov(params, bufs, updates, lr, momentum, scales):
-    torch.ops.isoloco.csrc_nesterov_outer_(params, bufs, updates, lr, momentum, scales)
+def _csrc_nesterov(params, bufs, updates, lr, momentum):
+    torch.ops.isoloco.csrc_nesterov_outer_(params, bufs, updates, lr, momentum)
 
 
 def _cupy_iso_scale(x, q):

@@ -1,13 +1,13 @@
 """Triton multi-tensor Nesterov outer update: one launch over a whole list of tensors.
 
-For tensor t, with s_t = scales[t] (1 without scales), in the compute dtype C: the Nesterov step of
-reference.nesterov_ref with g = s_t·u in place of the gradient (see nesterov.py).
+For tensor t, in the compute dtype C: the Nesterov step of reference.nesterov_ref with g = u in
+place of the gradient (see nesterov.py).
 
-Layout: the host writes one int64 row per tensor — addresses of p, buf and update, numel, the
-tensor's index into `scales`, and its first block — after lr and μ (as float64 bit patterns), and
-copies the table to the device in one go (from pinned memory on CUDA). The addresses become typed
-pointers in the kernel (int → pointer casts), so any number of tensors share one launch; dtypes are constexpr, one
-launch per (param, buf, update) dtype triple. Program c handles BLOCK elements of one tensor;
+Layout: the host writes one int64 row per tensor — addresses of p, buf and update, numel, and its
+first block — after lr and μ (as float64 bit patterns), and copies the table to the device in one go
+(from pinned memory on CUDA). The addresses become typed pointers in the kernel (int → pointer
+casts), so any number of tensors share one launch; dtypes are constexpr, one launch per (param, buf,
+update) dtype triple. Program c handles BLOCK elements of one tensor;
 `block_tensor[c]` says which (cached per list of sizes). Full blocks run unmasked and, when every
 address is 16-byte aligned (the usual case), with that alignment declared, so loads and stores
 vectorize although the pointers come from a table. Works under TRITON_INTERPRET=1 on CPU tensors.
@@ -47,13 +47,11 @@ def _nesterov_block(
     u_ptr,
     offs,
     n,
-    s,
     lr,
     mu,
     P_DTYPE: tl.constexpr,
     B_DTYPE: tl.constexpr,
     C_DTYPE: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """BLOCK elements of one tensor; MASKED only for a tensor's last, partial block."""
@@ -66,8 +64,6 @@ def _nesterov_block(
         g = tl.load(u_ptr + offs).to(C_DTYPE)
         b = tl.load(b_ptr + offs).to(C_DTYPE)
         p = tl.load(p_ptr + offs).to(C_DTYPE)
-    if HAS_SCALES:
-        g = g * s
     b = mu * b + g
     p = p - lr * (g + mu * b)
     if MASKED:
@@ -80,15 +76,13 @@ def _nesterov_block(
 
 @triton.jit
 def _nesterov_outer_kernel(
-    table_ptr,  # int64 [2 + 6T]: lr, μ (float64 bits), then per tensor: p, buf, update
-    #             addresses, numel, scale index, first block
+    table_ptr,  # int64 [2 + 5T]: lr, μ (float64 bits), then per tensor: p, buf, update
+    #             addresses, numel, first block
     block_tensor_ptr,  # int32 [nblocks]: the tensor each program works on
-    scales_ptr,  # [*] scales (any float dtype), read only when HAS_SCALES
     P_DTYPE: tl.constexpr,
     B_DTYPE: tl.constexpr,
     U_DTYPE: tl.constexpr,
     C_DTYPE: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
     ALIGNED: tl.constexpr,  # every address is a multiple of 16 bytes: vector loads/stores
     BLOCK: tl.constexpr,
 ):
@@ -97,7 +91,7 @@ def _nesterov_outer_kernel(
     hyper = table_ptr.to(tl.pointer_type(tl.float64))
     lr = tl.load(hyper).to(C_DTYPE)
     mu = tl.load(hyper + 1).to(C_DTYPE)
-    row = table_ptr + 2 + t * 6
+    row = table_ptr + 2 + t * 5
     p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DTYPE))
     b_ptr = tl.load(row + 1).to(tl.pointer_type(B_DTYPE))
     u_ptr = tl.load(row + 2).to(tl.pointer_type(U_DTYPE))
@@ -106,17 +100,14 @@ def _nesterov_outer_kernel(
         b_ptr = tl.multiple_of(b_ptr, 16)
         u_ptr = tl.multiple_of(u_ptr, 16)
     n = tl.load(row + 3)
-    start = (c - tl.load(row + 5)) * BLOCK
+    start = (c - tl.load(row + 4)) * BLOCK
     offs = start + tl.arange(0, BLOCK).to(tl.int64)
-    s = 1.0
-    if HAS_SCALES:
-        s = tl.load(scales_ptr + tl.load(row + 4)).to(C_DTYPE)
     # A loaded n says nothing about alignment, so a masked access could not be vectorized:
     # full blocks go unmasked, and only each tensor's last block pays for the mask.
     if start + BLOCK <= n:
-        _nesterov_block(p_ptr, b_ptr, u_ptr, offs, n, s, lr, mu, P_DTYPE, B_DTYPE, C_DTYPE, HAS_SCALES, False)
+        _nesterov_block(p_ptr, b_ptr, u_ptr, offs, n, lr, mu, P_DTYPE, B_DTYPE, C_DTYPE, False)
     else:
-        _nesterov_block(p_ptr, b_ptr, u_ptr, offs, n, s, lr, mu, P_DTYPE, B_DTYPE, C_DTYPE, HAS_SCALES, True)
+        _nesterov_block(p_ptr, b_ptr, u_ptr, offs, n, lr, mu, P_DTYPE, B_DTYPE, C_DTYPE, True)
 
 
 # Block → tensor maps depend only on the sizes: keep the last few (an optimizer reuses one).
@@ -138,18 +129,18 @@ def _block_map(blocks: list[int], device: torch.device) -> torch.Tensor:
     return bmap
 
 
-def _launch(params, bufs, updates, scale_index, lr, momentum, scales, block, num_warps) -> None:
+def _launch(params, bufs, updates, lr, momentum, block, num_warps) -> None:
     p0, b0, u0 = params[0], bufs[0], updates[0]
     cdt = torch.float64 if torch.float64 in (p0.dtype, b0.dtype) else torch.float32
     # lr and μ travel in the table as float64 bit patterns: exact for float64 params, and one
     # host-to-device copy per launch carries everything.
     rows, blocks, first = list(struct.unpack("<2q", struct.pack("<2d", lr, momentum))), [], 0
-    for p, b, u, si in zip(params, bufs, updates, scale_index):
+    for p, b, u in zip(params, bufs, updates):
         nb = triton.cdiv(p.numel(), block)
-        rows += (p.data_ptr(), b.data_ptr(), u.data_ptr(), p.numel(), si, first)
+        rows += (p.data_ptr(), b.data_ptr(), u.data_ptr(), p.numel(), first)
         blocks.append(nb)
         first += nb
-    aligned = all(a % 16 == 0 for r in range(2, len(rows), 6) for a in rows[r : r + 3])
+    aligned = all(a % 16 == 0 for r in range(2, len(rows), 5) for a in rows[r : r + 3])
     device = p0.device
     table = torch.tensor(rows, dtype=torch.int64)
     if device.type == "cuda":
@@ -161,19 +152,17 @@ def _launch(params, bufs, updates, scale_index, lr, momentum, scales, block, num
     # Triton launches on the current CUDA device and stream: make them the tensors' own
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with guard:
-        _launch_kernel(table, bmap, scales, p0, b0, u0, cdt, aligned, first, block, num_warps)
+        _launch_kernel(table, bmap, p0, b0, u0, cdt, aligned, first, block, num_warps)
 
 
-def _launch_kernel(table, bmap, scales, p0, b0, u0, cdt, aligned, first, block, num_warps) -> None:
+def _launch_kernel(table, bmap, p0, b0, u0, cdt, aligned, first, block, num_warps) -> None:
     _nesterov_outer_kernel[(first,)](
         table,
         bmap,
-        scales if scales is not None else table,  # a valid pointer; never read without scales
         P_DTYPE=_TL[p0.dtype],
         B_DTYPE=_TL[b0.dtype],
         U_DTYPE=_TL[u0.dtype],
         C_DTYPE=_TL[cdt],
-        HAS_SCALES=scales is not None,
         ALIGNED=aligned,
         BLOCK=block,
         num_warps=num_warps,
@@ -186,7 +175,6 @@ def nesterov_outer_triton(
     updates,
     lr: float,
     momentum: float,
-    scales=None,
     *,
     block: int = BLOCK,
     num_warps: int = NUM_WARPS,
@@ -197,8 +185,6 @@ def nesterov_outer_triton(
     params and bufs must be contiguous (checked); updates need not be (copied if not). Empty
     tensors are skipped. `block` (a power of two) is the elements per program.
     """
-    if scales is not None and not scales.is_contiguous():
-        scales = scales.contiguous()
     groups: dict[tuple, list[int]] = {}
     for i, (p, b, u) in enumerate(zip(params, bufs, updates)):
         if not (p.is_contiguous() and b.is_contiguous()):
@@ -207,18 +193,14 @@ def nesterov_outer_triton(
             if not (p.device == b.device == u.device):
                 raise ValueError(f"nesterov_outer_triton: param, buf and update {i} are on different devices")
             groups.setdefault((p.device, p.dtype, b.dtype, u.dtype), []).append(i)
-    for (device, *_), idx in groups.items():
-        if scales is not None and scales.device != device:
-            raise ValueError(f"nesterov_outer_triton: scales are on {scales.device}, tensors on {device}")
+    for idx in groups.values():
         _launch(
             [params[i] for i in idx],
             [bufs[i] for i in idx],
             # keep the contiguous copies alive until the launch has been queued
             [updates[i].contiguous() for i in idx],
-            idx,
             float(lr),
             float(momentum),
-            scales,
             block,
             num_warps,
         )

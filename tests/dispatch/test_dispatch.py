@@ -68,10 +68,10 @@ def test_the_cpu_op_runs_what_the_table_selects(monkeypatch):
             id="buf-dtype",
         ),
         pytest.param(
-            lambda a: a.__setitem__("scales", torch.ones(1, dtype=torch.int32)),
-            TypeError,
-            "scales must be floating point",
-            id="int-scales",
+            lambda a: a.__setitem__("amax", [1.0, 1.0]),
+            ValueError,
+            r"amax must have 3 entries per tensor \(3: params, bufs, updates\), got 2",
+            id="amax-length",
         ),
         pytest.param(lambda a: a.__setitem__("lr", float("nan")), ValueError, "finite", id="nan-lr"),
         pytest.param(lambda a: a["updates"].__setitem__(0, torch.ones(4)), ValueError, "same shape", id="shape"),
@@ -89,7 +89,7 @@ def test_nesterov_arguments_are_refused_alike_on_every_table(edit, exc, match, m
         updates=[torch.ones(3, dtype=torch.float16)],
         lr=0.5,
         momentum=0.9,
-        scales=None,
+        amax=None,
     )
     edit(args)
     before = [t.clone() for t in args["params"] + args["bufs"]]
@@ -192,7 +192,7 @@ def test_extension_without_a_kernel_image_falls_back_instead_of_raising(fake_gpu
     assert not ok and "no kernel image for compute capability 10.0" in why
     x = _CudaStandIn()
     assert dispatch.select("iso_scale_", "cuda", x, x).name == "csrc through CuPy/NVRTC"
-    assert dispatch.select("nesterov_outer_", "cuda", [x], [x], [x], 0.1, 0.9, None).name == "csrc through CuPy/NVRTC"
+    assert dispatch.select("nesterov_outer_", "cuda", [x], [x], [x], 0.1, 0.9).name == "csrc through CuPy/NVRTC"
 
 
 def test_supports_checks_the_tensors_own_device(fake_gpu, monkeypatch):

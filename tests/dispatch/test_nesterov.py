@@ -32,22 +32,16 @@ def _rand(shape, dtype, gen):
     return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
 
 
-def _case(pd, bd, ud=None, shapes=SHAPES, seed=0, with_scales=False):
+def _case(pd, bd, ud=None, shapes=SHAPES, seed=0):
     g = torch.Generator().manual_seed(seed)
     params = [_rand(s, pd, g) for s in shapes]
     bufs = [_rand(s, bd, g) for s in shapes]
     updates = [_rand(s, ud or pd, g) for s in shapes]
-    scales = None
-    if with_scales:
-        scales = (torch.rand(len(shapes), generator=g, dtype=torch.float64) + 0.5).float()
-    return params, bufs, updates, scales
+    return params, bufs, updates
 
 
-def _reference(params, bufs, updates, scales):
-    return [
-        nesterov_ref(p, b, u, LR, MU, 1.0 if scales is None else scales[i].item())
-        for i, (p, b, u) in enumerate(zip(params, bufs, updates))
-    ]
+def _reference(params, bufs, updates):
+    return [nesterov_ref(p, b, u, LR, MU) for p, b, u in zip(params, bufs, updates)]
 
 
 def _check(params, bufs, ref):
@@ -66,13 +60,12 @@ def _clone(ts):
     return [t.clone() for t in ts]
 
 
-@pytest.mark.parametrize("with_scales", [False, True], ids=["no_scales", "scales"])
 @pytest.mark.parametrize("pd,bd", DTYPE_PAIRS, ids=lambda d: str(d)[6:])
-def test_op_cpu_matches_reference(pd, bd, with_scales):
-    params, bufs, updates, scales = _case(pd, bd, seed=1, with_scales=with_scales)
-    ref = _reference(params, bufs, updates, scales)
+def test_op_cpu_matches_reference(pd, bd):
+    params, bufs, updates = _case(pd, bd, seed=1)
+    ref = _reference(params, bufs, updates)
     u_before = _clone(updates)
-    torch.ops.isoloco.nesterov_outer_(params, bufs, updates, LR, MU, scales)
+    torch.ops.isoloco.nesterov_outer_(params, bufs, updates, LR, MU, None)
     _check(params, bufs, ref)
     assert all(torch.equal(a, b) for a, b in zip(updates, u_before)), "updates must be read-only"
 
@@ -91,9 +84,8 @@ def test_op_cpu_mixed_dtypes_and_strides_in_one_call():
     bufs[1] = _rand((8,), torch.float64, g)
     updates = [_rand(p.shape, torch.float32, g) for p in params]
     updates[2] = _rand((6, 10), torch.float32, g).t()  # non-contiguous update
-    scales = torch.tensor([0.5, 2.0, 1.5, 1.0, 3.0], dtype=torch.float64)
-    ref = _reference(params, bufs, updates, scales)
-    torch.ops.isoloco.nesterov_outer_(params, bufs, updates, LR, MU, scales)
+    ref = _reference(params, bufs, updates)
+    torch.ops.isoloco.nesterov_outer_(params, bufs, updates, LR, MU, None)
     _check(params, bufs, ref)
     assert params[2].data_ptr() == base.data_ptr()  # updated in place
 
@@ -114,12 +106,12 @@ def test_first_step_from_zero_buffer_equals_sgd():
 
 
 def test_bad_arguments_change_nothing():
-    params, bufs, updates, _ = _case(torch.float32, torch.float32, shapes=[(3, 4), (5,)], seed=4)
+    params, bufs, updates = _case(torch.float32, torch.float32, shapes=[(3, 4), (5,)], seed=4)
     before = _clone(params) + _clone(bufs)
     with pytest.raises(ValueError, match="tensor 1"):
         torch.ops.isoloco.nesterov_outer_(params, bufs, [updates[0], torch.zeros(6)], LR, MU, None)
-    with pytest.raises(ValueError, match="scales"):
-        torch.ops.isoloco.nesterov_outer_(params, bufs, updates, LR, MU, torch.ones(3))
+    with pytest.raises(ValueError, match="amax must have 3 entries per tensor"):
+        torch.ops.isoloco.nesterov_outer_(params, bufs, updates, LR, MU, [1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="one entry each"):
         torch.ops.isoloco.nesterov_outer_(params, bufs[:1], updates, LR, MU, None)
     with pytest.raises(TypeError, match="update 0"):
@@ -128,9 +120,12 @@ def test_bad_arguments_change_nothing():
 
 
 def test_opcheck():
-    params, bufs, updates, scales = _case(torch.float32, torch.float32, shapes=[(3, 4), (5,)], seed=5, with_scales=True)
-    torch.library.opcheck(torch.ops.isoloco.nesterov_outer_.default, (params, bufs, updates, LR, MU, scales))
+    params, bufs, updates = _case(torch.float32, torch.float32, shapes=[(3, 4), (5,)], seed=5)
+    # valid bounds: every tensor's largest |entry| (3 per tensor: params, bufs, updates), one unknown (NaN)
+    amax = [t.abs().max().item() for t in (*params, *bufs, *updates)]
+    amax[4] = float("nan")
     torch.library.opcheck(torch.ops.isoloco.nesterov_outer_.default, (params, bufs, updates, LR, MU, None))
+    torch.library.opcheck(torch.ops.isoloco.nesterov_outer_.default, (params, bufs, updates, LR, MU, amax))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,7 +158,6 @@ def interp():
 INTERP_SHAPES = [(7, 5), (1, 9), (9, 1), (33,), (1,), (2, 3, 4), (0, 4)]
 
 
-@pytest.mark.parametrize("with_scales", [False, True], ids=["no_scales", "scales"])
 @pytest.mark.parametrize(
     "pd,bd,ud",
     [
@@ -175,11 +169,11 @@ INTERP_SHAPES = [(7, 5), (1, 9), (9, 1), (33,), (1,), (2, 3, 4), (0, 4)]
     ],
     ids=lambda d: str(d)[6:],
 )
-def test_triton_kernel_interpreted(interp, pd, bd, ud, with_scales):
-    params, bufs, updates, scales = _case(pd, bd, ud, shapes=INTERP_SHAPES, seed=6, with_scales=with_scales)
-    ref = _reference(params, bufs, updates, scales)
+def test_triton_kernel_interpreted(interp, pd, bd, ud):
+    params, bufs, updates = _case(pd, bd, ud, shapes=INTERP_SHAPES, seed=6)
+    ref = _reference(params, bufs, updates)
     # block=16: several programs per tensor, and tensors ending mid-block
-    interp.nesterov_outer_triton(params, bufs, updates, LR, MU, scales, block=16)
+    interp.nesterov_outer_triton(params, bufs, updates, LR, MU, block=16)
     _check(params, bufs, ref)
 
 
@@ -192,9 +186,8 @@ def test_triton_kernel_interpreted_mixed_groups_and_strided_updates(interp):
     params.append(_rand((41,), torch.float32, g)[1:])
     bufs.append(_rand((41,), torch.float32, g)[1:])
     updates.append(_rand((40,), torch.float32, g))
-    scales = torch.tensor([2.0, 0.5, 1.5, 0.75])
-    ref = _reference(params, bufs, updates, scales)
-    interp.nesterov_outer_triton(params, bufs, updates, LR, MU, scales, block=8)
+    ref = _reference(params, bufs, updates)
+    interp.nesterov_outer_triton(params, bufs, updates, LR, MU, block=8)
     _check(params, bufs, ref)
     with pytest.raises(ValueError, match="contiguous"):
         interp.nesterov_outer_triton([params[0].t()], [bufs[0].t()], [updates[0].t()], LR, MU)
@@ -227,26 +220,25 @@ def test_cuda_table_takes_triton_for_contiguous_and_torch_for_strided(interp, mo
             params[1] = params[1].t()
         bufs = [_rand(p.shape, p.dtype, g) for p in params]
         updates = [_rand(p.shape, p.dtype, g) for p in params]
-        scales = torch.tensor([1.5, 0.25, 3.0], dtype=torch.float64)
-        ref = _reference(params, bufs, updates, scales)
-        c = dispatch.select("nesterov_outer_", "cuda", params, bufs, updates, LR, MU, scales)
+        ref = _reference(params, bufs, updates)
+        c = dispatch.select("nesterov_outer_", "cuda", params, bufs, updates, LR, MU)
         if dispatch._cupy_available()[0] or dispatch.TABLES[("nesterov_outer_", "cuda")][0].available()[0]:
             pytest.skip("a csrc backend is available here and comes first")
         assert c.name == ("torch (foreach)" if strided else "triton"), (strided, c.name)
-        c.run(params, bufs, updates, LR, MU, scales)
+        c.run(params, bufs, updates, LR, MU)
         _check(params, bufs, ref)
 
 
 @pytest.mark.parametrize(
-    "pd,bd,has_scales,aligned,vector_op",
+    "pd,bd,aligned,vector_op",
     [
-        ("fp32", "fp32", False, True, "ld.global.v4"),
-        ("bf16", "fp32", True, True, "ld.global.v4"),
-        ("fp64", "fp64", True, True, "ld.global.v2"),  # 2×64 bit
-        ("fp32", "fp32", True, False, None),
+        ("fp32", "fp32", True, "ld.global.v4"),
+        ("bf16", "fp32", True, "ld.global.v4"),
+        ("fp64", "fp64", True, "ld.global.v2"),  # 2×64 bit
+        ("fp32", "fp32", False, None),
     ],
 )
-def test_triton_kernel_compiles_for_sm90(pd, bd, has_scales, aligned, vector_op):
+def test_triton_kernel_compiles_for_sm90(pd, bd, aligned, vector_op):
     """Compile (no GPU needed) for sm_90: the kernel builds for every switch, and with ALIGNED its
     table-loaded pointers get 128-bit vector loads and stores."""
     triton = pytest.importorskip("triton")
@@ -261,26 +253,15 @@ def test_triton_kernel_compiles_for_sm90(pd, bd, has_scales, aligned, vector_op)
         pytest.skip("TRITON_INTERPRET=1 in this process")
     tdt = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp64": tl.float64}
     cdt = tl.float64 if "fp64" in (pd, bd) else tl.float32
-    names = [
-        "table_ptr",
-        "block_tensor_ptr",
-        "scales_ptr",
-        "P_DTYPE",
-        "B_DTYPE",
-        "U_DTYPE",
-        "C_DTYPE",
-        "HAS_SCALES",
-        "ALIGNED",
-        "BLOCK",
-    ]
-    pointers = {"table_ptr": "*i64", "block_tensor_ptr": "*i32", "scales_ptr": "*fp32"}
-    values = [tdt[pd], tdt[bd], tdt[bd], cdt, has_scales, aligned, tn.BLOCK]
+    names = ["table_ptr", "block_tensor_ptr", "P_DTYPE", "B_DTYPE", "U_DTYPE", "C_DTYPE", "ALIGNED", "BLOCK"]
+    pointers = {"table_ptr": "*i64", "block_tensor_ptr": "*i32"}
+    values = [tdt[pd], tdt[bd], tdt[bd], cdt, aligned, tn.BLOCK]
     try:
         src = ASTSource(
             fn=kernel,
             signature={n: pointers.get(n, "constexpr") for n in names},
-            constexprs={(i,): v for i, v in enumerate(values, start=3)},
-            attrs={(i,): [["tt.divisibility", 16]] for i in range(3)},
+            constexprs={(i,): v for i, v in enumerate(values, start=2)},
+            attrs={(i,): [["tt.divisibility", 16]] for i in range(2)},
         )
     except TypeError as e:  # another triton's ASTSource API
         pytest.skip(f"ASTSource API differs in triton {triton.__version__}: {e}")
@@ -296,14 +277,13 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @cuda
-@pytest.mark.parametrize("with_scales", [False, True], ids=["no_scales", "scales"])
 @pytest.mark.parametrize("pd,bd", DTYPE_PAIRS, ids=lambda d: str(d)[6:])
-def test_op_cuda_matches_reference(pd, bd, with_scales):
+def test_op_cuda_matches_reference(pd, bd):
     shapes = SHAPES + [(257, 300), (5000,)]
-    params, bufs, updates, scales = _case(pd, bd, shapes=shapes, seed=9, with_scales=with_scales)
-    ref = _reference(params, bufs, updates, scales)
+    params, bufs, updates = _case(pd, bd, shapes=shapes, seed=9)
+    ref = _reference(params, bufs, updates)
     dev = [[t.cuda() for t in ts] for ts in (params, bufs, updates)]
-    torch.ops.isoloco.nesterov_outer_(*dev, LR, MU, None if scales is None else scales.cuda())
+    torch.ops.isoloco.nesterov_outer_(*dev, LR, MU, None)
     _check(dev[0], dev[1], ref)
 
 
@@ -315,13 +295,12 @@ def test_triton_kernel_cuda_matches_torch():
         pytest.skip("triton not importable")
     from isoloco_kernels.triton import nesterov as tn
 
-    case = _case(torch.bfloat16, torch.float32, torch.float32, shapes=SHAPES + [(300, 257)], seed=10, with_scales=True)
-    params, bufs, updates = ([t.cuda() for t in ts] for ts in case[:3])
-    scales = case[3].cuda()
+    case = _case(torch.bfloat16, torch.float32, torch.float32, shapes=SHAPES + [(300, 257)], seed=10)
+    params, bufs, updates = ([t.cuda() for t in ts] for ts in case)
     p2, b2 = _clone(params), _clone(bufs)
-    ref = _reference(params, bufs, updates, scales)
-    tn.nesterov_outer_triton(params, bufs, updates, LR, MU, scales)
-    nesterov.nesterov_outer_torch(p2, b2, updates, LR, MU, scales)
+    ref = _reference(params, bufs, updates)
+    tn.nesterov_outer_triton(params, bufs, updates, LR, MU)
+    nesterov.nesterov_outer_torch(p2, b2, updates, LR, MU)
     _check(params, bufs, ref)
     for a, b in zip(bufs, b2):
         assert rel_err(a, b) <= TOL[("update", torch.float32)]
@@ -330,7 +309,7 @@ def test_triton_kernel_cuda_matches_torch():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("mu", [0.0, 0.9])
 def test_cpu_fused_and_foreach_paths_agree_with_reference(dtype, mu):
-    """Unscaled contiguous fp32/fp64 groups take torch's fused SGD kernel (μ ≠ 0), the rest foreach;
+    """Contiguous fp32/fp64 groups take torch's fused SGD kernel (μ ≠ 0), the rest foreach;
     both must write buf ← μ·buf + u (also for μ = 0) and p ← p − lr·(u + μ·buf)."""
     g = torch.Generator().manual_seed(31)
     shapes = [(33, 17), (5,), (1, 40)]

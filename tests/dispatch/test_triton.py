@@ -149,11 +149,8 @@ def _nesterov_cases():
         (f64, f32, f16),
         (f32, f32, bf16),
     ]
-    cases = [
-        (f"{'-'.join(str(d)[6:] for d in c)}{'-scales' if k % 2 else ''}", c, k % 2 == 1, False)
-        for k, c in enumerate(combos)
-    ]
-    cases.append(("f32-misaligned-scales", (f32, f32, f32), True, True))
+    cases = [("-".join(str(d)[6:] for d in c), c, False) for c in combos]
+    cases.append(("f32-misaligned", (f32, f32, f32), True))
     return cases
 
 
@@ -163,17 +160,16 @@ def _nesterov_cases():
 def test_nesterov_kernel_compiles_for_every_specialization(monkeypatch, capability, case):
     from isoloco_kernels.triton import nesterov
 
-    _, (pd, bd, ud), with_scales, misaligned = case
+    _, (pd, bd, ud), misaligned = case
     sizes = [1, 4097, 3 * 4096]  # a one-element tensor, a partial last block, full blocks
     ps = [torch.empty(n + misaligned, dtype=pd)[misaligned:] for n in sizes]
     bs = [torch.empty(n, dtype=bd) for n in sizes]
     us = [torch.empty(n, dtype=ud) for n in sizes]
-    scales = torch.ones(len(sizes), dtype=torch.float64) if with_scales else None
     (launch,) = _launches(
         monkeypatch,
         nesterov,
         ["_nesterov_outer_kernel"],
-        lambda: nesterov.nesterov_outer_triton(ps, bs, us, 0.7, 0.9, scales),
+        lambda: nesterov.nesterov_outer_triton(ps, bs, us, 0.7, 0.9),
     )
     kernel, args, kw = launch
     assert kw["ALIGNED"] == (not misaligned)
@@ -340,7 +336,7 @@ def test_kernels_on_the_second_gpu():
     ps = [torch.zeros(5, device=dev), torch.zeros(3, device="cuda:0")]
     bs = [torch.zeros_like(p) for p in ps]
     us = [torch.ones_like(p) for p in ps]
-    nesterov.nesterov_outer_triton(ps, bs, us, 0.5, 0.0, None)  # one launch per device
+    nesterov.nesterov_outer_triton(ps, bs, us, 0.5, 0.0)  # one launch per device
     torch.cuda.synchronize(dev)
     assert all(torch.equal(p, torch.full_like(p, -0.5)) for p in ps)
 
