@@ -372,7 +372,7 @@ def prepare_nesterov_outer_(params, bufs, updates, lr, momentum, amax=None, name
         i: _nesterov_aside(params[i], bufs[i], updates[i], lr, momentum, names[i], i) for i in range(n) if not fits(i)
     }
     rest = [i for i in range(n) if i not in aside]
-    args = ([params[i] for i in rest], [bufs[i] for i in rest], [updates[i] for i in rest], lr, momentum, None)
+    args = ([params[i] for i in rest], [bufs[i] for i in rest], [updates[i] for i in rest], lr, momentum)
 
     def apply() -> None:
         if args[0]:
