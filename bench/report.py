@@ -125,7 +125,7 @@ def markdown(run) -> list[str]:
             ("rounds", lambda c: c["rounds"]),
         ],
     )
-    sgd, scaled = base(ne, "sgd-foreach"), base(ne, "scale+sgd-foreach")
+    sgd = base(ne, "sgd-foreach")
     lines += _section(
         "Nesterov update (fp32, whole model)",
         "GB/s counts compulsory bytes only (read p, buf, u; write p, buf); % copy is that over the copy ceiling.",
@@ -135,7 +135,6 @@ def markdown(run) -> list[str]:
             ("GB/s", lambda c: fmt(c["GBps"], ".3g")),
             ("% copy", lambda c: fmt(c["frac_copy"], pct=True)),
             ("× sgd-foreach", lambda c: _ratio(sgd(c), c)),
-            ("× scale+sgd-foreach", lambda c: _ratio(scaled(c), c)),
             *_ERROR_AND_ROUNDS,
         ],
     )

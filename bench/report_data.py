@@ -38,16 +38,8 @@ TARGETS = [
     (
         "cuda",
         "nesterov_copy",
-        dict(impl="fused", frac=0.9, text="GPU: fused Nesterov ≥ 90 % of copy bandwidth, largest set"),
-    ),
-    (
-        "cuda",
-        "nesterov_speedup",
         dict(
-            impl="fused+scales",
-            base="scale+sgd-foreach",
-            ratio=1.3,
-            text="GPU: fused Nesterov with scales ≥ 1.3× scale-then-SGD(foreach), largest set",
+            impl="fused+bounds", frac=0.9, text="GPU: fused Nesterov given bounds ≥ 90 % of copy bandwidth, largest set"
         ),
     ),
 ]

@@ -220,3 +220,26 @@ def test_iso_flatten_refuses_a_tensor_that_requires_grad_with_grad_on():
 def _under_no_grad(x):
     with torch.no_grad():
         return ik.iso_flatten(x)
+
+
+# -- the checks' one read: the same largest entries on every path ----------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_amaxes_cpu_pass_equals_the_fused_norm(dtype):
+    """The CPU's aminmax pass gives what the fused inf-norm gives (CUDA's pass), special values included:
+    NaN and ±Inf kept, −0 and empty tensors 0, non-contiguous views read as they are."""
+    from isoloco_kernels._validate import _amax_pass, amaxes
+
+    g = torch.Generator().manual_seed(5)
+    ts = [torch.randn(7, 9, generator=g).to(dtype) * 10**k for k in range(-3, 4)]
+    ts.append(torch.randn(6, 8, generator=g).to(dtype).mT)
+    ts.append(torch.tensor([-0.0, 0.0], dtype=dtype))
+    for v in (float("nan"), float("inf"), -float("inf")):
+        t = torch.randn(5, generator=g).to(dtype)
+        t[2] = v
+        ts.append(t)
+    want = torch.stack(torch._foreach_norm(ts, float("inf"))).to(torch.float64)
+    got = _amax_pass(ts).to(torch.float64)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert amaxes([torch.empty(0, dtype=dtype), ts[0]])[0] == 0.0
