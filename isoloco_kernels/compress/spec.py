@@ -114,7 +114,17 @@ class Compression:
                     the update only; every Δ sent without one; refused with update="full", which has no update
                     leg); with ef_beta None only the default is accepted
 
-    Raises TypeError / ValueError naming the field for any other value.
+    Wherever `compress=` is taken (`ShardedIsoLoCo`, `MergeLoCo`, the reference loop's `--compress`), its string
+    form works too: "int4:128:0.95" is `parse`'s format[:block[:beta[:rounding[:feedback]]]].
+
+    Raises:
+        TypeError: a field of the wrong type (named).
+        ValueError: a field's value outside the choices above (named).
+
+    Examples:
+        >>> spec = Compression(format="int4", block=128, ef_beta=0.95)  # the string "int4:128:0.95"
+        >>> (spec.format, spec.block, spec.feedback)
+        ('int4', 128, 'workers')
     """
 
     format: str = "int8"
