@@ -142,11 +142,14 @@ def test_pinned(name, tmp_path):
     if saved["machine"] == machine():
         assert got["sha256"] == want["sha256"], f"{name}: the bytes changed on the machine they were pinned on"
     else:
+        # elsewhere: a direct computation agrees to LAPACK's last digits; a training run carries them through
+        # hundreds of inner steps (and a quantized exchange's bins), so its curve is compared more loosely
+        rtol = 1e-5 if name == "quick_start" else 2e-3
         for key in ("norms", "firsts"):
             torch.testing.assert_close(
                 torch.tensor(got[key], dtype=torch.float64),
                 torch.tensor(want[key], dtype=torch.float64),
-                rtol=1e-5,
+                rtol=rtol,
                 atol=1e-7,
                 msg=f"{name}: {key}",
             )
