@@ -6,7 +6,7 @@ and data (best of a few runs each, synced), and recorded in the case's JSON:
   checks    `collect`: every grad and param (and any buffer not written by the step itself) in one
             fused pass, one host sync (outer/core.py, "The trust boundary")
   pack      the 2-D grads copied into the [B, m, n] bucket buffers
-  flatten   Iso-C of the buckets (`outer.iso_merge_unchecked_`, in slices of bounded scratch)
+  flatten   Iso-C of the buckets (the isoloco::iso_merge_ op on checked scratch, in slices of bounded scratch)
   prepare   the Nesterov update's checks from the numbers `collect` found (reads no tensor)
   nesterov  the update itself: reads p, buf, u, writes p, buf (20 bytes per fp32 element), as
             GB/s and as a fraction of the measured copy bandwidth
@@ -28,7 +28,6 @@ import torch
 from bench import harness
 from bench.shapes import SETS, bucket_shapes, decoder_param_shapes, pseudo_gradient
 from isoloco_kernels.flatten import registry as flatten
-from isoloco_kernels.outer import core as outer
 
 METHODS = ("auto",) + tuple(m for m in flatten.METHODS if m != "auto")
 LR, MU = 1.8, 0.8
@@ -91,7 +90,7 @@ def _phases(opt, device) -> dict:
     plan = opt._plan
     out["pack_s"] = _best(lambda: plan.pack(mats), device)
     out["flatten_s"] = _best(
-        lambda: outer.iso_merge_unchecked_(plan.buffers, opt.method), device, lambda: plan.pack(mats)
+        lambda: torch.ops.isoloco.iso_merge_(plan.buffers, opt.method, True), device, lambda: plan.pack(mats)
     )
     iso = dict(zip(chosen, plan.views()))
     out["prepare_s"] = _best(lambda: opt._prepare_nesterov(entries, iso), device)

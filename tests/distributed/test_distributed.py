@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
-from isoloco_kernels import IsoLoCo
+from isoloco_kernels import IsoLoCo, ops
 from isoloco_kernels import distributed as D
-from isoloco_kernels.outer import core as outer
 from isoloco_kernels.reference import iso_flatten_ref, isoloco_step_ref
 from tests.helpers import TOL, rel_err
 from tests.spawn import PG_TIMEOUT_S, Checks, finished, groups, record
@@ -378,17 +377,17 @@ def _check_failure_on_one_rank_changes_nothing(group, tmpdir):
     # a flatten that fails on one rank (not bad input): same all-or-nothing behaviour
     for p, g in zip(params, _pseudo_grads(SHAPES_2, torch.float32, rank, 1)):
         p.grad = g
-    real = outer.iso_merge_unchecked_  # the flatten of outer.bucket_flatten, which the step calls
+    real = ops.flatten_chunked_  # the flatten behind the isoloco::iso_merge_ op, which the step runs
     if rank == 0:
 
-        def broken(buckets, method):
-            real(buckets, method)  # scribbles on the scratch copies first
+        def broken(x, method, workspace=None):
+            real(x, method, workspace)  # scribbles on the scratch copies first
             raise RuntimeError("injected flatten failure")
 
-        outer.iso_merge_unchecked_ = broken
+        ops.flatten_chunked_ = broken
     with pytest.raises(D.DistributedStepError, match="rank 0: RuntimeError: injected flatten failure"):
         opt.step()
-    outer.iso_merge_unchecked_ = real
+    ops.flatten_chunked_ = real
     _assert_unchanged(opt, params, before_p, before_b)
     # and the optimizer still works afterwards
     opt.step()

@@ -25,12 +25,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
-from isoloco_kernels import IsoLoCo
+from isoloco_kernels import IsoLoCo, ops
 from isoloco_kernels.distributed import DistributedStepError, ShardedIsoLoCo, gram_route
 from isoloco_kernels.distributed import dtensor as DT
 from isoloco_kernels.distributed import routes as R
 from isoloco_kernels.distributed.plan import ShardLayout, plan_shards, shard_sizes
-from isoloco_kernels.outer import core as outer
 from tests.helpers import TOL, rel_err, spectrum, with_spectrum
 from tests.spawn import PG_TIMEOUT_S, Checks, groups, params
 
@@ -307,7 +306,7 @@ def _check_all_or_nothing(mesh, rank):
             opt.step()
     _assert_unchanged(model, opt, snap, "failed flatten")
     # an owner whose flatten fails (after the first all-to-all, before the second)
-    with _replaced(outer, "iso_merge_unchecked_", "injected owner failure", rank == 1):  # outer.bucket_flatten's
+    with _replaced(ops, "flatten_chunked_", "injected owner failure", rank == 1):  # behind outer.bucket_flatten's op
         with pytest.raises(DistributedStepError, match="rank 1: RuntimeError: injected owner failure"):
             opt.step()
     _assert_unchanged(model, opt, snap, "failed owner flatten")
