@@ -34,8 +34,8 @@ def iso_merge_(buckets: Sequence[torch.Tensor], *, method: str = "auto") -> list
     All or nothing across buckets: all but the last slice of the largest bucket are flattened
     into scratch copies first, that slice in place, and the copies are written back only once
     every bucket succeeded. Memory beside the buckets: those copies (less than the buckets) and
-    one slice's scratch, within `buckets.workspace_bytes()` (2 GiB by default; each method's
-    scratch per matrix is modelled in `buckets.WORKSPACE_MODEL`) unless one matrix alone needs more.
+    one slice's scratch, within `flatten.registry.workspace_bytes()` (2 GiB by default; each method's
+    scratch per matrix is modelled in `flatten.registry.WORKSPACE_MODEL`) unless one matrix alone needs more.
     Zero-size buckets pass through; buckets may live on different devices. Fake tensors
     (FakeTensorMode, tracing) get the metadata checks and the op's fake impl.
 

@@ -129,7 +129,7 @@ def _merge_(buckets: list[torch.Tensor], method: str, names: list[str], checked:
 
 
 def _flatten_bucket_(x: torch.Tensor, method: str, name: str, offset: int = 0, bucket: Optional[int] = None) -> None:
-    """One checked bucket flattened in place in slices of bounded scratch (`buckets.flatten_chunked_`); a
+    """One checked bucket flattened in place in slices of bounded scratch (`flatten.registry.flatten_chunked_`); a
     result that does not fit names the bucket and the matrix (offset: x's first matrix in the bucket)."""
     try:
         flatten_chunked_(x, method)
@@ -275,6 +275,12 @@ def check_nesterov_args(params, bufs, updates, lr, momentum, amax=None) -> None:
             f"nesterov_outer_: amax must have 3 entries per tensor ({3 * len(params)}: params, bufs, updates), "
             f"got {len(amax)}"
         )
+    if amax is not None:
+        bad = next((j for j, a in enumerate(amax) if a is not None and not math.isnan(a) and not a >= 0), None)
+        if bad is not None:
+            raise ValueError(
+                f"nesterov_outer_: amax[{bad}] is {amax[bad]}; a bound on a largest |entry| is ≥ 0 (NaN: unknown)"
+            )
     if not (math.isfinite(lr) and math.isfinite(momentum)):  # NaN or ±Inf: every param would be NaN/Inf
         raise ValueError(f"nesterov_outer_: lr and momentum must be finite numbers, got lr={lr}, momentum={momentum}")
 

@@ -114,6 +114,10 @@ def test_nesterov_amax_bounds_replace_the_reads_and_must_be_three_per_tensor():
     assert all(torch.equal(a, b) for a, b in zip((*P, *B), (*want_p, *want_b)))
     with pytest.raises(ValueError, match=r"amax must have 3 entries per tensor \(6"):
         ops.nesterov_outer_(P, B, U, 0.5, 0.9, bounds[:5])
+    for bad in (-1.0, -float("inf")):  # no largest |entry| is below 0: refused before anything is read or written
+        with pytest.raises(ValueError, match=r"amax\[4\] is -(1.0|inf); a bound on a largest \|entry\| is ≥ 0"):
+            ops.nesterov_outer_(P, B, U, 0.5, 0.9, bounds[:4] + [bad] + bounds[5:])
+    assert all(torch.equal(a, b) for a, b in zip((*P, *B), (*want_p, *want_b)))
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -3,7 +3,7 @@ with the torch candidate every table ends with (the CPU kernels of the ops).
 
 Each candidate says whether it can run here (`available() -> (ok, why)`) and whether it takes
 this call's arguments (`supports(*args) -> (ok, why)`); `select(op, device, *args)` returns the
-first that does. The registered CUDA (and CPU) implementations in ops.py and polar.py's GEMM choice
+first that does. The registered CUDA (and CPU) implementations in ops.py
 call `select`, and `backends()` reports from the same tables, so what it says is what runs.
 Arguments are checked once, in ops.py, before `select` (every candidate gets the same input).
 """
@@ -267,10 +267,6 @@ def _torch_nesterov(*args):
     nesterov_outer_torch(*args)
 
 
-def _gemm_torch(_x) -> str:
-    return "torch"  # polar.py maps the name to its GEMMs
-
-
 def _cuda_chain(op: str, on_cuda, runs, triton_supports, torch_name: str) -> list[Candidate]:
     """An op's CUDA candidates in preference order: the compiled extension, the same kernels through
     CuPy/NVRTC, Triton, torch. runs = (csrc, cupy, triton, torch)."""
@@ -293,9 +289,6 @@ TABLES: dict[tuple[str, str], list[Candidate]] = {
         "nesterov_outer_", _params_on_cuda, _NESTEROV_RUNS, _triton_nesterov_supports, "torch (foreach)"
     ),
     ("nesterov_outer_", "cpu"): [Candidate("torch (fused SGD kernel / foreach)", lambda: OK, _always, _torch_nesterov)],
-    # the GEMM provider of the polar iteration: run(x) names it for polar.py (its `gemm`)
-    ("polar_gemm", "cuda"): [Candidate("torch (cuBLAS)", lambda: OK, _always, _gemm_torch)],
-    ("polar_gemm", "cpu"): [Candidate("torch", lambda: OK, _always, _gemm_torch)],
 }
 
 

@@ -129,24 +129,34 @@ def owner_step(opt, params, groups, inputs: dict[int, torch.Tensor], buckets=Non
         merged = {i for i in idx if groups[i]["iso"]}
         out = merge_groups(inputs, merged, opt.merge, opt.merge_options, step, opt.method)
         m = {i: t.to(params[i].dtype) for i, t in out.items()}
-    bufs, residuals, updates = {}, {}, {}
+    bufs, residuals, updates, changes = {}, {}, {}, {}
+    # The Nesterov op on scratch from θ = 0, one call per (lr, μ): change = −lr·(M + μ·buf'), buf' = μ·buf + M
+    # (a new buffer starts at zero: buf' = M exactly; μ = 0, torch.optim.SGD's rule: the held buffer is not
+    # touched). The scratch params are known to be 0; the op reads the buffers and the updates once.
+    calls: dict[tuple[float, float], list[int]] = {}
     for i in idx:
-        p, lr, mu = params[i], float(groups[i]["lr"]), float(groups[i]["momentum"])
-        cd = compute_dtype(p.dtype)
-        g = m[i].to(cd)
-        name = f"the update of param {i} (shape {tuple(p.shape)})"
-        # The Nesterov op on scratch from θ = 0: change = −lr·(M + μ·buf'), buf' = μ·buf + M (a new buffer
-        # starts at zero: buf' = M exactly; μ = 0, torch.optim.SGD's rule: the held buffer is not touched).
-        held = opt.state[p].get("momentum_buffer") if p in opt.state and mu != 0 else None
-        buf = torch.zeros_like(g) if held is None else held.to(cd, copy=True)
-        change = torch.zeros_like(g)
+        calls.setdefault((float(groups[i]["lr"]), float(groups[i]["momentum"])), []).append(i)
+    for (lr, mu), ids in calls.items():
+        gs = [m[i].to(compute_dtype(params[i].dtype)) for i in ids]
+        held = [
+            opt.state[params[i]].get("momentum_buffer") if params[i] in opt.state and mu != 0 else None for i in ids
+        ]
+        bs = [torch.zeros_like(g) if h is None else h.to(g.dtype, copy=True) for g, h in zip(gs, held)]
+        cs = [torch.zeros_like(g) for g in gs]
+        nan = float("nan")
         try:
-            torch.ops.isoloco.nesterov_outer_([change], [buf], [g], lr, mu)
+            torch.ops.isoloco.nesterov_outer_(cs, bs, gs, lr, mu, [0.0] * len(ids) + [nan] * (2 * len(ids)))
         except ResultOverflowError as e:
+            i = ids[e.tensor] if e.tensor is not None else ids[0]
+            name = f"the update of param {i} (shape {tuple(params[i].shape)})"
             raise ResultOverflowError(f"{name}: {str(e).split(': ', 2)[-1]}", tensor=i) from None
-        bufs[i] = None if mu == 0 else buf
+        for i, b, c in zip(ids, bs, cs):
+            bufs[i], changes[i] = (None if mu == 0 else b), c
+    for i in idx:
+        p, change = params[i], changes[i]
+        name = f"the update of param {i} (shape {tuple(p.shape)})"
         if spec.update == "full":
-            updates[i] = (p.detach().to(cd) + change).to(p.dtype)
+            updates[i] = (p.detach().to(change.dtype) + change).to(p.dtype)
             check_all_finite([updates[i]], [name])
         else:
             e = opt._update_residuals.get(i)

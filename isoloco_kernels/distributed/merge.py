@@ -46,7 +46,7 @@ def sharded_iso_merge_(
     chunk_bytes or solo_above raise DistributedStepError on every rank (naming the ranks and what
     differs) and no bucket changes; so does a buffer one rank cannot allocate (every buffer is made
     before the ranks first agree). Each rank's share is flattened in slices whose scratch stays
-    within `buckets.workspace_bytes()`, as in `iso_merge_`. `process_group`: the group (None: the
+    within `flatten.registry.workspace_bytes()`, as in `iso_merge_`. `process_group`: the group (None: the
     default group). `agreement`: an outer step's `agree.Agreement`
     over the same group, to run inside (a failure of that step's local work before this call is
     reported at this call's first agreement, and the step agrees again after it); None: this call

@@ -116,7 +116,8 @@ class IsoLoCo(torch.optim.Optimizer):
         iso_nd: bool = False,
     ) -> None:
         sgd = SGDArgs(lr, momentum, dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused)
-        params = listed(params)  # read twice: for the DTensor mesh, then by torch.optim.Optimizer
+        if process_group is None:  # read twice: for the DTensor mesh, then by torch.optim.Optimizer (a group's own
+            params = listed(params)  # params are read inside the agreement, where a failure reaches every rank)
         build = lambda: self._build(params, sgd, iso, method, process_group, dtensor_route, iso_nd)  # noqa: E731
         construct_together(f"{type(self).__name__}()", process_group, params, build, self._settings)
 

@@ -358,7 +358,7 @@ def bucket_flatten(
     """Iso-C of 2-D tensors (already checked by the caller), batched by shape: packed into the
     [B, m, n] buffers of a `BucketPlan` (`plan`, reused while it matches the tensors, else a new
     one), flattened in place by `merge(buffers)` (default: the `isoloco::iso_merge_` op, in slices
-    whose scratch stays within `buckets.workspace_bytes()`).
+    whose scratch stays within `flatten.registry.workspace_bytes()`).
     Returns (the plan, to keep for the next step; each tensor's result as a view in its own
     orientation). A result that does not fit its bucket's dtype raises ResultOverflowError naming
     its tensor by `names`."""
