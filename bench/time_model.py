@@ -241,10 +241,6 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 # -- the Nesterov op: bytes per element of each route -----------------------------------------------
 #
 # The update itself needs five passes over the tensors (read param, buffer, update; write param, buffer):
@@ -263,6 +259,7 @@ if __name__ == "__main__":
 # three float64 temporaries written and read, p and b written): rare (entries near the dtype's largest),
 # and priced here only as its own route.
 
+
 def nesterov_bytes(route: str, param_bytes: int = 4, buf_bytes: int = 4, update_bytes: int = 4) -> dict:
     """Bytes per element the Nesterov update moves on `route` ("bare", "bounds", "step" above; "aside": the
     float64 path of one tensor), beside its floor (the five compulsory passes) and the share of copy bandwidth the floor
@@ -279,3 +276,7 @@ def nesterov_bytes(route: str, param_bytes: int = 4, buf_bytes: int = 4, update_
     else:
         raise ValueError(f"route must be 'bare', 'bounds', 'step' or 'aside', got {route!r}")
     return {"route": route, "bytes": moved, "floor": floor, "best_share_of_copy": floor / moved}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
