@@ -297,3 +297,32 @@ class CheckReads:
             return real(tensors)
 
         monkeypatch.setattr(_validate, "_amax_pass", counting)
+
+
+# -- small optimizer fixtures shared by the optimizer and state tests ------------------------------------
+
+
+def three_params(dtype=torch.float32, key="contracts"):
+    """A 7×5 matrix, a 4-vector and a 3×6 matrix, as Parameters."""
+    g = gen(key)
+    shapes = [(7, 5), (4,), (3, 6)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def worker_deltas(params, key, k=3):
+    """K workers' pseudo-gradients of each param, as [K, *p.shape] stacks."""
+    g = gen(key)
+    return [torch.randn(k, *p.shape, generator=g).to(p.dtype) for p in params]
+
+
+def opt_with_state(seed=30):
+    """An IsoLoCo that has taken one step (momentum buffers held) over three small tensors."""
+    import isoloco_kernels as ik
+
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.randn(6, 4, generator=g), torch.randn(4, 6, generator=g), torch.randn(5, generator=g)]
+    opt = ik.IsoLoCo(ps, lr=0.5, momentum=0.9)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+    return ps, opt

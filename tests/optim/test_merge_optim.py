@@ -15,7 +15,7 @@ from isoloco_kernels import IsoLoCo, MergeLoCo
 from isoloco_kernels.merges import merge
 from isoloco_kernels.merges.reference import merge_ref
 from isoloco_kernels.reference import nesterov_ref
-from tests.helpers import gen, rel_err
+from tests.helpers import gen, rel_err, three_params, worker_deltas
 
 
 def _params():
@@ -111,17 +111,6 @@ MERGES = ["iso_c", "mean", "tsv", "iso_cts", "ties", "dare"]
 K = 3
 
 
-def _three_params(dtype=torch.float32, key="contracts"):
-    g = gen(key)
-    shapes = [(7, 5), (4,), (3, 6)]
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
-
-
-def _worker_deltas(params, key, k=K):
-    g = gen(key)
-    return [torch.randn(k, *p.shape, generator=g).to(p.dtype) for p in params]
-
-
 def _snap(params, opt):
     return (
         [p.detach().clone() for p in params],
@@ -162,12 +151,12 @@ def _nan_after_merge(params, deltas):
 @pytest.mark.parametrize("merge_name", MERGES)
 @pytest.mark.parametrize("failure", ["nan-param", "overflow", "closure"])
 def test_a_failed_merge_step_changes_nothing(merge_name, failure):
-    params = _three_params()
+    params = three_params()
     opt = ik.MergeLoCo(params, lr=1.0, momentum=0.8, merge=merge_name)
-    opt.step(deltas=_worker_deltas(params, ("first", merge_name)))  # momentum exists
+    opt.step(deltas=worker_deltas(params, ("first", merge_name)))  # momentum exists
     for p in params:
         p.grad = torch.full_like(p, 7.0)  # a stale grad the failed step must leave as it was
-    deltas = _worker_deltas(params, ("second", merge_name))
+    deltas = worker_deltas(params, ("second", merge_name))
     closure = None
     if failure == "nan-param":
         params[1].data[0] = float("nan")
@@ -187,19 +176,19 @@ def test_a_failed_merge_step_changes_nothing(merge_name, failure):
 
 
 def test_a_param_without_a_delta_is_not_moved_by_a_stale_grad():
-    params = _three_params()
+    params = three_params()
     opt = ik.MergeLoCo(params, lr=1.0, momentum=0.0, merge="tsv")
-    opt.step(deltas=_worker_deltas(params, "a"))  # leaves each .grad holding its merge
+    opt.step(deltas=worker_deltas(params, "a"))  # leaves each .grad holding its merge
     before = params[1].detach().clone()
     grad_before = params[1].grad.clone()
-    d = _worker_deltas(params, "b")
+    d = worker_deltas(params, "b")
     opt.step(deltas=[d[0], None, d[2]])
     assert torch.equal(params[1], before) and torch.equal(params[1].grad, grad_before)
 
 
 @pytest.mark.parametrize("merge_name", MERGES)
 def test_step_without_deltas_is_refused_for_every_merge(merge_name):
-    params = _three_params()
+    params = three_params()
     for p in params:
         p.grad = torch.randn_like(p)
     opt = ik.MergeLoCo(params, merge=merge_name)
@@ -211,11 +200,11 @@ def test_step_without_deltas_is_refused_for_every_merge(merge_name):
 
 @pytest.mark.parametrize("merge_name", ["tsv", "ties"])
 def test_a_closure_that_calls_backward_does_not_replace_the_merge(merge_name):
-    params = _three_params()
+    params = three_params()
     twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
     a = ik.MergeLoCo(params, lr=1.0, momentum=0.0, merge=merge_name)
     b = ik.MergeLoCo(twin, lr=1.0, momentum=0.0, merge=merge_name)
-    deltas = _worker_deltas(params, merge_name)
+    deltas = worker_deltas(params, merge_name)
 
     def closure():
         loss = sum((p.float() ** 2).sum() for p in params)
@@ -228,11 +217,11 @@ def test_a_closure_that_calls_backward_does_not_replace_the_merge(merge_name):
 
 
 def test_set_deltas_keeps_the_stacks_for_the_next_step_and_writes_nothing():
-    params = _three_params()
+    params = three_params()
     twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
     a = ik.MergeLoCo(params, lr=1.0, momentum=0.5, merge="dare")
     b = ik.MergeLoCo(twin, lr=1.0, momentum=0.5, merge="dare")
-    deltas = _worker_deltas(params, "set")
+    deltas = worker_deltas(params, "set")
     a.set_deltas(deltas)
     assert all(p.grad is None for p in params)
     a.step()
@@ -248,17 +237,17 @@ def test_set_deltas_keeps_the_stacks_for_the_next_step_and_writes_nothing():
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 @pytest.mark.parametrize("merge_name", ["tsv", "dare"])
 def test_a_copy_of_mergeloco_steps_as_the_original(how, merge_name):
-    params = _three_params()
+    params = three_params()
     opt = ik.MergeLoCo(
         params, lr=0.7, momentum=0.8, merge=merge_name, merge_options={"seed": 3} if merge_name == "dare" else {}
     )
-    opt.step(deltas=_worker_deltas(params, "c0"))
+    opt.step(deltas=worker_deltas(params, "c0"))
     if how == "deepcopy":
         params2, opt2 = copy.deepcopy((params, opt))
     else:
         params2, opt2 = pickle.loads(pickle.dumps((params, opt)))
     assert (opt2.merge, opt2.merge_options, opt2.merged_steps) == (opt.merge, opt.merge_options, 1)
-    d = _worker_deltas(params, "c1")
+    d = worker_deltas(params, "c1")
     opt.step(deltas=d)
     opt2.step(deltas=d)
     assert all(torch.equal(p, q) for p, q in zip(params, params2))
@@ -275,16 +264,16 @@ def test_a_copy_of_mergeloco_steps_as_the_original(how, merge_name):
 )
 def test_every_setting_error_names_the_optimizer(kwargs, match):
     with pytest.raises((TypeError, ValueError), match=rf"^MergeLoCo: .*{match}"):
-        ik.MergeLoCo(_three_params(), **kwargs)
+        ik.MergeLoCo(three_params(), **kwargs)
     if set(kwargs) == {"method"}:
         with pytest.raises(ValueError, match=rf"^IsoLoCo: .*{match}"):
-            ik.IsoLoCo(_three_params(), **kwargs)
+            ik.IsoLoCo(three_params(), **kwargs)
 
 
 def test_a_nan_stack_is_named_by_its_param():
-    params = _three_params()
+    params = three_params()
     opt = ik.MergeLoCo(params, merge="tsv")
-    d = _worker_deltas(params, "nan-named")
+    d = worker_deltas(params, "nan-named")
     d[2][1, 0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"MergeLoCo.step: stack 2: worker 1's Δ of param 2 contains NaN"):
         opt.step(deltas=d)

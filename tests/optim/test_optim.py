@@ -13,7 +13,7 @@ from torch import nn
 import isoloco_kernels as ik
 from isoloco_kernels._validate import ResultOverflowError
 from isoloco_kernels.reference import iso_flatten_ref, isoloco_step_ref, nesterov_ref, sgd_nesterov_ref
-from tests.helpers import DTYPES, TOL, gen, rel_err
+from tests.helpers import DTYPES, TOL, gen, opt_with_state, rel_err
 
 # Matrices (with a transposed twin, 1×n and n×1), vectors, a 3-D tensor and a strided param.
 SHAPES = [(6, 9), (9, 6), (6, 9), (1, 7), (7, 1), (5,), (1,), (2, 3, 4), (4, 4)]
@@ -548,16 +548,6 @@ def test_isoloco_update_that_overflows_is_refused_with_nothing_changed():
     assert len(opt.state) == 0
 
 
-def _opt_with_state(seed=30):
-    g = _gen(seed)
-    ps = [torch.randn(6, 4, generator=g), torch.randn(4, 6, generator=g), torch.randn(5, generator=g)]
-    opt = ik.IsoLoCo(ps, lr=0.5, momentum=0.9)
-    for p in ps:
-        p.grad = torch.randn(p.shape, generator=g)
-    opt.step()
-    return ps, opt
-
-
 def test_isoloco_refuses_params_that_share_memory():
     base = torch.randn(10, 4)
     before = base.clone()
@@ -586,7 +576,7 @@ def test_isoloco_refuses_an_inference_param():
 
 
 def test_isoloco_deepcopy_and_pickle_step_like_the_original():
-    ps, opt = _opt_with_state(40)
+    ps, opt = opt_with_state(40)
     opt.method = "svd"
     clones = [copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]
     assert all(c.method == "svd" for c in clones)
@@ -606,7 +596,7 @@ def test_isoloco_deepcopy_and_pickle_step_like_the_original():
 
 
 def test_isoloco_pickled_with_a_process_group_says_so_when_stepped():
-    ps, opt = _opt_with_state(42)
+    ps, opt = opt_with_state(42)
     opt.process_group = object()  # stands in for a group: not picklable, must not travel
     clone = pickle.loads(pickle.dumps(opt))
     assert clone.process_group is None
@@ -751,7 +741,7 @@ def test_isoloco_with_a_meta_lr_tensor_says_so():
         ik.IsoLoCo([torch.randn(3)], lr=torch.tensor(0.1, device="meta"))
 
 
-def _three_params(dtype=torch.float32, key="contracts"):
+def three_params(dtype=torch.float32, key="contracts"):
     g = gen(key)
     shapes = [(7, 5), (4,), (3, 6)]
     return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
@@ -759,7 +749,7 @@ def _three_params(dtype=torch.float32, key="contracts"):
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_copy_of_isoloco_steps_as_the_original(how):
-    params = _three_params()
+    params = three_params()
     opt = ik.IsoLoCo(params, lr=0.7, momentum=0.8, method="polar")
     for p in params:
         p.grad = torch.randn_like(p)

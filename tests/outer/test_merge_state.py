@@ -10,23 +10,12 @@ import pytest
 import torch
 
 import isoloco_kernels as ik
-from tests.helpers import gen
+from tests.helpers import three_params, worker_deltas
 
 MERGES = ["iso_c", "mean", "tsv", "iso_cts", "ties", "dare"]
 
 
 K = 3
-
-
-def _three_params(dtype=torch.float32, key="contracts"):
-    g = gen(key)
-    shapes = [(7, 5), (4,), (3, 6)]
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
-
-
-def _worker_deltas(params, key, k=K):
-    g = gen(key)
-    return [torch.randn(k, *p.shape, generator=g).to(p.dtype) for p in params]
 
 
 # -- 2. exact resume, and the checkpoint says which merge wrote it -----------------------------------
@@ -36,13 +25,13 @@ def _worker_deltas(params, key, k=K):
 def test_resume_is_bit_exact(merge_name):
     def run(steps, opt, params, start=0):
         for s in range(start, steps):
-            opt.step(deltas=_worker_deltas(params, ("resume", s)))
+            opt.step(deltas=worker_deltas(params, ("resume", s)))
 
     opts = {"sparsity": 0.5} if merge_name == "dare" else {}
-    a = _three_params()
+    a = three_params()
     oa = ik.MergeLoCo(a, lr=0.9, momentum=0.8, merge=merge_name, merge_options=opts)
     run(4, oa, a)
-    b = _three_params()
+    b = three_params()
     ob = ik.MergeLoCo(b, lr=0.9, momentum=0.8, merge=merge_name, merge_options=opts)
     run(2, ob, b)
     saved = pickle.loads(pickle.dumps(ob.state_dict()))  # through bytes, as torch.save would
@@ -55,9 +44,9 @@ def test_resume_is_bit_exact(merge_name):
 
 
 def test_a_checkpoint_of_another_merge_warns_naming_both():
-    params = _three_params()
+    params = three_params()
     tsv = ik.MergeLoCo(params, merge="tsv")
-    tsv.step(deltas=_worker_deltas(params, "tsv"))
+    tsv.step(deltas=worker_deltas(params, "tsv"))
     ties = ik.MergeLoCo(params, merge="ties")
     with pytest.warns(UserWarning, match="written by merge='tsv'.*continues as merge='ties'"):
         ties.load_state_dict(tsv.state_dict())
@@ -67,9 +56,9 @@ def test_a_checkpoint_of_another_merge_warns_naming_both():
 
 
 def test_a_malformed_merge_entry_is_refused_and_nothing_loads():
-    params = _three_params()
+    params = three_params()
     opt = ik.MergeLoCo(params, merge="dare")
-    opt.step(deltas=_worker_deltas(params, "m"))
+    opt.step(deltas=worker_deltas(params, "m"))
     sd = opt.state_dict()
     sd["merge"] = {"merge": "dare", "options": {}, "steps": 1.5}
     fresh = ik.MergeLoCo(params, merge="dare")
@@ -81,9 +70,9 @@ def test_a_malformed_merge_entry_is_refused_and_nothing_loads():
 def test_merge_entry_warnings_are_consistent():
     """DARE's default seed written out is the same merge (no warning); another merge's checkpoint loaded into
     IsoLoCo warns as MergeLoCo does; an AdamW dict is refused before any warning about its missing entry."""
-    params = _three_params()
+    params = three_params()
     dare = ik.MergeLoCo(params, merge="dare")
-    dare.step(deltas=_worker_deltas(params, "dare-entry"))
+    dare.step(deltas=worker_deltas(params, "dare-entry"))
     sd = dare.state_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

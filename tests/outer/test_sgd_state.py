@@ -11,21 +11,11 @@ import torch
 
 import isoloco_kernels as ik
 from isoloco_kernels.reference import iso_flatten_ref, nesterov_ref
-from tests.helpers import gen, rel_err
+from tests.helpers import gen, opt_with_state, rel_err
 
 
 def _gen(seed=0):
     return torch.Generator().manual_seed(seed)
-
-
-def _opt_with_state(seed=30):
-    g = _gen(seed)
-    ps = [torch.randn(6, 4, generator=g), torch.randn(4, 6, generator=g), torch.randn(5, generator=g)]
-    opt = ik.IsoLoCo(ps, lr=0.5, momentum=0.9)
-    for p in ps:
-        p.grad = torch.randn(p.shape, generator=g)
-    opt.step()
-    return ps, opt
 
 
 def _snapshot(ps, opt):
@@ -39,7 +29,7 @@ def _unchanged(ps, opt, snap):
 
 
 def test_isoloco_refuses_an_expanded_momentum_buffer_from_a_state_dict():
-    ps, opt = _opt_with_state()
+    ps, opt = opt_with_state()
     sd = copy.deepcopy(opt.state_dict())
     sd["state"][2]["momentum_buffer"] = torch.randn(1).expand(5)
     snap = _snapshot(ps, opt)
@@ -76,7 +66,7 @@ def test_isoloco_refuses_an_expanded_momentum_buffer_from_a_state_dict():
     ],
 )
 def test_load_state_dict_refuses_bad_fields_at_load_with_nothing_changed(edit, match):
-    ps, opt = _opt_with_state(50)
+    ps, opt = opt_with_state(50)
     sd = copy.deepcopy(opt.state_dict())
     edit(sd)
     snap = _snapshot(ps, opt)
@@ -178,7 +168,7 @@ def test_isoloco_load_state_dict_with_a_meta_momentum_buffer_says_so_with_nothin
     assert torch.equal(opt.state[p]["momentum_buffer"], before)
 
 
-def _three_params(dtype=torch.float32, key="contracts"):
+def three_params(dtype=torch.float32, key="contracts"):
     g = gen(key)
     shapes = [(7, 5), (4,), (3, 6)]
     return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
@@ -189,7 +179,7 @@ def _three_params(dtype=torch.float32, key="contracts"):
 
 @pytest.mark.parametrize("cls", [ik.IsoLoCo, ik.MergeLoCo], ids=lambda c: c.__name__)
 def test_another_optimizers_state_dict_is_named_as_such(cls):
-    params = _three_params()
+    params = three_params()
     for p in params:
         p.grad = torch.randn_like(p)
     adamw = torch.optim.AdamW(params)
@@ -201,7 +191,7 @@ def test_another_optimizers_state_dict_is_named_as_such(cls):
 
 
 def test_isoloco_refuses_one_ranks_sharded_state():
-    params = _three_params()
+    params = three_params()
     opt = ik.IsoLoCo(params)
     sd = opt.state_dict()
     sd["sharding"] = {"fingerprint": 1, "rank": 1, "world_size": 2}
