@@ -136,11 +136,3 @@ def restore_copy(opt, state: dict, setstate) -> None:
     if extra is not None:
         opt.__dict__.update(extra)
         opt.process_group = DROPPED
-
-
-def check_group_set(opt) -> None:
-    if opt.process_group is DROPPED:
-        raise RuntimeError(
-            "ShardedIsoLoCo.step: this optimizer is a copy (deepcopy / pickle), and a process group cannot be "
-            "copied; set opt.process_group to the group it steps over (None: the default group) first"
-        )

@@ -216,7 +216,11 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             >>> outer.step() is None
             True
         """
-        checkpoint.check_group_set(self)  # a copy must be given its process group first
+        if self.process_group is checkpoint.DROPPED:  # a copy must be given its process group first
+            raise RuntimeError(
+                "ShardedIsoLoCo.step: this optimizer is a copy (deepcopy / pickle), and a process group cannot be "
+                "copied; set opt.process_group to the group it steps over (None: the default group) first"
+            )
         if self.compress is not None:  # each rank's Δ compressed, to its owners (compressed.py)
             return compressed.sharded_step(self, closure)
         ag = Agreement("ShardedIsoLoCo.step", self.process_group)
