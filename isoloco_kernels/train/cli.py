@@ -167,6 +167,15 @@ def main(argv=None) -> int:
                 f"--merge {a.merge} applies to the Iso-C modes ({', '.join(MERGING_MODES)}); --mode {','.join(a.mode)} "
                 "has none of them, so it would be ignored"
             )
+        # options of the outer step, given to modes that have none (ddp alone): refused, not ignored
+        unused = [(f"--compress {a.compress}", a.compress is not None)]
+        unused.append((f"--outer-schedule {a.outer_schedule}", a.outer_schedule != "constant"))
+        for flag, given in unused:
+            if given and not outer_modes:
+                raise ValueError(
+                    f"{flag} applies to the modes with an outer step ({', '.join(OUTER_DEFAULTS)}); --mode "
+                    f"{','.join(a.mode)} has none of them, so it would be ignored"
+                )
         check_outer(launch, cfgs, param, device, a.outer)
         if a.compress is not None and launch is not None and a.outer != "sharded":
             raise ValueError("--compress under torchrun needs --outer sharded (an all-reduce cannot sum packed bytes)")
