@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from .. import triton as _tk
-from .._validate import compute_dtype
+from .._validate import ResultOverflowError, compute_dtype
 from .codec import Packed, _blocks, _check_packed, check_call, pack_codes, quantize_blocks, stream_keys, unpack_add_
 from .spec import FORMATS, Compression
 
@@ -132,7 +132,20 @@ def compress(
     if not feedback:
         return packed, None
     new = (spec.ef_beta * (v - deq[:n])).to(rdt)
+    _check_residual(new, rdt, name)
     return packed, new.view(delta.shape)
+
+
+def _check_residual(new: Optional[torch.Tensor], rdt, name: str) -> None:
+    """A residual kept for the next step must be finite: one that does not fit its dtype (a float16 residual of
+    a large Δ, or Δ + e − c overflowing at the dtype's largest values) would be accepted now and refuse every
+    later step. Raised here, before the caller keeps anything."""
+    if new is not None and not bool(torch.isfinite(new).all()):
+        raise ResultOverflowError(
+            f"compress: {name}: the error-feedback residual β·(Δ + e − c) does not fit {rdt} (largest finite "
+            f"entry of Δ + e is too large for it); nothing was kept. Keep residuals in float32 (residual_dtype=None "
+            f"for float32 params) or send this tensor uncompressed"
+        )
 
 
 def _compress_triton(delta, residual, spec, step, tensor_id, first_block, name, rdt):
@@ -151,6 +164,7 @@ def _compress_triton(delta, residual, spec, step, tensor_id, first_block, name, 
     if not bool(torch.isfinite(scales).all()):  # a non-finite block writes a NaN scale: one sync
         v = d.reshape(-1).float() + (0 if r is None else r.reshape(-1).float())
         raise ValueError(_describe(delta, residual, v, name) + "; nothing was quantized or written")
+    _check_residual(new, rdt, name)
     return Packed(codes, scales, n, spec.format, spec.block), new
 
 

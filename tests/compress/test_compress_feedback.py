@@ -3,12 +3,23 @@ rounding's statistics and reproducibility, chunks drawing the whole tensor's bit
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from isoloco_kernels.compress import FORMATS, Compression, backend_for, compress, decompress_add_, dequantize, quantize
+from isoloco_kernels import ResultOverflowError
+from isoloco_kernels.compress import (
+    FORMATS,
+    Compression,
+    backend_for,
+    compress,
+    decompress_add_,
+    dequantize,
+    parse,
+    quantize,
+)
 from isoloco_kernels.compress.reference import error_feedback_ref, levels_ref
 
 RES_DTYPES = [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None), (torch.float32, torch.bfloat16)]
@@ -240,3 +251,23 @@ def test_decompress_add_sums_in_float32_and_rounds_once(acc_dtype):
 
 def test_the_torch_path_serves_cpu():
     assert backend_for(torch.zeros(3)) == ("torch", "the torch path serves CPU tensors")
+
+
+_FMAX = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize(
+    "spec, delta",
+    [
+        # a float16 residual of a large Δ: 2-bit levels leave errors of ~1e5, past float16's 65504
+        (dataclasses.replace(parse("int2:128:0.9"), residual_dtype=torch.float16), 2e5 * torch.randn(256)),
+        # Δ at float32's largest values: Δ − c overflows float32 itself
+        (parse("int8:128:0.9"), torch.tensor([_FMAX, -_FMAX, 1.0, 0.5] * 32)),
+    ],
+    ids=["float16-residual", "float32-max"],
+)
+def test_a_residual_that_does_not_fit_is_refused_not_kept(spec, delta):
+    """A step that would keep a non-finite residual is refused, naming the tensor, and returns nothing to keep:
+    before, it was accepted and every later step refused the residual it had kept."""
+    with pytest.raises(ResultOverflowError, match=r"compress: w\.0: the error-feedback residual .* does not fit"):
+        compress(delta, None, spec, step=0, tensor_id=0, name="w.0")
