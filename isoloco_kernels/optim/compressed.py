@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._validate import check_all_finite
+from .._validate import check_all_finite, check_writable
 from ..compress import allreduce_bytes, exchange_bytes
 from ..distributed import compressed
 from ..distributed.plan import plan_shards
@@ -50,6 +50,16 @@ def simulated_step(opt, stacks: Sequence[Optional[torch.Tensor]]) -> None:
             f"{where}: the error-feedback residuals are of {next(iter(held.values())).shape[0]} workers, the stacks "
             f"of {K}: K must stay the same (or load a state of K workers)"
         )
+    # what the step writes (every param, each held momentum buffer), checked together before anything is
+    # computed, as every other step does: no two sharing memory, no expanded view, inference or meta tensor
+    held_bufs = [
+        (i, opt.state[p]["momentum_buffer"]) for i, p in enumerate(params) if "momentum_buffer" in opt.state[p]
+    ]
+    check_writable(
+        [p.detach() for p in params] + [b for _, b in held_bufs],
+        [f"{where}: param {i} (shape {tuple(p.shape)})" for i, p in enumerate(params)]
+        + [f"{where}: param {i}'s momentum_buffer" for i, _ in held_bufs],
+    )
     spec, step = opt.compress, opt.merged_steps
     payloads, residuals = {}, {}
     with torch.no_grad():

@@ -360,3 +360,41 @@ def test_the_cli_takes_compress_and_refuses_a_bad_spec(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(small + ["--mode", "diloco", "--compress", "int4:100", "--out", str(tmp_path / "bad")])
     assert "block" in capsys.readouterr().err
+
+
+def _shared():
+    base = torch.randn(2, 6, 5)
+    return [torch.nn.Parameter(base[0]), torch.nn.Parameter(base[0])]  # one storage, twice
+
+
+def _expanded():
+    return [torch.nn.Parameter(torch.randn(6, 5)), torch.nn.Parameter(torch.randn(1, 5).expand(6, 5))]
+
+
+def _inference():
+    with torch.inference_mode():
+        t = torch.randn(6, 5)
+    return [torch.nn.Parameter(torch.randn(6, 5)), t]
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (_shared, r"param 0 .* and .*param 1 .* overlap in memory"),
+        (_expanded, r"param 1 .*(overlap|expanded)"),
+        (_inference, r"param 1 .*inference"),
+    ],
+    ids=["shared-storage", "expanded", "inference"],
+)
+def test_the_compressed_step_refuses_params_it_cannot_write_with_nothing_changed(make, match):
+    """MergeLoCo(compress=...) checks what it writes before computing, as every other step does (before, a
+    param sharing storage was written twice and an expanded one failed after earlier params were written)."""
+    import isoloco_kernels as ik
+
+    params = make()
+    before = [p.detach().clone() for p in params]
+    opt = ik.MergeLoCo(params, lr=1.0, momentum=0.0, merge="mean", compress="int8")
+    deltas = [torch.randn(2, *p.shape) for p in params]
+    with pytest.raises(RuntimeError, match=match):
+        opt.step(deltas=deltas)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before)) and opt.merged_steps == 0
