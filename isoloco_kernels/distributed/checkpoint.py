@@ -100,6 +100,13 @@ def load_state(opt, state_dict, load) -> None:
     info = check_merge_entry(opt, state_dict, where)
     residuals = None  # a whole state holds no error-feedback residuals: they restart from zero
     if isinstance(state_dict, dict) and "sharding" not in state_dict:
+        if state_dict.get("compress") is not None:  # a whole state with residuals: a compressed MergeLoCo's
+            raise ValueError(
+                f"{where}: this state holds a compressed MergeLoCo's error-feedback residuals (its K workers', "
+                "simulated in one process); a ShardedIsoLoCo rank keeps only its own worker's and cannot take them. "
+                "To go on from its momentum alone, load it without its 'compress' entry (the residuals then start "
+                "from zero); nothing was loaded"
+            )
         rest = {k: v for k, v in state_dict.items() if k not in ("merge", "compress")}
         outer.check_state_dict(opt, rest, where)  # every param's buffer, not only mine: one verdict on every rank
         rest["state"] = {pid: st for pid, st in rest["state"].items() if pid in set(opt.mine)}

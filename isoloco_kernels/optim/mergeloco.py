@@ -25,6 +25,7 @@ import torch
 
 from .._validate import check_all_finite
 from ..distributed import compressed
+from ..distributed.checkpoint import refuse_rank_state
 from ..merges import check_stacks, merge_groups
 from ..merges.options import resolve_options
 from ..outer.merge_state import check_merge_entry, merge_entry
@@ -234,6 +235,7 @@ class MergeLoCo(IsoLoCo):
     def load_state_dict(self, state_dict: dict) -> None:
         """A MergeLoCo, IsoLoCo or SGD state dict, checked first; the step count comes back with it (a
         checkpoint of another merge or options loads with a warning naming both)."""
+        refuse_rank_state(state_dict, "MergeLoCo.load_state_dict")  # before its residuals are compared with ours
         info = check_merge_entry(self, state_dict, "MergeLoCo.load_state_dict")
         params = [p for p, _ in self._params()]
         held = compressed.check_entry(self, state_dict, "MergeLoCo.load_state_dict", params, range(len(params)), True)

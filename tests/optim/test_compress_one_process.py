@@ -398,3 +398,37 @@ def test_the_compressed_step_refuses_params_it_cannot_write_with_nothing_changed
     with pytest.raises(RuntimeError, match=match):
         opt.step(deltas=deltas)
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before)) and opt.merged_steps == 0
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of one rank in this process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_compressed_states_do_not_cross_between_mergeloco_and_sharded(one_rank_group):
+    """A compressed MergeLoCo state (K simulated workers' residuals) is refused by ShardedIsoLoCo, and one rank's
+    ShardedIsoLoCo state by MergeLoCo, each by name and with nothing loaded (before: the first loaded and dropped
+    every residual silently, the second failed on a residual shape)."""
+    import isoloco_kernels as ik
+
+    def params():
+        g = torch.Generator().manual_seed(3)
+        return [torch.nn.Parameter(torch.randn(6, 5, generator=g)), torch.nn.Parameter(torch.randn(5, generator=g))]
+
+    merged = ik.MergeLoCo(params(), lr=1.0, momentum=0.8, merge="mean", compress="int8:128:0.9")
+    merged.step(deltas=[torch.randn(2, *p.shape) for p in merged.param_groups[0]["params"]])
+    sharded = ik.ShardedIsoLoCo(params(), lr=1.0, momentum=0.8, merge="mean", compress="int8:128:0.9")
+    for p in sharded.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    sharded.step()
+    before = {id(b): b.clone() for b in (s["momentum_buffer"] for s in sharded.state.values())}
+    with pytest.raises(ValueError, match=r"compressed MergeLoCo's error-feedback residuals .* nothing was loaded"):
+        sharded.load_state_dict(merged.state_dict())
+    assert all(torch.equal(s["momentum_buffer"], before[id(s["momentum_buffer"])]) for s in sharded.state.values())
+    with pytest.raises(ValueError, match=r"one rank's ShardedIsoLoCo state"):
+        merged.load_state_dict(sharded.state_dict())
