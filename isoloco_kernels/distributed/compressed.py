@@ -104,8 +104,16 @@ def owner_inputs(opt, params, payloads: dict[int, list]) -> dict[int, torch.Tens
             for pk in packs:
                 decompress_add_(acc, pk)
             out[i] = acc.div_(len(packs)).to(p.dtype).view(p.shape)
-    idx = sorted(out)
-    check_all_finite([out[i] for i in idx], [f"the decompressed pseudo-gradients of param {i}" for i in idx])
+    # every payload decodes to finite values (compress refuses the rest), so a non-finite result is an overflow
+    # of the workers' sum (or of its rounding to θ's dtype): said as such, not as an Inf input
+    for i in sorted(out):
+        if not bool(torch.isfinite(out[i]).all()):
+            raise ResultOverflowError(
+                f"the {'stack' if stack else 'mean'} of the workers' decompressed Δ of param {i} (shape "
+                f"{tuple(params[i].shape)}) does not fit {params[i].dtype}: "
+                f"{'a worker' if stack else 'their sum'} overflows near the dtype's largest values; nothing was changed",
+                tensor=i,
+            )
     return out
 
 

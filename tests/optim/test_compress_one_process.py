@@ -432,3 +432,18 @@ def test_compressed_states_do_not_cross_between_mergeloco_and_sharded(one_rank_g
     assert all(torch.equal(s["momentum_buffer"], before[id(s["momentum_buffer"])]) for s in sharded.state.values())
     with pytest.raises(ValueError, match=r"one rank's ShardedIsoLoCo state"):
         merged.load_state_dict(sharded.state_dict())
+
+
+def test_a_finite_delta_whose_sum_overflows_is_an_overflow_not_an_inf_input():
+    """K finite Δ near float32's largest values: their sum overflows float32 in the owner's mean. That is
+    ResultOverflowError naming the param (the input was finite), with nothing changed."""
+    import isoloco_kernels as ik
+
+    p = torch.nn.Parameter(torch.zeros(4, 32))
+    opt = ik.MergeLoCo([p], lr=1.0, momentum=0.0, merge="mean", compress="int8")
+    deltas = [torch.full((3, 4, 32), 0.9 * torch.finfo(torch.float32).max)]
+    with pytest.raises(
+        ik.ResultOverflowError, match=r"the mean of the workers' decompressed Δ of param 0 .* overflows"
+    ):
+        opt.step(deltas=deltas)
+    assert not p.detach().any() and opt.merged_steps == 0
