@@ -32,7 +32,7 @@ through CuPy, Triton or torch; torch on the CPU. The Python API over the ops (`i
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -111,12 +111,12 @@ def _merge_(buckets: list[torch.Tensor], method: str, names: list[str], checked:
     todo = [i for i, b in enumerate(buckets) if b.numel()]
     if checked:
         for i in todo:
-            _flatten_bucket_(buckets[i], method, names[i])
+            _flatten_bucket_(buckets[i], method, names[i], bucket=i)
         return
     last = max(todo, key=lambda i: buckets[i].numel(), default=None)
     aside = {i: buckets[i].clone() for i in todo if i != last}
     for i, c in aside.items():
-        _flatten_bucket_(c, method, names[i])
+        _flatten_bucket_(c, method, names[i], bucket=i)
     if last is not None:  # its last slice in place, the slices before it aside
         x3 = buckets[last] if buckets[last].ndim == 3 else buckets[last].unsqueeze(0)
         cut = (x3.shape[0] - 1) // chunk_rows(method, x3) * chunk_rows(method, x3)
@@ -128,22 +128,16 @@ def _merge_(buckets: list[torch.Tensor], method: str, names: list[str], checked:
         buckets[i].copy_(c)
 
 
-def _flatten_bucket_(x: torch.Tensor, method: str, name: str, offset: int = 0, bucket: Optional[int] = None) -> None:
+def _flatten_bucket_(x: torch.Tensor, method: str, name: str, bucket: int, offset: int = 0) -> None:
     """One checked bucket flattened in place in slices of bounded scratch (`flatten.registry.flatten_chunked_`); a
     result that does not fit names the bucket and the matrix (offset: x's first matrix in the bucket)."""
     try:
         flatten_chunked_(x, method)
     except ResultOverflowError as e:
         j = None if e.matrix is None else e.matrix + offset
-        i = bucket if bucket is not None else _index(name)
         raise ResultOverflowError(
-            f"{name}: {str(e).replace(f'matrix {e.matrix}', f'matrix {j}', 1)}", matrix=j, bucket=i
+            f"{name}: {str(e).replace(f'matrix {e.matrix}', f'matrix {j}', 1)}", matrix=j, bucket=bucket
         ) from None
-
-
-def _index(name: str) -> Optional[int]:
-    tail = name.rsplit(" ", 1)[-1]
-    return int(tail) if tail.isdigit() else None
 
 
 @torch.library.impl(_lib, "iso_merge_", "CompositeExplicitAutograd")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
-from .._validate import check_all_finite
+from .._validate import check_all_finite, is_dtensor
 from ..distributed import compressed
 from ..distributed.checkpoint import refuse_rank_state
 from ..merges import check_stacks, merge_groups
@@ -122,8 +122,6 @@ class MergeLoCo(IsoLoCo):
             dtensor_route=dtensor_route,
             iso_nd=iso_nd,
         )
-        from .._validate import is_dtensor
-
         if any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
             raise ValueError("MergeLoCo: DTensor params are not supported (merge their full tensors, or use IsoLoCo)")
 
