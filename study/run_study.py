@@ -49,6 +49,7 @@ import ast
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import time
 import warnings
@@ -182,6 +183,19 @@ def wait_for_grids(folder: Path, cells: set, limit_s: float = 3600.0, poll_s: fl
         time.sleep(poll_s)
 
 
+def code_version() -> str | None:
+    """The commit the runner's tree is at (a trailing "+" when its Python sources have uncommitted changes), kept in every record;
+    None outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "isoloco_kernels/*.py", "study/*.py"], cwd=root,
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sha.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
 def claim(folder: Path, k: tuple) -> bool:
     """True if this process may run job k (no other process has claimed it); the claim holds k."""
     d = folder / ".claims"
@@ -292,6 +306,7 @@ def main() -> None:
     seeds = [int(s) for s in a.seeds.split(",")]
     cells = CELLS if a.cells is None else [tuple(int(x) for x in c.split(":")) for c in a.cells.split(",")]
     corpus = load_corpus()
+    code = code_version()
     cache = folder / ".tokenizers"  # BPE tokenizers, trained once on the training split
     todo = [(K, H, m, lr, None) for K, H, m, lr in jobs(cells, a.part if study not in ("v3", "v4") else "defaults")]
     best = (a.lrs or "").startswith("best:")
@@ -406,6 +421,7 @@ def main() -> None:
             eval_windows=a.eval_windows,
             cpu_s=time.process_time() - c0,
             wall_s=time.perf_counter() - t0,
+            code=code,
         )
         if study in ("v2", "v3", "v4"):
             r.update(study=study, init=init, vocab=a.vocab)
