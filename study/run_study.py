@@ -80,7 +80,7 @@ VARIANTS = {  # the embedding and head unflattened, at IsoLoCo's outer lr or wit
 }
 # study v5 part B: the paper's other merges as study methods, each an Iso-C mode with TrainConfig.merge set:
 # "tsv" with the Nesterov outer step (the isoloco mode, μ 0.8), "tsv-sgd" with outer SGD (isoloco-sgd, μ 0)
-MERGE_VARIANTS = ("tsv", "iso_cts", "ties", "dare")
+MERGE_VARIANTS = ("tsv", "iso_cts", "ties", "dare", "norm_mean")  # norm_mean: study v7's step-size control
 for _merge in MERGE_VARIANTS:
     VARIANTS[_merge] = ("isoloco", {"merge": _merge})
     VARIANTS[f"{_merge}-sgd"] = ("isoloco-sgd", {"merge": _merge})

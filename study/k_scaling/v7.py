@@ -1,0 +1,222 @@
+"""Study v7, part A: K at fixed compute against the strongest DiLoCo, with a step-size control.
+
+Study v6's token budget (≈ 19.7 tokens per parameter: the base cell, tiny preset, H 30, 4 × 64 bytes, AdamW inner)
+split over K workers — K 8 × 150, K 16 × 75, K 32 × 38 rounds — and at each K four methods, each tuned there:
+
+    diloco     the mean, outer Nesterov; lr × μ, constant, warm-up + cosine, or a momentum warm-up
+    norm_mean  the mean direction rescaled to the workers' mean norm (merges `norm_mean`), outer Nesterov
+    isoloco    Iso-C of the mean, outer Nesterov; lr (μ 0.8, 0.9 at the pick's lr), constant or warm-up + cosine
+    ddp        the inner AdamW lr × {1, 1.5, 2} at that K's global batch
+
+A config is (mode, outer lr, μ, schedule, inner lr). The selection rule: a seed-0 screen; seed 1 for each method's
+three best by seed 0; the pick is the config with the lowest mean selection loss over seeds 0 and 1 (a diverged run
+is +inf); seeds 0–4 run at the pick and are scored on the test split; the gaps are paired over seeds with a 95 %
+Student-t interval. `jobs` prints the runs the next stage needs, in the plan's format (k_scaling/v7a_plan.sh):
+
+    python -m study.k_scaling.v7 jobs --K 16 --stage seed1   # then --stage final
+    python study/summarize.py                                # the table, study/k_scaling/summary_v7.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from study.common.stats import interval_text, paired_t
+
+#: K -> outer rounds at v6's token budget (K × rounds ≈ 1,200 worker-rounds of H 30 × 4 × 64 bytes)
+ROUNDS = {8: 150, 16: 75, 32: 38}
+H, BATCH, SEQ, INNER_LR = 30, 4, 64, 3e-3
+TINY_PARAMS = 467_584
+METHODS = ("ddp", "diloco", "norm_mean", "isoloco")
+FINAL_SEEDS = (0, 1, 2, 3, 4)
+V7_FILE = "v7_fixed_compute.jsonl"
+
+
+def tokens_per_param(K: int) -> float:
+    return K * H * ROUNDS[K] * BATCH * SEQ / TINY_PARAMS
+
+
+def in_cell(r: dict, K: int) -> bool:
+    """A run of v7's cell at K: v3's settings of the base cell, v6's token budget, uncompressed (the DDP runs may
+    move the inner lr; the others run at the base cell's)."""
+    v3 = r.get("v3") or {}
+    return (
+        r.get("study") == "v3"
+        and r.get("workers") == K
+        and r.get("inner_steps") == H
+        and r.get("rounds") == ROUNDS.get(K)
+        and r.get("vocab", 256) == 256
+        and r.get("init", "gpt2") == "gpt2"
+        and r.get("eval_split") == "halves"
+        and (v3.get("batch"), v3.get("seq_len"), v3.get("inner"), v3.get("model")) == (BATCH, SEQ, "adamw", "tiny")
+        and "compress" not in v3
+        and r.get("mode") in METHODS
+        and (r["mode"] == "ddp" or v3.get("inner_lr") == INNER_LR)
+    )
+
+
+def config_of(r: dict) -> tuple:
+    """(mode, outer lr, μ as the run named it (None: the mode's default), schedule, inner lr)."""
+    v3 = r["v3"]
+    return (r["mode"], r.get("outer_lr"), v3.get("mu"), v3.get("outer_schedule", "constant"), v3["inner_lr"])
+
+
+def configs(recs: list[dict], K: int) -> dict:
+    """method -> config -> seed -> record, for the runs of v7's cell at K (a repeated run keeps the first)."""
+    out: dict = defaultdict(lambda: defaultdict(dict))
+    for r in recs:
+        if in_cell(r, K):
+            out[r["mode"]][config_of(r)].setdefault(r["seed"], r)
+    return out
+
+
+def _score(runs: dict, seeds) -> float | None:
+    """The mean selection loss over `seeds` (None unless every one ran; a diverged run is +inf)."""
+    if not all(s in runs for s in seeds):
+        return None
+    return statistics.fmean(float("inf") if runs[s]["final_loss"] is None else runs[s]["final_loss"] for s in seeds)
+
+
+def ranked(cfgs: dict, seeds=(0,)) -> list[tuple]:
+    """The configs that ran every one of `seeds`, best (lowest mean selection loss) first; ties by the config."""
+    scored = [(sc, c) for c, runs in cfgs.items() if (sc := _score(runs, seeds)) is not None]
+    return [c for _, c in sorted(scored, key=lambda x: (x[0], repr(x[1])))]
+
+
+def pick(cfgs: dict) -> tuple | None:
+    """The pick: the best by the mean of seeds 0 and 1 among the configs that ran both (None if none has)."""
+    best = ranked(cfgs, (0, 1))
+    return best[0] if best else None
+
+
+def job_line(cfg: tuple, seeds) -> str:
+    """One line of the plan's job list: schedule, inner lr, the runner's --lrs item, the seeds."""
+    mode, lr, mu, schedule, inner_lr = cfg
+    item = f"{mode}=" + ("-" if lr is None else f"{lr:g}") + ("" if mu is None else f"@{mu:g}")
+    return f"{schedule} {inner_lr:g} {item} {','.join(map(str, seeds))}"
+
+
+def jobs(recs: list[dict], K: int, stage: str, top: int = 3) -> list[str]:
+    """The runs a stage still needs: "seed1", seed 1 of each method's `top` best seed-0 configs; "final", the
+    seeds 0–4 of each method's pick."""
+    out = []
+    for mode, cfgs in sorted(configs(recs, K).items()):
+        if stage == "seed1":
+            todo = [(c, (1,)) for c in ranked(cfgs)[:top] if 1 not in cfgs[c]]
+        elif stage == "final":
+            p = pick(cfgs)
+            todo = [] if p is None else [(p, tuple(s for s in FINAL_SEEDS if s not in cfgs[p]))]
+        else:
+            raise ValueError(f"stage must be seed1 or final, got {stage!r}")
+        out += [job_line(c, seeds) for c, seeds in todo if seeds]
+    return out
+
+
+def label(cfg: tuple) -> str:
+    mode, lr, mu, schedule, inner_lr = cfg
+    if mode == "ddp":
+        return f"inner lr {inner_lr:g}"
+    return f"{lr:g} @ {'default' if mu is None else f'{mu:g}'}" + ("" if schedule == "constant" else f", {schedule}")
+
+
+GAPS = (("isoloco", "diloco"), ("isoloco", "norm_mean"), ("norm_mean", "diloco"))
+
+
+def summarize_v7(recs: list[dict]) -> list[dict]:
+    """Per K with any run: each method's screen (every config: seeds, mean selection, mean test), its pick, and the
+    paired gaps on the test split at the end between the picks, and each pick against DDP's."""
+    rows = []
+    for K in sorted(ROUNDS):
+        cfgs = configs(recs, K)
+        if not cfgs:
+            continue
+        row: dict = {"workers": K, "rounds": ROUNDS[K], "tokens_per_param": tokens_per_param(K), "methods": {}}
+        picks = {}
+        for mode in METHODS:
+            if mode not in cfgs:
+                continue
+            p = pick(cfgs[mode])
+            screen = {
+                label(c): {
+                    "seeds": sorted(runs),
+                    "selection_seed0": _score(runs, (0,)),
+                    "selection_seeds01": _score(runs, (0, 1)),
+                    "test_mean": statistics.fmean(
+                        runs[s]["final_test_loss"] for s in runs if runs[s]["final_test_loss"] is not None
+                    )
+                    if any(runs[s]["final_test_loss"] is not None for s in runs)
+                    else None,
+                }
+                for c, runs in sorted(cfgs[mode].items(), key=lambda kv: repr(kv[0]))
+            }
+            row["methods"][mode] = {"pick": None if p is None else label(p), "screen": screen}
+            if p is not None:
+                picks[mode] = {s: r["final_test_loss"] for s, r in cfgs[mode][p].items()}
+                row["methods"][mode]["test"] = picks[mode]
+        row["gaps"] = {f"{a} - {b}": paired_t(picks[a], picks[b]) for a, b in GAPS if a in picks and b in picks}
+        if "ddp" in picks:
+            row["to_ddp"] = {m: paired_t(picks[m], picks["ddp"]) for m in METHODS[1:] if m in picks}
+        row["cpu_s"] = sum(r.get("cpu_s", 0.0) for cs in cfgs.values() for runs in cs.values() for r in runs.values())
+        rows.append(row)
+    return rows
+
+
+def markdown_v7(rows: list[dict]) -> str:
+    lines = []
+    for row in rows:
+        lines += [
+            f"K {row['workers']} × {row['rounds']} rounds ({row['tokens_per_param']:.1f} tokens per parameter), "
+            f"{row['cpu_s'] / 3600:.1f} CPU-hours:",
+            "",
+            "| method | pick (seeds 0–1) | configs screened | seeds at the pick |",
+            "|---|---|---|---|",
+        ]
+        for mode, m in row["methods"].items():
+            seeds = sorted(m.get("test", {}))
+            lines.append(f"| {mode} | {m['pick'] or '—'} | {len(m['screen'])} | {','.join(map(str, seeds)) or '—'} |")
+        lines += ["", "| gap (test, at the end) | mean [95 % t] |", "|---|---|"]
+        lines += [f"| {k} | {interval_text(g)} |" for k, g in row["gaps"].items()]
+        lines += [f"| {m} - ddp | {interval_text(g)} |" for m, g in (row.get("to_ddp") or {}).items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def wait_for_screen(K: int, limit_s: float = 4 * 3600.0, poll_s: float = 30.0) -> None:
+    """Block while another runner still holds a claim on a seed-0 job of v7's cell at K: a stage is chosen from the
+    finished screen, not from part of it."""
+    from study.run_study import claim_name, finished
+
+    folder = Path(__file__).resolve().parents[1]
+    prefix = f"0_{K}_{H}_"
+    t0 = time.time()
+    while True:
+        done = {claim_name(k) for k in finished(folder) if k[0] == 0}
+        busy = [c for c in (folder / ".claims").glob(prefix + "*") if c.name not in done]
+        if not busy or time.time() - t0 > limit_s:
+            return
+        print(f"waiting for {len(busy)} seed-0 job(s) of K {K} in flight", file=sys.stderr, flush=True)
+        time.sleep(poll_s)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("jobs",))
+    p.add_argument("--K", type=int, required=True, choices=sorted(ROUNDS))
+    p.add_argument("--stage", required=True, choices=("seed1", "final"))
+    p.add_argument("--no-wait", action="store_true", help="do not wait for seed-0 jobs in flight")
+    a = p.parse_args()
+    from study.common.records import load
+
+    if not a.no_wait:
+        wait_for_screen(a.K)
+    for line in jobs(load(), a.K, a.stage):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
