@@ -189,8 +189,13 @@ def code_version() -> str | None:
     root = Path(__file__).resolve().parents[1]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "isoloco_kernels/*.py", "study/*.py"], cwd=root,
-                               capture_output=True, text=True, check=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "isoloco_kernels/*.py", "study/*.py"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     except (OSError, subprocess.CalledProcessError):
         return None
     return sha.stdout.strip() + ("+" if dirty.stdout.strip() else "")

@@ -105,7 +105,7 @@ def jobs(recs: list[dict], K: int, stage: str, top: int = 3) -> list[str]:
     """The runs a stage still needs: "seed1", seed 1 of each method's `top` best seed-0 configs; "final", the
     seeds 0–4 of each method's pick."""
     out = []
-    for mode, cfgs in sorted(configs(recs, K).items()):
+    for _, cfgs in sorted(configs(recs, K).items()):
         if stage == "seed1":
             todo = [(c, (1,)) for c in ranked(cfgs)[:top] if 1 not in cfgs[c]]
         elif stage == "final":
