@@ -1,19 +1,22 @@
-"""The paper's five merges of K workers' pseudo-gradients, batched: `merge` / `merge_`.
+"""The paper's five merges of K workers' pseudo-gradients and a norm-preserving mean, batched:
+`merge` / `merge_`.
 
 IsoLoCo's paper casts DiLoCo's outer step as model merging of the workers' task vectors Δ_1..Δ_K
 and compares five merges; this module runs all of them on the library's kernels:
 
     mean     DiLoCo's average
     iso_c    Iso-C of the mean (the library's flatten; what `IsoLoCo` does)
+    norm_mean  the mean's direction at the workers' mean Frobenius norm (the step-size control)
     tsv      TSV-M: each worker's top ⌊r/K⌋ singular triplets, decorrelated by polar factors
     iso_cts  Iso-CTS: the mean's common space + each worker's own directions, isotropic
     ties     TIES: trim the smallest entries, elect a sign by mass, mean of the agreeing ones
     dare     DARE: drop entries at random, rescale by 1/(1 − p), mean
 
 Definitions and their departures from the official code: merges/reference.py, docs/merges.md.
-Options per merge: merges/options.py. Tensors that are not 2-D get the mean under iso_c, tsv and
-iso_cts, and are pruned like any tensor under ties and dare (as in the official code). One worker
-(K = 1) is each merge's value for its delta: the delta (mean; tsv up to rounding: ⌊r/1⌋ = r triplets),
+Options per merge: merges/options.py. Tensors that are not 2-D get the mean under iso_c, norm_mean,
+tsv and iso_cts, and are pruned like any tensor under ties and dare (as in the official code). One
+worker (K = 1) is each merge's value for its delta: the delta (mean; norm_mean, bit for bit: its two
+norms are then one; tsv up to rounding: ⌊r/1⌋ = r triplets),
 its Iso-C (iso_c; iso_cts, whose common and own spaces then span all of the delta's directions), its
 trimmed entries (ties), its DARE drops rescaled (dare).
 """
@@ -35,6 +38,7 @@ from .._validate import (
     overflow_limit,
 )
 from ..api import iso_flatten
+from .norm import norm_mean_merge
 from .options import MERGES, resolve_options
 from .sparse import sparse_merge
 from .spectral import iso_cts_merge, tsv_merge
@@ -119,7 +123,8 @@ def _mean(s: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
 
 
 def _spectral(method: str, bucket: list[torch.Tensor], opts: dict, flatten_method: str) -> torch.Tensor:
-    """One batched spectral merge of same-shaped 2-D stacks; [B, m, n] in the compute dtype."""
+    """One batched merge (iso_c, norm_mean, tsv, iso_cts) of same-shaped 2-D stacks; [B, m, n] in the
+    compute dtype."""
     dtype = bucket[0].dtype
     cd = compute_dtype(dtype)
     x = torch.stack([s.to(cd) for s in bucket])  # [B, K, m, n]
@@ -129,6 +134,8 @@ def _spectral(method: str, bucket: list[torch.Tensor], opts: dict, flatten_metho
     x = x / scale[:, None, None, None]
     if method == "iso_c":
         out = iso_flatten(x.mean(1), method=flatten_method)
+    elif method == "norm_mean":
+        out = norm_mean_merge(x)
     elif method == "tsv":
         out = tsv_merge(x, dtype, keep=opts["keep"], method=flatten_method)
     else:
@@ -156,7 +163,15 @@ def _compute(stacks, method: str, opts: dict, flatten_method: str, stack_ids) ->
     return results
 
 
-_NAMES = {"mean": "mean", "iso_c": "Iso-C", "tsv": "TSV-M", "iso_cts": "Iso-CTS", "ties": "TIES", "dare": "DARE"}
+_NAMES = {
+    "mean": "mean",
+    "iso_c": "Iso-C",
+    "norm_mean": "norm-mean",
+    "tsv": "TSV-M",
+    "iso_cts": "Iso-CTS",
+    "ties": "TIES",
+    "dare": "DARE",
+}
 
 
 def _check_fits(r: torch.Tensor, s: torch.Tensor, method: str, j: int) -> None:
@@ -188,7 +203,7 @@ def merge(
 
     stacks: one tensor per parameter, its K workers' pseudo-gradients (global − local) on dim 0;
         every stack must have the same K ≥ 1, a supported float dtype, finite values.
-    method: one of MERGES ("mean", "iso_c", "tsv", "iso_cts", "ties", "dare"); options: that
+    method: one of MERGES ("mean", "iso_c", "norm_mean", "tsv", "iso_cts", "ties", "dare"); options: that
         merge's (merges/options.py), e.g. `merge(stacks, "ties", sparsity=0.8)`.
     flatten_method: the Iso-C flatten behind iso_c and every orthogonal polar factor (tsv, iso_cts).
     stack_ids: each stack's identity in DARE's random stream (ints; default: its position), so a

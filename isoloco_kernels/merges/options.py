@@ -2,6 +2,7 @@
 
     mean     —
     iso_c    —                      (the flatten's `method` is the op's own keyword)
+    norm_mean —                     the mean's direction at the workers' mean Frobenius norm
     tsv      keep=None              components per worker; None: ⌊r/K⌋ (at least 1)
     iso_cts  common_fraction=0.8    share of the short side given to the mean's common space
     ties     sparsity=0.1, dim="all", rescale=False
@@ -22,6 +23,7 @@ __all__ = ["MERGES", "resolve_options"]
 MERGES = {
     "mean": {},
     "iso_c": {},
+    "norm_mean": {},
     "tsv": {"keep": None},
     "iso_cts": {"common_fraction": 0.8},
     "ties": {"sparsity": 0.1, "dim": "all", "rescale": False},

@@ -1,4 +1,4 @@
-"""The paper's five merges of K worker pseudo-gradients, in float64: the truth the batched merges
+"""The paper's five merges of K worker pseudo-gradients and the norm-preserving mean, in float64: the truth the batched merges
 (merges/spectral.py, merges/sparse.py) are tested against.
 
 Every function takes one worker stack x = [K, m, n] (Δ_1..Δ_K, global − local; K ≥ 1) and returns the
@@ -13,6 +13,8 @@ arbitrary LAPACK basis into a result. docs/merges.md says where each departs fro
 
     mean    (1/K) Σ Δ_i                                          DiLoCo
     iso_c   iso(mean)                     Iso-C (reference.iso_flatten_ref, the rank cut of the input's dtype)
+    norm_mean  mean · (mean_i ‖Δ_i‖_F / ‖mean‖_F), 0 where mean = 0: the mean's direction at the
+            workers' mean Frobenius norm                            Decoupled DiLoCo's norm rule
     tsv     Δ_i/K = U_i Σ_i V_iᵀ; keep the top k = ⌊r/K⌋ triplets of each (`keep`), U = [U_1,k … U_K,k],
             V likewise, Σ = diag(Σ_1,k … Σ_K,k); result polar(U) Σ polar(V)ᵀ        TSV-M
     iso_cts the mean's top c directions (common space), c = r − (task share), task share =
@@ -35,7 +37,7 @@ import torch
 from ..reference import polar_ref, rank_tol
 from .options import resolve_options
 
-__all__ = ["merge_ref", "tsv_ref", "iso_cts_ref", "sparse_ref", "keep_mask", "task_share", "mix32"]
+__all__ = ["merge_ref", "norm_mean_ref", "tsv_ref", "iso_cts_ref", "sparse_ref", "keep_mask", "task_share", "mix32"]
 
 F64 = torch.float64
 _M32 = 0xFFFFFFFF
@@ -58,6 +60,16 @@ def _svd_cut(x: torch.Tensor, dtype: torch.dtype):
 
 def _polar(a: torch.Tensor) -> torch.Tensor:
     return polar_ref(a)[0]
+
+
+def norm_mean_ref(x: torch.Tensor) -> torch.Tensor:
+    """norm_mean of a [K, m, n] stack (module docstring), in float64."""
+    xs = x.detach().to("cpu", F64)
+    mean = xs.mean(0)
+    size = torch.linalg.matrix_norm(mean)
+    if size == 0:
+        return torch.zeros_like(mean)
+    return mean * (torch.linalg.matrix_norm(xs).mean() / size)
 
 
 def tsv_ref(x: torch.Tensor, keep: int | None = None) -> torch.Tensor:
@@ -164,7 +176,8 @@ def sparse_ref(
 
 
 def merge_ref(x: torch.Tensor, method: str, stack: int = 0, **options) -> torch.Tensor:
-    """The merge `method` of one [K, *shape] stack in float64; not 2-D: the mean (iso_c, tsv, iso_cts)."""
+    """The merge `method` of one [K, *shape] stack in float64; not 2-D: the mean (iso_c, norm_mean, tsv,
+    iso_cts)."""
     opts = resolve_options(method, options)
     x64 = x.detach().to("cpu", F64)
     if method in ("ties", "dare"):
@@ -174,6 +187,8 @@ def merge_ref(x: torch.Tensor, method: str, stack: int = 0, **options) -> torch.
     if method == "iso_c":  # reference.iso_flatten_ref of the mean, with the rank cut of x's dtype
         u, s, v = _svd_cut(x64.mean(0), x.dtype)
         return s.sum() / min(x.shape[-2:]) * (u @ v.mT)
+    if method == "norm_mean":
+        return norm_mean_ref(x)
     if method == "tsv":
         return tsv_ref(x, **opts)
     return iso_cts_ref(x, **opts)

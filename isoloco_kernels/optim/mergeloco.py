@@ -1,4 +1,5 @@
-"""MergeLoCo: the outer optimizer with any of the paper's five merges, for K workers in one process.
+"""MergeLoCo: the outer optimizer with any of the merges (the paper's five and norm_mean), for K workers in
+one process.
 
 IsoLoCo's outer step reads the *averaged* pseudo-gradient, which is all Iso-C needs. TSV-M, Iso-CTS,
 TIES and DARE need every worker's own Δ_k: give them as `[K, *p.shape]` stacks, one per param, and
@@ -50,7 +51,7 @@ class MergeLoCo(IsoLoCo):
         dampening: SGD's keyword, accepted at 0 (as `IsoLoCo`).
         weight_decay: SGD's keyword, accepted at 0 (as `IsoLoCo`).
         nesterov: SGD's keyword (as `IsoLoCo`).
-        merge: "iso_c" (default), "mean", "tsv", "iso_cts", "ties" or "dare".
+        merge: "iso_c" (default), "mean", "norm_mean", "tsv", "iso_cts", "ties" or "dare" (merges.MERGES).
         merge_options: that merge's options (merges/options.py), e.g. {"sparsity": 0.2}. DARE's
             `seed` is offset by the step count, so every outer step draws new drops.
         method: the flatten behind iso_c and the polar factors of tsv / iso_cts (as `IsoLoCo`).

@@ -38,8 +38,8 @@ def _trimmed(d: torch.Tensor, sparsity: float) -> torch.Tensor:
 def _definition(method: str, d: torch.Tensor) -> torch.Tensor:
     """The merge of the one-worker stack [d], from its definition (not merges/reference.py)."""
     d64 = d.double()
-    if method in ("mean", "tsv") or (method in ("iso_c", "iso_cts") and d.ndim != 2):
-        return d64  # the mean; TSV-M with ⌊r/1⌋ = r triplets recombines the full SVD
+    if method in ("mean", "tsv", "norm_mean") or (method in ("iso_c", "iso_cts") and d.ndim != 2):
+        return d64  # the mean; TSV-M with ⌊r/1⌋ = r triplets recombines the full SVD; norm_mean: ‖Δ‖/‖Δ‖ = 1
     if method in ("iso_c", "iso_cts"):  # Iso-CTS at K = 1: the common space plus the rest of Δ's own
         return iso_flatten_ref(d64)  # directions, every σ set to their mean: Iso-C of Δ
     if method == "ties":
@@ -60,7 +60,7 @@ def test_one_worker_is_each_merge_of_its_delta(method, dtype):
         tol = merge_tol(method, dtype)
         assert rel_err(ref, want) <= REF_TOL, (method, shape, rel_err(ref, want))
         assert rel_err(out, want) <= tol, (method, shape, dtype, rel_err(out, want), tol)
-        if method in ("mean", "ties") or x[0].ndim != 2 and method != "dare":
+        if method in ("mean", "ties", "norm_mean") or x[0].ndim != 2 and method != "dare":
             assert torch.equal(out, want.to(dtype)), (method, shape, dtype)  # exact: nothing rounds
 
 
@@ -74,7 +74,7 @@ def test_one_worker_in_place_in_groups_and_checks():
     for method in MERGES:
         got = merge_groups(stacks, {0, 1}, method, OPTS.get(method, {}), step=2)
         assert set(got) == {0, 1} and all(torch.isfinite(t).all() for t in got.values())
-        if method in ("mean", "iso_c", "tsv", "iso_cts"):  # a vector: the mean, i.e. the delta
+        if method in ("mean", "iso_c", "norm_mean", "tsv", "iso_cts"):  # a vector: the mean, i.e. the delta
             assert torch.equal(got[1], stacks[1][0]), method
     with pytest.raises(ValueError, match=r"stack 0 .*K = 0"):
         merge([torch.randn(0, 4, 4)], "tsv")
@@ -151,7 +151,15 @@ def test_mean_of_ordinary_stacks_is_torch_mean_bit_for_bit():
         assert torch.equal(merge([x], "mean")[0], x.mean(0))
 
 
-_NAMED = {"mean": "mean", "iso_c": "Iso-C", "tsv": "TSV-M", "iso_cts": "Iso-CTS", "ties": "TIES", "dare": "DARE"}
+_NAMED = {
+    "mean": "mean",
+    "iso_c": "Iso-C",
+    "norm_mean": "norm-mean",
+    "tsv": "TSV-M",
+    "iso_cts": "Iso-CTS",
+    "ties": "TIES",
+    "dare": "DARE",
+}
 
 
 @pytest.mark.parametrize("method", list(MERGES))
