@@ -9,7 +9,8 @@ into its question's folder and prints each table, after its `<!-- name -->` mark
     cells/        study v3 (v3.py): summary_v3.json, study_v3.png
     merges/       study v5 part B (v5.py): summary_v5_merges.json, study_v5_merges.png
     horizon/      study v6 parts A and B (v6.py): summary_v6.json (with k_scaling's part C), study_v6_horizon.png
-    k_scaling/    study v6 part C (fixed_compute.py): study_v6_fixed_compute.png
+    k_scaling/    study v6 part C (fixed_compute.py): study_v6_fixed_compute.png; study v7 (v7.py, spectra.py):
+                  summary_v7.json, study_v7_k_scaling.png
     compression/  the compressed exchange (compression.py): summary_compress.json, study_compress.png
     precision/    study v4 (v4.py): summary_v4.json, study_v4.png
     capacity/     study v5 part A's mechanism (v5_mechanism.py, its own records): study_v5_mechanism.png
@@ -32,14 +33,17 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))
 
-from study.common.records import load, plain, read_jsonl
+from study.common.records import load, plain, read_jsonl, run_key
 from study.common.stats import paired_bootstrap_ci
 from study.init_scale.v2 import markdown_v2, summary_v2
 from study.init_scale.v2_plots import plot_grid, plots_v2
 
 
 def main() -> None:
-    every = load(HERE)
+    # study v7's runs (k_scaling/results/v7_*.jsonl) are v7's alone: the summaries before it read the runs they made
+    v7_runs = load(HERE)
+    v7_only = {run_key(r) for f in sorted((HERE / "k_scaling" / "results").glob("v7_*.jsonl")) for r in read_jsonl(f)}
+    every = [r for r in v7_runs if run_key(r) not in v7_only]
     recs = [r for r in every if plain(r)]
     v2, v2_recs = summary_v2(recs)
     (HERE / "init_scale" / "summary_v2.json").write_text(json.dumps(v2, indent=1))
@@ -97,6 +101,24 @@ def main() -> None:
             (HERE / "compression" / "summary_compress.json").write_text(json.dumps(comp, indent=1))
             plot_compress(comp, HERE / "compression" / "study_compress.png")
             print("\n<!-- compress -->\n" + markdown_compress(comp))
+    from study.k_scaling import spectra, v7  # study v7: K at fixed compute against the strongest DiLoCo, and why
+
+    v3_cells = v3 if v3_recs else {}
+    rows = v7.summarize_v7(v7_runs)
+    if rows:
+        spectra_rows = spectra.summarize_spectra(read_jsonl(spectra.OUT)) if spectra.OUT.exists() else []
+        s7 = {"fixed_compute": rows, "spectra": spectra_rows}
+        (HERE / "k_scaling" / "summary_v7.json").write_text(json.dumps(s7, indent=1))
+        gaps = {
+            "fixed compute (v6, v7)": {r["workers"]: r["gaps"].get("isoloco - diloco") for r in rows},
+            "10 rounds (v3)": {
+                K: v3_cells.get(f"K {K}, H 30, R 10, batch 4×64, adamw 0.003", {}).get("gap") for K in (4, 16, 32)
+            },
+        }
+        spectra.plot_spectra(spectra_rows, gaps, HERE / "k_scaling" / "study_v7_k_scaling.png")
+        print("\n<!-- v7 k scaling -->\n" + v7.markdown_v7(rows))
+        if spectra_rows:
+            print("\n<!-- v7 spectra -->\n" + spectra.markdown_spectra(spectra_rows))
     v4_recs = [r for r in recs if r.get("study") == "v4"]
     if v4_recs:
         from study.precision.v4 import markdown_v4, markdown_verdict, plot_v4, summarize_v4, verdict

@@ -38,3 +38,84 @@ def test_the_fixed_compute_table_pairs_each_k_at_its_budget_beside_its_10_round_
     assert (tmp_path / "k.png").stat().st_size > 1000
     fixed_compute.plot_fixed_compute([], tmp_path / "none.png")  # no K with both picks: no plot
     assert not (tmp_path / "none.png").exists()
+
+
+def _v7(mode, lr, mu, seed, sel, test, K=16, schedule=None, inner_lr=3e-3):
+    from study.k_scaling import v7
+
+    r = study_record(mode, lr, mu, seed, sel, test, batch=4, inner_lr=inner_lr, mu=mu)
+    r.update(workers=K, rounds=v7.ROUNDS[K], eval_split="halves")
+    if schedule:
+        r["v3"]["outer_schedule"] = schedule
+    return r
+
+
+def test_v7_the_pick_is_the_best_mean_of_seeds_0_and_1_not_seed_0():
+    from study.k_scaling import v7
+
+    recs = [
+        _v7("diloco", 0.7, 0.8, 0, 1.50, 1.4),  # best on seed 0, worst on seed 1
+        _v7("diloco", 0.7, 0.8, 1, 1.90, 1.8),
+        _v7("diloco", 1.0, 0.8, 0, 1.60, 1.5, schedule="warmup-cosine"),
+        _v7("diloco", 1.0, 0.8, 1, 1.60, 1.5, schedule="warmup-cosine"),  # the best mean: 1.60
+        _v7("diloco", 1.4, 0.5, 0, 1.55, 1.5),
+        _v7("diloco", 1.4, 0.5, 1, None, None),  # diverged: +inf
+        _v7("diloco", 2.0, 0.0, 0, 1.70, 1.6),  # fourth on seed 0: no seed 1
+        _v7("diloco", 0.7, 0.8, 0, 9.0, 9.0, K=32),  # another K's cell
+        _v7("diloco", 0.7, 0.8, 0, 0.1, 0.1) | {"rounds": 10},  # v3's 10-round cell: not v7's
+    ]
+    cfgs = v7.configs(recs, 16)["diloco"]
+    assert len(cfgs) == 4
+    assert v7.pick(cfgs) == ("diloco", 1.0, 0.8, "warmup-cosine", 3e-3)
+    assert v7.ranked(cfgs)[:3] == [("diloco", 0.7, 0.8, "constant", 3e-3), ("diloco", 1.4, 0.5, "constant", 3e-3),
+                                   ("diloco", 1.0, 0.8, "warmup-cosine", 3e-3)]  # fmt: skip
+    assert v7.jobs(recs, 16, "seed1") == []  # the three best on seed 0 all ran seed 1
+    assert v7.jobs(recs, 16, "final") == ["warmup-cosine 0.003 diloco=1@0.8 2,3,4"]
+    assert v7.jobs(recs, 32, "seed1") == ["constant 0.003 diloco=0.7@0.8 1"]
+    with pytest.raises(ValueError, match="stage"):
+        v7.jobs(recs, 16, "seed2")
+
+
+def test_v7_the_table_pairs_the_picks_over_their_common_seeds_and_ddp_moves_only_its_inner_lr(tmp_path):
+    from study.k_scaling import v7
+
+    recs = []
+    for seed in range(5):
+        recs += [
+            _v7("diloco", 0.7, 0.8, seed, 1.7, 1.60 + 0.01 * seed),
+            _v7("norm_mean", 1.0, 0.8, seed, 1.6, 1.55),
+            _v7("isoloco", 3.2, None, seed, 1.5, 1.40),
+            _v7("ddp", None, None, seed, 1.5, 1.45, inner_lr=4.5e-3),
+        ]
+    recs += [_v7("ddp", None, None, s, 1.6, 1.5) for s in (0, 1)]  # the base inner lr: not the pick
+    recs += [_v7("isoloco", 3.2, None, 0, 1.0, 1.0, inner_lr=6e-3)]  # only DDP moves the inner lr
+    (row,) = v7.summarize_v7(recs)
+    assert row["workers"] == 16 and row["tokens_per_param"] == pytest.approx(16 * 30 * 75 * 256 / 467_584)
+    assert row["methods"]["ddp"]["pick"] == "inner lr 0.0045"
+    assert row["methods"]["isoloco"]["screen"].keys() == {"3.2 @ default"}
+    g = row["gaps"]["isoloco - diloco"]
+    assert g["seeds"] == 5 and g["mean"] == pytest.approx(-0.20 - 0.02)
+    assert row["gaps"]["norm_mean - diloco"]["mean"] == pytest.approx(-0.05 - 0.02)
+    assert row["to_ddp"]["isoloco"]["mean"] == pytest.approx(-0.05)
+    table = v7.markdown_v7([row])
+    assert "K 16 × 75 rounds" in table and "| isoloco - norm_mean | -0.150" in table
+
+
+def test_v7_spectral_stats_know_their_answers():
+    import math
+
+    import torch
+
+    from study.k_scaling import spectra
+
+    flat = spectra.spectral_stats(torch.eye(200, 50, dtype=torch.float64) * 3.0)
+    assert flat == pytest.approx({"erank_frac": 1.0, "top_over_mean": 1.0, "top1_energy": 1 / 50, "iso_norm": 1.0})
+    u, _ = torch.linalg.qr(torch.randn(40, 40, dtype=torch.float64))
+    s = torch.tensor([4.0, 2.0] + [0.0] * 38, dtype=torch.float64)
+    st = spectra.spectral_stats(u @ torch.diag(s) @ u.T)
+    p = torch.tensor([16 / 20, 4 / 20])
+    assert st["erank_frac"] == pytest.approx(math.exp(float(-(p * p.log()).sum())) / 40)
+    assert st["top_over_mean"] == pytest.approx(4.0 / (6.0 / 40))
+    assert st["top1_energy"] == pytest.approx(16 / 20)
+    assert st["iso_norm"] == pytest.approx((6 / 40) * math.sqrt(40) / math.sqrt(20))
+    assert spectra.spectral_stats(torch.zeros(3, 5))["erank_frac"] is None
