@@ -36,7 +36,7 @@ from .data import check_fits, load_corpus
 from .dist import check_outer, torchrun_launch
 from .loop import Comm, Setup, check_memory, run_mode
 from .optimizers import check_outer_step
-from .report import mode_table, plot, sweep_table
+from .report import mode_table, outer_note, plot, sweep_table
 from .tokenizer import tokenize
 
 
@@ -287,6 +287,8 @@ def main(argv=None) -> int:
     if param is None:
         result.update(config=base.as_dict(), modes={r["mode"]: r for r in per_value[0]})
         table = mode_table(per_value[0])
+        note = outer_note(per_value[0], base.workers)
+        table += f"\n\n{note}" if note else ""
     else:
         result.update(
             config=base.as_dict(),

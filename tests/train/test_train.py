@@ -673,3 +673,23 @@ def test_study_v2_summary_is_what_the_committed_results_give():
     v2, v2_recs = s.summary_v2(s.load(s.HERE))
     assert len(v2_recs) == v2["runs"] > 0 and v2["v1_repeats"]["runs"] > 0
     assert json.dumps(v2, indent=1) == (s.HERE / "init_scale" / "summary_v2.json").read_text()
+
+
+def test_the_main_job_says_when_diloco_ran_untuned_and_its_study_config_matches_the_study():
+    """The note under the main job's table: only when DiLoCo ran at its released config; the tuned configs it
+    quotes are the study's 10-round picks (study/cells/summary_v3.json)."""
+    import json
+    from pathlib import Path
+
+    from isoloco_kernels.train.report import STUDY_DILOCO, outer_note
+
+    cells = json.loads((Path(__file__).resolve().parents[2] / "study" / "cells" / "summary_v3.json").read_text())
+    for K, (lr, mu) in STUDY_DILOCO.items():
+        pick = cells[f"K {K}, H 30, R 10, batch 4×64, adamw 0.003"]["diloco"]
+        assert (pick["lr"], pick["momentum"]) == (lr, mu), K
+    runs = [{"mode": "ddp"}, {"mode": "diloco", "outer_lr": 0.7, "outer_momentum": 0.9}]
+    note = outer_note(runs, 8)
+    assert "released outer config" in note and "--outer-lr diloco=0.7 --outer-momentum diloco=0" in note  # K 4 nearest
+    assert "lr 1.4, μ 0" in outer_note(runs, 32)
+    assert outer_note([{"mode": "diloco", "outer_lr": 1.0, "outer_momentum": 0.0}], 8) is None  # tuned by the user
+    assert outer_note([{"mode": "isoloco", "outer_lr": 1.8, "outer_momentum": 0.8}], 8) is None
