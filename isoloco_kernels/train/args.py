@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..merges.options import MERGES
 from .capture import SAVE_DTYPES
 from .config import DEFAULT_MODES, INNERS, MODES, OUTER_DEFAULTS, OUTER_SCHEDULES, TrainConfig
 from .dist import OUTER_PLACEMENTS
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--merge",
         default=d.merge,
-        choices=("iso_c", "mean", "tsv", "iso_cts", "ties", "dare"),
+        choices=tuple(MERGES),
         help="how the Iso-C modes (isoloco: Nesterov outer, isoloco-sgd: SGD outer) merge the K workers' "
         "deltas (default %(default)s; docs/merges.md); ddp, diloco and avg do not merge (refused with none of "
         "the Iso-C modes)",
