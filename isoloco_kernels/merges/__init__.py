@@ -13,6 +13,8 @@ and compares five merges; this module runs all of them on the library's kernels:
     dare     DARE: drop entries at random, rescale by 1/(1 − p), mean
 
 Definitions and their departures from the official code: merges/reference.py, docs/merges.md.
+Per-worker weights (`weights=`, merges/options.py): each merge's weighted form over the workers with
+weight > 0; equal weights are the unweighted merge bit for bit.
 Options per merge: merges/options.py. Tensors that are not 2-D get the mean under iso_c, norm_mean,
 tsv and iso_cts, and are pruned like any tensor under ties and dare (as in the official code). One
 worker (K = 1) is each merge's value for its delta: the delta (mean; norm_mean, bit for bit: its two
@@ -39,7 +41,7 @@ from .._validate import (
 )
 from ..api import iso_flatten
 from .norm import norm_mean_merge
-from .options import MERGES, resolve_options
+from .options import MERGES, resolve_options, resolve_weights
 from .sparse import sparse_merge
 from .spectral import iso_cts_merge, tsv_merge
 
@@ -110,19 +112,31 @@ def _check_finite(stacks: Sequence[torch.Tensor], where: str) -> None:
     check_all_finite(views, names)
 
 
-def _mean(s: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
+def _mean(s: torch.Tensor, cd: torch.dtype, omega: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The mean over dim 0 in the compute dtype: torch's mean (bit for bit), except where its K-term
     sum overflowed although every input is finite; those entries again in float64, each term
-    divided by K first (the mean of finite values fits: it is at most their largest magnitude)."""
+    divided by K first (the mean of finite values fits: it is at most their largest magnitude).
+    omega: normalized weights [K] (float64): the weighted mean Σ ω_k s_k instead, by the same rule."""
     x = s.to(cd)
-    out = x.mean(0)
+    if omega is None:
+        out = x.mean(0)
+        w64 = torch.full((x.shape[0],), 1.0 / x.shape[0], dtype=torch.float64)
+    else:
+        out = torch.tensordot(omega.to(cd), x, dims=1)
+        w64 = omega
     bad = ~torch.isfinite(out).reshape(-1)
     if bool(bad.any()):
-        out.view(-1)[bad] = (x.reshape(x.shape[0], -1)[:, bad].to(torch.float64) / x.shape[0]).sum(0).to(cd)
+        if omega is None:  # torch's mean's own fallback: each term divided by K
+            fix = (x.reshape(x.shape[0], -1)[:, bad].to(torch.float64) / x.shape[0]).sum(0)
+        else:
+            fix = (x.reshape(x.shape[0], -1)[:, bad].to(torch.float64) * w64[:, None].to(x.device)).sum(0)
+        out.view(-1)[bad] = fix.to(cd)
     return out
 
 
-def _spectral(method: str, bucket: list[torch.Tensor], opts: dict, flatten_method: str) -> torch.Tensor:
+def _spectral(
+    method: str, bucket: list[torch.Tensor], opts: dict, flatten_method: str, omega: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """One batched merge (iso_c, norm_mean, tsv, iso_cts) of same-shaped 2-D stacks; [B, m, n] in the
     compute dtype."""
     dtype = bucket[0].dtype
@@ -132,18 +146,23 @@ def _spectral(method: str, bucket: list[torch.Tensor], opts: dict, flatten_metho
     _, e = torch.frexp(amax)
     scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), e - 1), torch.ones_like(amax))
     x = x / scale[:, None, None, None]
+    w = None if omega is None else omega.to(x.device, cd)
     if method == "iso_c":
-        out = iso_flatten(x.mean(1), method=flatten_method)
+        out = iso_flatten(x.mean(1) if w is None else torch.tensordot(x, w, dims=([1], [0])), method=flatten_method)
     elif method == "norm_mean":
-        out = norm_mean_merge(x)
+        out = norm_mean_merge(x, w)
     elif method == "tsv":
-        out = tsv_merge(x, dtype, keep=opts["keep"], method=flatten_method)
+        out = tsv_merge(x, dtype, keep=opts["keep"], method=flatten_method, weights=w)
     else:
-        out = iso_cts_merge(x, dtype, common_fraction=opts["common_fraction"], method=flatten_method)
+        out = iso_cts_merge(x, dtype, common_fraction=opts["common_fraction"], method=flatten_method, weights=w)
     return out * scale[:, None, None]
 
 
-def _compute(stacks, method: str, opts: dict, flatten_method: str, stack_ids) -> list[torch.Tensor]:
+def _compute(
+    stacks, method: str, opts: dict, flatten_method: str, stack_ids, omega=None, workers=None
+) -> list[torch.Tensor]:
+    """Every stack's merge in its compute dtype. omega: the workers' normalized weights (None: equal);
+    workers: each stack row's worker index in DARE's stream (None: its position)."""
     results: list[Optional[torch.Tensor]] = [None] * len(stacks)
     buckets: dict[tuple, list[int]] = {}
     for j, s in enumerate(stacks):
@@ -151,13 +170,13 @@ def _compute(stacks, method: str, opts: dict, flatten_method: str, stack_ids) ->
         if s.numel() == 0:
             results[j] = torch.zeros(s.shape[1:], dtype=cd, device=s.device)
         elif method in ("ties", "dare"):
-            results[j] = sparse_merge(s, opts, stack_ids[j])
+            results[j] = sparse_merge(s, opts, stack_ids[j], weights=omega, workers=workers)
         elif method == "mean" or s.ndim != 3:
-            results[j] = _mean(s, cd)
+            results[j] = _mean(s, cd, omega)
         else:
             buckets.setdefault((tuple(s.shape), s.dtype, s.device), []).append(j)
     for idx in buckets.values():
-        out = _spectral(method, [stacks[j] for j in idx], opts, flatten_method)
+        out = _spectral(method, [stacks[j] for j in idx], opts, flatten_method, omega)
         for j, o in zip(idx, out):
             results[j] = o
     return results
@@ -196,6 +215,7 @@ def merge(
     *,
     flatten_method: str = "auto",
     stack_ids: Optional[Sequence[int]] = None,
+    weights=None,
     **options,
 ) -> list[torch.Tensor]:
     """The merge `method` of every worker stack [K, *shape], out of place: a list of [*shape]
@@ -208,11 +228,18 @@ def merge(
     flatten_method: the Iso-C flatten behind iso_c and every orthogonal polar factor (tsv, iso_cts).
     stack_ids: each stack's identity in DARE's random stream (ints; default: its position), so a
         subset of stacks merged elsewhere draws the same drops.
+    weights: one non-negative weight per worker (a sequence of K numbers or a 1-D tensor; e.g. the
+        tokens each processed, 0 for a worker that did not deliver), the same for every stack; None:
+        equal. The merge of the workers with weight > 0 under their normalized weights (each merge's
+        weighted form: merges/options.py, docs/merges.md); equal weights are the unweighted merge bit
+        for bit, a zero weight is that worker dropped (DARE: the others keep their stream indices).
+        Every worker's Δ must still be finite, a zero-weight one's too.
 
     Raises:
-        TypeError, ValueError: naming the stack, worker or option (a stack that is not a tensor of
-            a supported float dtype, K = 0 or K differing between stacks, NaN/Inf, an unknown merge
-            or option, a stack id that is not an int); nothing is computed.
+        TypeError, ValueError: naming the stack, worker, weight or option (a stack that is not a tensor
+            of a supported float dtype, K = 0 or K differing between stacks, NaN/Inf, an unknown merge
+            or option, a stack id that is not an int, weights that are not K finite numbers ≥ 0 with
+            one > 0); nothing is computed.
         ResultOverflowError: a result does not fit its dtype (DARE's rescale can push one past it),
             naming the merge and the stack. The mean of finite stacks always fits.
 
@@ -227,10 +254,14 @@ def merge(
     """
     stacks = list(stacks)
     opts = resolve_options(method, options)
-    check_stacks(stacks)
+    K = check_stacks(stacks)
     stack_ids = _stack_ids(stack_ids, len(stacks), "merge")
+    w = resolve_weights(weights, K, "merge") if stacks else resolve_weights(None, 0)
     _check_finite(stacks, "merge")
-    results = _compute(stacks, method, opts, flatten_method, stack_ids)
+    inputs = stacks
+    if w.active is not None:  # zero weights: those workers dropped (each row keeps its worker index for DARE)
+        inputs = [s[w.active] for s in stacks]
+    results = _compute(inputs, method, opts, flatten_method, stack_ids, w.omega, w.active)
     for j, (s, r) in enumerate(zip(stacks, results)):
         _check_fits(r, s, method, j)
     return [r.to(s.dtype) for s, r in zip(stacks, results)]
@@ -270,12 +301,13 @@ def merge_(stacks: Sequence[torch.Tensor], method: str = "iso_c", **kwargs) -> l
 
 
 def merge_groups(
-    stacks: dict, merged: set, method: str, options: dict, step: int, flatten_method: str = "auto"
+    stacks: dict, merged: set, method: str, options: dict, step: int, flatten_method: str = "auto", weights=None
 ) -> dict:
     """The outer optimizers' merge of their params' stacks ({param index: [K, *shape]}): `method` for
     the indices in `merged`, the mean for the others (param groups with iso=False); the param index is
     each stack's id in DARE's stream and DARE's seed is offset by `step`, so one process (`MergeLoCo`)
-    and a sharded step (`ShardedIsoLoCo(merge=...)`) draw the same drops. Returns {index: result}."""
+    and a sharded step (`ShardedIsoLoCo(merge=...)`) draw the same drops. weights: the workers' (as
+    `merge`), for both. Returns {index: result}."""
     opts = dict(options)
     if method == "dare":
         opts["seed"] = opts.get("seed", 0) + step
@@ -284,8 +316,15 @@ def merge_groups(
     plain = [i for i in idx if i not in set(chosen)]
     out = {}
     if chosen:
-        got = merge([stacks[i] for i in chosen], method, flatten_method=flatten_method, stack_ids=chosen, **opts)
+        got = merge(
+            [stacks[i] for i in chosen],
+            method,
+            flatten_method=flatten_method,
+            stack_ids=chosen,
+            weights=weights,
+            **opts,
+        )
         out.update(zip(chosen, got))
     if plain:
-        out.update(zip(plain, merge([stacks[i] for i in plain], "mean")))
+        out.update(zip(plain, merge([stacks[i] for i in plain], "mean", weights=weights)))
     return out

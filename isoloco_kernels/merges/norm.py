@@ -18,6 +18,8 @@ the same values, so the ratio is exactly 1 and the result is the delta bit for b
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 __all__ = ["norm_mean_merge"]
@@ -28,10 +30,17 @@ def _frobenius(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t, dim=(-2, -1))
 
 
-def norm_mean_merge(x: torch.Tensor) -> torch.Tensor:
-    """norm_mean of a bucket [B, K, m, n] (module docstring): [B, m, n]."""
-    mean = x.mean(1)
-    target = _frobenius(x).mean(1)
+def norm_mean_merge(x: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """norm_mean of a bucket [B, K, m, n] (module docstring): [B, m, n].
+
+    weights: None (every worker 1/K), or the K workers' normalized weights ω ([K], x's dtype, Σω = 1,
+    every one > 0): the weighted mean direction Σ ω_k Δ_k at the weighted mean norm Σ ω_k ‖Δ_k‖_F."""
+    if weights is None:
+        mean = x.mean(1)
+        target = _frobenius(x).mean(1)
+    else:
+        mean = torch.tensordot(x, weights, dims=([1], [0]))
+        target = _frobenius(x) @ weights
     size = _frobenius(mean.unsqueeze(1))[:, 0]  # the same reduction as the workers' (exact ratio 1 at K = 1)
     ratio = torch.where(size > 0, target / torch.where(size > 0, size, 1), torch.zeros_like(size))
     return mean * ratio[:, None, None]

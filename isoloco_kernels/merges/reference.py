@@ -7,6 +7,12 @@ means the same step size for every merge). Tensors that are not 2-D are merged b
 At K = 1 each rule below is its value for one worker: tsv keeps all r triplets (the delta, recombined),
 iso_cts's common and own spaces span all of the delta's directions (its Iso-C), ties trims the delta,
 dare drops and rescales it.
+Weights w_1..w_K ≥ 0 (`merge_ref(..., weights=)`): the workers with w_i = 0 are removed first (K' workers
+remain, and K' is the K of every rule below: TSV-M's ⌊r/K'⌋, Iso-CTS's task share; DARE's drops keep
+each worker's own index i), then ω_i = w_i / Σ w replaces 1/K: each worker's share Δ_i/K becomes
+ω_i·Δ_i, so every "mean" below is the weighted mean Σ ω_i Δ_i, norm_mean's mean norm is Σ ω_i ‖Δ_i‖_F,
+TIES and DARE elect sign(Σ ω_i t_i) and combine Σ ω_i t_i (DARE) or Σ_agree ω_i t_i / Σ_agree ω_i
+(TIES). Equal weights are the rules as written.
 Orthogonalizations are reference.py's polar factor (U_r V_rᵀ with its rank cut), so every result is
 basis-free: directions whose singular value is zero (σ ≤ τ·σ_1, reference.rank_tol) carry no
 arbitrary LAPACK basis into a result. docs/merges.md says where each departs from the official code.
@@ -62,23 +68,40 @@ def _polar(a: torch.Tensor) -> torch.Tensor:
     return polar_ref(a)[0]
 
 
-def norm_mean_ref(x: torch.Tensor) -> torch.Tensor:
-    """norm_mean of a [K, m, n] stack (module docstring), in float64."""
+def _omega(K: int, weights) -> torch.Tensor:
+    """The rows' normalized weights as float64 [K]: 1/K each for None."""
+    if weights is None:
+        return torch.full((K,), 1.0 / K, dtype=F64)
+    w = torch.as_tensor(weights, dtype=F64).flatten()
+    return w / w.sum()
+
+
+def _shares(x: torch.Tensor, weights) -> torch.Tensor:
+    """Each worker's share of the merge, ω_i·Δ_i (Δ_i / K unweighted), in float64."""
     xs = x.detach().to("cpu", F64)
-    mean = xs.mean(0)
+    if weights is None:
+        return xs / xs.shape[0]
+    return xs * _omega(xs.shape[0], weights).reshape(-1, *[1] * (xs.ndim - 1))
+
+
+def norm_mean_ref(x: torch.Tensor, weights=None) -> torch.Tensor:
+    """norm_mean of a [K, m, n] stack (module docstring), in float64; weights: the rows' (all > 0; None: equal)."""
+    xs = x.detach().to("cpu", F64)
+    w = _omega(xs.shape[0], weights)
+    mean = (xs * w[:, None, None]).sum(0)
     size = torch.linalg.matrix_norm(mean)
     if size == 0:
         return torch.zeros_like(mean)
-    return mean * (torch.linalg.matrix_norm(xs).mean() / size)
+    return mean * ((torch.linalg.matrix_norm(xs) * w).sum() / size)
 
 
-def tsv_ref(x: torch.Tensor, keep: int | None = None) -> torch.Tensor:
-    """TSV-M of a [K, m, n] stack (module docstring)."""
+def tsv_ref(x: torch.Tensor, keep: int | None = None, weights=None) -> torch.Tensor:
+    """TSV-M of a [K, m, n] stack (module docstring); weights: the rows' (all > 0; None: equal)."""
     K, m, n = x.shape
     r = min(m, n)
     k = min(r, keep if keep is not None else max(1, r // K))
     us, ss, vs = [], [], []
-    for d in x.detach().to("cpu", F64) / K:
+    for d in _shares(x, weights):
         u, s, v = _svd_cut(d, x.dtype)
         us.append(u[:, :k])
         ss.append(s[:k])
@@ -87,12 +110,12 @@ def tsv_ref(x: torch.Tensor, keep: int | None = None) -> torch.Tensor:
     return (_polar(u) * s) @ _polar(v).mT
 
 
-def iso_cts_ref(x: torch.Tensor, common_fraction: float = 0.8) -> torch.Tensor:
-    """Iso-CTS of a [K, m, n] stack (module docstring)."""
+def iso_cts_ref(x: torch.Tensor, common_fraction: float = 0.8, weights=None) -> torch.Tensor:
+    """Iso-CTS of a [K, m, n] stack (module docstring); weights: the rows' (all > 0; None: equal)."""
     K, m, n = x.shape
     r = min(m, n)
     common, per = task_share(r, K, common_fraction)
-    xs = x.detach().to("cpu", F64) / K
+    xs = _shares(x, weights)
     u, s, v = _svd_cut(xs.sum(0), x.dtype)
     uc, sc, vc = u[:, :common], s[:common], v[:, :common]
     us, ss, vs = [], [], []
@@ -156,39 +179,58 @@ def sparse_ref(
     seed: int = 0,
     stack: int = 0,
     masks: torch.Tensor | None = None,
+    weights=None,
+    workers=None,
 ) -> torch.Tensor:
     """TIES (prune="magnitude", disjoint) and DARE (prune="random", rescale) of a [K, ...] stack.
-    masks: [K, ...] keep masks to use instead of the pruning rule (to replay another's drops)."""
+    masks: [K, ...] keep masks to use instead of the pruning rule (to replay another's drops).
+    weights: the rows' (all > 0; None: equal); workers: each row's worker index in DARE's stream
+    (None: its position)."""
     xs = x.detach().to("cpu", F64)
     dim = dim if xs.ndim == 3 else "all"
+    ids = list(range(xs.shape[0])) if workers is None else list(workers)
     if masks is None and sparsity > 0:
         if prune == "magnitude":
             masks = torch.stack([_trim_mask(d, sparsity, dim) for d in xs])
         else:
-            masks = torch.stack([keep_mask(d.shape, sparsity, seed, stack, i, dim) for i, d in enumerate(xs)])
+            masks = torch.stack([keep_mask(d.shape, sparsity, seed, stack, i, dim) for i, d in zip(ids, xs)])
     t = xs if masks is None else xs * masks
     if rescale and sparsity > 0:
         t = t / (1 - sparsity)
+    if weights is None:
+        if not disjoint:
+            return t.mean(0)
+        agree = torch.sign(t) == torch.sign(t.sum(0))
+        return (t * agree).sum(0) / agree.sum(0).clamp_min(1)
+    w = _omega(xs.shape[0], weights).reshape(-1, *[1] * (xs.ndim - 1))
+    total = (w * t).sum(0)
     if not disjoint:
-        return t.mean(0)
-    agree = torch.sign(t) == torch.sign(t.sum(0))
-    return (t * agree).sum(0) / agree.sum(0).clamp_min(1)
+        return total
+    agree = (torch.sign(t) == torch.sign(total)) & (t != 0)
+    mass = (w * agree).sum(0)
+    return torch.where(mass > 0, (w * t * agree).sum(0) / torch.where(mass > 0, mass, 1), 0)
 
 
-def merge_ref(x: torch.Tensor, method: str, stack: int = 0, **options) -> torch.Tensor:
+def merge_ref(x: torch.Tensor, method: str, stack: int = 0, weights=None, **options) -> torch.Tensor:
     """The merge `method` of one [K, *shape] stack in float64; not 2-D: the mean (iso_c, norm_mean, tsv,
-    iso_cts)."""
+    iso_cts). weights: K values ≥ 0, one > 0 (None: equal): the workers with weight 0 removed, the rest
+    weighted by ω = w / Σ w (module docstring)."""
     opts = resolve_options(method, options)
+    workers = None
+    if weights is not None:
+        w = torch.as_tensor(weights, dtype=F64).flatten()
+        keep = (w > 0).nonzero().flatten()
+        x, weights, workers = x[keep], w[keep] / w[keep].sum(), keep.tolist()
     x64 = x.detach().to("cpu", F64)
     if method in ("ties", "dare"):
-        return sparse_ref(x64, stack=stack, **opts)
+        return sparse_ref(x64, stack=stack, weights=weights, workers=workers, **opts)
     if method == "mean" or x.ndim != 3:
-        return x64.mean(0)
+        return _shares(x64, weights).sum(0) if weights is not None else x64.mean(0)
     if method == "iso_c":  # reference.iso_flatten_ref of the mean, with the rank cut of x's dtype
-        u, s, v = _svd_cut(x64.mean(0), x.dtype)
+        u, s, v = _svd_cut(_shares(x64, weights).sum(0) if weights is not None else x64.mean(0), x.dtype)
         return s.sum() / min(x.shape[-2:]) * (u @ v.mT)
     if method == "norm_mean":
-        return norm_mean_ref(x)
+        return norm_mean_ref(x, weights)
     if method == "tsv":
-        return tsv_ref(x, **opts)
-    return iso_cts_ref(x, **opts)
+        return tsv_ref(x, weights=weights, **opts)
+    return iso_cts_ref(x, weights=weights, **opts)

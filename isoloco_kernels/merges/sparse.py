@@ -7,6 +7,9 @@ trim threshold (the k-th largest |entry|, or row/column 2-norm: one `torch.topk`
 into a compute-dtype buffer the caller checks and stores. Memory beyond the input: the result and
 a few entry-sized temporaries of one worker at a time (the torch loop), never K-sized.
 
+Weighted (normalized weights ω, merges/options.py): the elected sign is that of Σ ω_k t_k, the
+combination Σ ω_k t_k (DARE) or Σ_agree ω_k t_k / Σ_agree ω_k (TIES), in the torch loop on every device.
+
 Each stack is divided by a power of two near its largest entry first (exact), so the K-term sums
 cannot overflow; the result is scaled back (and by 1/(1 − p) where DARE rescales) at the end.
 """
@@ -80,13 +83,15 @@ def _keep(d: torch.Tensor, k: int, opts: dict, thr, keys, cut: int) -> torch.Ten
     return _expand(mix32_tensor(idx ^ int(keys[k])) >= cut, d.shape, dim)
 
 
-def _merge_torch(x, cd, opts, thr, keys, cut, inv_scale, post) -> torch.Tensor:
+def _merge_torch(x, cd, opts, thr, keys, cut, inv_scale, post, weights=None) -> torch.Tensor:
     K = x.shape[0]
 
     def pruned(k: int) -> torch.Tensor:
         d = x[k].to(cd)  # the trim compares unscaled magnitudes, as the thresholds were taken
         return torch.where(_keep(d, k, opts, thr, keys, cut), d * inv_scale, 0)
 
+    if weights is not None:
+        return _weighted(pruned, K, weights.to(x.device, cd), opts["disjoint"]) * post
     total = pruned(0)
     for k in range(1, K):
         total += pruned(k)
@@ -103,10 +108,33 @@ def _merge_torch(x, cd, opts, thr, keys, cut, inv_scale, post) -> torch.Tensor:
     return acc / cnt.clamp_min(1) * post
 
 
-def sparse_merge(x: torch.Tensor, opts: dict, stack: int) -> torch.Tensor:
+def _weighted(pruned, K: int, w: torch.Tensor, disjoint: bool) -> torch.Tensor:
+    """The weighted combination of the K pruned deltas (normalized weights w, every one > 0): Σ ω_k t_k, or
+    with `disjoint` the elected sign sign(Σ ω_k t_k) and Σ_agree ω_k t_k / Σ_agree ω_k (none agree: 0)."""
+    total = pruned(0) * w[0]
+    for k in range(1, K):
+        total += pruned(k) * w[k]
+    if not disjoint:
+        return total
+    elect = torch.sign(total)
+    acc = torch.zeros_like(total)
+    mass = torch.zeros_like(total)
+    for k in range(K):
+        t = pruned(k)
+        agree = (torch.sign(t) == elect) & (t != 0)
+        acc += torch.where(agree, t * w[k], 0)
+        mass += torch.where(agree, w[k], 0)
+    return torch.where(mass > 0, acc / torch.where(mass > 0, mass, 1), 0)
+
+
+def sparse_merge(
+    x: torch.Tensor, opts: dict, stack: int, weights: torch.Tensor | None = None, workers=None
+) -> torch.Tensor:
     """TIES / DARE of one checked, finite stack [K, *shape] (opts: options.resolve_options's);
     returns the merged [*shape] in the compute dtype (not yet checked against the output dtype).
-    stack: the stack's index, part of DARE's stream keys."""
+    stack: the stack's index, part of DARE's stream keys. weights: the K rows' normalized weights
+    (float64, every one > 0; None: equal), combined by the torch loop (the Triton kernel averages);
+    workers: each row's worker index in DARE's stream (None: its position)."""
     cd = compute_dtype(x.dtype)
     K, shape = x.shape[0], x.shape[1:]
     p, dim = opts["sparsity"], opts["dim"] if x.ndim == 3 else "all"
@@ -119,12 +147,13 @@ def sparse_merge(x: torch.Tensor, opts: dict, stack: int) -> torch.Tensor:
     elif opts["prune"] == "magnitude":
         thr, keys, cut, prune = _thresholds(x, cd, p, dim), None, 0, True
     else:
-        keys = torch.tensor([stream_key(opts["seed"], stack, k) for k in range(K)], dtype=torch.int64)
+        ids = range(K) if workers is None else workers
+        keys = torch.tensor([stream_key(opts["seed"], stack, k) for k in ids], dtype=torch.int64)
         thr, cut, prune = None, cut_of(p), True
     if not prune:  # nothing dropped: every entry kept (a threshold of 0 keeps all)
         thr, opts = torch.zeros(K, dtype=cd, device=x.device), {**opts, "prune": "magnitude"}
     flat = x.reshape(K, -1)
-    if tk.usable_for(x) and dim == "all" and flat.stride(-1) == 1 and x.numel():
+    if weights is None and tk.usable_for(x) and dim == "all" and flat.stride(-1) == 1 and x.numel():
         from ..triton.sparse_merge import sparse_merge_triton
 
         out = torch.empty(flat.shape[1], dtype=cd, device=x.device)
@@ -139,4 +168,4 @@ def sparse_merge(x: torch.Tensor, opts: dict, stack: int) -> torch.Tensor:
             disjoint=opts["disjoint"],
         )
         return out.reshape(shape)
-    return _merge_torch(x, cd, opts, thr, keys, cut, 1.0 / scale, post)
+    return _merge_torch(x, cd, opts, thr, keys, cut, 1.0 / scale, post, weights)

@@ -1,5 +1,8 @@
 """TSV-M and Iso-CTS batched over a bucket and its K workers (definitions: merges/reference.py).
 
+Weighted (normalized weights ω, every one > 0): each worker's share is ω_i·Δ_i instead of Δ_i/K, the
+rest unchanged (their sum is the weighted mean; K is the number of workers given).
+
 Input: one bucket x = [B, K, m, n] of B same-shaped worker stacks, in the compute dtype (float32
 for half, bfloat16 and float32 input; float64 for float64), each stack scaled by a power of two so
 that its largest entry is in [1, 2) (exact; the result is scaled back by the caller). Output:
@@ -49,23 +52,32 @@ def _side_by_side(t: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 2, 1, 3).reshape(b, d, kk * k)
 
 
-def tsv_merge(x: torch.Tensor, dtype: torch.dtype, keep: int | None = None, method: str = "auto") -> torch.Tensor:
-    """TSV-M of a bucket [B, K, m, n] (module docstring); dtype: the input's, for the rank cut."""
+def _share(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Each worker's share of the merge: Δ_i / K, or ω_i·Δ_i under normalized weights ω ([K], x's dtype)."""
+    return x / x.shape[1] if weights is None else x * weights[None, :, None, None]
+
+
+def tsv_merge(
+    x: torch.Tensor, dtype: torch.dtype, keep: int | None = None, method: str = "auto", weights=None
+) -> torch.Tensor:
+    """TSV-M of a bucket [B, K, m, n] (module docstring); dtype: the input's, for the rank cut; weights: the
+    K workers' normalized weights (None: 1/K each), every one > 0."""
     b, K, m, n = x.shape
     r = min(m, n)
     k = min(r, keep if keep is not None else max(1, r // K))
-    u, s, v = _svd_cut(x / K, dtype)
+    u, s, v = _svd_cut(_share(x, weights), dtype)
     u, s, v = _side_by_side(u[..., :k]), s[..., :k].reshape(b, K * k), _side_by_side(v[..., :k])
     return (polar_factor(u, method) * s[:, None, :]) @ polar_factor(v, method).mT
 
 
 def iso_cts_merge(
-    x: torch.Tensor, dtype: torch.dtype, common_fraction: float = 0.8, method: str = "auto"
+    x: torch.Tensor, dtype: torch.dtype, common_fraction: float = 0.8, method: str = "auto", weights=None
 ) -> torch.Tensor:
-    """Iso-CTS of a bucket [B, K, m, n] (module docstring); dtype: the input's, for the rank cut."""
+    """Iso-CTS of a bucket [B, K, m, n] (module docstring); dtype: the input's, for the rank cut; weights: the
+    K workers' normalized weights (None: 1/K each), every one > 0."""
     b, K, m, n = x.shape
     common, per = task_share(min(m, n), K, common_fraction)
-    xs = x / K
+    xs = _share(x, weights)
     uc, sc, vc = _svd_cut(xs.sum(1), dtype)
     uc, sc, vc = uc[..., :common], sc[..., :common], vc[..., :common]
     if per:

@@ -28,7 +28,7 @@ from .._validate import check_all_finite, is_dtensor
 from ..distributed import compressed
 from ..distributed.checkpoint import refuse_rank_state
 from ..merges import check_stacks, merge_groups
-from ..merges.options import resolve_options
+from ..merges.options import resolve_options, resolve_weights
 from ..outer.merge_state import check_merge_entry, merge_entry
 from .compressed import simulated_step
 from .isoloco import IsoLoCo
@@ -105,7 +105,7 @@ class MergeLoCo(IsoLoCo):
         if process_group is not None:
             raise ValueError("MergeLoCo runs its K workers in one process: process_group must be None")
         self.merge, self.merge_options, self.merged_steps = merge, opts, 0
-        self._pending: Optional[list] = None  # stacks set_deltas checked, for the next step
+        self._pending: Optional[tuple] = None  # (stacks, weights) set_deltas checked, for the next step
         compressed.attach(self, compress, "MergeLoCo")  # this process's K workers' residuals, once stepped
         super().__init__(
             params,
@@ -129,8 +129,9 @@ class MergeLoCo(IsoLoCo):
     def _params(self) -> list[tuple[torch.Tensor, bool]]:
         return [(p, g.get("iso", True)) for g in self.param_groups for p in g["params"]]
 
-    def _checked(self, deltas: Sequence[Optional[torch.Tensor]], where: str) -> list:
-        """The stacks, one per param in param_groups order (None: that param is not stepped), all checked."""
+    def _checked(self, deltas: Sequence[Optional[torch.Tensor]], where: str, weights=None) -> tuple:
+        """(the stacks, one per param in param_groups order (None: that param is not stepped), the weights),
+        all checked."""
         params = self._params()
         if isinstance(deltas, torch.Tensor) or not isinstance(deltas, Sequence):
             raise TypeError(f"{where}: deltas must be a list of [K, *p.shape] stacks (None for a param without one)")
@@ -138,7 +139,15 @@ class MergeLoCo(IsoLoCo):
         if len(deltas) != len(params):
             raise ValueError(f"{where}: {len(deltas)} delta stacks for {len(params)} params")
         idx = [i for i, d in enumerate(deltas) if d is not None]
-        check_stacks([deltas[i] for i in idx], where, ids=idx)
+        K = check_stacks([deltas[i] for i in idx], where, ids=idx)
+        if idx:
+            w = resolve_weights(weights, K, where)
+            if self.compress is not None and (w.active is not None or w.omega is not None):
+                raise ValueError(
+                    f"{where}: weights with compress= must be equal (or None): the compressed exchange averages "
+                    "every worker's payload, as ShardedIsoLoCo(compress=...) does; a worker that did not deliver "
+                    "cannot be dropped there"
+                )
         for i in idx:
             p, d = params[i][0], deltas[i]
             if tuple(d.shape[1:]) != tuple(p.shape) or d.device != p.device:
@@ -153,15 +162,16 @@ class MergeLoCo(IsoLoCo):
             k = int((~torch.isfinite(deltas[i].reshape(deltas[i].shape[0], -1))).any(1).nonzero()[0])
             what = "NaN" if bool(deltas[i][k].isnan().any()) else "Inf"
             raise ValueError(f"{where}: stack {i}: worker {k}'s Δ of param {i} contains {what}") from None
-        return deltas
+        return deltas, weights
 
-    def set_deltas(self, deltas: Sequence[Optional[torch.Tensor]]) -> None:
+    def set_deltas(self, deltas: Sequence[Optional[torch.Tensor]], weights=None) -> None:
         """Check each param's worker stack [K, *p.shape] (params in param_groups order; None for a param
-        that this step leaves alone) and keep them for the next `step()`. Nothing else changes."""
-        self._pending = self._checked(deltas, "MergeLoCo.set_deltas")
+        that this step leaves alone) and the workers' weights (as `step`), and keep them for the next
+        `step()`. Nothing else changes."""
+        self._pending = self._checked(deltas, "MergeLoCo.set_deltas", weights)
 
     def step(
-        self, closure: Optional[Callable[[], float]] = None, *, deltas: Optional[Sequence] = None
+        self, closure: Optional[Callable[[], float]] = None, *, deltas: Optional[Sequence] = None, weights=None
     ) -> Optional[float]:
         """One outer step on the merge of `deltas` (or of the stacks `set_deltas` kept): each param with a
         stack moves by the Nesterov step on its merge, every other param stays as it is. The params' own
@@ -169,18 +179,28 @@ class MergeLoCo(IsoLoCo):
         (the merge, or for iso_c the mean the step flattens, as IsoLoCo's `.grad`).
 
         closure: evaluated first, for its loss only (the update is the merge, whatever the closure does to
-        `.grad`). All or nothing: a step that fails (bad stacks, a NaN or an overflow in the update, a
+        `.grad`).
+        weights: one weight ≥ 0 per worker, for every param (merges.merge's `weights`: e.g. the tokens each
+        processed, 0 for a worker that did not deliver; a zero-weight worker's Δ must still be finite: zeros
+        will do); with `set_deltas`, give them there. With compress= they must be equal.
+
+        All or nothing: a step that fails (bad stacks or weights, a NaN or an overflow in the update, a
         closure that raises) changes no param, momentum buffer, `.grad` or step count.
 
         Raises:
-            ValueError: no stacks (neither `deltas=` nor `set_deltas`), or stacks that do not match the
-                params; a merge or update that is not finite or does not fit (named).
+            ValueError, TypeError: no stacks (neither `deltas=` nor `set_deltas`), or stacks that do not match
+                the params; weights that are not K finite numbers ≥ 0 with one > 0 (named with their value); a
+                merge or update that is not finite or does not fit (named).
         """
         where = "MergeLoCo.step"
         if deltas is not None:
-            stacks = self._checked(deltas, where)
+            stacks, weights = self._checked(deltas, where, weights)
         elif self._pending is not None:
-            stacks = self._pending
+            if weights is not None:
+                raise ValueError(
+                    f"{where}: weights go with their deltas: pass them to set_deltas (or step(deltas=...))"
+                )
+            stacks, weights = self._pending
         else:
             raise ValueError(
                 f"{where}: no worker deltas: pass step(deltas=[one [K, *p.shape] stack per param]) or call "
@@ -204,6 +224,7 @@ class MergeLoCo(IsoLoCo):
             self.merge_options,
             self.merged_steps,
             self.method,
+            weights,
         )
         saved = [p.grad for p, _ in params]
         try:
