@@ -16,6 +16,9 @@ Codes: ints in two's complement of `bits` bits; floats sign-magnitude, the magni
 Packing: entry i of a byte's 8/bits entries sits at bits [i·bits, (i+1)·bits) (entry 0 lowest);
 ceil(n·bits/8) bytes, the unused high bits of the last byte zero. Every step is exact but the
 division and the final product, so the Triton kernels (triton/quant.py) give the same bits.
+
+The statistical formats (stat2, stat4) code each entry by its bin and send each block's centroid table in
+place of the scale (compress/stat.py has their arithmetic); packing is the same, the codes being bin indices.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from typing import Optional
 import torch
 
 from .._validate import compute_dtype
-from .spec import FORMATS, Compression, Format, _check_u32, bytes_of
+from .spec import MIN_SCALE, Compression, Format, _check_u32, bytes_of, format_of, whole_tensor_spec
+from .stat import encode_stat_blocks
 
 __all__ = [
     "Packed",
@@ -37,6 +41,7 @@ __all__ = [
     "decode_table",
     "encode_levels",
     "block_scales",
+    "encode_blocks",
     "quantize",
     "dequantize",
     "unpack_add_",
@@ -44,16 +49,15 @@ __all__ = [
     "unpack_codes",
 ]
 
-#: The smallest scale sent (float32's smallest normal); a block whose absmax / vmax is smaller is sent as zeros.
-MIN_SCALE = 2.0**-126
 _M32 = 0xFFFFFFFF
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 
 
 @dataclass(frozen=True, eq=False)
 class Packed:
-    """One compressed tensor: `codes` (uint8, ceil(numel·bits/8) bytes) and `scales` (float32, one
-    per block), for `numel` entries in `format` with `block` entries per scale."""
+    """One compressed tensor: `codes` (uint8, ceil(numel·bits/8) bytes) and `scales` (float32: one per
+    block, or in a statistical format the blocks' centroid tables, 2^bits per block, block after block), for
+    `numel` entries in `format` with `block` entries per scale (or table)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -63,11 +67,11 @@ class Packed:
 
     @property
     def nbytes(self) -> int:
-        """Bytes on the wire: the packed codes plus 4 per scale (= spec.bytes_of)."""
+        """Bytes on the wire: the packed codes plus 4 per scale or centroid (= spec.bytes_of)."""
         return self.codes.numel() + 4 * self.scales.numel()
 
     def wire(self) -> torch.Tensor:
-        """One uint8 buffer to send: the scales' bytes, then the codes (`nbytes` long)."""
+        """One uint8 buffer to send: the scales' (or tables') bytes, then the codes (`nbytes` long)."""
         return torch.cat([self.scales.contiguous().view(torch.uint8), self.codes])
 
     @staticmethod
@@ -78,7 +82,7 @@ class Packed:
                 f"Packed.from_wire: expected a 1-D uint8 buffer of {bytes_of(spec, numel)} bytes for {numel} "
                 f"entries in {spec.cli()}, got {tuple(buf.shape)} {buf.dtype}"
             )
-        nb = 4 * (-(-numel // spec.block))
+        nb = 4 * spec.floats_per_block * (-(-numel // spec.block))
         scales = buf[:nb].view(torch.float32) if nb else torch.empty(0, device=buf.device)
         return Packed(buf[nb:], scales, numel, spec.format, spec.block)
 
@@ -267,10 +271,20 @@ def quantize_blocks(xb: torch.Tensor, spec: Compression, step: int, tensor_id: i
     return codes.flatten(), scales, deq.flatten()
 
 
+def encode_blocks(xb: torch.Tensor, n: int, spec: Compression, step: int, tensor_id: int, first_block: int):
+    """(codes int32, scales or centroid tables float32, dequantized values in xb's dtype) of the finite blocks
+    xb [nb, block] of a tensor of n entries: `quantize_blocks` (blockwise formats) or the statistical formats'
+    `encode_stat_blocks`."""
+    if spec.is_stat:
+        return encode_stat_blocks(xb, n, spec)
+    return quantize_blocks(xb, spec, step, tensor_id, first_block)
+
+
 def check_call(spec, step: int, tensor_id: int, first_block: int) -> None:
     """The checks every entry point makes on (spec, step, tensor_id, first_block)."""
     if not isinstance(spec, Compression):
         raise TypeError(f"spec must be a Compression, got {type(spec).__name__}")
+    whole_tensor_spec(spec, "compress")
     _check_u32(step, "step")
     _check_u32(tensor_id, "tensor_id")
     if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
@@ -288,27 +302,39 @@ def quantize(x: torch.Tensor, spec: Compression, *, step: int = 0, tensor_id: in
     n = x.numel()
     if n and not bool(torch.isfinite(x).all()):
         raise ValueError(f"quantize: tensor {tensor_id} contains NaN or Inf; nothing was quantized")
-    codes, scales, _ = quantize_blocks(_blocks(x.detach(), spec.block), spec, step, tensor_id, first_block)
+    codes, scales, _ = encode_blocks(_blocks(x.detach(), spec.block), n, spec, step, tensor_id, first_block)
     return Packed(pack_codes(codes, spec.bits, (n * spec.bits + 7) // 8), scales, n, spec.format, spec.block)
+
+
+def _per_block(fmt) -> int:
+    """float32 values per block of a format: its scale (1) or its centroid table (2^bits)."""
+    return getattr(fmt, "bins", 1)
 
 
 def _check_packed(p: Packed) -> None:
     if not isinstance(p, Packed):
         raise TypeError(f"expected a Packed, got {type(p).__name__}")
-    bits, nb = FORMATS[p.format].bits, -(-p.numel // p.block)
+    fmt = format_of(p.format)
+    bits, nb = fmt.bits, -(-p.numel // p.block) * _per_block(fmt)
+    what = "scales" if _per_block(fmt) == 1 else "centroids"
     if p.codes.numel() != (p.numel * bits + 7) // 8 or p.scales.numel() != nb or p.codes.dtype != torch.uint8:
         raise ValueError(
             f"Packed of {p.numel} entries in {p.format} (block {p.block}): expected {(p.numel * bits + 7) // 8} "
-            f"uint8 code bytes and {nb} scales, got {p.codes.numel()} {p.codes.dtype} and {p.scales.numel()}"
+            f"uint8 code bytes and {nb} {what}, got {p.codes.numel()} {p.codes.dtype} and {p.scales.numel()}"
         )
 
 
 def dequantize(p: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The flat [numel] tensor a Packed stands for: level·s in float32, then cast to `dtype`."""
+    """The flat [numel] tensor a Packed stands for: level·s (or its bin's centroid) in float32, then cast to
+    `dtype`."""
     _check_packed(p)
-    fmt = FORMATS[p.format]
-    nb = p.scales.numel()
+    fmt = format_of(p.format)
+    nb = -(-p.numel // p.block)
     codes = unpack_codes(p.codes, fmt.bits, nb * p.block)
+    if _per_block(fmt) > 1:
+        table = p.scales.to(torch.float32).view(nb, fmt.bins)
+        values = torch.gather(table, 1, codes.view(nb, p.block).long())
+        return values.flatten()[: p.numel].to(dtype)
     levels = torch.index_select(decode_table(fmt).to(p.codes.device), 0, codes).view(nb, p.block)
     return (levels * p.scales.to(torch.float32)[:, None]).flatten()[: p.numel].to(dtype)
 

@@ -1,6 +1,7 @@
 """Error feedback and the two entry points the routes call: `compress` (Δ + residual → payload, new
 residual) and `decompress_add_` (payload → added into an accumulator), each served by the Triton
-kernels for CUDA tensors and by the torch path (codec.py) everywhere else (`backend_for`).
+kernels for CUDA tensors and by the torch path (codec.py, stat.py) everywhere else (`backend_for`).
+Every format, the statistical ones included, goes through the same two calls.
 
     v = Δ + e            in the compute dtype (float32; float64 for float64 Δ)
     c = Q(v)             the dequantized payload (codec.py)
@@ -22,8 +23,8 @@ import torch
 
 from .. import triton as _tk
 from .._validate import ResultOverflowError, compute_dtype
-from .codec import Packed, _blocks, _check_packed, check_call, pack_codes, quantize_blocks, stream_keys, unpack_add_
-from .spec import FORMATS, Compression
+from .codec import Packed, _blocks, _check_packed, check_call, encode_blocks, pack_codes, stream_keys, unpack_add_
+from .spec import Compression, format_of
 
 __all__ = ["compress", "decompress_add_", "backend_for", "residual_dtype_for"]
 
@@ -125,7 +126,7 @@ def compress(
     if not bool(torch.isfinite(v).all()):
         raise ValueError(_describe(delta, residual, v, name) + "; nothing was quantized or written")
     try:
-        codes, scales, deq = quantize_blocks(_blocks(v, spec.block), spec, step, tensor_id, first_block)
+        codes, scales, deq = encode_blocks(_blocks(v, spec.block), n, spec, step, tensor_id, first_block)
     except ValueError as e:
         raise ValueError(f"compress: {name}: {e}") from None
     packed = Packed(pack_codes(codes, spec.bits, nbytes), scales, n, spec.format, spec.block)
@@ -155,13 +156,16 @@ def _compress_triton(delta, residual, spec, step, tensor_id, first_block, name, 
     d = delta.detach().contiguous()
     r = None if residual is None else residual.detach().contiguous()
     codes = torch.empty((n * fmt.bits + 7) // 8, dtype=torch.uint8, device=d.device)
-    scales = torch.empty(-(-n // spec.block), dtype=torch.float32, device=d.device)
+    scales = torch.empty(-(-n // spec.block) * spec.floats_per_block, dtype=torch.float32, device=d.device)
     new = torch.empty(d.shape, dtype=rdt, device=d.device) if rdt is not None else None
-    keys = stream_keys(spec.seed, step, tensor_id) if spec.rounding == "stochastic" else None
-    quant.quantize_ef_pack(
-        d, r, codes, scales, new, fmt=fmt, block=spec.block, first_block=first_block, keys=keys, beta=spec.ef_beta
-    )
-    if not bool(torch.isfinite(scales).all()):  # a non-finite block writes a NaN scale: one sync
+    if spec.is_stat:
+        quant.stat_quantize_ef_pack(d, r, codes, scales, new, fmt=fmt, block=spec.block, sigmas=spec.sigmas, beta=spec.ef_beta)
+    else:
+        keys = stream_keys(spec.seed, step, tensor_id) if spec.rounding == "stochastic" else None
+        quant.quantize_ef_pack(
+            d, r, codes, scales, new, fmt=fmt, block=spec.block, first_block=first_block, keys=keys, beta=spec.ef_beta
+        )
+    if not bool(torch.isfinite(scales).all()):  # a non-finite block writes a NaN scale (or table): one sync
         v = d.reshape(-1).float() + (0 if r is None else r.reshape(-1).float())
         raise ValueError(_describe(delta, residual, v, name) + "; nothing was quantized or written")
     _check_residual(new, rdt, name)
@@ -188,6 +192,8 @@ def decompress_add_(acc: torch.Tensor, packed: Packed) -> torch.Tensor:
     if backend_for(acc)[0] == "triton":
         from ..triton import quant
 
-        quant.unpack_accumulate(packed.codes, packed.scales, acc, fmt=FORMATS[packed.format], block=packed.block)
+        fmt = format_of(packed.format)
+        unpack = quant.stat_unpack_accumulate if hasattr(fmt, "bins") else quant.unpack_accumulate
+        unpack(packed.codes, packed.scales, acc, fmt=fmt, block=packed.block)
         return acc
     return unpack_add_(acc, packed)

@@ -11,6 +11,15 @@ Python integer arithmetic. For one flat tensor x and a spec (compress/spec.py):
     level = sign(y)·(lo or hi); value = level·s
 
 Error feedback: v = Δ + e; c = value(v); e ← β·(v − c).
+
+Statistical formats (`stat_quantize_ref`), per block of m entries, in Python integers and floats (a Python
+int / int is correctly rounded, as float64 division of the exactly converted integers is):
+
+    a = max|x|; a < 2^-126: codes 0, table 0.   E = max(frexp(a)[1], −125)
+    y = ldexp(x, 24 − E); q = int(y) (toward zero); S1 = Σ q, S2 = Σ q²
+    μ = S1 / m; σ = sqrt(max(float(S2) / m − μ·μ, 0)); edges μ + σ·k·(2j − NB)/NB, j = 1 … NB − 1
+    code = how many edges y is at or above; centroid = Σ q of the bin / its count, or (empty bin) the
+    midpoint μ + σ·k·(2c + 1 − NB)/NB clamped to [min q, max q]; table = float32(ldexp(centroid, E − 24))
 """
 
 from __future__ import annotations
@@ -24,7 +33,16 @@ import torch
 
 from .spec import Compression, Format
 
-__all__ = ["mix32_ref", "random_bits_ref", "levels_ref", "quantize_ref", "dequantize_ref", "error_feedback_ref"]
+__all__ = [
+    "mix32_ref",
+    "random_bits_ref",
+    "levels_ref",
+    "quantize_ref",
+    "dequantize_ref",
+    "stat_quantize_ref",
+    "stat_dequantize_ref",
+    "error_feedback_ref",
+]
 
 _M32 = 0xFFFFFFFF
 
@@ -107,6 +125,46 @@ def dequantize_ref(levels: torch.Tensor, scales: torch.Tensor, block: int) -> to
     return levels * scales.repeat_interleave(block)[: levels.numel()]
 
 
+def stat_quantize_ref(x: torch.Tensor, spec: Compression) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int64 [n], table float64 [nb, bins], float32 values) of the flattened x in the statistical format
+    of `spec` (module docstring): value i = table[i // block, codes[i]]."""
+    B, bins, ks = spec.block, spec.fmt.bins, round(spec.sigmas * 16)
+    xs = x.detach().to("cpu", torch.float64).flatten().tolist()
+    codes, tables = [], []
+    for b0 in range(0, len(xs), B):
+        chunk = xs[b0 : b0 + B]
+        m = len(chunk)
+        a = max(abs(t) for t in chunk)
+        if a < 2.0**-126:
+            codes += [0] * m
+            tables.append([0.0] * bins)
+            continue
+        e = max(math.frexp(a)[1], -125)
+        y = [math.ldexp(t, 24 - e) for t in chunk]
+        q = [int(t) for t in y]
+        mu = sum(q) / m
+        sd = math.sqrt(max(float(sum(t * t for t in q)) / m - mu * mu, 0.0))
+        edges = [mu + sd * (ks * (2 * j - bins) / (16 * bins)) for j in range(1, bins)]
+        cs = [sum(t >= edge for edge in edges) for t in y]
+        table = []
+        for c in range(bins):
+            members = [qi for qi, ci in zip(q, cs) if ci == c]
+            if members:
+                centroid = sum(members) / len(members)
+            else:
+                centroid = min(max(mu + sd * (ks * (2 * c + 1 - bins) / (16 * bins)), min(q)), max(q))
+            table.append(float(np.float32(math.ldexp(centroid, e - 24))))
+        codes += cs
+        tables.append(table)
+    return torch.tensor(codes, dtype=torch.int64), torch.tensor(tables, dtype=torch.float64).view(-1, bins)
+
+
+def stat_dequantize_ref(codes: torch.Tensor, table: torch.Tensor, block: int) -> torch.Tensor:
+    """table[i // block, codes[i]] per entry, float64 (exact)."""
+    rows = torch.arange(codes.numel()) // block
+    return table[rows, codes]
+
+
 def error_feedback_ref(
     delta: torch.Tensor,
     residual: Optional[torch.Tensor],
@@ -114,13 +172,18 @@ def error_feedback_ref(
     step: int = 0,
     tensor_id: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """(levels, scales, sent values, new residual) in float64: v = Δ + e, c = Q(v), e ← β·(v − c)."""
+    """(levels, scales, sent values, new residual) in float64: v = Δ + e, c = Q(v), e ← β·(v − c). For a
+    statistical format: (codes, centroid tables, sent values, new residual)."""
     v = delta.detach().to("cpu", torch.float64).flatten()
     if residual is not None:
         v = v + residual.detach().to("cpu", torch.float64).flatten()
     if not all(math.isfinite(t) for t in v.tolist()):
         raise ValueError("error_feedback_ref: Δ + e is not finite")
-    levels, scales = quantize_ref(v, spec, step, tensor_id)
-    sent = dequantize_ref(levels, scales, spec.block)
+    if spec.is_stat:
+        levels, scales = stat_quantize_ref(v, spec)
+        sent = stat_dequantize_ref(levels, scales, spec.block)
+    else:
+        levels, scales = quantize_ref(v, spec, step, tensor_id)
+        sent = dequantize_ref(levels, scales, spec.block)
     new = None if spec.ef_beta is None else spec.ef_beta * (v - sent)
     return levels, scales, sent, new

@@ -15,6 +15,17 @@ lie below n run without masks (MASKED=False: vectorized loads and stores), the l
 second launch with them. A block holding NaN/Inf writes a
 NaN scale, which the caller checks (one sync) before it hands anything out.
 
+The statistical formats (stat2, stat4; compress/stat.py is their contract) have their own pair:
+
+    _stat_quantize_ef_pack_kernel    v = Δ + e (float32); per block the fixed point q = trunc(v·2^(24−E)) in
+                                     int64, its mean and standard deviation from integer sums (float64), the
+                                     codes = bins over μ ± kσ, the centroid table (float64 means, one rounding
+                                     to float32), codes packed; e' = β·(v − table[code])
+    _stat_unpack_accumulate_kernel   out (+)= table[block, code], the sum in float32
+
+Their sums are integer sums (exact in any order) and their float64 steps single IEEE operations (division
+and square root correctly rounded), so they give the torch path's bits too.
+
 The counter hash is triton/mix.py's mix32 (compress/codec.py's); the tests run these kernels under
 the interpreter in a fresh Python with TRITON_INTERPRET=1 (tests/test_compress_triton.py).
 """
@@ -184,6 +195,107 @@ def _unpack_accumulate_kernel(
     _store(out_ptr, j, c.to(out_ptr.dtype.element_ty), n, MASKED)
 
 
+@triton.jit(do_not_specialize=["pid0"])
+def _stat_quantize_ef_pack_kernel(
+    delta_ptr,
+    res_ptr,
+    new_res_ptr,
+    codes_ptr,
+    table_ptr,
+    pid0,
+    n,
+    n_blocks,
+    n_bytes,
+    beta,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BITS: tl.constexpr,
+    KS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    FEEDBACK: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    NB: tl.constexpr = 1 << BITS
+    rows = (pid0 + tl.program_id(0)).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    j = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    v = _load(delta_ptr, j, n, MASKED).to(tl.float32)
+    if HAS_RES:
+        v = v + _load(res_ptr, j, n, MASKED).to(tl.float32)
+    finite = tl.abs(v) < float("inf")  # NaN compares false
+    bad = tl.sum((~finite).to(tl.int32), 1)
+    v = tl.where(finite, v, 0.0)  # a non-finite block is refused by the caller; keep its arithmetic quiet
+    valid = j < n
+    a = tl.max(tl.abs(v), 1)
+    live = a >= 1.1754943508222875e-38  # MIN_SCALE: below it the block is sent as zeros
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126, -125)  # 2^(e−1) ≤ a < 2^e
+    up = ((24 - e + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+    down = ((e - 24 + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+    y = v.to(tl.float64) * up[:, None]  # exact
+    q = tl.where(valid, y.to(tl.int64), 0)  # toward zero
+    m = tl.maximum(tl.sum(valid.to(tl.int32), 1), 1).to(tl.float64)  # ≥ 1 entry in every real block
+    mu = tl.sum(q, 1).to(tl.float64) / m
+    var = tl.sum(q * q, 1).to(tl.float64) / m - mu * mu
+    sd = tl.sqrt(tl.where(var > 0.0, var, 0.0))
+    code = tl.zeros([ROWS, BLOCK], tl.int32)
+    for jj in tl.static_range(1, NB):
+        edge = mu + sd * (KS * (2 * jj - NB) / (16 * NB))  # an exact binary fraction times σ
+        code += (y >= edge[:, None]).to(tl.int32)
+    code = tl.where(valid & live[:, None], code, 0)
+    qmin = tl.min(tl.where(valid, q, 1 << 62), 1).to(tl.float64)
+    qmax = tl.max(tl.where(valid, q, -(1 << 62)), 1).to(tl.float64)
+    c = tl.zeros([ROWS, BLOCK], tl.float32)
+    for cc in tl.static_range(NB):
+        inside = (code == cc) & valid
+        count = tl.sum(inside.to(tl.int32), 1)
+        mean = tl.sum(tl.where(inside, q, 0), 1).to(tl.float64) / tl.maximum(count, 1).to(tl.float64)
+        mid = mu + sd * (KS * (2 * cc + 1 - NB) / (16 * NB))
+        empty = tl.minimum(tl.maximum(mid, qmin), qmax)
+        value = (tl.where(count > 0, mean, empty) * down).to(tl.float32)
+        value = tl.where(live, value, 0.0)
+        value = tl.where(bad > 0, float("nan"), value)
+        _store(table_ptr, rows * NB + cc, value, n_blocks * NB, MASKED)
+        c = tl.where(code == cc, value[:, None], c)
+    if FEEDBACK:
+        _store(new_res_ptr, j, (beta * (v - c)).to(new_res_ptr.dtype.element_ty), n, MASKED)
+    PER: tl.constexpr = 8 // BITS
+    fields = tl.reshape(code, (ROWS, BLOCK // PER, PER)) << (tl.arange(0, PER) * BITS)[None, None, :]
+    byte = tl.sum(fields, 2)  # the fields do not overlap: sum = or
+    b = rows[:, None] * (BLOCK // PER) + tl.arange(0, BLOCK // PER)[None, :]
+    _store(codes_ptr, b, byte.to(tl.uint8), n_bytes, MASKED)
+
+
+@triton.jit(do_not_specialize=["pid0"])
+def _stat_unpack_accumulate_kernel(
+    codes_ptr,
+    table_ptr,
+    out_ptr,
+    pid0,
+    n,
+    n_blocks,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BITS: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    NB: tl.constexpr = 1 << BITS
+    PER: tl.constexpr = 8 // BITS
+    rows = (pid0 + tl.program_id(0)).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    j = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    if MASKED:
+        byte = tl.load(codes_ptr + j // PER, mask=j < n, other=0).to(tl.int32)
+    else:
+        byte = tl.load(codes_ptr + j // PER).to(tl.int32)
+    code = (byte >> ((j % PER) * BITS).to(tl.int32)) & (NB - 1)
+    if MASKED:
+        c = tl.load(table_ptr + rows[:, None] * NB + code, mask=j < n, other=0.0)
+    else:
+        c = tl.load(table_ptr + rows[:, None] * NB + code)
+    if ACCUMULATE:
+        c = _load(out_ptr, j, n, MASKED).to(tl.float32) + c
+    _store(out_ptr, j, c.to(out_ptr.dtype.element_ty), n, MASKED)
+
+
 def _launches(n: int, block: int, rows: int):
     """(pid0, programs, MASKED) per launch: the programs whose entries all lie below n run unmasked
     (their loads and stores vectorize), the last, partial one masked; then the number of blocks."""
@@ -196,10 +308,11 @@ def _launches(n: int, block: int, rows: int):
 
 def _launch(kernel, n: int, fmt, block: int, rows: Optional[int], tensors, scalars, **constexprs) -> None:
     """kernel(*tensors, pid0, n, n_blocks, *scalars) over n entries, ROWS blocks of BLOCK entries a
-    program (rows None: ENTRIES // block), with the format's constexprs and `constexprs`: one
-    launch per entry of `_launches`."""
+    program (rows None: ENTRIES // block), with the format's constexprs (a blockwise format's grid; a
+    statistical format's bits only) and `constexprs`: one launch per entry of `_launches`."""
     rows = rows or max(1, ENTRIES // block)
     launches, nb = _launches(n, block, rows)
+    grid = {} if hasattr(fmt, "bins") else dict(IS_FLOAT=fmt.is_float, MANT=fmt.mant, EMIN=fmt.emin)
     for pid0, programs, masked in launches:
         kernel[(programs,)](
             *tensors,
@@ -210,12 +323,10 @@ def _launch(kernel, n: int, fmt, block: int, rows: Optional[int], tensors, scala
             BLOCK=block,
             ROWS=rows,
             BITS=fmt.bits,
-            IS_FLOAT=fmt.is_float,
-            MANT=fmt.mant,
-            EMIN=fmt.emin,
             MASKED=masked,
             num_warps=NUM_WARPS,
             enable_fp_fusion=False,
+            **grid,
             **constexprs,
         )
 
@@ -300,3 +411,69 @@ def unpack_accumulate(
         NAN_CODE=0x7F if fmt.is_float and fmt.bits == 8 else -1,
         ACCUMULATE=accumulate,
     )
+
+
+def stat_quantize_ef_pack(
+    delta: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    codes: torch.Tensor,
+    table: torch.Tensor,
+    new_residual: Optional[torch.Tensor],
+    *,
+    fmt,
+    block: int,
+    sigmas: float,
+    beta: Optional[float] = None,
+    rows: Optional[int] = None,
+) -> None:
+    """The statistical formats' quantize_ef_pack: fill codes (uint8 [ceil(n·bits/8)]), table (float32
+    [ceil(n/block)·2^bits]: each block's centroids, NaN for a block holding NaN/Inf) and, with `beta`,
+    new_residual from the contiguous Δ (float16/bfloat16/float32) and residual (None: zeros). fmt: compress/'s
+    StatFormat (bits); sigmas: k, a multiple of 1/16."""
+    n = delta.numel()
+    if n == 0:
+        return
+    for t in (delta, residual, codes, table, new_residual):
+        if t is not None and not t.is_contiguous():
+            raise ValueError("stat_quantize_ef_pack: every tensor must be contiguous")
+    ks = round(sigmas * 16)
+    if ks != sigmas * 16:
+        raise ValueError(f"stat_quantize_ef_pack: sigmas must be a multiple of 1/16, got {sigmas}")
+    _launch(
+        _stat_quantize_ef_pack_kernel,
+        n,
+        fmt,
+        block,
+        rows,
+        (
+            delta,
+            residual if residual is not None else delta,
+            new_residual if new_residual is not None else delta,
+            codes,
+            table,
+        ),
+        (codes.numel(), float(beta) if beta is not None else 0.0),
+        KS=ks,
+        HAS_RES=residual is not None,
+        FEEDBACK=beta is not None,
+    )
+
+
+def stat_unpack_accumulate(
+    codes: torch.Tensor,
+    table: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    fmt,
+    block: int,
+    accumulate: bool = True,
+    rows: Optional[int] = None,
+) -> None:
+    """out (+)= table[block, code] for the contiguous out (any float dtype, numel entries): the statistical
+    formats' unpack_accumulate (accumulate=True adds in float32 and rounds once to out's dtype)."""
+    n = out.numel()
+    if n == 0:
+        return
+    if not out.is_contiguous():
+        raise ValueError("stat_unpack_accumulate: out must be contiguous")
+    _launch(_stat_unpack_accumulate_kernel, n, fmt, block, rows, (codes, table, out), (), ACCUMULATE=accumulate)
