@@ -14,7 +14,8 @@ and compares five merges; this module runs all of them on the library's kernels:
 
 Definitions and their departures from the official code: merges/reference.py, docs/merges.md.
 Per-worker weights (`weights=`, merges/options.py): each merge's weighted form over the workers with
-weight > 0; equal weights are the unweighted merge bit for bit.
+weight > 0; equal weights are the unweighted merge bit for bit. A norm clip (`clip=`, merges/norm.py):
+each worker's Δ of a tensor shrunk to at most the workers' median norm or a given cap, before the merge.
 Options per merge: merges/options.py. Tensors that are not 2-D get the mean under iso_c, norm_mean,
 tsv and iso_cts, and are pruned like any tensor under ties and dare (as in the official code). One
 worker (K = 1) is each merge's value for its delta: the delta (mean; norm_mean, bit for bit: its two
@@ -40,12 +41,12 @@ from .._validate import (
     overflow_limit,
 )
 from ..api import iso_flatten
-from .norm import norm_mean_merge
-from .options import MERGES, resolve_options, resolve_weights
+from .norm import Clipped, clip_stacks, norm_mean_merge, worker_norms
+from .options import MERGES, resolve_clip, resolve_options, resolve_weights
 from .sparse import sparse_merge
 from .spectral import iso_cts_merge, tsv_merge
 
-__all__ = ["MERGES", "merge", "merge_", "merge_groups", "check_stacks"]
+__all__ = ["MERGES", "Clipped", "merge", "merge_", "merge_groups", "check_stacks", "clip_stacks", "worker_norms"]
 
 
 def check_stacks(stacks: Sequence[torch.Tensor], where: str = "merge", ids: Optional[Sequence[int]] = None) -> int:
@@ -216,6 +217,7 @@ def merge(
     flatten_method: str = "auto",
     stack_ids: Optional[Sequence[int]] = None,
     weights=None,
+    clip=None,
     **options,
 ) -> list[torch.Tensor]:
     """The merge `method` of every worker stack [K, *shape], out of place: a list of [*shape]
@@ -234,12 +236,16 @@ def merge(
         weighted form: merges/options.py, docs/merges.md); equal weights are the unweighted merge bit
         for bit, a zero weight is that worker dropped (DARE: the others keep their stream indices).
         Every worker's Δ must still be finite, a zero-weight one's too.
+    clip: None, "median" or a positive number: before the merge, each worker's Δ of each stack is scaled
+        to at most the cap (its 2-norm over the whole tensor; "median": the median of the workers' norms
+        of that stack, over the workers with weight > 0; a number: that cap), never grown, and rounded to
+        the stack's dtype (merges/norm.py). `clip_stacks` returns the norms it saw.
 
     Raises:
         TypeError, ValueError: naming the stack, worker, weight or option (a stack that is not a tensor
             of a supported float dtype, K = 0 or K differing between stacks, NaN/Inf, an unknown merge
             or option, a stack id that is not an int, weights that are not K finite numbers ≥ 0 with
-            one > 0); nothing is computed.
+            one > 0, a clip that is not "median" or a number > 0); nothing is computed.
         ResultOverflowError: a result does not fit its dtype (DARE's rescale can push one past it),
             naming the merge and the stack. The mean of finite stacks always fits.
 
@@ -257,10 +263,11 @@ def merge(
     K = check_stacks(stacks)
     stack_ids = _stack_ids(stack_ids, len(stacks), "merge")
     w = resolve_weights(weights, K, "merge") if stacks else resolve_weights(None, 0)
+    clip = resolve_clip(clip, "merge")
     _check_finite(stacks, "merge")
-    inputs = stacks
+    inputs = stacks if clip is None else clip_stacks(stacks, clip, w.active).stacks
     if w.active is not None:  # zero weights: those workers dropped (each row keeps its worker index for DARE)
-        inputs = [s[w.active] for s in stacks]
+        inputs = [s[w.active] for s in inputs]
     results = _compute(inputs, method, opts, flatten_method, stack_ids, w.omega, w.active)
     for j, (s, r) in enumerate(zip(stacks, results)):
         _check_fits(r, s, method, j)
@@ -301,13 +308,20 @@ def merge_(stacks: Sequence[torch.Tensor], method: str = "iso_c", **kwargs) -> l
 
 
 def merge_groups(
-    stacks: dict, merged: set, method: str, options: dict, step: int, flatten_method: str = "auto", weights=None
+    stacks: dict,
+    merged: set,
+    method: str,
+    options: dict,
+    step: int,
+    flatten_method: str = "auto",
+    weights=None,
+    clip=None,
 ) -> dict:
     """The outer optimizers' merge of their params' stacks ({param index: [K, *shape]}): `method` for
     the indices in `merged`, the mean for the others (param groups with iso=False); the param index is
     each stack's id in DARE's stream and DARE's seed is offset by `step`, so one process (`MergeLoCo`)
-    and a sharded step (`ShardedIsoLoCo(merge=...)`) draw the same drops. weights: the workers' (as
-    `merge`), for both. Returns {index: result}."""
+    and a sharded step (`ShardedIsoLoCo(merge=...)`) draw the same drops. weights, clip: as `merge`'s, for
+    both. Returns {index: result}."""
     opts = dict(options)
     if method == "dare":
         opts["seed"] = opts.get("seed", 0) + step
@@ -322,9 +336,10 @@ def merge_groups(
             flatten_method=flatten_method,
             stack_ids=chosen,
             weights=weights,
+            clip=clip,
             **opts,
         )
         out.update(zip(chosen, got))
     if plain:
-        out.update(zip(plain, merge([stacks[i] for i in plain], "mean", weights=weights)))
+        out.update(zip(plain, merge([stacks[i] for i in plain], "mean", weights=weights, clip=clip)))
     return out

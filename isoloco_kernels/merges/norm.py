@@ -1,4 +1,4 @@
-"""The norm-preserving mean (`norm_mean`), batched over a bucket and its K workers.
+"""Per-worker Frobenius norms: the norm-preserving mean (`norm_mean`) and the norm clip (`clip_stacks`).
 
 Per 2-D matrix, the mean direction at the workers' mean Frobenius norm (Decoupled DiLoCo's rule):
 
@@ -14,15 +14,27 @@ Input: x = [B, K, m, n] in the compute dtype, each stack scaled by a power of tw
 entry is in [1, 2) (exact: the caller scales the result back), so neither the squares behind the
 norms overflow nor small entries underflow. At K = 1 the two norms are taken by the same reduction on
 the same values, so the ratio is exactly 1 and the result is the delta bit for bit.
+
+The clip (`clip_stacks`, the merges' and MergeLoCo's `clip=`; Covenant-72B's rule for "median"): per
+tensor (a matrix, a vector, any tensor: the 2-norm of all its entries), each worker's Δ_k is scaled by
+
+    c_k = min(1, cap / ‖Δ_k‖),   cap = median_{k: w_k > 0} ‖Δ_k‖ ("median") or the number given
+
+so it only ever shrinks; a worker at or below the cap is left as it is, bit for bit. The median of an
+even count is the mean of its two middle values. Norms are taken in float64 from a power-of-two scaled
+copy (no overflow, no underflow); the scaled Δ_k is rounded to the stack's dtype, which is what the
+merge then reads.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-__all__ = ["norm_mean_merge"]
+from .._validate import compute_dtype
+
+__all__ = ["Clipped", "clip_stacks", "norm_mean_merge", "worker_norms"]
 
 
 def _frobenius(t: torch.Tensor) -> torch.Tensor:
@@ -44,3 +56,57 @@ def norm_mean_merge(x: torch.Tensor, weights: Optional[torch.Tensor] = None) -> 
     size = _frobenius(mean.unsqueeze(1))[:, 0]  # the same reduction as the workers' (exact ratio 1 at K = 1)
     ratio = torch.where(size > 0, target / torch.where(size > 0, size, 1), torch.zeros_like(size))
     return mean * ratio[:, None, None]
+
+
+def worker_norms(s: torch.Tensor) -> torch.Tensor:
+    """Each worker's 2-norm (Frobenius for a matrix) of a finite stack [K, *shape]: float64 [K] on the CPU.
+    Each worker is scaled by a power of two near its largest entry first (exact), so no square overflows
+    or underflows in the compute dtype."""
+    K = s.shape[0]
+    if s.numel() == 0:
+        return torch.zeros(K, dtype=torch.float64)
+    x = s.detach().reshape(K, -1).to(compute_dtype(s.dtype))
+    amax = x.abs().amax(1)
+    _, e = torch.frexp(amax)
+    scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), e - 1), torch.ones_like(amax))
+    norms = torch.linalg.vector_norm(x / scale[:, None], dim=1)
+    return norms.to("cpu", torch.float64) * scale.to("cpu", torch.float64)
+
+
+def _median(v: torch.Tensor) -> float:
+    """The median of a float64 vector: the middle value, or the mean of the two middle values."""
+    v = v.sort().values
+    n = v.numel()
+    return float(v[n // 2]) if n % 2 else float((v[n // 2 - 1] + v[n // 2]) / 2)
+
+
+class Clipped(NamedTuple):
+    """`clip_stacks`' result: the stacks to merge (a stack no worker of which was over its cap is the input
+    itself), each stack's worker norms before the clip (float64 [K], CPU) and each stack's cap."""
+
+    stacks: list
+    norms: list
+    caps: list
+
+
+def clip_stacks(stacks: Sequence[torch.Tensor], clip, active: Optional[Sequence[int]] = None) -> Clipped:
+    """Each worker's Δ of every checked, finite stack [K, *shape] clipped to its cap (module docstring).
+    clip: "median" or a positive float (options.resolve_clip's); active: the workers whose norms the
+    median is taken over (weight > 0; None: all). Writes nothing: a clipped stack is a new tensor."""
+    out, norms, caps = [], [], []
+    for s in stacks:
+        n = worker_norms(s)
+        if clip == "median":
+            cap = _median(n if active is None else n[list(active)])
+        else:
+            cap = float(clip)
+        over = (n > cap).nonzero().flatten().tolist()
+        if over:
+            cd = compute_dtype(s.dtype)
+            s = s.detach().clone()
+            for k in over:
+                s[k] = (s[k].to(cd) * (cap / float(n[k]))).to(s.dtype)
+        out.append(s)
+        norms.append(n)
+        caps.append(cap)
+    return Clipped(out, norms, caps)

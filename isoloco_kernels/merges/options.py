@@ -20,6 +20,10 @@ merges/reference.py): a zero weight is that worker dropped, and K' is the worker
 per-worker budget uses (TSV-M's ⌊r/K'⌋, Iso-CTS's task share). Where the workers left all have the
 same weight, the merge is the unweighted one of those workers, on the unweighted code path: equal
 weights are bit for bit the merge without weights.
+
+And a norm clip (`resolve_clip`) applied to every worker's Δ before the merge: "median" (each worker's
+Δ of a tensor shrunk to at most the median of the workers' norms of that tensor) or a positive number
+(an absolute cap); merges/norm.py computes it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["MERGES", "Weights", "resolve_options", "resolve_weights"]
+__all__ = ["MERGES", "Weights", "resolve_clip", "resolve_options", "resolve_weights"]
 
 MERGES = {
     "mean": {},
@@ -140,3 +144,19 @@ def resolve_weights(weights, workers: int, where: str = "merge") -> Weights:
     rel = torch.tensor([v / top for v in kept], dtype=torch.float64)  # largest 1: the sum cannot overflow
     omega = None if all(v == kept[0] for v in kept) else rel / rel.sum()
     return Weights(None if len(active) == workers else active, omega)
+
+
+def resolve_clip(clip, where: str = "merge"):
+    """`clip` checked: None (no clip), "median", or a positive number (float; inf: a cap nothing reaches).
+    Raises TypeError / ValueError naming the value: another string, a bool, a number ≤ 0 or NaN."""
+    if clip is None or (isinstance(clip, str) and clip == "median"):
+        return clip
+    what = f"{where}: clip must be 'median' or a positive number (the largest Frobenius norm a worker's Δ keeps)"
+    if isinstance(clip, torch.Tensor) and clip.ndim == 0 and clip.dtype != torch.bool and not clip.is_complex():
+        clip = clip.item()
+    if isinstance(clip, bool) or not isinstance(clip, numbers.Real):
+        raise TypeError(f"{what}, got {clip!r}")
+    v = float(clip)
+    if math.isnan(v) or v <= 0:
+        raise ValueError(f"{what}, got {clip!r}")
+    return v

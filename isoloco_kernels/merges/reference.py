@@ -13,6 +13,10 @@ each worker's own index i), then ω_i = w_i / Σ w replaces 1/K: each worker's s
 ω_i·Δ_i, so every "mean" below is the weighted mean Σ ω_i Δ_i, norm_mean's mean norm is Σ ω_i ‖Δ_i‖_F,
 TIES and DARE elect sign(Σ ω_i t_i) and combine Σ ω_i t_i (DARE) or Σ_agree ω_i t_i / Σ_agree ω_i
 (TIES). Equal weights are the rules as written.
+A clip (`merge_ref(..., clip=)`, `clip_ref`) comes first: per tensor, each worker's Δ_i scaled by
+min(1, cap / ‖Δ_i‖) (‖·‖ the 2-norm of all its entries), cap = the median of ‖Δ_i‖ over the workers with
+w_i > 0 (the mean of the two middle values for an even count) for clip="median", or the number given; the
+clipped Δ_i rounded to the stack's dtype is what the merge reads.
 Orthogonalizations are reference.py's polar factor (U_r V_rᵀ with its rank cut), so every result is
 basis-free: directions whose singular value is zero (σ ≤ τ·σ_1, reference.rank_tol) carry no
 arbitrary LAPACK basis into a result. docs/merges.md says where each departs from the official code.
@@ -43,7 +47,17 @@ import torch
 from ..reference import polar_ref, rank_tol
 from .options import resolve_options
 
-__all__ = ["merge_ref", "norm_mean_ref", "tsv_ref", "iso_cts_ref", "sparse_ref", "keep_mask", "task_share", "mix32"]
+__all__ = [
+    "clip_ref",
+    "merge_ref",
+    "norm_mean_ref",
+    "tsv_ref",
+    "iso_cts_ref",
+    "sparse_ref",
+    "keep_mask",
+    "task_share",
+    "mix32",
+]
 
 F64 = torch.float64
 _M32 = 0xFFFFFFFF
@@ -211,11 +225,31 @@ def sparse_ref(
     return torch.where(mass > 0, (w * t * agree).sum(0) / torch.where(mass > 0, mass, 1), 0)
 
 
-def merge_ref(x: torch.Tensor, method: str, stack: int = 0, weights=None, **options) -> torch.Tensor:
+def clip_ref(x: torch.Tensor, clip, weights=None) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The clip of one [K, *shape] stack (module docstring), in float64: (the clipped stack, each worker's
+    norm before the clip, the cap). clip: "median" or a number > 0; weights: the median is over w > 0."""
+    xs = x.detach().to("cpu", F64)
+    norms = (
+        torch.stack([torch.linalg.vector_norm(d) for d in xs]) if xs.numel() else torch.zeros(xs.shape[0], dtype=F64)
+    )
+    if clip == "median":
+        pool = norms if weights is None else norms[torch.as_tensor(weights, dtype=F64).flatten() > 0]
+        v = pool.sort().values
+        n = v.numel()
+        cap = float(v[n // 2]) if n % 2 else float((v[n // 2 - 1] + v[n // 2]) / 2)
+    else:
+        cap = float(clip)
+    factor = torch.where(norms > cap, cap / torch.where(norms > 0, norms, 1), torch.ones_like(norms))
+    return xs * factor.reshape(-1, *[1] * (xs.ndim - 1)), norms, cap
+
+
+def merge_ref(x: torch.Tensor, method: str, stack: int = 0, weights=None, clip=None, **options) -> torch.Tensor:
     """The merge `method` of one [K, *shape] stack in float64; not 2-D: the mean (iso_c, norm_mean, tsv,
     iso_cts). weights: K values ≥ 0, one > 0 (None: equal): the workers with weight 0 removed, the rest
-    weighted by ω = w / Σ w (module docstring)."""
+    weighted by ω = w / Σ w; clip: None, "median" or a number > 0, applied first (module docstring)."""
     opts = resolve_options(method, options)
+    if clip is not None:
+        x = clip_ref(x, clip, weights)[0].to(x.dtype)  # the clipped deltas in the stack's dtype: the merge's input
     workers = None
     if weights is not None:
         w = torch.as_tensor(weights, dtype=F64).flatten()

@@ -16,6 +16,8 @@ merge, its options and the step count DARE's draws follow), so a resumed run con
 ranks that each hold their own worker's Δ, `ShardedIsoLoCo(merge=...)` runs the same merges over ranks.
 `compress=` simulates each worker's compressed Δ (with its error-feedback residual) and the owners' compressed
 update exactly as `ShardedIsoLoCo(compress=...)` over K ranks computes them (optim/compressed.py).
+`clip=` shrinks each worker's Δ of each param to at most the workers' median norm (or a given cap) before the
+merge and before any compression; the norms it saw stay readable in `last_worker_norms` / `last_clip_caps`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import torch
 from .._validate import check_all_finite, is_dtensor
 from ..distributed import compressed
 from ..distributed.checkpoint import refuse_rank_state
-from ..merges import check_stacks, merge_groups
-from ..merges.options import resolve_options, resolve_weights
+from ..merges import check_stacks, clip_stacks, merge_groups
+from ..merges.options import resolve_clip, resolve_options, resolve_weights
 from ..outer.merge_state import check_merge_entry, merge_entry
 from .compressed import simulated_step
 from .isoloco import IsoLoCo
@@ -58,6 +60,12 @@ class MergeLoCo(IsoLoCo):
         compress: a `compress.Compression` (or its string, "int4:128:0.95"): each step simulates the K
             workers' compressed exchange bit for bit as `ShardedIsoLoCo(compress=...)` on K ranks runs it
             (docs/compression.md); every param then needs a stack, and `.grad` is left as it was.
+        clip: None, "median" or a positive number: each step first scales each worker's Δ of each param to
+            at most the cap (the 2-norm of the whole tensor; "median": the median of that param's worker
+            norms over the workers with weight > 0), never up, before the merge and before any compression
+            (merges.merge's `clip`). After each step `last_worker_norms` holds {param index: the K workers'
+            norms before the clip (float64, CPU)} and `last_clip_caps` {param index: its cap}. A setting, like
+            `method`: not in the state dict.
         process_group: must be None: MergeLoCo runs its K workers in one process. SGD's other keywords
             and IsoLoCo's `iso`, `iso_nd` and `dtensor_route` are taken as `IsoLoCo` takes them.
 
@@ -96,6 +104,7 @@ class MergeLoCo(IsoLoCo):
         dtensor_route: str = "auto",
         iso_nd: bool = False,
         compress: Optional[Compression | str] = None,
+        clip: Optional[str | float] = None,
     ) -> None:
         opts = dict(merge_options or {})
         try:
@@ -104,6 +113,9 @@ class MergeLoCo(IsoLoCo):
             raise type(e)(f"MergeLoCo: {e}") from None
         if process_group is not None:
             raise ValueError("MergeLoCo runs its K workers in one process: process_group must be None")
+        self.clip = resolve_clip(clip, "MergeLoCo")
+        self.last_worker_norms: dict[int, torch.Tensor] = {}  # the last step's, when clip is set
+        self.last_clip_caps: dict[int, float] = {}
         self.merge, self.merge_options, self.merged_steps = merge, opts, 0
         self._pending: Optional[tuple] = None  # (stacks, weights) set_deltas checked, for the next step
         compressed.attach(self, compress, "MergeLoCo")  # this process's K workers' residuals, once stepped
@@ -211,9 +223,13 @@ class MergeLoCo(IsoLoCo):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        seen = None
+        if self.clip is not None:  # each worker's Δ clipped before the merge and before any compression
+            stacks, seen = self._clipped(stacks, weights, where)
         if self.compress is not None:
             simulated_step(self, stacks)  # the compressed route, all or nothing (optim/compressed.py)
             self._pending = None
+            self._keep_norms(seen)
             return loss
         params = self._params()
         idx = [i for i, d in enumerate(stacks) if d is not None]
@@ -240,7 +256,25 @@ class MergeLoCo(IsoLoCo):
                 p.grad = saved[i]  # not stepped: left as it was
         self.merged_steps += 1
         self._pending = None
+        self._keep_norms(seen)
         return loss
+
+    def _clipped(self, stacks: list, weights, where: str) -> tuple[list, tuple[dict, dict]]:
+        """The stacks with every worker's Δ clipped (merges.clip_stacks; the median over the workers with
+        weight > 0), and ({param index: worker norms}, {param index: cap}); nothing written."""
+        idx = [i for i, d in enumerate(stacks) if d is not None]
+        if not idx:
+            return stacks, ({}, {})
+        active = resolve_weights(weights, stacks[idx[0]].shape[0], where).active
+        c = clip_stacks([stacks[i] for i in idx], self.clip, active)
+        out = list(stacks)
+        for i, s in zip(idx, c.stacks):
+            out[i] = s
+        return out, (dict(zip(idx, c.norms)), dict(zip(idx, c.caps)))
+
+    def _keep_norms(self, seen) -> None:
+        if seen is not None:  # a step that succeeded: what its clip saw
+            self.last_worker_norms, self.last_clip_caps = seen
 
     # -- state: SGD's plus the merge, so a resumed run draws what the uninterrupted one would --------
 
@@ -269,6 +303,7 @@ class MergeLoCo(IsoLoCo):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state.update(merge=self.merge, merge_options=dict(self.merge_options), merged_steps=self.merged_steps)
+        state.update(clip=(self.clip, dict(self.last_worker_norms), dict(self.last_clip_caps)))
         state.update(compress=(self.compress, dict(self._residuals), dict(self._update_residuals)))
         state["pending"] = self._pending
         return state
@@ -279,7 +314,9 @@ class MergeLoCo(IsoLoCo):
         merge, options = state.pop("merge", None), state.pop("merge_options", None)
         steps, pending = state.pop("merged_steps", None), state.pop("pending", None)
         packed = state.pop("compress", (None, {}, {}))
+        clip = state.pop("clip", (None, {}, {}))
         super().__setstate__(state)
         if copied:  # deepcopy / pickle (torch's load_state_dict passes only "state" and "param_groups")
             self.merge, self.merge_options, self.merged_steps, self._pending = merge, options, steps, pending
             self.compress, self._residuals, self._update_residuals = packed
+            self.clip, self.last_worker_norms, self.last_clip_caps = clip
