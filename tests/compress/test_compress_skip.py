@@ -1,0 +1,186 @@
+"""The spec's `skip` rule: which params stay in full precision. Its grammar (refused by name), the predicate by
+shape and by name, the per-tensor functions refusing a rule they cannot apply (so no route that ignores it sends
+everything compressed), and the bytes of a model with the skipped params counted in their own dtype."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from isoloco_kernels import MergeLoCo
+from isoloco_kernels.compress import (
+    FORMATS,
+    STAT_FORMATS,
+    Compression,
+    Packed,
+    allreduce_bytes,
+    bytes_of,
+    compress,
+    exchange_bytes,
+    model_exchange_bytes,
+    model_residual_bytes,
+    parse,
+    quantize,
+    residual_bytes,
+    skip_mask,
+)
+from isoloco_kernels.train.model import PRESETS, ByteLM
+
+
+def _tiny(preset="tiny"):
+    return [(n, tuple(p.shape)) for n, p in ByteLM(PRESETS[preset]).named_parameters()]
+
+
+def test_every_spec_compresses_every_param_unless_it_says_skip():
+    """The default is "none" for every format, the statistical ones included: the specs of before (and their
+    cli strings, state-dict fields aside) are unchanged."""
+    for fmt in list(FORMATS) + list(STAT_FORMATS):
+        s = Compression(fmt)
+        assert s.skip == "none" and s.for_tensor((7,)) is s and not s.skips((128,)) and not s.skips((256, 128))
+        assert ":skip" not in s.cli()
+    assert parse("int4:128:0.95").cli() == "int4:128:0.95"
+    assert dataclasses.asdict(Compression("int4"))["skip"] == "none"
+
+
+def test_the_rule_is_normalized_and_bad_rules_are_refused_by_name():
+    assert Compression("stat2", skip="vocab=256+vectors").skip == "vectors+vocab=256"
+    assert Compression("stat2", skip=" Vectors + vectors+vocab=50257+vocab=256 ").skip == "vectors+vocab=256+vocab=50257"
+    assert Compression("int2", skip="name=tok.+name=head.+vectors").skip == "vectors+name=head.+name=tok."
+    assert Compression("int2", skip="NONE").skip == "none"
+    assert Compression("int2", skip="vectors+name=Tok.").skip == "vectors+name=Tok."  # names keep their case
+    for rule, err, msg in [
+        ("vector", ValueError, r"unknown term 'vector'.*\['vectors', 'vocab=<size>', 'name=<prefix>'\]"),
+        ("none+vectors", ValueError, "unknown term 'none'"),
+        ("vectors+", ValueError, "unknown term ''"),
+        ("vocab=0", ValueError, "vocab= takes a positive int"),
+        ("vocab=x", ValueError, "vocab= takes a positive int"),
+        ("vocab", ValueError, "unknown term 'vocab'"),
+        ("name=", ValueError, "name= takes a non-empty param-name prefix"),
+        ("vectors=1", ValueError, "unknown term 'vectors=1'"),
+        (None, TypeError, "skip must be a string"),
+        (1, TypeError, "skip must be a string"),
+    ]:
+        with pytest.raises(err, match=msg):
+            Compression("stat2", skip=rule)
+    with pytest.raises(ValueError, match="compression spec 'int4:128:skip=vocab': .*unknown term 'vocab'"):
+        parse("int4:128:skip=vocab")
+
+
+def test_parse_and_cli_carry_the_rule():
+    s = parse("stat2:256:0.95:skip=vectors+vocab=256")
+    assert s == Compression("stat2", 256, ef_beta=0.95, skip="vectors+vocab=256")
+    assert s.cli() == "stat2:256:0.95:skip=vectors+vocab=256" and parse(s.cli()) == s
+    t = Compression("int2", 64, "stochastic", 0.9, feedback="both", skip="vectors+name=tok.")
+    assert t.cli() == "int2:64:0.9:stochastic:both:skip=vectors+name=tok." and parse(t.cli()) == t
+    assert parse("stat4:1024:0.9:sigmas=3:skip=vectors").cli() == "stat4:1024:0.9:sigmas=3:skip=vectors"
+    assert parse("int8", skip="vectors") == Compression(skip="vectors")
+
+
+def test_the_predicate_by_shape_and_by_name():
+    s = Compression("stat2", skip="vectors+vocab=256")
+    assert s.skips(()) and s.skips((128,)) and s.skips((256,)) and s.skips(torch.Size([7]))
+    assert s.skips((256, 128)) and s.skips((128, 256)) and s.skips((4, 256, 3))
+    assert not s.skips((384, 128)) and not s.skips((128, 128))
+    assert s.for_tensor((256, 128)) is None
+    per = s.for_tensor((384, 128))
+    assert per == dataclasses.replace(s, skip="none") and per.skip == "none"
+    only_vocab = Compression("int2", skip="vocab=256")
+    assert not only_vocab.skips((256,)) and only_vocab.skips((256, 8))  # 1-D params: only with "vectors"
+    named = Compression("int2", skip="vectors+name=tok.+name=head.")
+    assert named.skips((128,)) and named.skips((256, 128), "tok.weight") and named.skips((9, 9), "head.weight")
+    assert not named.skips((256, 128), "blocks.0.qkv.weight")
+    assert named.skips((5,), None)  # decided by shape before the names are needed
+    with pytest.raises(ValueError, match=r"names params \(name=...\), but no name was given for the param of shape \(256, 128\)"):
+        named.skips((256, 128))
+
+
+def test_skip_mask_on_the_loops_tiny_model():
+    """tiny (vocab 256, d 128): "vectors+vocab=256" keeps the token embedding, the output head and the 5 norm
+    gains, as the name rule does; the position table (64×128) is compressed. tiny-wide (d 256 = the vocabulary)
+    is where the shape rule cannot tell: every matrix has a dimension 256, so every param is kept; the name rule
+    still keeps the three it names."""
+    names, shapes = zip(*_tiny())
+    by_shape = skip_mask(Compression("stat2", skip="vectors+vocab=256"), shapes)
+    by_name = skip_mask(Compression("stat2", skip="vectors+name=tok.+name=head."), shapes, names)
+    kept = [n for n, k in zip(names, by_shape) if k]
+    assert by_shape == by_name
+    norms = [f"blocks.{b}.norm{k}.weight" for b in (0, 1) for k in (1, 2)]
+    assert kept == ["tok.weight", *norms, "norm.weight", "head.weight"]
+    assert sum(math.prod(s) for s, k in zip(shapes, by_shape) if k) == 2 * 256 * 128 + 5 * 128
+    wide_names, wide = zip(*_tiny("tiny-wide"))
+    assert all(skip_mask(Compression("stat2", skip="vectors+vocab=256"), wide))
+    named = skip_mask(Compression("stat2", skip="vectors+name=tok.+name=head."), wide, wide_names)
+    assert sum(1 for n, k in zip(wide_names, named) if k and n.endswith("weight") and "norm" not in n) == 2
+    with pytest.raises(ValueError, match="no name was given"):
+        skip_mask(Compression("stat2", skip="name=tok."), shapes)
+    with pytest.raises(ValueError, match="as many"):
+        skip_mask(Compression("stat2", skip="name=tok."), shapes, names[:-1])
+
+
+def test_the_per_tensor_functions_refuse_a_rule_they_cannot_apply():
+    """compress, quantize, bytes_of, exchange_bytes, residual_bytes and Packed.from_wire work on one tensor: with a
+    skip rule they refuse, naming it, so a route that does not apply the rule fails at once instead of sending
+    every param compressed."""
+    s = Compression("stat2", 256, ef_beta=0.9, skip="vectors")
+    x = torch.randn(300)
+    msg = "skip='vectors' keeps some params in full precision.*for_tensor"
+    for call in (
+        lambda: compress(x, None, s, step=0, tensor_id=0),
+        lambda: quantize(x, s),
+        lambda: bytes_of(s, 300),
+        lambda: exchange_bytes(s, 300, 4),
+        lambda: residual_bytes(s, 300, torch.float32),
+        lambda: Packed.from_wire(torch.zeros(10, dtype=torch.uint8), s, 300),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            call()
+    per = s.for_tensor((300, 1))
+    assert bytes_of(per, 300) == bytes_of(Compression("stat2", 256), 300)
+
+
+def test_the_current_routes_refuse_a_skip_spec_and_change_nothing():
+    """MergeLoCo (the one-process route; ShardedIsoLoCo calls the same encode) does not apply skip rules yet: a spec
+    with one is refused at its first compress, before anything is written."""
+    ps = [torch.randn(16, 8), torch.randn(8)]
+    before = [p.clone() for p in ps]
+    opt = MergeLoCo(ps, lr=1.0, momentum=0.5, compress="stat2:256:0.95:skip=vectors")
+    with pytest.raises(ValueError, match="skip='vectors'"):
+        opt.step(deltas=[torch.randn(2, *p.shape) for p in ps])
+    assert all(torch.equal(p, q) for p, q in zip(ps, before)) and not any(opt.state.values()) and not opt._residuals
+    assert opt.merged_steps == 0
+
+
+def test_a_models_bytes_count_the_skipped_params_in_their_dtype():
+    """model_exchange_bytes: exchange_bytes of each compressed param; a skipped one goes in its own dtype both
+    ways (2·(W − 1)/W·itemsize per entry). On the tiny model, "vectors+vocab=256" (73,728 + 640 entries in
+    fp32 of 467,584) lifts stat2:256 from 0.0781× to 0.2086× of an fp32 all-reduce, int2:128 to 0.2019×."""
+    shapes = [(256, 128), (64, 128), (128,), (3, 5)]
+    dtypes = [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32]
+    s = Compression("stat2", 64, ef_beta=0.9, skip="vectors+vocab=256")
+    per = dataclasses.replace(s, skip="none")
+    for w in (1, 2, 3):
+        want = 2 * (w - 1) / w * (4 * 256 * 128 + 2 * 128)
+        want += exchange_bytes(per, 64 * 128, w, torch.bfloat16) + exchange_bytes(per, 15, w)
+        assert model_exchange_bytes(s, shapes, w, dtypes) == pytest.approx(want, rel=1e-15)
+    assert model_residual_bytes(s, shapes, dtypes) == 2 * 64 * 128 + 4 * 15  # kept ones keep no residual
+    assert model_residual_bytes(s, shapes, dtypes, leg="owner") == 0  # the default placement
+    assert model_exchange_bytes(per, shapes, 4, dtypes) == sum(
+        exchange_bytes(per, math.prod(sh), 4, dt) for sh, dt in zip(shapes, dtypes)
+    )
+    names, tiny = zip(*_tiny())
+    total = sum(math.prod(t) for t in tiny)
+    for text, want in (
+        ("stat2:256", 0.0781),
+        ("stat2:256:skip=vectors", 0.0794),
+        ("stat2:256:skip=vectors+vocab=256", 0.2086),
+        ("int2:128:skip=vectors+vocab=256", 0.2019),
+        ("stat4:1024:skip=vectors+vocab=256", 0.2623),
+        ("int4:128:skip=vectors+vocab=256", 0.2555),
+    ):
+        got = model_exchange_bytes(parse(text), tiny, 4, names=names) / allreduce_bytes(total, 4)
+        assert round(got, 4) == want, (text, got)
+    with pytest.raises(ValueError, match="world must be"):
+        model_exchange_bytes(s, shapes, 0)
