@@ -6,9 +6,11 @@
                                                    # size and rewrites examples/diloco_minimal.json
 
 Sources: bench/results/2026-12-04-NVIDIA-H200.json (the flatten on one H200), study/cells/summary_v3.json (the
-study's tuned IsoLoCo − DiLoCo gaps), study/horizon/summary_v6.json (the same gap at ~20 tokens per parameter, with
-outer schedules and with more workers), examples/diloco_minimal.json (the minimal example's losses) and
-study/readme_run/results.json (the main job: the outer step's share of a round).
+study's tuned IsoLoCo − DiLoCo gaps after 10 rounds, and their picks), study/horizon/summary_v6.json (the gap at ~20
+tokens per parameter with K 4 over 300 rounds, and its outer schedules), study/k_scaling/summary_v7.json (the same
+tokens over more workers for fewer rounds, against the strongest baselines run so far), examples/diloco_minimal.json
+(the minimal example's losses) and study/readme_run/results.json (the main job: the outer step's share of a round).
+"advice" is the tuning text the README, docs/drop-in.md, docs/study.md and docs/training-loop.md carry verbatim.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 H200 = ROOT / "bench" / "results" / "2026-12-04-NVIDIA-H200.json"
 STUDY = ROOT / "study" / "cells" / "summary_v3.json"
 HORIZON = ROOT / "study" / "horizon" / "summary_v6.json"
+K_SCALING = ROOT / "study" / "k_scaling" / "summary_v7.json"
 EXAMPLE = ROOT / "examples" / "diloco_minimal.json"
 MAIN_RUN = ROOT / "study" / "readme_run" / "results.json"
 #: a cell counts as a gain when IsoLoCo's mean test loss is at least this much below tuned DiLoCo's and
@@ -90,8 +93,10 @@ def _iv(g: dict) -> str:
 
 
 def horizon() -> str:
-    """Study v6 part A: IsoLoCo − DiLoCo at the end of the long base-cell runs (each method tuned at that
-    horizon) and at round 10 of the same runs; the verdict follows the end's interval."""
+    """Study v6 part A: IsoLoCo − DiLoCo at K 4 at the end of the long base-cell runs (each method tuned at that
+    horizon), at round 10 of the same runs, the last round of IsoLoCo's first lead (intervals below 0 from the first
+    scored round on) and the round where DiLoCo led most (its interval above 0); the verdict follows the end's
+    interval."""
     s = json.loads(HORIZON.read_text())
     gap = {g["round"]: g for g in s["gap"]}
     end, early = gap[s["rounds"]], gap[10]
@@ -101,34 +106,244 @@ def horizon() -> str:
         verdict = "DiLoCo is ahead"
     else:
         verdict = "the gain is gone"
+    curve = sorted(s.get("curve", []), key=lambda g: g["round"])
+    lead = next((i for i, g in enumerate(curve) if g["t_hi"] >= 0), len(curve))
+    held = f", below 0 through round {curve[lead - 1]['round']}" if 0 < lead < len(curve) else ""
     # the round where DiLoCo led most, among those whose interval lies above 0 (none: no clause)
-    behind = max((g for g in s.get("curve", []) if g["t_lo"] > 0), key=lambda g: g["mean"], default=None)
+    behind = max((g for g in curve if g["t_lo"] > 0), key=lambda g: g["mean"], default=None)
     middle = f" and {_iv(behind)} at round {behind['round']}, where DiLoCo led most" if behind else ""
     return (
-        f"**At ~{s['tokens_per_param']:.0f} tokens per parameter and a constant outer lr {verdict}**: after {s['rounds']} rounds (K 4, H 30, "
-        f"each method tuned at that horizon, {end['seeds']} paired seeds) IsoLoCo − DiLoCo is {_iv(end)} at the "
-        f"end, {_iv(early)} at round 10 of the same runs{middle}"
+        f"**With K 4 at ~{s['tokens_per_param']:.0f} tokens per parameter and a constant outer lr {verdict}**: after "
+        f"{s['rounds']} rounds (H 30, each method tuned at that horizon, {end['seeds']} paired seeds) IsoLoCo − DiLoCo "
+        f"is {_iv(end)} at the end, {_iv(early)} at round 10 of the same runs{held}{middle}"
     )
 
 
-def beyond() -> str:
-    """Study v6 parts B and C at the same token budget: IsoLoCo − DiLoCo with the outer lr warmed up and
-    cosine-decayed (at each method's lr for that schedule when that has 2+ seeds, else at the constant-lr picks),
-    and with more workers for fewer rounds (each tuned there)."""
-    s = json.loads(HORIZON.read_text())
-    row = s["schedules"]["horizon"]["warmup-cosine"]
-    cos, re = row["iso_minus_diloco"], (row.get("retuned") or {}).get("iso_minus_diloco")
-    if re and re["seeds"] >= 2:
-        picks = row["retuned"]["picks"]
-        how = f"each method at its lr for that schedule, DiLoCo {picks['diloco']}, IsoLoCo {picks['isoloco']}"
-        out = f"{_iv(re)} at round {s['rounds']} ({how}; {_iv(cos)} at the constant-lr picks)"
+#: how the sentences name an outer schedule (isoloco_kernels.train.config.OUTER_SCHEDULES)
+SCHEDULES = {
+    "constant": "constant",
+    "warmup": "warm-up",
+    "warmup-cosine": "warm-up + cosine",
+    "momentum-warmup": "momentum warm-up",
+}
+#: the mode whose default μ a study run of this mode ran at when it named none (run_study.py VARIANTS)
+_DEFAULT_OF = {"norm_mean": "isoloco"}
+
+
+def _g(x) -> str:
+    return f"{float(x):g}"
+
+
+def _seeds(seeds) -> str:
+    s = sorted(int(x) for x in seeds)
+    if len(s) > 2 and s == list(range(s[0], s[-1] + 1)):
+        return f"seeds {s[0]}–{s[-1]}"
+    return ("seed " if len(s) == 1 else "seeds ") + ", ".join(map(str, s))
+
+
+def _config(mode: str, label: str) -> tuple:
+    """(lr, μ, schedule) of a v7 screen label ("0.7 @ 0.8", "1 @ 0.8, warmup-cosine", "3.2 @ default")."""
+    from isoloco_kernels.train.config import OUTER_DEFAULTS
+
+    head, _, schedule = label.partition(", ")
+    lr, _, mu = head.partition(" @ ")
+    mu = OUTER_DEFAULTS[_DEFAULT_OF.get(mode, mode)][1] if mu == "default" else float(mu)
+    return float(lr), float(mu), schedule or "constant"
+
+
+def _lr_mu(lr, mu, schedule: str = "constant") -> str:
+    return f"{_g(lr)} @ {_g(mu)}" + ("" if schedule == "constant" else f", {SCHEDULES[schedule]}")
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _verdict(g: dict) -> str:
+    """IsoLoCo − baseline: 'lead' (interval below 0), 'level' (it holds 0) or 'behind' (above 0)."""
+    return "lead" if g["t_hi"] < 0 else "behind" if g["t_lo"] > 0 else "level"
+
+
+def _rule(mode: str, m: dict) -> str:
+    """The rule a v7 method's pick stands on so far."""
+    screen = m["screen"]
+    both = [lab for lab, c in screen.items() if c["selection_seeds01"] is not None]
+    ran0 = [lab for lab, c in screen.items() if c["selection_seed0"] is not None]
+    best0 = min(ran0, key=lambda lab: screen[lab]["selection_seed0"]) if ran0 else None
+    if len(both) >= 2:
+        return f"picked by the mean of seeds 0–1 over its {len(both)} best by seed 0"
+    if m["pick"] is None or m["pick"] == best0:
+        return "picked by seed 0"
+    return f"picked by seed 0 of an earlier screen ({_lr_mu(*_config(mode, best0))}, now best on seed 0, awaits seed 1)"
+
+
+def _mus(grid) -> str:
+    """The μs of a grid of "lr@μ" keys: "μ 0" or "μ ∈ {0, 0.5}"."""
+    mus = sorted({float(k.split("@")[1]) for k in grid})
+    return f"μ {_g(mus[0])}" if len(mus) == 1 else "μ ∈ {" + ", ".join(map(_g, mus)) + "}"
+
+
+def _schedules(configs) -> str:
+    kinds = [SCHEDULES[k] for k in SCHEDULES if k in {c[2] for c in configs}]
+    return "at a constant outer lr" if kinds == ["constant"] else f"with outer schedules {_and(kinds)}"
+
+
+def _screen(configs, rule: str) -> dict:
+    """A DiLoCo screen in parts the sentence can share between K: its size, its μs, its schedules, its pick's rule."""
+    mu = _mus(f"{c[0]}@{c[1]}" for c in configs)
+    return {"n": f"{len(configs)} configs", "mu": mu, "schedules": _schedules(configs), "rule": rule}
+
+
+def _ddp(m: dict) -> str:
+    n = len(m["screen"])
+    return "DDP at one inner lr" if n == 1 else f"DDP tuned over {n} inner lrs"
+
+
+#: how the sentence names IsoLoCo's standing against a control, by the interval of IsoLoCo − control
+STANDING = {"lead": "ahead of", "level": "level with", "behind": "behind"}
+
+
+def where() -> str:
+    """Where the gain lives at v6's token budget: IsoLoCo − DiLoCo at each K of study v7 (k_scaling/summary_v7.json:
+    K 8 × 150, K 16 × 75, K 32 × 38 rounds, whichever have picks run on 2+ seeds) and at K 4 × 300 rounds
+    (horizon/summary_v6.json), the seeds of each interval, how DiLoCo was tuned at each K so far (configs run, its
+    μs and schedules, the pick's rule); the lead-in says whether the gain holds at every larger K, is closed (an
+    interval holding 0) or reversed; then IsoLoCo against the norm-preserving merge and against DDP where they ran."""
+    v7 = [r for r in json.loads(K_SCALING.read_text())["fixed_compute"] if r["workers"] > 4]
+    v6 = json.loads(HORIZON.read_text())
+    k4 = next(r for r in v6["fixed_compute"] if r["workers"] == 4)
+    done = [r for r in v7 if (r["gaps"].get("isoloco - diloco") or {}).get("seeds", 0) >= 2]
+    gaps, seeds, screens, controls = [], [], [], []
+    for r in done:
+        m, K = r["methods"], r["workers"]
+        gaps.append(f"{_iv(r['gaps']['isoloco - diloco'])} with K {K} workers for {r['rounds']} rounds")
+        seeds.append((K, _seeds(set(m["isoloco"]["test"]) & set(m["diloco"]["test"]))))
+        screen = [_config("diloco", lab) for lab in m["diloco"]["screen"]]
+        screens.append((K, _screen(screen, _rule("diloco", m["diloco"]))))
+        nm = r["gaps"].get("isoloco - norm_mean")
+        if nm and nm["seeds"] >= 2:
+            cfgs = [_config("norm_mean", lab) for lab in m["norm_mean"]["screen"]]
+            tuned = _screen(cfgs, _rule("norm_mean", m["norm_mean"]))
+            controls.append(
+                f"at K {K} IsoLoCo is {STANDING[_verdict(nm)]} the norm-preserving merge ({_iv(nm)}; `norm_mean`, the "
+                f"mean's direction at the workers' mean norm, tuned over {', '.join(tuned.values())})"
+            )
+        dd = (r.get("to_ddp") or {}).get("isoloco")
+        if dd and dd["seeds"] >= 2:
+            controls.append(f"at K {K} IsoLoCo is {STANDING[_verdict(dd)]} DDP ({_iv(dd)}; {_ddp(m['ddp'])})")
+    d4 = k4["picks"]["diloco"]
+    gaps.append(f"{_iv(k4['gap'])} with K 4 for {k4['rounds']} rounds")
+    seeds.append((4, _seeds(set(d4["test"]) & set(k4["picks"]["isoloco"]["test"]))))
+    grid4 = [(*map(float, key.split("@")), "constant") for key in d4["grid"]]
+    screens.append((4, _screen(grid4, f"picked by {_seeds(d4['ranked_on_seeds'])}")))
+    shared = [k for k in ("schedules", "rule") if len({sc[k] for _, sc in screens}) == 1]
+    each = "; ".join(f"K {K}: " + ", ".join(v for k, v in sc.items() if k not in shared) for K, sc in screens)
+    how = " and ".join(screens[0][1][k] for k in shared)
+    verdicts = {r["workers"]: _verdict(r["gaps"]["isoloco - diloco"]) for r in done}
+    ks = lambda v: " and ".join(f"K {k}" for k, x in verdicts.items() if x == v)  # noqa: E731
+    if not verdicts:
+        lead = "Beyond K 4 the picks await their seeds"
+    elif "behind" in verdicts.values():
+        lead = f"A tuned DiLoCo is ahead at {ks('behind')}"
+    elif "level" in verdicts.values():
+        lead = f"The stronger baselines close the gap at {ks('level')}"
+    elif _verdict(k4["gap"]) == "lead":
+        lead = f"The gain holds at {ks('lead')} and at K 4"
     else:
-        out = f"{_iv(cos)} at round {s['rounds']} (each method at its constant-lr pick)"
-    out = f"With the outer lr warmed up and decayed by a cosine to 0.1× it is {out}"
-    more = [r for r in s["fixed_compute"] if r["workers"] > 4 and r["gap"] and r["gap"]["seeds"] >= 2]
-    for r in more:
-        out += f"; with K {r['workers']} for {r['rounds']} rounds, the same tokens, each method tuned there, {_iv(r['gap'])}"
-    return out + "."
+        lead = "The gain lives in more workers for fewer rounds"
+    tpp = sorted({round(r["tokens_per_param"], 1) for r in [*done, k4]})
+    at = f"{tpp[0]}" if len(tpp) == 1 else f"{tpp[0]}–{tpp[-1]}"
+    over = (
+        f"each over {seeds[0][1]}"
+        if len({s for _, s in seeds}) == 1
+        else "over " + _and([f"{s} at K {K}" for K, s in seeds])
+    )
+    out = (
+        f"**{lead}**: at {at} tokens per parameter IsoLoCo − DiLoCo (held-out nats/byte, 95 % t) is {_and(gaps)}, "
+        f"{over}, against a DiLoCo tuned at each K over lr × μ{' ' + how if how else ''} ({each})"
+    )
+    return out + (f"; {'; '.join(controls)}." if controls else ".")
+
+
+#: the study's base cell, the one the advice's picks come from: v3's settings (cells/summary_v3.json "cell")
+BASE_CELL = {"inner_steps": 30, "batch": 4, "seq_len": 64, "inner": "adamw", "inner_lr": 0.003, "model": "tiny"}
+BASE_CELL |= {"init": "gpt2", "vocab": 256}
+
+
+def _effect(g: dict, whom: str) -> str:
+    """What a schedule did to a method, by the interval of scheduled − constant."""
+    v = _verdict(g)
+    return {"lead": f"helped {whom}", "behind": f"cost {whom}", "level": f"left {whom} as it was"}[v] + f" ({_iv(g)})"
+
+
+def advice() -> str:
+    """Each method's outer lr @ μ against K, as the study picked them in its base cell (a table: after 10 rounds,
+    v3; at v6's ~20 tokens per parameter, v6 at K 4 with its warm-up + cosine picks, v7 at K 8/16/32 where a pick
+    has run), then how to schedule the outer lr over a long run, from v6 part B, and how to set that schedule."""
+    rows = []
+    for row in sorted(json.loads(STUDY.read_text()).values(), key=lambda r: r["cell"]["workers"]):
+        c, d = row["cell"], row["diloco"]
+        if c["rounds"] == 10 and all(c.get(k) == v for k, v in BASE_CELL.items()) and row.get("gap"):
+            p = [_lr_mu(row[m]["lr"], row[m]["momentum"]) for m in ("isoloco", "diloco")]
+            how = f"v3: {len(d['grid'])} configs, {_mus(d['grid'])}, {_seeds(d['ranked_on_seeds'])}"
+            rows.append((f"{c['workers']} × 10 ({tokens_per_param(c):.2g})", *p, how))
+    v6 = json.loads(HORIZON.read_text())
+    tpp, R, d = f"{v6['tokens_per_param']:.1f}", v6["rounds"], v6["picks"]["diloco"]
+    p = [_lr_mu(v6["picks"][m]["lr"], v6["picks"][m]["momentum"]) for m in ("isoloco", "diloco")]
+    how = f"v6: {len(d['grid'])} configs, {_mus(d['grid'])}, {_seeds(d['ranked_on_seeds'])}"
+    rows.append((f"4 × {R} ({tpp})", *p, how))
+    cos = v6["schedules"]["horizon"]["warmup-cosine"]
+    tuned = cos.get("retuned")
+    if tuned and tuned["iso_minus_diloco"]["seeds"] >= 2:
+        p = [_lr_mu(*tuned["picks"][m].split(" @ "), "warmup-cosine") for m in ("isoloco", "diloco")]
+        rows.append((f"4 × {R} ({tpp})", *p, f"v6: {len(cos['seed0_selection']['diloco'])} peak lrs, seed 0"))
+    for r in json.loads(K_SCALING.read_text())["fixed_compute"]:
+        m = r["methods"]
+        if r["workers"] > 4 and all(m.get(x, {}).get("pick") for x in ("isoloco", "diloco")):
+            p = [_lr_mu(*_config(x, m[x]["pick"])) for x in ("isoloco", "diloco")]
+            cfgs = [_config("diloco", lab) for lab in m["diloco"]["screen"]]
+            sc = _screen(cfgs, _rule("diloco", m["diloco"]).replace("picked by ", ""))
+            sc["schedules"] = "" if sc["schedules"].startswith("at a constant") else sc["schedules"]
+            how = "v7: " + ", ".join(v for v in sc.values() if v)
+            rows.append((f"{r['workers']} × {r['rounds']} ({r['tokens_per_param']:.1f})", *p, how))
+    head = "| K × rounds (tokens per parameter) | IsoLoCo lr @ μ | DiLoCo lr @ μ | study: DiLoCo's screen, pick by |"
+    table = [head, "|---|---|---|---|", *(f"| {' | '.join(r)} |" for r in rows)]
+    from isoloco_kernels.train import TrainConfig
+
+    b = BASE_CELL
+    params = TrainConfig(model=b["model"], vocab=b["vocab"], seq_len=b["seq_len"]).n_params()
+    inner = {"adamw": "AdamW", "muon": "Muon"}[b["inner"]]
+    warm = v6["schedules"]["horizon"]["warmup"]["isoloco"]["vs_constant"]
+    text = (
+        f"Each method's outer lr @ μ as the study picked it on its base cell (a {params / 1e6:.2f}M-parameter byte-level "
+        f"LM, {b['inner_steps']} {inner} steps of {b['batch']} × {b['seq_len']} bytes per worker and round; check at your "
+        "scale):\n\n" + "\n".join(table) + "\n\n"
+    )
+    do = []
+    if _verdict(warm) != "lead" and _verdict(cos["isoloco"]["vs_constant"]) == "lead":
+        do.append("decay the outer lr (not just warm it up)")
+    before = float(v6["picks"]["diloco"]["lr"])
+    after = float(tuned["picks"]["diloco"].split(" @ ")[0]) if tuned else before
+    retuned = bool(tuned) and tuned["iso_minus_diloco"]["seeds"] >= 2 and after != before
+    if retuned:
+        do.append("retune the peak lr for the schedule")
+    text += f"Over a long run {' and '.join(do)}: " if do else "Outer-lr schedules over a long run: "
+    text += (
+        f"at K 4 × {R} rounds a warm-up alone {_effect(warm, 'IsoLoCo')}, a warm-up then cosine decay to 0.1× "
+        f"{_effect(cos['isoloco']['vs_constant'], 'it')}"
+    )
+    if retuned:
+        text += (
+            f", and with DiLoCo's peak lr {'raised' if after > before else 'lowered'} from {_g(before)} to {_g(after)} "
+            f"for it IsoLoCo − DiLoCo is {_iv(tuned['iso_minus_diloco'])}"
+        )
+    return text + (
+        ". Set it with `--outer-schedule warmup-cosine` in the reference loop: a linear warm-up over the first "
+        "W = max(2, round(0.05 * R)) of its R rounds, then a half cosine down to 0.1×. `IsoLoCo` reads its lr at every "
+        "step, as SGD does, so torch's schedulers give it the same schedule: `SequentialLR(opt, [LinearLR(opt, 1 / W, "
+        "total_iters=W - 1), CosineAnnealingLR(opt, T_max=R - W - 1, eta_min=0.1 * lr)], milestones=[W])` "
+        "(`torch.optim.lr_scheduler`; `lr` the peak), stepped after each outer step."
+    )
 
 
 def example() -> str:
@@ -156,7 +371,8 @@ def outer_share() -> str:
 
 
 SENTENCES = {"speedup": (speedup, H200), "study": (study_gain, STUDY), "horizon": (horizon, HORIZON)}
-SENTENCES["beyond"] = (beyond, HORIZON)
+SENTENCES["where"] = (where, K_SCALING)
+SENTENCES["advice"] = (advice, K_SCALING)
 SENTENCES["example"] = (example, EXAMPLE)
 SENTENCES["outer share"] = (outer_share, MAIN_RUN)
 

@@ -226,14 +226,14 @@ def test_first_screen_numbers_are_generated_from_committed_results():
     is what study/readme_numbers.py computes from the committed result file it names."""
     flat = " ".join(README.split())
     mod = _readme_numbers()
-    assert set(mod.SENTENCES) == {"speedup", "study", "horizon", "beyond", "example", "outer share"}
+    assert set(mod.SENTENCES) == {"speedup", "study", "where", "horizon", "advice", "example", "outer share"}
     for name, (make, src) in mod.SENTENCES.items():
         assert src.is_file(), f"{name}: {src} is not committed"
-        sentence = make()
+        sentence = " ".join(make().split())
         assert re.search(r"\d", sentence), sentence
         assert sentence in flat, f"README lacks the {name} sentence generated from {src}:\n{sentence}"
     first = README.split("\n## ", 1)[0]
-    for name in ("speedup", "study", "horizon", "beyond"):
+    for name in ("speedup", "study", "where"):
         assert mod.SENTENCES[name][0]() in " ".join(first.split()), f"the {name} sentence left the first screen"
 
 
@@ -257,29 +257,195 @@ def test_readme_numbers_follow_their_files(tmp_path, monkeypatch):
     for g in v6["curve"]:  # no round with DiLoCo surely ahead: no such clause
         g["t_lo"] = min(g["t_lo"], -0.001)
     fake.write_text(json.dumps(v6))
-    assert "DiLoCo led" not in mod.horizon() and mod.horizon().endswith("at round 10 of the same runs")
-    v6["schedules"]["horizon"]["warmup-cosine"]["iso_minus_diloco"].update(mean=0.2, t_lo=0.1, t_hi=0.3)
-    v6["schedules"]["horizon"]["warmup-cosine"].pop("retuned", None)  # no other lr run under the schedule
-    gap = {"mean": -0.25, "t_lo": -0.3, "t_hi": -0.2, "seeds": 3}
-    v6["fixed_compute"] = [{"workers": 16, "rounds": 75, "gap": gap}, {"workers": 2, "rounds": 600, "gap": None}]
+    assert "DiLoCo led" not in mod.horizon()
+    assert mod.horizon().endswith("at round 10 of the same runs, below 0 through round 60")
+    for g in v6["curve"]:  # IsoLoCo ahead at every scored round: no clause on when its lead ended
+        g["t_hi"] = min(g["t_hi"], -0.001)
     fake.write_text(json.dumps(v6))
-    assert "it is +0.200 [+0.100, +0.300] at round 300 (each method at its constant-lr pick)" in mod.beyond()
-    v6["schedules"]["horizon"]["warmup-cosine"]["retuned"] = {
-        "picks": {"diloco": "1.0 @ 0.8", "isoloco": "3.2 @ 0.8"},
-        "iso_minus_diloco": {"mean": 0.01, "t_lo": -0.02, "t_hi": 0.04, "seeds": 3},
-    }
-    fake.write_text(json.dumps(v6))
+    assert mod.horizon().endswith("at round 10 of the same runs")
+
+
+# -- where the gain lives (study v7) and the tuning advice, at any stage of the study ------------------------------
+
+
+def _fake_v7(tmp_path, monkeypatch, mod, edit):
+    """study/k_scaling/summary_v7.json as it stands, changed by `edit(summary)`, in place of the real one."""
+    v7 = json.loads((mod.ROOT / "study" / "k_scaling" / "summary_v7.json").read_text())
+    edit(v7)
+    fake = tmp_path / "summary_v7.json"
+    fake.write_text(json.dumps(v7))
+    monkeypatch.setattr(mod, "K_SCALING", fake)
+
+
+def _k16(v7: dict) -> dict:
+    return next(r for r in v7["fixed_compute"] if r["workers"] == 16)
+
+
+def _screen(seeds, sel0, sel01=None, test=1.4):
+    return {"seeds": seeds, "selection_seed0": sel0, "selection_seeds01": sel01, "test_mean": test}
+
+
+def test_where_the_gain_lives_says_what_has_been_run(tmp_path, monkeypatch):
+    """The where-the-gain-lives sentence from fake summaries: the verdict follows K 16's interval (gain holds, gap
+    closed, DiLoCo ahead), the tuning it names follows the screen (configs, μs, schedules, the pick's rule), the
+    seeds follow the picks, and the norm-preserving merge and DDP appear once they ran."""
+    mod = _readme_numbers()
+
+    def gap(mean, lo, hi, n=3):
+        return {"seeds": n, "mean": mean, "t_lo": lo, "t_hi": hi, "per_seed": [mean] * n}
+
+    # the gain holds at K 16 (v6's K 16 runs as v7's screen): the lead-in, the tuning as run, the seeds
+    _fake_v7(
+        tmp_path, monkeypatch, mod, lambda v7: _k16(v7)["gaps"].update({"isoloco - diloco": gap(-0.2, -0.3, -0.1)})
+    )
+    w = mod.where()
+    assert w.startswith("**The gain lives in more workers for fewer rounds**: at 19.7 tokens per parameter")
+    assert "−0.200 [−0.300, −0.100] with K 16 workers for 75 rounds and −0.006 [−0.038, +0.027] with K 4" in w
     assert (
-        "it is +0.010 [−0.020, +0.040] at round 300 (each method at its lr for that schedule, DiLoCo 1.0 @ 0.8, "
-        in (mod.beyond())
+        "each over seeds 0–2, against a DiLoCo tuned at each K over lr × μ at a constant outer lr and picked by " in w
     )
-    assert "+0.200 [+0.100, +0.300] at the constant-lr picks)" in mod.beyond()
-    assert mod.beyond().endswith(
-        "with K 16 for 75 rounds, the same tokens, each method tuned there, −0.250 [−0.300, −0.200]."
+    assert "seed 0 (K 16: 11 configs, μ ∈ {0, 0.8, 0.9}; K 4: 10 configs, μ ∈ {0, 0.5, 0.8})" in w
+    # the stronger baselines close the gap: an interval holding 0, said plainly in the lead-in
+    _fake_v7(
+        tmp_path, monkeypatch, mod, lambda v7: _k16(v7)["gaps"].update({"isoloco - diloco": gap(-0.05, -0.2, 0.1)})
     )
-    gap["seeds"] = 1  # one seed: no interval, no clause
+    w = mod.where()
+    assert (
+        w.startswith("**The stronger baselines close the gap at K 16**:") and "−0.050 [−0.200, +0.100] with K 16" in w
+    )
+    _fake_v7(
+        tmp_path, monkeypatch, mod, lambda v7: _k16(v7)["gaps"].update({"isoloco - diloco": gap(0.05, 0.01, 0.09)})
+    )
+    assert mod.where().startswith("**A tuned DiLoCo is ahead at K 16**:")
+
+    # v7 under way: μ 0.5 and a warm-up + cosine screened, seed 1 of the three best, seeds 0–4 at the new pick,
+    # the norm-preserving merge and DDP tuned
+    def later(v7):
+        r = _k16(v7)
+        d = r["methods"]["diloco"]
+        d["screen"] |= {
+            "1 @ 0.8, warmup-cosine": _screen([0, 1, 2, 3, 4], 1.60, 1.62),
+            "0.7 @ 0.5": _screen([0, 1], 1.65, 1.70),
+            "1 @ 0.5": _screen([0], 1.90),
+        }
+        d["pick"] = "1 @ 0.8, warmup-cosine"
+        d["test"] = {str(s): 1.5 for s in range(5)}
+        r["methods"]["isoloco"]["test"] = {str(s): 1.4 for s in range(5)}
+        r["methods"]["norm_mean"] = {
+            "pick": "1.4 @ 0.8",
+            "screen": {"1.4 @ 0.8": _screen([0, 1], 1.6, 1.6), "1 @ 0.8": _screen([0, 1], 1.7, 1.7)},
+        }
+        r["methods"]["ddp"]["screen"] |= {"inner lr 0.0045": _screen([0], 1.52), "inner lr 0.006": _screen([0], 1.6)}
+        r["gaps"] = {"isoloco - diloco": gap(-0.1, -0.15, -0.05, 5), "isoloco - norm_mean": gap(-0.08, -0.1, -0.06, 5)}
+        r["to_ddp"]["isoloco"] = gap(0.01, -0.02, 0.04, 5)
+
+    _fake_v7(tmp_path, monkeypatch, mod, later)
+    w = mod.where()
+    assert "over seeds 0–4 at K 16 and seeds 0–2 at K 4, against a DiLoCo tuned at each K over lr × μ (K 16: " in w
+    assert (
+        "(K 16: 14 configs, μ ∈ {0, 0.5, 0.8, 0.9}, with outer schedules constant and warm-up + cosine, picked by "
+        "the mean of seeds 0–1 over its 3 best by seed 0; K 4: 10 configs, μ ∈ {0, 0.5, 0.8}, at a constant outer "
+        "lr, picked by seed 0)" in w
+    )
+    assert "at K 16 IsoLoCo is ahead of the norm-preserving merge (−0.080 [−0.100, −0.060]; `norm_mean`" in w
+    assert "at K 16 IsoLoCo is level with DDP (+0.010 [−0.020, +0.040]; DDP tuned over 3 inner lrs)." in w
+
+    # a new seed-0 best that has not run seed 1 yet: the pick stands on an earlier screen, and the sentence says so
+    def between(v7):
+        _k16(v7)["methods"]["diloco"]["screen"]["1 @ 0.8, warmup-cosine"] = _screen([0], 1.60)
+
+    _fake_v7(tmp_path, monkeypatch, mod, between)
+    assert "picked by seed 0 of an earlier screen (1 @ 0.8, warm-up + cosine, now best on seed 0, awaits seed 1)" in (
+        mod.where()
+    )
+    # no larger K with a pick on 2+ seeds: only K 4, and the lead-in says the rest awaits its seeds
+    _fake_v7(
+        tmp_path, monkeypatch, mod, lambda v7: _k16(v7)["gaps"].update({"isoloco - diloco": gap(-0.1, -0.1, -0.1, 1)})
+    )
+    w = mod.where()
+    assert w.startswith("**Beyond K 4 the picks await their seeds**:") and "K 16" not in w
+    assert "is −0.006 [−0.038, +0.027] with K 4 for 300 rounds, each over seeds 0–2" in w
+
+
+def test_the_tuning_advice_follows_its_summaries(tmp_path, monkeypatch):
+    """The advice's table takes each v7 K's picks as they stand (a scheduled pick shows its schedule), and its
+    schedule sentence drops what v6 no longer supports."""
+    mod = _readme_numbers()
+    today = mod.advice()
+    assert "| 16 × 10 (2.6) | 4.2 @ 0.8 | 1 @ 0 | v3: 4 configs, μ 0, seed 0 |" in today
+    assert (
+        "| 4 × 300 (19.7) | 3.2 @ 0.8, warm-up + cosine | 1 @ 0.8, warm-up + cosine | v6: 3 peak lrs, seed 0 |" in today
+    )
+
+    def later(v7):
+        d = _k16(v7)["methods"]["diloco"]
+        d["screen"]["1 @ 0.8, warmup-cosine"] = _screen([0, 1], 1.60, 1.62)
+        d["screen"]["0.7 @ 0.5"] = _screen([0, 1], 1.65, 1.70)
+        d["pick"] = "1 @ 0.8, warmup-cosine"
+        k32 = json.loads(json.dumps(_k16(v7)))
+        k32.update(workers=32, rounds=38, tokens_per_param=19.96)
+        k32["methods"]["isoloco"]["pick"] = "4.2 @ default"
+        v7["fixed_compute"].append(k32)
+
+    _fake_v7(tmp_path, monkeypatch, mod, later)
+    advice = mod.advice()
+    row = (
+        "| 16 × 75 (19.7) | 3.2 @ 0.8 | 1 @ 0.8, warm-up + cosine | v7: 13 configs, μ ∈ {0, 0.5, 0.8, 0.9}, with outer "
+    )
+    assert row + "schedules constant and warm-up + cosine, the mean of seeds 0–1 over its 3 best by seed 0 |" in advice
+    assert "| 32 × 38 (20.0) | 4.2 @ 0.8 | 1 @ 0.8, warm-up + cosine |" in advice
+    v6 = json.loads(mod.HORIZON.read_text())
+    v6["schedules"]["horizon"]["warmup-cosine"].pop("retuned")
+    v6["schedules"]["horizon"]["warmup"]["isoloco"]["vs_constant"].update(mean=-0.02, t_lo=-0.03, t_hi=-0.01)
+    fake = tmp_path / "summary_v6.json"
     fake.write_text(json.dumps(v6))
-    assert "K 16" not in mod.beyond()
+    monkeypatch.setattr(mod, "HORIZON", fake)
+    advice = mod.advice()
+    assert "warm-up + cosine | v6" not in advice and "retune" not in advice and "peak lr raised" not in advice
+    assert "Outer-lr schedules over a long run: at K 4 × 300 rounds a warm-up alone helped IsoLoCo (−0.020" in advice
+
+
+TUNING_PAGES = ("README.md", "docs/drop-in.md", "docs/study.md", "docs/training-loop.md")
+
+
+def test_every_page_gives_the_same_generated_tuning_advice():
+    """README's Tuning paragraph, the drop-in page's ## Tuning, the study page and the training-loop page carry
+    the advice exactly as study/readme_numbers.py generates it (the picks against K and the outer schedule)."""
+    advice = _readme_numbers().advice()
+    for page in TUNING_PAGES:
+        text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+        assert text.count(advice) == 1, f"{page} lacks the generated tuning advice (python study/readme_numbers.py)"
+    assert advice in _section("Drop into your DiLoCo stack")
+    drop_in = open(os.path.join(ROOT, "docs", "drop-in.md"), encoding="utf-8").read()
+    assert advice in drop_in.split("\n## Tuning\n", 1)[1]
+
+
+def test_the_advised_schedule_is_the_loops(recwarn):
+    """The advice's torch schedulers give `IsoLoCo` the loop's --outer-schedule warmup-cosine lr at every round."""
+    import torch.optim.lr_scheduler as sched
+
+    from isoloco_kernels.train.config import OUTER_SCHEDULES
+    from isoloco_kernels.train.optimizers import OuterSchedule
+
+    advice = _readme_numbers().advice()
+    assert "`--outer-schedule warmup-cosine`" in advice and "warmup-cosine" in OUTER_SCHEDULES
+    warm = re.search(r"W = (max\(2, round\(0\.05 \* R\)\))", advice).group(1)
+    recipe = re.search(r"`(SequentialLR\(.*?\))` \(`torch\.optim\.lr_scheduler`", advice).group(1)
+    for R in (10, 38, 75, 150, 300):
+        mine, ref = nn.Parameter(torch.zeros(3, 2)), nn.Parameter(torch.zeros(3, 2))
+        lr = 3.2
+        opt, loop = ik.IsoLoCo([mine], lr=lr), ik.IsoLoCo([ref], lr=lr)
+        schedule = OuterSchedule(loop, "warmup-cosine", R)
+        W = eval(warm, {"R": R})
+        assert W == schedule.warm, (R, W, schedule.warm)
+        scheduler = eval(recipe, {**vars(sched), "opt": opt, "W": W, "R": R, "lr": lr})
+        for r in range(R):
+            assert opt.param_groups[0]["lr"] == pytest.approx(loop.param_groups[0]["lr"], rel=1e-12), (R, r)
+            mine.grad, ref.grad = torch.zeros(3, 2), torch.zeros(3, 2)
+            opt.step(), loop.step()
+            scheduler.step(), schedule.step()
+        assert loop.param_groups[0]["lr"] == pytest.approx(0.1 * lr)
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)], [str(w.message) for w in recwarn]
 
 
 def test_the_first_sentence_says_what_the_library_is_for_without_jargon():
