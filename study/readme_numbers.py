@@ -171,7 +171,7 @@ def _rule(mode: str, m: dict) -> str:
     ran0 = [lab for lab, c in screen.items() if c["selection_seed0"] is not None]
     best0 = min(ran0, key=lambda lab: screen[lab]["selection_seed0"]) if ran0 else None
     if len(both) >= 2:
-        return f"picked by the mean of seeds 0–1 over its {len(both)} best by seed 0"
+        return f"picked by the mean of seeds 0–1 over the {len(both)} configs run on seed 1"
     if m["pick"] is None or m["pick"] == best0:
         return "picked by seed 0"
     return f"picked by seed 0 of an earlier screen ({_lr_mu(*_config(mode, best0))}, now best on seed 0, awaits seed 1)"

@@ -344,7 +344,7 @@ def test_where_the_gain_lives_says_what_has_been_run(tmp_path, monkeypatch):
     assert "over seeds 0–4 at K 16 and seeds 0–2 at K 4, against a DiLoCo tuned at each K over lr × μ (K 16: " in w
     assert (
         "(K 16: 14 configs, μ ∈ {0, 0.5, 0.8, 0.9}, with outer schedules constant and warm-up + cosine, picked by "
-        "the mean of seeds 0–1 over its 3 best by seed 0; K 4: 10 configs, μ ∈ {0, 0.5, 0.8}, at a constant outer "
+        "the mean of seeds 0–1 over the 3 configs run on seed 1; K 4: 10 configs, μ ∈ {0, 0.5, 0.8}, at a constant outer "
         "lr, picked by seed 0)" in w
     )
     assert "at K 16 IsoLoCo is ahead of the norm-preserving merge (−0.080 [−0.100, −0.060]; `norm_mean`" in w
@@ -392,7 +392,10 @@ def test_the_tuning_advice_follows_its_summaries(tmp_path, monkeypatch):
     row = (
         "| 16 × 75 (19.7) | 3.2 @ 0.8 | 1 @ 0.8, warm-up + cosine | v7: 13 configs, μ ∈ {0, 0.5, 0.8, 0.9}, with outer "
     )
-    assert row + "schedules constant and warm-up + cosine, the mean of seeds 0–1 over its 3 best by seed 0 |" in advice
+    assert (
+        row + "schedules constant and warm-up + cosine, the mean of seeds 0–1 over the 3 configs run on seed 1 |"
+        in advice
+    )
     assert "| 32 × 38 (20.0) | 4.2 @ 0.8 | 1 @ 0.8, warm-up + cosine |" in advice
     v6 = json.loads(mod.HORIZON.read_text())
     v6["schedules"]["horizon"]["warmup-cosine"].pop("retuned")
