@@ -119,18 +119,14 @@ def _mean(s: torch.Tensor, cd: torch.dtype, omega: Optional[torch.Tensor] = None
     divided by K first (the mean of finite values fits: it is at most their largest magnitude).
     omega: normalized weights [K] (float64): the weighted mean Σ ω_k s_k instead, by the same rule."""
     x = s.to(cd)
-    if omega is None:
-        out = x.mean(0)
-        w64 = torch.full((x.shape[0],), 1.0 / x.shape[0], dtype=torch.float64)
-    else:
-        out = torch.tensordot(omega.to(cd), x, dims=1)
-        w64 = omega
+    out = x.mean(0) if omega is None else torch.tensordot(omega.to(x.device, cd), x, dims=1)
     bad = ~torch.isfinite(out).reshape(-1)
     if bool(bad.any()):
-        if omega is None:  # torch's mean's own fallback: each term divided by K
-            fix = (x.reshape(x.shape[0], -1)[:, bad].to(torch.float64) / x.shape[0]).sum(0)
-        else:
-            fix = (x.reshape(x.shape[0], -1)[:, bad].to(torch.float64) * w64[:, None].to(x.device)).sum(0)
+        terms = x.reshape(x.shape[0], -1)[:, bad].to(torch.float64)
+        if omega is None:  # each term divided by K first
+            fix = (terms / x.shape[0]).sum(0)
+        else:  # each term times its weight first
+            fix = (terms * omega.to(x.device)[:, None]).sum(0)
         out.view(-1)[bad] = fix.to(cd)
     return out
 
