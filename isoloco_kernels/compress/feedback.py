@@ -159,7 +159,9 @@ def _compress_triton(delta, residual, spec, step, tensor_id, first_block, name, 
     scales = torch.empty(-(-n // spec.block) * spec.floats_per_block, dtype=torch.float32, device=d.device)
     new = torch.empty(d.shape, dtype=rdt, device=d.device) if rdt is not None else None
     if spec.is_stat:
-        quant.stat_quantize_ef_pack(d, r, codes, scales, new, fmt=fmt, block=spec.block, sigmas=spec.sigmas, beta=spec.ef_beta)
+        quant.stat_quantize_ef_pack(
+            d, r, codes, scales, new, fmt=fmt, block=spec.block, sigmas=spec.sigmas, beta=spec.ef_beta
+        )
     else:
         keys = stream_keys(spec.seed, step, tensor_id) if spec.rounding == "stochastic" else None
         quant.quantize_ef_pack(

@@ -174,12 +174,16 @@ def _skip_terms(rule: str) -> tuple[bool, tuple[int, ...], tuple[str, ...]]:
             except ValueError:
                 size = 0
             if size < 1:
-                raise ValueError(f"Compression.skip {rule!r}: vocab= takes a positive int (the vocabulary size), got {value!r}")
+                raise ValueError(
+                    f"Compression.skip {rule!r}: vocab= takes a positive int (the vocabulary size), got {value!r}"
+                )
             vocabs.add(size)
         elif key == "name" and eq:
             prefix = value.strip()
             if not prefix or ":" in prefix:
-                raise ValueError(f"Compression.skip {rule!r}: name= takes a non-empty param-name prefix without ':', got {value!r}")
+                raise ValueError(
+                    f"Compression.skip {rule!r}: name= takes a non-empty param-name prefix without ':', got {value!r}"
+                )
             names.add(prefix)
         else:
             raise ValueError(
@@ -422,7 +426,9 @@ def parse(text: str, **fields) -> Compression:
             continue
         key = key.strip().lower()
         if key not in NAMED_FIELDS:
-            raise ValueError(f"compression spec {text!r}: unknown named field {key!r} (named fields: {list(NAMED_FIELDS)})")
+            raise ValueError(
+                f"compression spec {text!r}: unknown named field {key!r} (named fields: {list(NAMED_FIELDS)})"
+            )
         if key in named:
             raise ValueError(f"compression spec {text!r}: the field {key!r} is named twice")
         named[key] = value.strip()

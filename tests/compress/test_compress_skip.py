@@ -47,7 +47,9 @@ def test_every_spec_compresses_every_param_unless_it_says_skip():
 
 def test_the_rule_is_normalized_and_bad_rules_are_refused_by_name():
     assert Compression("stat2", skip="vocab=256+vectors").skip == "vectors+vocab=256"
-    assert Compression("stat2", skip=" Vectors + vectors+vocab=50257+vocab=256 ").skip == "vectors+vocab=256+vocab=50257"
+    assert (
+        Compression("stat2", skip=" Vectors + vectors+vocab=50257+vocab=256 ").skip == "vectors+vocab=256+vocab=50257"
+    )
     assert Compression("int2", skip="name=tok.+name=head.+vectors").skip == "vectors+name=head.+name=tok."
     assert Compression("int2", skip="NONE").skip == "none"
     assert Compression("int2", skip="vectors+name=Tok.").skip == "vectors+name=Tok."  # names keep their case
@@ -93,7 +95,9 @@ def test_the_predicate_by_shape_and_by_name():
     assert named.skips((128,)) and named.skips((256, 128), "tok.weight") and named.skips((9, 9), "head.weight")
     assert not named.skips((256, 128), "blocks.0.qkv.weight")
     assert named.skips((5,), None)  # decided by shape before the names are needed
-    with pytest.raises(ValueError, match=r"names params \(name=...\), but no name was given for the param of shape \(256, 128\)"):
+    with pytest.raises(
+        ValueError, match=r"names params \(name=...\), but no name was given for the param of shape \(256, 128\)"
+    ):
         named.skips((256, 128))
 
 

@@ -39,7 +39,9 @@ def test_merge_loco_keeps_each_workers_decayed_residual_with_the_specs_beta(spec
             rows = []
             for k in range(3):
                 prev = held.get(i)
-                packed, _ = compress(stacks[i][k], None if prev is None else prev[k], s.leg("workers"), step=step, tensor_id=i)
+                packed, _ = compress(
+                    stacks[i][k], None if prev is None else prev[k], s.leg("workers"), step=step, tensor_id=i
+                )
                 v = stacks[i][k] + (0 if prev is None else prev[k])
                 rows.append(s.ef_beta * (v.flatten() - dequantize(packed)).view(p.shape))
             want[i] = torch.stack(rows)

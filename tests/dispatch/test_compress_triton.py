@@ -189,7 +189,9 @@ def _run_stat_kernel(mod, d, r, s: Compression, rows=2, rdt=None):
     codes = torch.full(((n * s.bits + 7) // 8,), 0xAB, dtype=torch.uint8, device=d.device)
     table = torch.full((-(-n // s.block) * s.floats_per_block,), float("nan"), device=d.device)
     new = None if s.ef_beta is None else torch.full(d.shape, float("nan"), dtype=rdt, device=d.device)
-    mod.stat_quantize_ef_pack(d, r, codes, table, new, fmt=s.fmt, block=s.block, sigmas=s.sigmas, beta=s.ef_beta, rows=rows)
+    mod.stat_quantize_ef_pack(
+        d, r, codes, table, new, fmt=s.fmt, block=s.block, sigmas=s.sigmas, beta=s.ef_beta, rows=rows
+    )
     return codes, table, new
 
 
