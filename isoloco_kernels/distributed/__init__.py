@@ -4,18 +4,20 @@
   (`Agreement`: attempt / settle);
 - `plan.py`: who owns which tensor (`plan_shards`, `ShardPlan`); how a DTensor matrix is split
   over a 1-D mesh (`ShardLayout`);
-- `pipeline.py`: chunked, pipelined collectives (the sharded step's reduce-scatter, all-gather,
-  reduce to and broadcast from an owner) and their buffers (`comm_buffer`);
+- `pipeline.py`: chunked, pipelined collectives (`sharded_iso_merge_`'s all-gather and broadcast, `average_`'s
+  chunks) and every collective buffer (`comm_buffer`);
 - `collectives.py`: `average_` (DiLoCo's all-reduce-mean) and the DTensor routes' all-gather and
   owner all-to-alls of shards;
-- `sharded.py`: `ShardedIsoLoCo`, the outer step with each tensor stepped by one rank;
+- `sharded.py`: `ShardedIsoLoCo`, the outer step with each tensor stepped by one rank: its one step with
+  one vote, its exchanges (full precision, every worker's Δ for the merges, compressed) and its checkpoints;
 - `merge.py`: `sharded_iso_merge_`, Iso-C of already-averaged buckets with the work split;
 - `process_group.py`: `IsoLoCo.step` over a process group (`IsoLoCo(process_group=...)`);
 - `dtensor.py`: `IsoLoCo.step` on DTensor params (FSDP2, tensor parallel): checks and the router;
   `routes.py` and `gram_route.py`: its routes;
-- `merge_route.py`: the merges' owner all-to-all (`ShardedIsoLoCo(merge=...)`); `compressed.py`: the
-  compressed owner route (`ShardedIsoLoCo(compress=...)`) and its one-process simulation;
-- `checkpoint.py`: per-rank and consolidated state dicts; `bits.py`: exact fingerprints replicas compare.
+- `compressed.py`: the compressed route's arithmetic and state entry under the names MergeLoCo's
+  one-process simulation imports (defined in sharded.py);
+- `checkpoint.py`: what IsoLoCo and MergeLoCo refuse of a per-rank state; `bits.py`: the fingerprints and
+  checksums replicas compare.
 
 It stands on outer/ (the outer-step core), merges/, flatten/ and compress/; optim/ uses its public pieces,
 never the other way round.

@@ -39,6 +39,7 @@ __all__ = [
     "agree",
     "agree_on_mesh",
     "construct_together",
+    "control_plane",
     "listed",
     "all_gather_single",
     "check_on_comm_device",
@@ -125,9 +126,13 @@ def optimizer_settings(opt, **extra) -> dict[str, str]:
     return out
 
 
-# The agreements' control tensors, made once per (length, device, thread) and reused: after a thread's first agreement
-# over groups of a size (an optimizer's constructor; a free function's first call) agreements allocate nothing.
+# The agreements' control tensors, made once per (length, device, thread) and reused. An entry point makes them
+# before its first collective (`control_plane`, from `Agreement` and the sharded step's entry; an optimizer's
+# constructor first), so a vote allocates nothing.
 _CONTROL = threading.local()
+
+#: int64 words of one rank's vote: failed?, the settings' fingerprint, ask, has its object blocks, replicas' checksum
+VOTE_WORDS = 5
 
 
 def control_tensor(key: str, numel: int, device) -> torch.Tensor:
@@ -142,6 +147,10 @@ def _new_control(numel: int, device) -> torch.Tensor:  # the agreements' one dev
     return torch.zeros(numel, dtype=torch.int64, device=device)
 
 
+def _made(key: str, numel: int, device) -> bool:
+    return (key, numel, str(device)) in _CONTROL.__dict__.get("made", {})
+
+
 #: The object exchange's block per rank, in bytes: a header word (the object's size), then a piece of the object.
 OBJECT_BYTES = 1024
 
@@ -153,23 +162,67 @@ def object_blocks(world: int, device) -> tuple:
     return control_tensor("objects-mine", w, device), control_tensor("objects-every", w * world, device), host
 
 
-def gather_objects(obj, group) -> list:
-    """Every rank's picklable `obj`, in rank order, over `comm_device(group)`: all-gathers of the pre-made
-    blocks (`object_blocks`), each carrying every rank's size and its next piece, as many as the longest
-    needs (one for error texts). No tensor is made between them, so no rank fails alone in between."""
-    _, world = group_info(group)
-    mine, every, host = object_blocks(world, comm_device(group))
-    data, piece, start, end = pickle.dumps(obj), OBJECT_BYTES - 8, 0, 1
+def _vote_tensors(world: int, device) -> tuple:
+    """A vote's own control tensors: my row and every rank's (`VOTE_WORDS` int64 each): a few bytes."""
+    return control_tensor("vote-mine", VOTE_WORDS, device), control_tensor("vote-every", VOTE_WORDS * world, device)
+
+
+def _has_blocks(world: int, device) -> bool:
+    w = OBJECT_BYTES // 8
+    cpu = torch.device(device).type == "cpu"
+    return _made("objects-every", w * world, device) and (cpu or _made("objects-host", w * world, "cpu"))
+
+
+def control_plane(group=None, world: Optional[int] = None) -> Optional[BaseException]:
+    """Make every control tensor an agreement over `group` uses, before the caller's first collective: the
+    vote's own first (`VOTE_WORDS` int64 per rank), then the object exchange's blocks (1 KB per rank). Made once
+    per thread, size and device; afterwards this allocates nothing. Returns the failure to make the blocks (out
+    of memory), which the caller keeps as its own failure: its vote then says no, and the error texts travel
+    through the vote's own tensors instead (more all-gather rounds, nothing allocated). A rank that cannot make
+    the vote's own few bytes raises here, before any collective: the one allocation no vote can report."""
+    if world is None:
+        world = group_info(group)[1]
+    if world == 1:
+        return None
+    device = comm_device(group)
+    _vote_tensors(world, device)
+    try:
+        object_blocks(world, device)
+    except Exception as e:  # noqa: BLE001 — reported by this rank's vote
+        return e
+    return None
+
+
+def _exchange(data: bytes, group, world: int, mine: torch.Tensor, every: torch.Tensor, host) -> list:
+    """Every rank's bytes `data` through the blocks `mine` (one rank's: a size word, then a piece) and `every`:
+    as many all-gathers as the longest needs."""
+    piece, start, end = mine.numel() * 8 - 8, 0, 1
     mine[0], parts = len(data), [bytearray() for _ in range(world)]
     while start < end:  # the first round tells every rank how many follow: the longest object's
         chunk = bytearray(data[start : start + piece]) or bytearray(1)  # (frombuffer refuses an empty one)
         mine.view(torch.uint8)[8 : 8 + len(chunk)].copy_(torch.frombuffer(chunk, dtype=torch.uint8))
         all_gather_single(every, mine, group=group)
-        rows = (every if host is None else host.copy_(every)).view(world, -1)
-        sizes = rows[:, 0].tolist()
+        rows = every if host is None else host.copy_(every)
+        values = rows.view(world, -1)
+        sizes = values[:, 0].tolist()
         for r, part in enumerate(parts):
-            part += bytes(rows.view(torch.uint8)[r, 8 : 8 + min(piece, max(sizes[r] - start, 0))].tolist())
+            part += bytes(values.view(torch.uint8)[r, 8 : 8 + min(piece, max(sizes[r] - start, 0))].tolist())
         start, end = start + piece, max(sizes)
+    return parts
+
+
+def gather_objects(obj, group, *, small: bool = False) -> list:
+    """Every rank's picklable `obj`, in rank order, over `comm_device(group)`: all-gathers of the pre-made
+    blocks (`object_blocks`), each carrying every rank's size and its next piece, as many as the longest
+    needs (one for error texts). No tensor is made between them, so no rank fails alone in between.
+    small: through the vote's own tensors instead (a rank could not make the blocks: every rank passes it)."""
+    _, world = group_info(group)
+    device = comm_device(group)
+    if small:  # (off the CPU, each round's read-back copies a few bytes to the host)
+        (mine, every), host = _vote_tensors(world, device), None
+    else:
+        mine, every, host = object_blocks(world, device)
+    parts = _exchange(pickle.dumps(obj), group, world, mine, every, host)
     return [pickle.loads(part) for part in parts]
 
 
@@ -205,17 +258,52 @@ def _settings_fp(fp: Optional[int], settings: Optional[dict]) -> int:
     return fingerprint((fp or 0, sorted(settings.items())))
 
 
+def _replica_difference(replicas: list, names: list) -> str:
+    """Where the ranks' replicas differ: the first value whose checksum differs, the ranks holding each
+    version of it, how many others differ, and what to do. replicas: per rank (label, value names,
+    checksums, hint), or None (a rank that sent none)."""
+    label, what, _, hint = next(r for r in replicas if r is not None)
+    sums = [r[2] if r is not None else [] for r in replicas]
+    n = max(len(s) for s in sums)
+    differ = [j for j in range(n) if len({(s[j] if j < len(s) else None) for s in sums}) > 1]
+    if not differ:
+        return f"their {label} differ"
+    j = differ[0]
+    versions: dict = {}
+    for r, s in enumerate(sums):
+        versions.setdefault(s[j] if j < len(s) else None, []).append(names[r])
+    held = ", ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} {'hold' if len(rs) > 1 else 'holds'} "
+        f"{'one version' if k == 0 else 'another'}"
+        for k, rs in enumerate(versions.values())
+    )
+    more = f"; {len(differ) - 1} more of the {n} {label} differ too" if len(differ) > 1 else ""
+    return f"{what[j]} is the first that differs ({held}){more}. {hint}"
+
+
 def _raise(
-    what: str, world: int, failed: list, texts: list, settings: list, prints: list, mismatch: str, names=None
+    what: str,
+    world: int,
+    failed: list,
+    texts: list,
+    settings: list,
+    prints: list,
+    mismatch: str,
+    names=None,
+    replicas: Optional[list] = None,
 ) -> None:
     names = names or list(range(world))
     if failed:
         head = f"{what} failed on {len(failed)} of {world} ranks"
         detail = "; ".join(f"rank {names[r]}: {texts[r]}" for r in failed)
+    elif diff := _differences(settings, names):
+        head, detail = f"{what}: the ranks' settings differ", diff
+    elif replicas and any(r is not None for r in replicas):
+        label = next(r for r in replicas if r is not None)[0]
+        head, detail = f"{what}: the ranks' {label} differ", _replica_difference(replicas, names)
     else:
-        diff = _differences(settings, names)
-        head = f"{what}: " + ("the ranks' settings differ" if diff else mismatch)
-        detail = diff or (
+        head = f"{what}: {mismatch}"
+        detail = (
             "fingerprints "
             + _by_value([f"{p:#x}" for p in prints], names)
             + "; every rank must pass the same tensor shapes and dtypes in the same order"
@@ -232,14 +320,21 @@ def agree(
     mismatch: str = "the ranks passed different tensors",
     settings: Optional[dict] = None,
     ask: bool = False,
+    replicas: Optional[tuple] = None,
 ) -> bool:
     """Every rank learns whether any rank failed, and whether the fingerprints (`fp` and the
-    named `settings`) match; all raise DistributedStepError if not. Returns whether any rank
-    passed `ask=True` (a question every rank must then answer alike, in the same all-gather).
+    named `settings`) and the `replicas` match; all raise DistributedStepError if not. Returns whether
+    any rank passed `ask=True` (a question every rank must then answer alike, in the same all-gather).
 
-    One all-gather of (failed, fingerprint, ask) per rank; the error texts and settings are gathered
-    only when something failed or differs (then the error names each differing setting and the
-    ranks holding each value). fp=None and no settings: no fingerprint comparison.
+    replicas: (label, names, checksums, hint): values every rank must hold alike (a replica's params, grads
+    already averaged), one 64-bit checksum each; when they differ the error names the first that differs,
+    the ranks holding each version, how many others differ, and then `hint` (what to do).
+
+    One all-gather of `VOTE_WORDS` int64 per rank (failed, the settings' fingerprint, ask, whether it has the
+    object exchange's blocks, the replicas' checksum); the error texts, settings and checksums are gathered
+    only when something failed or differs. fp=None and no settings: no fingerprint comparison. The control
+    tensors are the ones `control_plane` made (made here when it was not called): a rank that cannot make the
+    object blocks votes no, and the texts then travel through the vote's own tensors.
     """
     _, world = group_info(group)
     if world == 1:  # nothing to compare with: no collective, no host sync
@@ -248,16 +343,38 @@ def agree(
         return ask
     device = comm_device(group)
     check = fp is not None or bool(settings)
-    mine, every = control_tensor("agree-mine", 3, device), control_tensor("agree-every", 3 * world, device)
-    object_blocks(world, device)  # made with the agreement's own: its error path allocates nothing
-    mine.copy_(torch.tensor([int(error is not None), _settings_fp(fp, settings) if check else 0, int(ask)]))
+    mine, every = _vote_tensors(world, device)
+    if not _has_blocks(world, device):
+        failure = control_plane(group, world)
+        if failure is not None and error is None:
+            error = error_text(failure)
+    sums = None if replicas is None else [int(c) for c in replicas[2]]
+    row = [
+        int(error is not None),
+        _settings_fp(fp, settings) if check else 0,
+        int(ask),
+        int(_has_blocks(world, device)),
+        0 if sums is None else fingerprint(tuple(sums)),
+    ]
+    mine.copy_(torch.tensor(row))
     all_gather_single(every, mine, group=group)
-    rows = every.view(world, 3).tolist()
-    failed, prints = [r for r, row in enumerate(rows) if row[0]], [row[1] for row in rows]
-    if not failed and (not check or len(set(prints)) == 1):
+    rows = every.view(world, VOTE_WORDS).tolist()
+    failed, prints, reps = [r for r, row in enumerate(rows) if row[0]], [row[1] for row in rows], {r[4] for r in rows}
+    if not failed and (not check or len(set(prints)) == 1) and len(reps) == 1:
         return any(row[2] for row in rows)
-    got = gather_objects((error, settings), group)
-    _raise(what, world, failed, [t for t, _ in got], [s for _, s in got], prints, mismatch)
+    small = not all(row[3] for row in rows)
+    mine_rep = None if replicas is None else (replicas[0], list(replicas[1]), sums, replicas[3])
+    got = gather_objects((error, settings, mine_rep), group, small=small)
+    _raise(
+        what,
+        world,
+        failed,
+        [t for t, _, _ in got],
+        [s for _, s, _ in got],
+        prints,
+        mismatch,
+        replicas=[r for _, _, r in got],
+    )
 
 
 _MESH_MISMATCH = "the ranks hold different sets of grads (shapes, placements or dtypes)"
@@ -266,10 +383,11 @@ _MESH_MISMATCH = "the ranks hold different sets of grads (shapes, placements or 
 def agree_on_mesh(
     error: Optional[str], mesh, what: str, fp: int = 0, mismatch: str = _MESH_MISMATCH, settings: Optional[dict] = None
 ) -> None:
-    """`agree` over every rank of a DeviceMesh: one all-reduce per mesh dimension of a [2·size]
-    int64 vector (on the mesh groups' `comm_device`) holding this rank's failure flag and
-    fingerprint (`fp` and the named `settings`) at its own slot (the sum over the dimensions fills
-    every slot). Error texts and settings travel only when something failed or differs."""
+    """`agree` over every rank of a DeviceMesh: one all-reduce per mesh dimension of a [3·size]
+    int64 vector (on the mesh groups' `comm_device`) holding this rank's failure flag, fingerprint
+    (`fp` and the named `settings`) and whether it has the object exchange's blocks, at its own slots (the
+    sum over the dimensions fills every slot). Error texts and settings travel only when something failed
+    or differs."""
     size = mesh.size()
     ranks = mesh.mesh.flatten().tolist()
     if size == 1:  # nothing to compare with: no collective, no host sync
@@ -278,19 +396,24 @@ def agree_on_mesh(
         return
     me = ranks.index(dist.get_rank())
     groups = [mesh.get_group(d) for d in range(mesh.ndim)]
-    v = control_tensor("mesh", 2 * size, comm_device(groups[0])).zero_()
-    for g in groups:  # the error path's blocks, made with the agreement's own
-        object_blocks(dist.get_world_size(g), comm_device(g))
-    v[me], v[size + me] = int(error is not None), _settings_fp(fp, settings)
+    v = control_tensor("mesh", 3 * size, comm_device(groups[0]))
+    blocks = True
+    for g in groups:  # the error path's blocks, made with the agreement's own (`control_plane`)
+        failure = control_plane(g)
+        if failure is not None:
+            blocks, error = False, error if error is not None else error_text(failure)
+    v.zero_()
+    v[me], v[size + me], v[2 * size + me] = int(error is not None), _settings_fp(fp, settings), int(blocks)
     for g in groups:
         dist.all_reduce(v, group=g)
     vals = v.tolist()
-    failed, prints = [r for r, f in enumerate(vals[:size]) if f], vals[size:]
+    failed, prints = [r for r, f in enumerate(vals[:size]) if f], vals[size : 2 * size]
     if not failed and len(set(prints)) == 1:
         return
+    small = not all(vals[2 * size :])
     known = {me: (error, settings)}
     for g in groups:
-        known = {k: t for part in gather_objects(known, g) for k, t in part.items()}
+        known = {k: t for part in gather_objects(known, g, small=small) for k, t in part.items()}
     texts, sets = zip(*(known.get(i, (None, None)) for i in range(size)))
     _raise(what, size, failed, texts, sets, prints, mismatch, names=ranks)
 
@@ -309,6 +432,9 @@ class Agreement:
     def __init__(self, what: str, group=None, mesh=None, *, alone: bool = False, mismatch: Optional[str] = None):
         self.what, self.group, self.mesh, self.alone, self.mismatch = what, group, mesh, alone, mismatch
         self.error: Optional[BaseException] = None
+        if not alone:  # every control tensor, before the caller's first collective (`control_plane`)
+            for g in [mesh.get_group(d) for d in range(mesh.ndim)] if mesh is not None else [group]:
+                self.error = self.error or control_plane(g)
 
     def attempt(self, fn: Callable, *args):
         """fn(*args), or None once any attempt of this rank failed (the failure is kept for `settle`)."""
@@ -323,12 +449,20 @@ class Agreement:
             return None
 
     def settle(
-        self, fp: Optional[int] = None, settings: Optional[dict] = None, *, own_error=False, ask=False, written=False
+        self,
+        fp: Optional[int] = None,
+        settings: Optional[dict] = None,
+        *,
+        own_error=False,
+        ask=False,
+        written=False,
+        replicas: Optional[tuple] = None,
     ) -> bool:
         """One agreement on (failed?, fingerprint `fp` and `settings`); raises DistributedStepError on
         every rank if any rank failed or they differ. own_error: a rank that failed raises its own
         exception instead (the others still DistributedStepError naming it). Returns whether any
         rank passed `ask=True` (over a process group; on a mesh or alone: this rank's `ask`).
+        replicas: values every rank must hold alike (`agree`'s; over a process group only).
         written: the closing agreement of a call that wrote while its collectives ran (the error
         then says the tensors may have changed, instead of that nothing was)."""
         if self.alone:
@@ -337,12 +471,13 @@ class Agreement:
             return ask
         text = None if self.error is None else error_text(self.error)
         settings = None if self.error is not None else settings
+        replicas = None if self.error is not None else replicas
         extra = {} if self.mismatch is None else {"mismatch": self.mismatch}
         try:
             if self.mesh is not None:
                 agree_on_mesh(text, self.mesh, self.what, fp or 0, settings=settings, **extra)
                 return ask
-            return agree(text, self.group, self.what, fp=fp, settings=settings, ask=ask, **extra)
+            return agree(text, self.group, self.what, fp=fp, settings=settings, ask=ask, replicas=replicas, **extra)
         except DistributedStepError as e:
             if own_error and self.error is not None:
                 raise self.error from None

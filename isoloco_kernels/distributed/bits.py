@@ -7,6 +7,13 @@ hash on every device and every machine; a change of any one element (one ulp, a 
 0.0) always changes it (wᵢ is odd, so bits·wᵢ ≢ 0), and a permutation or scattered noise changes it
 but with probability 2⁻⁶⁴. One pass over each tensor in int64 slices of `CHUNK` elements; one host
 sync per device.
+
+`checksums(tensors)` is the cheap one, for values the ranks re-read every step (a replica's params): one
+reduction pass over each tensor's bits read as 8-byte words, in rows of `ROW` words (int64 row sums, wrapping,
+no copy of the tensor: about the time of a float sum over it), then the row sums weighted as above (a pass
+over 1/ROW of its words). Equal bits give equal checksums;
+any single change, a sign, -0.0 for 0.0, and any change that does not cancel in every row's sum changes it
+(what can pass: bits swapped within a row, or changes within a row that sum to zero).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["CHUNK", "bit_fingerprints"]
+__all__ = ["CHUNK", "ROW", "bit_fingerprints", "checksums"]
 
 #: Elements per int64 slice (32 MiB a temporary): never an int64 copy of a whole tensor.
 CHUNK = 1 << 22
@@ -74,3 +81,40 @@ def bit_fingerprints(tensors: Sequence[torch.Tensor]) -> list[int]:
             values[i] = v & _MASK
     head = [_head(t) for t in tensors]
     return [(v ^ (h * 0x9E3779B97F4A7C15)) & _MASK for v, h in zip(values, head)]
+
+
+#: 8-byte words per row of `checksums`: one int64 sum each, weighted by its row's position.
+ROW = 512
+
+
+def _checksum(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """This tensor's checksum as a 0-d int64 tensor on its device (None: no elements)."""
+    flat = t.detach().reshape(-1)  # a view of a contiguous tensor
+    if flat.numel() == 0:
+        return None
+    raw = flat.view(torch.uint8)
+    if (flat.storage_offset() * flat.element_size()) % 8:  # not 8-aligned: the element bits, widened (slower)
+        return (flat.view(_INT[flat.element_size()]).to(torch.int64) * _weights(0, flat.numel(), flat.device)).sum()
+    words = raw.numel() // 8
+    body = raw[: words * 8].view(torch.int64)  # the bits as 8-byte words, read in place: native int64 sums
+    rows = words // ROW
+    h = body[rows * ROW :].sum() * _GOLDEN + raw[words * 8 :].to(torch.int64).sum() * _MIX1
+    if rows:
+        sums = body[: rows * ROW].view(rows, ROW).sum(dim=1)
+        h = h + (sums * _weights(0, rows, flat.device)).sum()
+    return h
+
+
+def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """A 64-bit checksum of each tensor's shape, dtype and bits (see the module docstring), as ints: one read
+    of each tensor and one host sync per device."""
+    sums: list[Optional[torch.Tensor]] = [_checksum(t) for t in tensors]
+    values = [0] * len(tensors)
+    per_device: dict[torch.device, list[int]] = {}
+    for i, s in enumerate(sums):
+        if s is not None:
+            per_device.setdefault(s.device, []).append(i)
+    for idx in per_device.values():
+        for i, v in zip(idx, torch.stack([sums[i] for i in idx]).tolist()):
+            values[i] = v & _MASK
+    return [(v ^ (_head(t) * 0x9E3779B97F4A7C15)) & _MASK for v, t in zip(values, tensors)]

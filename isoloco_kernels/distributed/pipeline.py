@@ -1,6 +1,7 @@
-"""Chunked, pipelined collectives: the sharded outer step's and `sharded_iso_merge_`'s
-reduce-scatter, all-gather, reduce to an owner and broadcast from it, and the chunk machinery
-`average_` (collectives.py) shares with them.
+"""Chunked, pipelined collectives: `sharded_iso_merge_`'s all-gather of segments and broadcast from an
+owner, the chunk machinery `average_` (collectives.py) shares with it, and the pieces every chunked
+collective of the package uses (`comm_buffer`, `reduce_dtype`, the collectives' names, `CHUNK_BYTES`);
+`ShardedIsoLoCo`'s exchanges (sharded.py) run their own chunk loops on these.
 
 Every helper moves data in chunks of about `chunk_bytes` with at most two asynchronous
 collectives in flight (`InFlight`), so extra memory is a few chunks, never a copy of the model.
@@ -115,70 +116,6 @@ def _copy_back(tensors, flats, idx) -> None:
             tensors[i].copy_(flats[i].view(tensors[i].shape))
 
 
-def reduce_scatter_buffers(plan: ShardPlan, dtype, group, chunk_bytes) -> tuple:
-    """(own, sends, outs) of `reduce_scatter_mean`: this rank's segment, three send chunks and (for
-    2-byte dtypes, reduced in float32) three output chunks, on the group's communication device."""
-    _, seg = plan.layout(dtype)
-    device = comm_device(group)
-    own = comm_buffer(seg, dtype, device, False)
-    if seg == 0:
-        return own, None, None
-    rdt = reduce_dtype(dtype)
-    per = max(1, chunk_bytes // (plan.world_size * rdt.itemsize))
-    sends = [comm_buffer(plan.world_size * min(per, seg), rdt, device, False) for _ in range(3)]
-    outs = [comm_buffer(min(per, seg), rdt, device, False) for _ in range(3)] if rdt != dtype else None
-    return own, sends, outs
-
-
-def reduce_scatter_mean(
-    plan: ShardPlan, dtype, src, rank, group, chunk_bytes, buffers=None, attempt=run_here
-) -> torch.Tensor:
-    """This rank's segment of the mean over ranks of the sharded tensors of one dtype.
-
-    src(i) is tensor i's flat local pseudo-gradient, or None (sent as zeros). Chunk k covers
-    elements [a, b) of every rank's segment: send holds world pieces of b − a elements. The sums
-    are taken in `reduce_dtype(dtype)` and the mean rounded to `dtype` once. The segment and the
-    buffers (`buffers` = `reduce_scatter_buffers(...)`, made before the ranks agreed; None: made
-    here) live on the group's communication device. The local work between the collectives runs
-    under `attempt` (`Agreement.attempt`): the collectives run on every rank whatever it does.
-    """
-    per_rank, seg = plan.layout(dtype)
-    world = plan.world_size
-    own, sends, outs = buffers if buffers is not None else reduce_scatter_buffers(plan, dtype, group, chunk_bytes)
-    if seg == 0:
-        return own
-    rdt = reduce_dtype(dtype)
-    wide = rdt != dtype  # reduce into float32 chunks, then round each chunk's mean into `own`
-    per = max(1, chunk_bytes // (world * rdt.itemsize))
-    flight = InFlight(2, attempt)
-    for k, (a, b) in enumerate(_chunks(seg, per)):
-        w = b - a
-        send = sends[k % 3][: world * w]
-        attempt(_pack_segments, per_rank, plan, src, a, b, send)
-        out = outs[k % 3][:w] if wide else own[a:b]
-
-        def done(out=out, a=a, b=b):
-            if wide:
-                own[a:b].copy_(out.div_(world))
-
-        flight.add(reduce_scatter_single(out, send, group=group, async_op=True), done)
-    flight.drain()
-    if not wide:
-        attempt(own.div_, world)
-    return own
-
-
-def _pack_segments(per_rank, plan: ShardPlan, src, a: int, b: int, send: torch.Tensor) -> None:
-    """Elements [a, b) of every rank's segment into `send` (world pieces of b − a elements)."""
-    world, w = plan.world_size, b - a
-    send.zero_()
-    for r in range(world):
-        for i, ts, bs, n in _pieces(per_rank[r], plan.numel, a, b):
-            g = src(i)
-            if g is not None:
-                send[r * w + bs : r * w + bs + n].copy_(g[ts : ts + n])
-
-
 def gather_segment_buffers(plan: ShardPlan, dtype, group, chunk_bytes) -> list[torch.Tensor]:
     """The three chunk buffers of `all_gather_segments`, on the group's communication device."""
     _, seg = plan.layout(dtype)
@@ -211,52 +148,6 @@ def all_gather_segments(
 
         flight.add(all_gather_single(buf, own[a:b], group=group, async_op=True), done)
     flight.drain()
-
-
-def reduce_to_owner_buffers(numel, dtype, owner, rank, group, chunk_bytes) -> tuple:
-    """(out, bufs) of `reduce_to_owner`: the owner's result and three scratch chunks (where used),
-    on the group's communication device."""
-    device = comm_device(group)
-    rdt = reduce_dtype(dtype)
-    per = max(1, chunk_bytes // rdt.itemsize)
-    out = comm_buffer(numel, dtype, device, False) if rank == owner else None
-    scratch = rank != owner or rdt != dtype
-    return out, [comm_buffer(min(per, numel), rdt, device, False) for _ in range(3)] if scratch else None
-
-
-def reduce_to_owner(
-    src, numel, dtype, owner, rank, group, chunk_bytes, buffers=None, attempt=run_here
-) -> Optional[torch.Tensor]:
-    """Mean over ranks of one flat tensor, delivered to `owner` only (returned there, else None).
-
-    src: this rank's flat values, or None (sent as zeros). Sent in chunks through a scratch buffer
-    (a reduce may use a non-root's input as scratch, so grads are never handed to it directly),
-    on the group's communication device; summed in `reduce_dtype(dtype)`, the mean rounded to
-    `dtype` once. `buffers`: `reduce_to_owner_buffers(...)`, made before the ranks agreed (None: here).
-    """
-    world = dist.get_world_size(group)
-    dst = dist.get_global_rank(group, owner) if group is not None else owner
-    rdt = reduce_dtype(dtype)
-    wide = rdt != dtype
-    per = max(1, chunk_bytes // rdt.itemsize)
-    out, bufs = (
-        buffers if buffers is not None else reduce_to_owner_buffers(numel, dtype, owner, rank, group, chunk_bytes)
-    )
-    scratch = rank != owner or wide  # the owner reduces straight into `out` when no rounding follows
-    flight = InFlight(2, attempt)
-    for k, (a, b) in enumerate(_chunks(numel, per)):
-        buf = bufs[k % 3][: b - a] if scratch else out[a:b]
-        attempt(buf.zero_) if src is None else attempt(buf.copy_, src[a:b])
-
-        def done(buf=buf, a=a, b=b):
-            if out is not None and wide:
-                out[a:b].copy_(buf.div_(world))
-
-        flight.add(dist.reduce(buf, dst=dst, group=group, async_op=True), done)
-    flight.drain()
-    if out is None:
-        return None
-    return out if wide else attempt(out.div_, world)
 
 
 def broadcast_from_owner(flat: torch.Tensor, owner: int, group, chunk_bytes) -> None:

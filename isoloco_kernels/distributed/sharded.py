@@ -1,52 +1,85 @@
 """`ShardedIsoLoCo`: the IsoLoCo outer step over a process group, each tensor stepped by one rank.
 
-    reduce-scatter Δ_k → each rank receives mean(Δ) of the tensors it owns (plan.py)
-    owner:  M = iso(mean Δ) (2-D, iso on) or mean Δ; reference.nesterov_ref's step on M
-    all-gather θ        → every rank holds the whole updated θ
+One step, as it runs (`ShardedIsoLoCo.step`):
 
-The bytes of one all-reduce; each Iso-C runs once in the group; momentum lives on the owner.
-All-or-nothing across ranks (agree.py). docs/distributed.md has the contract.
+    checks         every rank's pseudo-gradients (and, with compress, each one compressed)
+    leg 1          each rank's Δ to the owner of each tensor (`plan.py`): the mean by reduce-scatter, every
+                   worker's Δ by all-to-all (merges that need them), or every worker's compressed Δ by all-to-all
+    owner          M = iso(mean Δ) (2-D, iso on), the mean, or another merge; Nesterov (reference.nesterov_ref),
+                   prepared: nothing written
+    leg 2 (aside)  compressed: the owners' updates all-gathered, every rank's new θ computed aside
+    the vote       the step's one agreement: every rank's failure, its settings and a checksum of its params
+    writes         my momentum (and residuals), my params; full precision: leg 2, the new θ all-gathered in place
+
+Each kind of exchange is one class with its two legs (`_MeanExchange`, `_WorkerExchange`, `_CompressedExchange`);
+each holds the buffers its collectives use from construction on, so a rank whose local work fails anywhere in
+a step still joins every collective (sending zeros) and then votes no: every rank raises DistributedStepError
+and nothing was written on any rank. The bytes of one all-reduce; each Iso-C runs once in the group; momentum
+lives on the owner. docs/distributed.md has the contract, docs/compression.md the compressed route's.
+
+The compressed owner route's arithmetic (`encode_delta`, `owner_inputs`, `owner_step`, `apply_update`) and its
+state-dict entry (`attach`, `state_entry`, `check_entry`, `load_entry`) live here too: MergeLoCo's one-process
+simulation calls the same functions (through compressed.py), so the two agree bit for bit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
-from .._validate import amaxes, check_amax_finite, is_dtensor
+from .._validate import ResultOverflowError, amaxes, check_all_finite, check_amax_finite, compute_dtype, is_dtensor
+from ..compress import Compression, Packed, bytes_of, compress, decompress_add_, parse
+from ..compress.codec import mix32
 from ..merges import merge_groups
 from ..merges.options import resolve_options
 from ..outer import core as outer
 from ..outer import sgd_state
 from ..outer.core import BucketPlan
+from ..outer.merge_state import check_merge_entry, merge_entry
 from ..outer.nd import warn_nd_params
 from ..outer.sgd_state import SGDArgs
-from . import checkpoint, compressed, pipeline
-from .agree import Agreement, check_on_comm_device, comm_device, group_info, optimizer_settings
-from .merge import PLAN_MISMATCH
-from .merge_route import exchange_workers, merge_buffers, merged_updates
-from .pipeline import (
-    CHUNK_BYTES,
-    broadcast_into,
-    check_chunk_bytes,
-    flat_view,
-    gather_segment_buffers,
-    reduce_scatter_buffers,
-    reduce_scatter_mean,
-    reduce_to_owner,
-    reduce_to_owner_buffers,
-    scatter_into,
+from . import pipeline
+from .agree import (
+    Agreement,
+    agree,
+    check_on_comm_device,
+    comm_device,
+    error_text,
+    gather_objects,
+    group_info,
+    optimizer_settings,
 )
-from .plan import owned_views, plan_shards
+from .bits import checksums
+from .checkpoint import DROPPED
+from .merge import PLAN_MISMATCH
+from .pipeline import CHUNK_BYTES, check_chunk_bytes, reduce_dtype
+from .plan import ShardPlan, plan_shards
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.optim.optimizer import ParamsT
 
-    from ..compress import Compression
+__all__ = [
+    "ShardedIsoLoCo",
+    "apply_update",
+    "attach",
+    "check_entry",
+    "encode_delta",
+    "layout",
+    "load_entry",
+    "owner_inputs",
+    "owner_step",
+    "state_entry",
+    "stream_spec",
+    "update_sizes",
+    "wire_bytes",
+    "worker_wire_bytes",
+]
 
-__all__ = ["ShardedIsoLoCo"]
+_MEAN_MERGES = ("iso_c", "mean")  # merges that need only the mean of the workers' Δ
 
 
 class ShardedIsoLoCo(torch.optim.Optimizer):
@@ -58,17 +91,18 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     M = iso(mean Δ) (2-D params, iso on) or mean Δ, then Nesterov (reference.nesterov_ref), to the
     params it owns; an all-gather gives every rank the new θ: the replicated IsoLoCo step on the mean.
     `merge` ("iso_c" default, "mean", "tsv", "iso_cts", "ties", "dare"; `merge_options`) takes the paper's
-    other merges instead: each owner receives every rank's Δ of its own tensors (merge_route.py). `compress`
+    other merges instead: each owner receives every rank's Δ of its own tensors. `compress`
     (a `compress.Compression` or its string, "int4:128:0.95") sends each Δ and the update compressed,
-    with error feedback residuals kept per rank (compressed.py, docs/compression.md).
+    with error feedback residuals kept per rank (docs/compression.md).
 
     Momentum lives with the owner: state_dict() is per rank, consolidated_state_dict() the whole model's
-    (checkpoint.py; a copy keeps all but the process group). Arguments: IsoLoCo's, in SGD's positions;
+    (a copy keeps all but the process group). Arguments: IsoLoCo's, in SGD's positions;
     half-precision params keep float32 momentum, and their means are summed in float32, rounded once.
 
     Bad input on any rank (missing grad, wrong shape or dtype, NaN/Inf, a failed flatten or merge) makes
     every rank raise DistributedStepError with nothing changed anywhere; so does a setting that differs
-    between ranks (hyper-parameters, method, merge, compress, chunk_bytes, solo_above, the plan), named.
+    between ranks (hyper-parameters, method, merge, compress, chunk_bytes, solo_above, the plan), named, and
+    params that differ between ranks (the replicas must hold the same global weights), named.
     Params live on the group's communication device (`agree.comm_device`); groups are fixed at
     construction. `process_group`: None is the default group; `chunk_bytes`: one communication chunk.
 
@@ -114,8 +148,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         self._built = False
         self.merge, self.merge_options, self.merged_steps = merge, dict(merge_options or {}), 0
         # Every rank constructs or none does (never a hang at step one): a rank whose arguments are
-        # refused raises its error after the agreement, the others DistributedStepError naming it;
-        # settings that differ between ranks raise DistributedStepError everywhere, naming them.
+        # refused, or that cannot make its exchange's buffers, raises its error after the agreement, the
+        # others DistributedStepError naming it; settings that differ between ranks raise DistributedStepError
+        # everywhere, naming them. The agreement also makes the control tensors every later vote uses.
         ag = Agreement("ShardedIsoLoCo()", process_group, alone=self.world_size == 1, mismatch=PLAN_MISMATCH)
         ag.attempt(self._build, params, sgd, iso, method, chunk_bytes, solo_above, compress)
         ag.settle(settings=ag.attempt(self._settings), own_error=True)
@@ -126,7 +161,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             resolve_options(self.merge, self.merge_options)  # an unknown merge or option, by name
         except (TypeError, ValueError) as e:
             raise type(e)(f"ShardedIsoLoCo: {e}") from None
-        compressed.attach(self, compress, "ShardedIsoLoCo")
+        attach(self, compress, "ShardedIsoLoCo")
         defaults = sgd.defaults("ShardedIsoLoCo", iso, method)
         check_chunk_bytes(chunk_bytes, "ShardedIsoLoCo: chunk_bytes")
         super().__init__(params, defaults)
@@ -154,7 +189,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         ]
         hint = "IsoLoCo(iso_nd=True) flattens them as matrices; iso=False in their param group silences this"
         warn_nd_params("ShardedIsoLoCo", iso_params, hint)  # at the user's line
-        if self.world_size > 1:  # the collectives carry the params' own memory (broadcasts)
+        if self.world_size > 1:  # the collectives carry the params' own memory (all-gathers, broadcasts)
             check_on_comm_device(
                 self._params, [f"ShardedIsoLoCo: param {i}" for i in range(len(self._params))], self.process_group
             )
@@ -172,11 +207,23 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             solo_above=solo_above,
         )
         self._data_device = self._params[0].device if self._params else torch.device("cpu")
+        self._mine = self.plan.owned(self.rank)
+        self._plan_text = f"{self.plan.fingerprint:#x}"
+        self._exchange = self._new_exchange(chunk_bytes)
+
+    def _new_exchange(self, chunk_bytes: int):
+        """The exchange this optimizer's merge and compress call for, with its buffers made (on the group's
+        communication device; the params' own device on one rank)."""
+        device = comm_device(self.process_group) if self.world_size > 1 else self._data_device
+        if self.compress is not None:
+            return _CompressedExchange(self.plan, self.rank, device, self.compress)
+        kind = _MeanExchange if self.merge in _MEAN_MERGES else _WorkerExchange
+        return kind(self.plan, self.rank, device, chunk_bytes)
 
     def _settings(self) -> dict[str, str]:
         """What every rank must share for the step to run the same collectives and write the same
         values: each group's hyper-parameters, the method, the chunk size and the shard plan."""
-        plan = {"shard plan (shapes, dtypes, iso, solo_above)": f"{self.plan.fingerprint:#x}"}
+        plan = {"shard plan (shapes, dtypes, iso, solo_above)": self._plan_text}
         plan.update({f"param {i} (shape, dtype)": f"{tuple(p.shape)} {p.dtype}" for i, p in enumerate(self._params)})
         merge = {"merge": self.merge, "merge_options": repr(sorted(self.merge_options.items()))}
         merge["compress"] = repr(self.compress)
@@ -197,10 +244,9 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     @property
     def mine(self) -> list[int]:
         """Indices (over all param groups, in order) of the params this rank steps."""
-        return self.plan.owned(self.rank)
+        return list(self._mine)
 
-    def _name(self, gi: int, pi: int, p: torch.Tensor) -> str:
-        return f"param {self._index[p]} (shape {tuple(p.shape)}) on rank {self.rank}"
+    # -- the step ---------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -208,7 +254,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         all-gather the new params; returns the closure's loss (None without one).
 
         Raises:
-            DistributedStepError: on every rank, for bad input, a failing closure or flatten on any rank.
+            DistributedStepError: on every rank, for bad input, a failing closure or flatten on any rank, settings
+                or params that differ between ranks; nothing changed on any rank.
 
         Examples:
             >>> outer = ShardedIsoLoCo([torch.nn.Parameter(torch.randn(6, 4))])
@@ -216,128 +263,98 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             >>> outer.step() is None
             True
         """
-        if self.process_group is checkpoint.DROPPED:  # a copy must be given its process group first
+        if self.process_group is DROPPED:  # a copy must be given its process group first
             raise RuntimeError(
                 "ShardedIsoLoCo.step: this optimizer is a copy (deepcopy / pickle), and a process group cannot be "
                 "copied; set opt.process_group to the group it steps over (None: the default group) first"
             )
-        if self.compress is not None:  # each rank's Δ compressed, to its owners (compressed.py)
-            return compressed.sharded_step(self, closure)
-        ag = Agreement("ShardedIsoLoCo.step", self.process_group)
-        loss = None
-        if closure is not None:  # a closure that raises on one rank must still reach the agreement
-            with torch.enable_grad():
-                loss = ag.attempt(closure)
-        grads = ag.attempt(self._check)
-        bufs = ag.attempt(self._buffers)  # every collective's buffer, before the ranks agree
-        # Agree before the first collective: bad input, or settings that differ between ranks (lr,
-        # method, chunk_bytes, … changed on one rank since construction), or a buffer one rank
-        # could not allocate, stop every rank here.
-        ag.settle(settings=ag.attempt(self._settings))
-        # From here every rank runs every collective whatever happens locally: the local work
-        # between them runs under `ag.attempt`, so a failure reaches the next agreement.
-        if self._per_worker:  # every worker's Δ to its owner, merged there (merge_route.py)
-            flat = ag.attempt(lambda: [flat_view(g) for g in grads]) or [None] * len(self._params)
-            segments, stacks = exchange_workers(
-                self.plan, lambda i: flat[i], self.rank, self.process_group, bufs or {}, ag.attempt, self._data_device
-            )
-            means = ag.attempt(merged_updates, self, stacks, merge_groups) or {}
-        else:
-            segments, means = self._reduce(grads or [], bufs or {}, ag.attempt)
-        write = ag.attempt(self._compute, means)
-        ag.settle()
-        ag.attempt(write)
-        self._all_gather_params(segments, bufs or {}, ag.attempt)
-        if self.world_size > 1:
-            ag.settle(written=True)  # a failure while writing or gathering reaches every rank
+        # This rank's first failure is kept (torchft's report_error), its later local work skipped; every
+        # collective still runs on every rank, and the vote before the first write tells every rank.
+        ex, group, failure, loss, update, successor = self._exchange, self.process_group, None, None, None, None
+        try:
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            grads = self._checked_grads()
+            successor = self._successor(ex)  # a changed chunk_bytes: the next exchange, used after this step
+            ex.pack(self, grads)
+        except Exception as e:  # noqa: BLE001 — every rank learns of it at the vote
+            failure = e
+        failure = ex.to_owners(group, failure)  # leg 1, on every rank
+        try:
+            if failure is None:
+                update = self._owner_update(ex.inputs(self))
+        except Exception as e:  # noqa: BLE001
+            failure = e
+        failure = ex.aside(self, update, group, failure)  # what leg 2 needs before the vote (compressed: leg 2)
+        self._vote(failure)
+        ex.write(self, update, group)  # after the vote only: the writes (full precision: and leg 2)
+        if successor is not None:
+            self._exchange = successor
         self.merged_steps += 1
         return loss
 
-    @property
-    def _per_worker(self) -> bool:
-        return self.merge not in ("iso_c", "mean")
-
-    def _buffers(self) -> dict:
-        """The buffers of the step's collectives (`pipeline.reduce_scatter_buffers`,
-        `reduce_to_owner_buffers`, `gather_segment_buffers`, and a flat copy for a non-contiguous
-        solo param), made before the ranks first agree: an allocation that fails on one rank
-        fails every rank there instead of leaving the others in a collective."""
-        if self._per_worker:
-            return merge_buffers(
-                self.plan, self.rank, comm_device(self.process_group) if self.world_size > 1 else self._data_device
+    def _checked_grads(self) -> list[torch.Tensor]:
+        """Every rank's pseudo-gradients, checked (every param needs one: all are reduced and written), with
+        the held momentum (`outer.collect`); the params still the plan's (shape, dtype) and every setting
+        the exchange was built for (merge family, compress) unchanged."""
+        ex = self._exchange
+        if self.compress is not None:
+            kind = _CompressedExchange
+        else:
+            kind = _MeanExchange if self.merge in _MEAN_MERGES else _WorkerExchange
+        if type(ex) is not kind or getattr(ex, "spec", None) != self.compress:
+            raise ValueError(
+                f"ShardedIsoLoCo.step: merge={self.merge!r}, compress={self.compress!r}, but this optimizer's "
+                "exchange and its buffers were built for other ones at construction; build a new ShardedIsoLoCo "
+                "(on every rank) for another merge or compression"
             )
-        if self.world_size == 1:
-            return {}
-        plan, rank, group, cb = self.plan, self.rank, self.process_group, self.chunk_bytes
-        out: dict = {}
-        for dt in plan.sharded_dtypes:
-            out[("reduce", dt)] = reduce_scatter_buffers(plan, dt, group, cb)
-            out[("gather", dt)] = gather_segment_buffers(plan, dt, group, cb)
-        for i in sorted(plan.solo):
-            p = self._params[i]
-            out[("solo", i)] = reduce_to_owner_buffers(p.numel(), p.dtype, plan.owners[i], rank, group, cb)
-            if not p.is_contiguous():
-                out[("flat", i)] = pipeline.comm_buffer(p.numel(), p.dtype, comm_device(group), False)
-        return out
-
-    def _check(self) -> list[torch.Tensor]:
-        """Every rank's pseudo-gradients, checked (every param needs one: all are reduced and
-        written), with the held momentum (`outer.collect`)."""
-
-        # the params are checked where they are updated (the owned ones, `_compute`), not here
+        for i, p in enumerate(self._params):
+            if tuple(p.shape) != self.plan.shapes[i] or p.dtype != self.plan.dtypes[i]:
+                raise ValueError(
+                    f"ShardedIsoLoCo.step: param {i} is now {tuple(p.shape)} {p.dtype}; the shard plan was made for "
+                    f"{self.plan.shapes[i]} {self.plan.dtypes[i]} (a param's data was replaced by another shape)"
+                )
+        # the params are checked where they are updated (the owned ones, `_owner_update`), not here
         where, name = "ShardedIsoLoCo.step", f"param {{i}} (shape {{shape}}) on rank {self.rank}"
         entries = outer.collect(self, where, name, require_grads=True, check_params=False)
         return [e.g for e in entries]
 
-    def _reduce(self, grads, bufs: dict, attempt) -> tuple[dict, dict[int, torch.Tensor]]:
-        """Mean pseudo-gradient of each param this rank owns: segments by reduce-scatter, solo
-        tensors by a reduce to their owner (every rank's checks passed: the ranks agreed first).
-        Returns (my segment per dtype, param index → mean). Local work under `attempt`."""
-        plan, rank = self.plan, self.rank
-        flat = attempt(lambda: [flat_view(g) for g in grads]) or [None] * len(self._params)
-        segments, means = {}, {}
-        for dt in plan.sharded_dtypes:
-            if self.world_size > 1:
-                own = reduce_scatter_mean(
-                    plan,
-                    dt,
-                    lambda i: flat[i],
-                    rank,
-                    self.process_group,
-                    self.chunk_bytes,
-                    bufs[("reduce", dt)],
-                    attempt,
-                )
-            else:
-                own = self._own_single(dt, flat)
-            segments[dt] = own
-            means.update(attempt(owned_views, plan, dt, own, rank) or {})
-        for i in sorted(plan.solo):
-            p = self._params[i]
-            mean = reduce_to_owner(
-                flat[i],
-                p.numel(),
-                p.dtype,
-                plan.owners[i],
-                rank,
-                self.process_group,
-                self.chunk_bytes,
-                bufs.get(("solo", i)),
-                attempt,
-            )
-            if mean is not None:
-                means[i] = mean.view(p.shape)
-        return segments, means
+    def _successor(self, ex):
+        """The exchange for a chunk_bytes set since construction (checked, its buffers made before the first
+        collective), or None. This step still runs on `ex`, as every other rank's does; the vote compares the
+        chunk sizes, and only a step every rank commits hands over to the new one."""
+        if self.compress is not None or self.chunk_bytes == ex.chunk_bytes:
+            return None  # the compressed exchange moves whole segments: no chunks
+        check_chunk_bytes(self.chunk_bytes, "ShardedIsoLoCo: chunk_bytes")
+        return self._new_exchange(self.chunk_bytes)
 
-    def _compute(self, means: dict[int, torch.Tensor]):
-        """Iso-C and the Nesterov update of my params, everything that can fail before the ranks
-        agree; returns the function that writes them."""
-        idx = sorted(means)
-        mine = [means[i] for i in idx]
+    def _owner_update(self, inputs: dict[int, torch.Tensor]):
+        """The owner's step on its own tensors, computed and checked, nothing written: full precision the
+        function that writes (Iso-C or the merge, then the Nesterov update: `outer.prepare_nesterov`); with
+        compress `owner_step`'s (buckets, momentum, update residuals, updates)."""
+        if self.compress is not None:
+            return owner_step(self, self._params, [self.param_groups[k] for k in self._group_of], inputs, self._buckets)
+        if self.merge not in _MEAN_MERGES:  # every worker's Δ of my tensors: their merge
+            merged = {i for i in inputs if self.param_groups[self._group_of[i]]["iso"]}
+            out = merge_groups(inputs, merged, self.merge, self.merge_options, self.merged_steps, self.method)
+            inputs = {i: m.to(self._params[i].dtype) for i, m in out.items()}
+        idx = sorted(inputs)
+        mine = [inputs[i] for i in idx]
         amax = amaxes(mine)  # one pass: the check, and the Nesterov bound of the plain updates
         check_amax_finite(mine, amax, [f"mean pseudo-gradient of param {i}" for i in idx])
-        updates = dict(means)
-        updates.update(self._iso_updates(means))
+        updates = dict(inputs)
+        if self.merge == "iso_c":  # Iso-C of my 2-D means in iso groups, batched by shape as IsoLoCo does
+            iso = [
+                i
+                for i in idx
+                if inputs[i].ndim == 2 and inputs[i].numel() and self.param_groups[self._group_of[i]]["iso"]
+            ]
+            names = [
+                f"ShardedIsoLoCo: param {i} (shape {tuple(self._params[i].shape)}) on rank {self.rank}" for i in iso
+            ]
+            self._buckets, views = outer.bucket_flatten([inputs[i] for i in iso], self.method, names, self._buckets)
+            updates.update(zip(iso, views))
         return outer.prepare_nesterov(
             self,
             [
@@ -347,74 +364,59 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                     self.param_groups[self._group_of[i]]["lr"],
                     self.param_groups[self._group_of[i]]["momentum"],
                     f"param {i} (shape {tuple(self._params[i].shape)}) on rank {self.rank}",
-                    (None, None, a if updates[i] is means[i] else None),
+                    (None, None, a if updates[i] is inputs[i] else None),
                 )
                 for i, a in zip(idx, amax)
             ],
         )
 
-    def _all_gather_params(self, segments: dict, bufs: dict, attempt) -> None:
-        """Every rank gets every updated param: segments all-gathered, solo tensors broadcast
-        (local work under `attempt`)."""
-        plan, rank = self.plan, self.rank
-        for dt, own in segments.items():
-            attempt(self._params_into_segment, dt, own)
-            if self.world_size > 1:
-                scatter_into(
-                    plan,
-                    dt,
-                    own,
-                    [p.data for p in self._params],
-                    rank,
-                    self.process_group,
-                    self.chunk_bytes,
-                    bufs.get(("gather", dt)),
-                    attempt,
-                )
-        for i in sorted(plan.solo):
-            broadcast_into(
-                self._params[i].data,
-                plan.owners[i],
-                self.process_group,
-                self.chunk_bytes,
-                bufs.get(("flat", i)),
-                attempt,
-            )
+    def _vote(self, failure: Optional[BaseException]) -> None:
+        """The step's one agreement, before anything is written (torchft's should_commit): every rank sends
+        whether it failed, a fingerprint of its settings and a checksum of its params; if any rank failed, or
+        the settings or params differ, every rank raises DistributedStepError naming the ranks and their errors,
+        the settings that differ or the first param that differs, with nothing written. One small all-gather;
+        one rank alone has nothing to compare (its own failure still raises as the group's)."""
+        if self.world_size == 1 and failure is None:
+            return
+        settings = replicas = None
+        if failure is None and self.world_size > 1:
+            try:
+                settings, replicas = self._settings(), self._replicas()
+            except Exception as e:  # noqa: BLE001
+                failure = e
+        agree(
+            None if failure is None else error_text(failure),
+            self.process_group,
+            "ShardedIsoLoCo.step",
+            settings=settings,
+            replicas=replicas,
+            mismatch=PLAN_MISMATCH,
+        )
 
-    def _params_into_segment(self, dtype, own: torch.Tensor) -> None:
-        """My updated params into my segment, which the all-gather sends."""
-        for i, v in owned_views(self.plan, dtype, own, self.rank).items():
-            v.copy_(self._params[i])
+    def _replicas(self) -> tuple:
+        """What the vote compares of the params (the global weights, equal on every rank): their names, a
+        checksum of each param's bits (`bits.checksums`: one read of each param, one host sync), and
+        what to do when they differ."""
+        names = [f"param {i} (shape {tuple(p.shape)})" for i, p in enumerate(self._params)]
+        return "params", names, checksums([p.detach() for p in self._params]), _REPLICA_HINT
 
-    def _iso_updates(self, means: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Iso-C of my 2-D mean pseudo-gradients in iso groups, batched by shape as IsoLoCo does
-        (`outer.bucket_flatten`, the buffers kept for the next step): param index → result view."""
-        if self.merge != "iso_c":  # "mean", or a merge that already ran (`_merged`)
-            return {}
-        idx = [
-            i
-            for i in sorted(means)
-            if means[i].ndim == 2 and means[i].numel() and self.param_groups[self._group_of[i]]["iso"]
-        ]
-        names = [f"ShardedIsoLoCo: {self._name(0, 0, self._params[i])}" for i in idx]
-        self._buckets, views = outer.bucket_flatten(
-            [means[i] for i in idx], self.method, names, self._buckets
-        )  # checked
-        return dict(zip(idx, views))
-
-    def _own_single(self, dtype, flat) -> torch.Tensor:
-        """World size 1: my segment is just my grads, copied (the grads stay untouched)."""
-        per_rank, seg = self.plan.layout(dtype)
-        own = torch.empty(seg, dtype=dtype, device=self._data_device)
-        for i, off in per_rank[0]:
-            own[off : off + self.plan.numel(i)].copy_(flat[i])
-        return own
+    # -- copies and checkpoints ---------------------------------------------------------------------------
 
     def __getstate__(self) -> dict:  # deepcopy / pickle: every setting and state but the process group
-        return checkpoint.copy_state(self, super().__getstate__())
+        keep = ("defaults", "state", "param_groups")
+        state = super().__getstate__()
+        extra = {k: v for k, v in self.__dict__.items() if k not in keep and not k.startswith("_optimizer")}
+        extra = {k: v for k, v in extra.items() if k not in ("process_group", "_outer_bounds")}
+        return {**state, "sharded_copy": extra}
 
     def __setstate__(self, state: dict) -> None:
-        checkpoint.restore_copy(self, state, super().__setstate__)
+        # torch's load_state_dict calls this with state and param_groups only: the optimizer keeps its own attributes
+        state = dict(state)
+        extra = state.pop("sharded_copy", None)
+        super().__setstate__(state)
+        if extra is not None:
+            self.__dict__.update(extra)
+            self.process_group = DROPPED
 
     def state_dict(self) -> dict:
         """SGD's state dict of this rank's momentum (only the owner keeps a param's), plus "sharding" (the plan's
@@ -427,12 +429,56 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             >>> sorted(outer.state_dict())
             ['merge', 'param_groups', 'sharding', 'state']
         """
-        return checkpoint.rank_state_dict(self, super().state_dict())
+        sd = super().state_dict()
+        sd["sharding"] = {"fingerprint": self.plan.fingerprint, "rank": self.rank, "world_size": self.world_size}
+        sd["merge"] = merge_entry(self.merge, self.merge_options, self.merged_steps)
+        if self.compress is not None:  # this worker's residuals and the owner's update residuals
+            sd["compress"] = state_entry(self)
+        return sd
 
     def consolidated_state_dict(self) -> dict:
         """The whole model's state (every param's momentum, gathered from its owner), on every rank: it loads
-        into ShardedIsoLoCo at any world size, IsoLoCo or SGD (distributed/checkpoint.py). A collective."""
-        return checkpoint.consolidated_state_dict(self)
+        into ShardedIsoLoCo at any world size, IsoLoCo or SGD. A collective: every rank of the group calls it.
+        The buffers are allocated and the ranks agree before the first broadcast, so a failure on one rank
+        (out of memory) raises DistributedStepError on every rank, never a hang. Nothing of the optimizer
+        changes (docs/checkpoints.md)."""
+        where = "ShardedIsoLoCo.consolidated_state_dict"
+        ag = Agreement(where, self.process_group, alone=self.world_size == 1)
+        mine = ag.attempt(torch.optim.Optimizer.state_dict, self)
+        held = (
+            None
+            if mine is None
+            else {
+                pid: (tuple(st["momentum_buffer"].shape), str(st["momentum_buffer"].dtype))
+                for pid, st in mine["state"].items()
+                if st.get("momentum_buffer") is not None
+            }
+        )
+        every = [held] if self.world_size == 1 else gather_objects(held, self.process_group)
+        flats = ag.attempt(self._consolidation_buffers, mine, every) or {}
+        ag.settle()
+        if self.world_size > 1:
+            for pid in sorted(flats):  # the same order on every rank: each param's owner sends, the others receive
+                r, buf = flats[pid]
+                pipeline.broadcast_from_owner(buf.view(-1), r, self.process_group, self.chunk_bytes)
+        out = {"state": {pid: {"momentum_buffer": buf} for pid, (_, buf) in sorted(flats.items())}}
+        out["param_groups"] = mine["param_groups"]
+        out["merge"] = merge_entry(self.merge, self.merge_options, self.merged_steps)
+        return out
+
+    def _consolidation_buffers(self, mine: dict, every: list) -> dict:
+        """pid → (owner, a contiguous buffer: a copy of my momentum, or one to receive another rank's into)."""
+        dtypes = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+        if any(h is None for h in every):
+            return {}  # another rank failed above: the agreement says which
+        flats = {}
+        for r, h in enumerate(every):
+            for pid, (shape, dtype) in h.items():
+                if r == self.rank:
+                    flats[pid] = (r, mine["state"][pid]["momentum_buffer"].detach().contiguous().clone())
+                else:
+                    flats[pid] = (r, torch.empty(shape, dtype=dtypes[dtype], device=self._data_device))
+        return flats
 
     def load_state_dict(self, state_dict) -> None:
         """This rank's own `state_dict()`, or a whole state (`consolidated_state_dict()`, IsoLoCo's, SGD's) of
@@ -445,4 +491,870 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             >>> outer = ShardedIsoLoCo([torch.nn.Parameter(torch.randn(6, 4))])
             >>> outer.load_state_dict(outer.state_dict())
         """
-        checkpoint.load_state(self, state_dict, super().load_state_dict)
+        where = "ShardedIsoLoCo.load_state_dict"
+        info = check_merge_entry(self, state_dict, where)
+        residuals = None  # a whole state holds no error-feedback residuals: they restart from zero
+        if isinstance(state_dict, dict) and "sharding" not in state_dict:
+            if state_dict.get("compress") is not None:  # a whole state with residuals: a compressed MergeLoCo's
+                raise ValueError(
+                    f"{where}: this state holds a compressed MergeLoCo's error-feedback residuals (its K workers', "
+                    "simulated in one process); a ShardedIsoLoCo rank keeps only its own worker's and cannot take "
+                    "them. To go on from its momentum alone, load it without its 'compress' entry (the residuals "
+                    "then start from zero); nothing was loaded"
+                )
+            rest = {k: v for k, v in state_dict.items() if k not in ("merge", "compress")}
+            sgd_state.check_state_dict(self, rest, where)  # every param's buffer, not only mine: one verdict
+            rest["state"] = {pid: st for pid, st in rest["state"].items() if pid in set(self._mine)}
+        else:
+            rest = {k: v for k, v in self._rank_state(state_dict, where).items() if k not in ("merge", "compress")}
+            residuals = check_entry(self, state_dict, where, self._params, self._mine)
+        sgd_state.load_sgd_state(self, rest, where, super().load_state_dict)
+        load_entry(self, residuals)
+        if info is not None:
+            self.merged_steps = int(info["steps"])
+
+    def _rank_state(self, state_dict, where: str) -> dict:
+        """One rank's state dict checked against this optimizer's rank and shard plan; returns it without
+        its 'sharding' entry (what `sgd_state.load_sgd_state` loads)."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{where}: expected a dict, got {type(state_dict).__name__}")
+        info = state_dict.get("sharding")
+        if info is None:
+            raise ValueError(
+                f"{where}: the state has no 'sharding' entry (it was not saved by "
+                "ShardedIsoLoCo.state_dict()); per-rank momentum cannot be matched to this plan"
+            )
+        if info["world_size"] != self.world_size or info["fingerprint"] != self.plan.fingerprint:
+            raise ValueError(
+                f"{where}: the state was saved under a different shard plan "
+                f"(world size {info['world_size']}, plan {info['fingerprint']:#x}); this optimizer has world "
+                f"size {self.world_size}, plan {self.plan.fingerprint:#x}; it needs the same params (shapes, "
+                "dtypes, order) and world size"
+            )
+        if info["rank"] != self.rank:
+            raise ValueError(
+                f"{where}: the state was saved by rank {info['rank']}, this is rank {self.rank}; load each rank's "
+                "own state"
+            )
+        rest = {k: v for k, v in state_dict.items() if k != "sharding"}
+        extra = sorted(set(rest.get("state", {})) - set(self._mine))
+        if extra:
+            raise ValueError(
+                f"{where}: the state holds momentum for params {extra[:8]} that rank {self.rank} does not own"
+            )
+        return rest
+
+
+_REPLICA_HINT = (
+    "ShardedIsoLoCo steps replicas: every rank's params must be the same global weights when step() is called "
+    "(only the grads differ: each rank's own pseudo-gradient). Restore the global weights on every rank before "
+    "step() (p.data.copy_(global_p) after the inner steps), and start every rank from the same weights (the same "
+    "seed, or broadcast them from rank 0 before training)"
+)
+
+
+# -- the exchanges --------------------------------------------------------------------------------------------
+#
+# Each holds, from construction on, every buffer its collectives use (`pipeline.comm_buffer`, on the group's
+# communication device), so a rank whose local work failed joins every collective with them (sending zeros).
+# The step calls, in order: pack (local), to_owners (leg 1), inputs (local), aside (before the vote), write
+# (after it). Each method that runs collectives takes this rank's failure so far and returns it: once there is
+# one, the local work between the collectives is skipped and the collectives still run.
+
+
+def _chunks(total: int, per: int):
+    for a in range(0, total, per):
+        yield a, min(total, a + per)
+
+
+def _global(group, r: int) -> int:
+    return dist.get_global_rank(group, r) if group is not None else r
+
+
+class _Segments:
+    """One dtype's tensors laid end to end in each owner's segment (`ShardPlan.layout`): per rank its
+    (tensor index, offset, numel), the padded segment length, and my own segment (a buffer)."""
+
+    def __init__(self, plan: ShardPlan, dtype: torch.dtype, rank: int, own: torch.Tensor):
+        per_rank, self.length = plan.layout(dtype)
+        self.dtype, self.own = dtype, own
+        self.per_rank = [[(i, off, plan.numel(i)) for i, off in entries] for entries in per_rank]
+        self.mine = self.per_rank[rank]
+
+    def pack(self, flats, a: int, b: int, send: torch.Tensor) -> None:
+        """Elements [a, b) of every rank's segment into `send` (world pieces of b − a), from the flat tensors."""
+        w = b - a
+        send.zero_()
+        for r, entries in enumerate(self.per_rank):
+            for i, off, n in entries:
+                lo, hi = max(a, off), min(b, off + n)
+                if lo < hi:
+                    send[r * w + lo - a : r * w + hi - a].copy_(flats[i][lo - off : hi - off])
+
+    def unpack(self, got: torch.Tensor, a: int, b: int, dst: dict) -> None:
+        """Every rank's elements [a, b) of its segment, all-gathered in `got`, into the flat tensors `dst`."""
+        w = b - a
+        for r, entries in enumerate(self.per_rank):
+            for i, off, n in entries:
+                lo, hi = max(a, off), min(b, off + n)
+                if lo < hi:
+                    dst[i][lo - off : hi - off].copy_(got[r * w + lo - a : r * w + hi - a])
+
+
+class _ParamsBack:
+    """Leg 2 of the full-precision exchanges, after the vote: every rank's params ← the owners' new params,
+    in place. My params into my segments, the segments all-gathered in chunks of about chunk_bytes (at most
+    two in flight), each rank's pieces copied into the params; solo params broadcast from their owner. It
+    needs nothing it could fail to make: its buffers were made at construction, and the flat stand-ins of
+    non-contiguous params before the vote (`aside`)."""
+
+    def _init_back(self, plan: ShardPlan, rank: int, device, chunk_bytes: int) -> None:
+        self.plan, self.rank, self.world, self.device = plan, rank, plan.world_size, device
+        self.chunk_bytes = chunk_bytes
+        self.solo = sorted(plan.solo)
+        self.segments: dict[torch.dtype, _Segments] = {}
+        self._stand_ins: dict[int, torch.Tensor] = {}
+
+    def _chunk(self, k: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """Chunk buffer k % 3 (made at construction, `_chunk_buffers`) as `numel` elements of `dtype`."""
+        return self._chunk_bufs[k % 3][: numel * dtype.itemsize].view(dtype)
+
+    def _chunk_buffers(self, nbytes: int) -> None:
+        self._chunk_bufs = [pipeline.comm_buffer(max(nbytes, 8), torch.uint8, self.device, False) for _ in range(3)]
+
+    def _gather_per(self, dtype: torch.dtype) -> int:
+        return max(1, self.chunk_bytes // (self.world * dtype.itemsize))
+
+    def _gather_bytes(self) -> int:
+        out = 0
+        for seg in self.segments.values():
+            if seg.length:
+                out = max(out, self.world * min(self._gather_per(seg.dtype), seg.length) * seg.dtype.itemsize)
+        return out
+
+    def aside(self, opt, update, group, failure):
+        """Before the vote: a flat stand-in for each non-contiguous param leg 2 writes into (it receives
+        through it). No collective."""
+        self._stand_ins = {}
+        if failure is None and self.world > 1:
+            try:
+                self._stand_ins = {
+                    i: pipeline.comm_buffer(p.numel(), p.dtype, self.device, False)
+                    for i, p in enumerate(opt._params)
+                    if not p.is_contiguous()
+                }
+            except Exception as e:  # noqa: BLE001
+                failure = e
+        return failure
+
+    def write(self, opt, write, group) -> None:
+        """After the vote: my momentum and params (the prepared Nesterov update), then leg 2."""
+        write()
+        if self.world == 1:
+            return
+        params = opt._params
+        dst = {i: self._stand_ins.get(i, p.data.view(-1) if p.is_contiguous() else None) for i, p in enumerate(params)}
+        for seg in self.segments.values():
+            for i, off, n in seg.mine:
+                seg.own[off : off + n].view(params[i].shape).copy_(params[i])
+            pending = []
+            for k, (a, b) in enumerate(_chunks(seg.length, self._gather_per(seg.dtype))):
+                got = self._chunk(k, seg.dtype, self.world * (b - a))
+                work = pipeline.all_gather_single(got, seg.own[a:b], group=group, async_op=True)
+                pending.append((work, got, a, b))
+                if len(pending) > 2:
+                    self._finish_gather(seg, pending.pop(0), dst)
+            while pending:
+                self._finish_gather(seg, pending.pop(0), dst)
+        for i in self.solo:
+            if self.plan.owners[i] == self.rank and i in self._stand_ins:
+                self._stand_ins[i].view(params[i].shape).copy_(params[i])
+            pipeline.broadcast_from_owner(dst[i], self.plan.owners[i], group, self.chunk_bytes)
+        for i, flat in self._stand_ins.items():
+            params[i].data.copy_(flat.view(params[i].shape))
+        self._stand_ins = {}
+
+    @staticmethod
+    def _finish_gather(seg: _Segments, pending, dst) -> None:
+        work, got, a, b = pending
+        work.wait()
+        seg.unpack(got, a, b, dst)
+
+
+class _MeanExchange(_ParamsBack):
+    """Full precision, merge "iso_c" or "mean": leg 1 reduce-scatters the workers' Δ in chunks into each owner's
+    segment as their mean (summed in `reduce_dtype`, float32 for 2-byte dtypes, divided and rounded once; solo
+    tensors: reduced to their owner in chunks); leg 2 all-gathers the new params (`_ParamsBack`).
+
+    Buffers held: my segment per dtype (the mean, then my new params), the owner's copy of each solo tensor it
+    owns, and six chunk buffers of about chunk_bytes / world (three to send and receive, three sums)."""
+
+    def __init__(self, plan: ShardPlan, rank: int, device, chunk_bytes: int):
+        self._init_back(plan, rank, device, chunk_bytes)
+        self._flats: Optional[list] = None
+        if self.world == 1:
+            return
+        send = out = 0
+        for dt in plan.sharded_dtypes:
+            seg = _Segments(plan, dt, rank, pipeline.comm_buffer(plan.layout(dt)[1], dt, device, False))
+            self.segments[dt] = seg
+            if seg.length:
+                rdt, per = reduce_dtype(dt), self._reduce_per(dt)
+                send = max(send, self.world * min(per, seg.length) * rdt.itemsize)
+                out = max(out, min(per, seg.length) * rdt.itemsize)
+        self.solo_out = {}
+        for i in self.solo:
+            dt, n = plan.dtypes[i], plan.numel(i)
+            rdt = reduce_dtype(dt)
+            send = max(send, min(max(1, chunk_bytes // rdt.itemsize), n) * rdt.itemsize)
+            if plan.owners[i] == rank:
+                self.solo_out[i] = pipeline.comm_buffer(n, dt, device, False)
+        self._chunk_buffers(max(send, self._gather_bytes()))
+        self._out_bufs = [pipeline.comm_buffer(max(out, 8), torch.uint8, device, False) for _ in range(3)]
+
+    def _reduce_per(self, dtype: torch.dtype) -> int:
+        return max(1, self.chunk_bytes // (self.world * reduce_dtype(dtype).itemsize))
+
+    def pack(self, opt, grads) -> None:
+        """Each grad flat (a view; a copy where it is not contiguous), for the reduce-scatter's chunks."""
+        self._flats = [g.reshape(-1) for g in grads]
+
+    def to_owners(self, group, failure):
+        """Leg 1: the mean of every rank's Δ of each tensor on its owner (my segments, the solo tensors I own).
+        A rank that failed sends zeros."""
+        flats, self._flats = self._flats, None
+        if self.world == 1:
+            self._single = flats
+            return failure
+        for seg in self.segments.values():
+            failure = self._reduce_scatter(seg, flats, group, failure)
+        for i in self.solo:
+            failure = self._reduce_to_owner(i, flats, group, failure)
+        return failure
+
+    def _reduce_scatter(self, seg: _Segments, flats, group, failure):
+        rdt, pending = reduce_dtype(seg.dtype), []
+        for k, (a, b) in enumerate(_chunks(seg.length, self._reduce_per(seg.dtype))):
+            w = b - a
+            send = self._chunk(k, rdt, self.world * w)
+            out = self._out_bufs[k % 3][: w * rdt.itemsize].view(rdt)
+            if failure is None:
+                try:
+                    seg.pack(flats, a, b, send)
+                except Exception as e:  # noqa: BLE001
+                    failure = e
+            if failure is not None:
+                send.zero_()
+            pending.append((pipeline.reduce_scatter_single(out, send, group=group, async_op=True), out, a, b))
+            if len(pending) > 2:
+                failure = self._finish_mean(seg.own, pending.pop(0), failure)
+        while pending:
+            failure = self._finish_mean(seg.own, pending.pop(0), failure)
+        return failure
+
+    def _finish_mean(self, own: torch.Tensor, pending, failure):
+        work, out, a, b = pending
+        work.wait()
+        if failure is None:
+            try:
+                own[a:b].copy_(out.div_(self.world))  # the sum's mean, rounded once to the tensors' dtype
+            except Exception as e:  # noqa: BLE001
+                failure = e
+        return failure
+
+    def _reduce_to_owner(self, i: int, flats, group, failure):
+        """Solo tensor i's mean, on its owner (`solo_out`), in chunks through the chunk buffers (a reduce may
+        use a non-root's input as scratch, so grads are never handed to it)."""
+        dt, owner = self.plan.dtypes[i], self.plan.owners[i]
+        rdt, dst, pending = reduce_dtype(dt), _global(group, owner), []
+        for k, (a, b) in enumerate(_chunks(self.plan.numel(i), max(1, self.chunk_bytes // rdt.itemsize))):
+            buf = self._chunk(k, rdt, b - a)
+            if failure is None:
+                try:
+                    buf.copy_(flats[i][a:b])
+                except Exception as e:  # noqa: BLE001
+                    failure = e
+            if failure is not None:
+                buf.zero_()
+            pending.append((dist.reduce(buf, dst=dst, group=group, async_op=True), buf, a, b))
+            if len(pending) > 2:
+                failure = self._finish_reduce(i, pending.pop(0), failure)
+        while pending:
+            failure = self._finish_reduce(i, pending.pop(0), failure)
+        return failure
+
+    def _finish_reduce(self, i: int, pending, failure):
+        work, buf, a, b = pending
+        work.wait()
+        if failure is None and i in self.solo_out:
+            try:
+                self.solo_out[i][a:b].copy_(buf.div_(self.world))
+            except Exception as e:  # noqa: BLE001
+                failure = e
+        return failure
+
+    def inputs(self, opt) -> dict[int, torch.Tensor]:
+        """The mean Δ of each tensor I own (views of my segments; one rank: copies of the grads)."""
+        plan = self.plan
+        if self.world == 1:
+            flats, self._single = self._single, None
+            return {
+                i: flats[i].to(plan.dtypes[i], memory_format=torch.contiguous_format, copy=True).view(plan.shapes[i])
+                for i in range(len(plan.shapes))
+            }
+        out = {
+            i: seg.own[off : off + n].view(plan.shapes[i]) for seg in self.segments.values() for i, off, n in seg.mine
+        }
+        out.update({i: t.view(plan.shapes[i]) for i, t in self.solo_out.items()})
+        return out
+
+
+class _WorkerExchange(_ParamsBack):
+    """Full precision, a merge that needs every worker's Δ (TSV-M, Iso-CTS, TIES, DARE): leg 1 all-to-alls each
+    rank's Δ to the owner of each tensor, which receives the world's K copies of exactly its own tensors
+    ([K, segment] per dtype; a solo tensor: gathered as [K, numel]); leg 2 all-gathers the new params.
+
+    Bytes per rank: the all-to-all sends (K − 1)/K of this rank's Δ, the all-gather the same again: those of
+    one all-reduce. Buffers held: per dtype the all-to-all's send and receive (each about the params' size)
+    and my segment; per solo tensor a send copy, and on its owner the K rows; three all-gather chunks."""
+
+    def __init__(self, plan: ShardPlan, rank: int, device, chunk_bytes: int):
+        self._init_back(plan, rank, device, chunk_bytes)
+        self.a2a: dict[torch.dtype, tuple] = {}
+        self.solo_send, self.solo_rows = {}, {}
+        self._flats: Optional[list] = None
+        if self.world == 1:
+            return
+        for dt in plan.sharded_dtypes:
+            n = plan.layout(dt)[1]
+            self.segments[dt] = _Segments(plan, dt, rank, pipeline.comm_buffer(n, dt, device, True))
+            self.a2a[dt] = (
+                pipeline.comm_buffer(self.world * n, dt, device, True),  # padding travels as zeros
+                pipeline.comm_buffer(self.world * n, dt, device, False),
+            )
+        for i in self.solo:
+            dt, n = plan.dtypes[i], plan.numel(i)
+            self.solo_send[i] = pipeline.comm_buffer(n, dt, device, True)
+            if plan.owners[i] == rank:
+                self.solo_rows[i] = [pipeline.comm_buffer(n, dt, device, False) for _ in range(self.world)]
+        self._chunk_buffers(self._gather_bytes())
+
+    def pack(self, opt, grads) -> None:
+        """My Δ of every tensor into the all-to-all's send buffers (each owner's part) and the solo copies."""
+        if self.world == 1:
+            self._flats = [g.reshape(-1) for g in grads]
+            return
+        for dt, seg in self.segments.items():
+            send = self.a2a[dt][0]
+            for r, entries in enumerate(seg.per_rank):
+                for i, off, n in entries:
+                    send[r * seg.length + off : r * seg.length + off + n].copy_(grads[i].reshape(-1))
+        for i, buf in self.solo_send.items():
+            buf.view(self.plan.shapes[i]).copy_(grads[i])
+
+    def to_owners(self, group, failure):
+        """Leg 1: every worker's Δ of my tensors (a rank that failed sends zeros)."""
+        if self.world == 1:
+            return failure
+        for send, recv in self.a2a.values():
+            if failure is not None:
+                send.zero_()
+            dist.all_to_all_single(recv, send, group=group)
+        for i in self.solo:
+            if failure is not None:
+                self.solo_send[i].zero_()
+            rows = self.solo_rows.get(i)
+            dist.gather(self.solo_send[i], rows, dst=_global(group, self.plan.owners[i]), group=group)
+        return failure
+
+    def inputs(self, opt) -> dict[int, torch.Tensor]:
+        """Each of my tensors' [K, *shape] stack of the workers' Δ (views of the all-to-all's receive buffer)."""
+        plan, K = self.plan, self.world
+        if K == 1:
+            flats, self._flats = self._flats, None
+            return {i: flats[i].to(plan.dtypes[i]).reshape(1, *plan.shapes[i]) for i in range(len(plan.shapes))}
+        out = {}
+        for dt, seg in self.segments.items():
+            got = self.a2a[dt][1].view(K, seg.length)
+            for i, off, n in seg.mine:
+                out[i] = got[:, off : off + n].reshape(K, *plan.shapes[i])
+        for i, rows in self.solo_rows.items():
+            out[i] = torch.stack(rows).reshape(K, *plan.shapes[i])
+        return out
+
+
+class _CompressedExchange:
+    """`compress=`: each rank's Δ compressed, c_k = Q(Δ_k + e_k) (`encode_delta`), all-to-all'd as bytes to each
+    owner (a solo tensor: gathered): a reduce-scatter cannot sum packed integers. The owner dequantizes and sums
+    in float32 (`owner_inputs`), steps (`owner_step`) and compresses its update u; leg 2, before the vote,
+    all-gathers every owner's u (solo: broadcast), and every rank, the owner included, computes θ' = θ + deq(u)
+    aside (`apply_update`), checked finite. After the vote: θ', the momentum and the residuals are written.
+
+    Buffers held (uint8): the all-to-all's send and receive (world segments of the leg's padded bytes), the
+    all-gather's own segment and result, per solo tensor a send, a broadcast and (on its owner) K receive
+    buffers."""
+
+    def __init__(self, plan: ShardPlan, rank: int, device, spec: Compression):
+        self.plan, self.rank, self.world, self.spec = plan, rank, plan.world_size, spec
+        self.numel = [plan.numel(i) for i in range(len(plan.shapes))]
+        w = self.world
+        self.sizes = s1, s2 = update_sizes(plan, spec)
+        (out, self.seg1), (back, seg2) = layout(plan, s1), layout(plan, s2)
+        self.at1 = {i: (o, off) for o, entries in enumerate(out) for i, off in entries}
+        self.at2 = {i: (o * seg2 + off, off) for o, entries in enumerate(back) for i, off in entries}
+        self.send = pipeline.comm_buffer(w * self.seg1, torch.uint8, device, True)  # padding travels as zeros
+        self.recv = pipeline.comm_buffer(w * self.seg1, torch.uint8, device, False) if w > 1 else self.send
+        self.own = pipeline.comm_buffer(seg2, torch.uint8, device, True)
+        self.every = pipeline.comm_buffer(w * seg2, torch.uint8, device, False) if w > 1 else self.own
+        solo = sorted(plan.solo)
+        self.solo_send = {i: pipeline.comm_buffer(s1[i], torch.uint8, device, True) for i in solo}
+        mine = [i for i in solo if plan.owners[i] == rank]
+        self.parts = {i: [pipeline.comm_buffer(s1[i], torch.uint8, device, False) for _ in range(w)] for i in mine}
+        self.solo_back = {i: pipeline.comm_buffer(s2[i], torch.uint8, device, True) for i in solo}
+        self._residuals: dict = {}
+        self._new: Optional[list] = None
+
+    def _outgoing(self, i: int) -> torch.Tensor:
+        """Where this rank's payload of tensor i goes on the all-to-all leg."""
+        if i in self.solo_send:
+            return self.solo_send[i]
+        o, off = self.at1[i]
+        return self.send.narrow(0, o * self.seg1 + off, self.sizes[0][i])
+
+    def _incoming(self, i: int, k: int) -> torch.Tensor:
+        """Worker k's payload of tensor i (owned here), as received."""
+        if i in self.parts:
+            return self.parts[i][k]
+        return self.recv.narrow(0, k * self.seg1 + self.at1[i][1], self.sizes[0][i])
+
+    def _update(self, i: int, mine: bool) -> torch.Tensor:
+        """Tensor i's update payload: its slot in my own segment (mine=True), or the all-gathered copy."""
+        if i in self.solo_back:
+            return self.solo_back[i]
+        start, off = self.at2[i]
+        return self.own.narrow(0, off, self.sizes[1][i]) if mine else self.every.narrow(0, start, self.sizes[1][i])
+
+    def pack(self, opt, grads) -> None:
+        """This rank's payload of every tensor into the all-to-all's buffers; the new residuals kept aside."""
+        self._residuals = {}
+        for i, (p, g) in enumerate(zip(opt._params, grads)):
+            packed, self._residuals[i] = encode_delta(
+                self.spec,
+                g.detach().to(p.dtype),
+                opt._residuals.get(i),
+                step=opt.merged_steps,
+                index=i,
+                worker=opt.rank,
+                name=f"param {i} (shape {tuple(p.shape)}) on rank {opt.rank}",
+            )
+            self._outgoing(i).copy_(packed.wire())
+
+    def to_owners(self, group, failure):
+        """Leg 1: every worker's payload of my tensors (a rank that failed sends zeros)."""
+        if failure is not None:
+            self.send.zero_()
+            for buf in self.solo_send.values():
+                buf.zero_()
+        if self.world > 1:
+            dist.all_to_all_single(self.recv, self.send, group=group)
+        for i in sorted(self.plan.solo):
+            rows = self.parts.get(i)
+            dist.gather(self.solo_send[i], rows, dst=_global(group, self.plan.owners[i]), group=group)
+        return failure
+
+    def inputs(self, opt) -> dict[int, torch.Tensor]:
+        """What I merge: the mean (or the stack) of the workers' dequantized Δ of each tensor I own."""
+        spec = self.spec
+        payloads = {
+            i: [Packed.from_wire(self._incoming(i, k), spec, self.numel[i]) for k in range(self.world)]
+            for i in opt._mine
+        }
+        return owner_inputs(opt, opt._params, payloads)
+
+    def aside(self, opt, update, group, failure):
+        """Leg 2, before the vote: my updates into my segment, all-gathered (solo: broadcast), and every
+        param's θ' computed aside, checked finite (a rank that failed sends zeros and computes nothing)."""
+        self._new = None
+        if failure is None:
+            try:
+                for i in opt._mine:
+                    self._update(i, True).copy_(_wire(update[3][i]))
+            except Exception as e:  # noqa: BLE001
+                failure = e
+        if failure is not None:
+            self.own.zero_()
+            for i in self.solo_back:
+                if self.plan.owners[i] == self.rank:
+                    self.solo_back[i].zero_()
+        if self.world > 1:
+            pipeline.all_gather_single(self.every, self.own, group=group)
+        for i in sorted(self.plan.solo):
+            dist.broadcast(self.solo_back[i], src=_global(group, self.plan.owners[i]), group=group)
+        if failure is None:
+            try:
+                new = [
+                    apply_update(p, _payload(self.spec, p, self._update(i, False))) for i, p in enumerate(opt._params)
+                ]
+                check_all_finite(new, [f"param {i} after the step" for i in range(len(new))])
+                self._new = new
+            except Exception as e:  # noqa: BLE001
+                failure = e
+        return failure
+
+    def write(self, opt, update, group) -> None:
+        """After the vote: θ', my momentum and the residuals."""
+        opt._buckets = update[0]
+        new, self._new = self._new, None
+        residuals, self._residuals = self._residuals, {}
+        write(opt, opt._params, new, update[1], residuals, update[2])
+
+    def __getstate__(self) -> dict:  # a copy's buffers are made anew (their contents are scratch)
+        state = dict(self.__dict__)
+        for k in ("send", "recv", "own", "every", "solo_send", "parts", "solo_back"):
+            state.pop(k)
+        state["device"] = self.send.device
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        device = state.pop("device")
+        self.__init__(state["plan"], state["rank"], device, state["spec"])
+
+
+def _remake(cls):
+    """deepcopy / pickle of a full-precision exchange: everything but its buffers, made anew on the copy."""
+
+    def getstate(self) -> dict:
+        return {"args": (self.plan, self.rank, self.device, self.chunk_bytes)}
+
+    def setstate(self, state: dict) -> None:
+        self.__init__(*state["args"])
+
+    cls.__getstate__, cls.__setstate__ = getstate, setstate
+    return cls
+
+
+_remake(_MeanExchange)
+_remake(_WorkerExchange)
+
+
+# -- the compressed route's arithmetic (MergeLoCo's one-process simulation calls the same functions) ----------
+#
+#     every rank   c_k = Q(Δ_k + e_k),  e_k ← β·(Δ_k + e_k − c_k)     each tensor whole (compress/); e_k kept by
+#                                                                     the worker, in the residual dtype
+#     owner        A = Σ_k deq(c_k) in float32 (ranks in order), mean = A / K rounded once to θ's dtype;
+#                  M = iso(mean) (2-D, iso groups) or the mean, or another merge of the K dequantized Δ_k
+#                  buf ← μ·buf + M;  s = −lr·(M + μ·buf)      float32 (float64 for float64 θ); μ = 0: s = −lr·M
+#                  update="compressed": u = Q(s + e_u), e_u ← β·(s + e_u − u), e_u kept by the owner in
+#                  float32 (or the spec's residual dtype); "full": u = θ + s rounded once to θ's dtype
+#     every rank   θ ← θ + deq(u), summed in float32 and rounded once to θ's dtype ("full": θ ← u)
+#
+# What goes back is the step's change s, never θ in low precision. Stochastic rounding draws stream k + 1 for
+# worker k's Δ and stream 0 for the owner's update (`stream_spec`), each seeded by (seed, step = the optimizer's
+# step count, tensor = the param index, element). The spec's `feedback` says which legs keep a residual: a leg
+# without one compresses with `spec.leg(...)` and keeps nothing.
+
+#: The stochastic-rounding stream of the owner's update; worker k's Δ draws stream k + 1.
+UPDATE_STREAM = 0
+
+
+def attach(opt, compress, where: str) -> None:
+    """Set opt.compress (a Compression, a spec string for `compress.parse`, or None) and its empty
+    residuals: opt._residuals (this worker's, per param index) and opt._update_residuals (the owner's)."""
+    if isinstance(compress, str):
+        try:
+            compress = parse(compress)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    if compress is not None and not isinstance(compress, Compression):
+        raise TypeError(
+            f"{where}: compress must be a Compression, a spec string such as 'int4:128:0.95', or None; "
+            f"got {type(compress).__name__}"
+        )
+    opt.compress, opt._residuals, opt._update_residuals = compress, {}, {}
+
+
+def stream_spec(spec: Compression, stream: int) -> Compression:
+    """The spec whose seed draws stream `stream`'s rounding bits (nearest rounding draws none)."""
+    return dataclasses.replace(spec, seed=mix32(spec.seed ^ mix32(stream)))
+
+
+def encode_delta(spec, delta, residual, *, step: int, index: int, worker: int, name: str):
+    """(payload, new residual) of worker `worker`'s Δ of param `index` (compress.compress, stream worker + 1), with
+    the worker leg's spec (`spec.leg("workers")`: the new residual is None where that leg has no feedback)."""
+    leg = spec.leg("workers")
+    return compress(delta, residual, stream_spec(leg, worker + 1), step=step, tensor_id=index, name=name)
+
+
+def owner_inputs(opt, params, payloads: dict[int, list]) -> dict[int, torch.Tensor]:
+    """What the owner merges, from every worker's payload (in worker order) of each of its tensors: the mean
+    (merge "iso_c" or "mean": the sum in float32, float64 for float64 params, divided by K, rounded once to
+    θ's dtype) or the [K, *shape] stack of each worker's dequantized Δ in θ's dtype (the other merges)."""
+    stack = opt.merge not in _MEAN_MERGES
+    out = {}
+    for i, packs in payloads.items():
+        p = params[i]
+        cd = compute_dtype(p.dtype)
+        if stack:
+            rows = [decompress_add_(torch.zeros(p.numel(), dtype=cd, device=p.device), pk) for pk in packs]
+            out[i] = torch.stack(rows).to(p.dtype).view(len(packs), *p.shape)
+        else:
+            acc = torch.zeros(p.numel(), dtype=cd, device=p.device)
+            for pk in packs:
+                decompress_add_(acc, pk)
+            out[i] = acc.div_(len(packs)).to(p.dtype).view(p.shape)
+    # every payload decodes to finite values (compress refuses the rest), so a non-finite result is an overflow
+    # of the workers' sum (or of its rounding to θ's dtype): said as such, not as an Inf input
+    for i in sorted(out):
+        if not bool(torch.isfinite(out[i]).all()):
+            raise ResultOverflowError(
+                f"the {'stack' if stack else 'mean'} of the workers' decompressed Δ of param {i} (shape "
+                f"{tuple(params[i].shape)}) does not fit {params[i].dtype}: "
+                f"{'a worker' if stack else 'their sum'} overflows near the dtype's largest values; nothing was changed",
+                tensor=i,
+            )
+    return out
+
+
+def owner_step(opt, params, groups, inputs: dict[int, torch.Tensor], buckets=None):
+    """The owner's step on its tensors: M (Iso-C of the mean in iso groups, the mean, or the merge of the
+    stacks), Nesterov from the held momentum, and the update u of each (see above). Reads opt's
+    compress, merge, merge_options, method, merged_steps, state and _update_residuals; writes nothing.
+    Returns (buckets for the next Iso-C, {i: new momentum or None (μ = 0: untouched)}, {i: new update
+    residual} (empty where the update leg has no feedback: `spec.leg("owner")`), {i: u: a Packed, or θ' in
+    θ's dtype for update="full"})."""
+    spec, step = opt.compress.leg("owner"), opt.merged_steps
+    idx = sorted(inputs)
+    if opt.merge in _MEAN_MERGES:
+        m = dict(inputs)
+        if opt.merge == "iso_c":
+            iso = [i for i in idx if inputs[i].ndim == 2 and inputs[i].numel() and groups[i]["iso"]]
+            names = [f"{type(opt).__name__}: param {i} (shape {tuple(params[i].shape)})" for i in iso]
+            buckets, views = outer.bucket_flatten([inputs[i] for i in iso], opt.method, names, buckets)
+            m.update(zip(iso, views))
+    else:
+        merged = {i for i in idx if groups[i]["iso"]}
+        out = merge_groups(inputs, merged, opt.merge, opt.merge_options, step, opt.method)
+        m = {i: t.to(params[i].dtype) for i, t in out.items()}
+    bufs, residuals, updates, changes = {}, {}, {}, {}
+    # The Nesterov op on scratch from θ = 0, one call per (lr, μ): change = −lr·(M + μ·buf'), buf' = μ·buf + M
+    # (a new buffer starts at zero: buf' = M exactly; μ = 0, torch.optim.SGD's rule: the held buffer is not
+    # touched). The scratch params are known to be 0; the op reads the buffers and the updates once.
+    calls: dict[tuple[float, float], list[int]] = {}
+    for i in idx:
+        calls.setdefault((float(groups[i]["lr"]), float(groups[i]["momentum"])), []).append(i)
+    for (lr, mu), ids in calls.items():
+        gs = [m[i].to(compute_dtype(params[i].dtype)) for i in ids]
+        held = [
+            opt.state[params[i]].get("momentum_buffer") if params[i] in opt.state and mu != 0 else None for i in ids
+        ]
+        bs = [torch.zeros_like(g) if h is None else h.to(g.dtype, copy=True) for g, h in zip(gs, held)]
+        cs = [torch.zeros_like(g) for g in gs]
+        nan = float("nan")
+        try:
+            torch.ops.isoloco.nesterov_outer_(cs, bs, gs, lr, mu, [0.0] * len(ids) + [nan] * (2 * len(ids)))
+        except ResultOverflowError as e:
+            i = ids[e.tensor] if e.tensor is not None else ids[0]
+            name = f"the update of param {i} (shape {tuple(params[i].shape)})"
+            raise ResultOverflowError(f"{name}: {str(e).split(': ', 2)[-1]}", tensor=i) from None
+        for i, b, c in zip(ids, bs, cs):
+            bufs[i], changes[i] = (None if mu == 0 else b), c
+    for i in idx:
+        p, change = params[i], changes[i]
+        name = f"the update of param {i} (shape {tuple(p.shape)})"
+        if spec.update == "full":
+            updates[i] = (p.detach().to(change.dtype) + change).to(p.dtype)
+            check_all_finite([updates[i]], [name])
+        else:
+            e = opt._update_residuals.get(i)
+            updates[i], e = compress(change, e, stream_spec(spec, UPDATE_STREAM), step=step, tensor_id=i, name=name)
+            if e is not None:
+                residuals[i] = e
+    return buckets, bufs, residuals, updates
+
+
+def apply_update(p: torch.Tensor, u) -> torch.Tensor:
+    """θ' of param p from its update u, computed aside: θ + deq(u) summed in float32 (float64 for float64 θ)
+    and rounded once to θ's dtype (`compress.decompress_add_`), or u itself (update="full": θ' already)."""
+    if not isinstance(u, Packed):
+        return u.view(p.shape)
+    new = p.detach().reshape(-1).clone()
+    return decompress_add_(new, u).view(p.shape)
+
+
+def write(opt, params, new_params, bufs, residuals, update_residuals) -> None:
+    """The step's writes, after the last agreement: θ', the momentum buffers, the residuals (of the legs with
+    error feedback: a leg without one keeps none)."""
+    for p, t in zip(params, new_params):
+        p.copy_(t)
+    for i, b in bufs.items():
+        if b is None:
+            continue
+        held = opt.state[params[i]].get("momentum_buffer") if params[i] in opt.state else None
+        if held is None:
+            opt.state[params[i]]["momentum_buffer"] = b
+        else:
+            held.copy_(b)
+    if opt.compress.ef_beta is not None:
+        opt._residuals = {i: r for i, r in residuals.items() if r is not None}
+        opt._update_residuals.update({i: r for i, r in update_residuals.items() if r is not None})
+
+
+def _payload(spec, p, buf: torch.Tensor):
+    """A received update payload: a Packed (update="compressed") or θ' in p's dtype ("full")."""
+    if spec.update == "compressed":
+        return Packed.from_wire(buf, spec, p.numel())
+    return buf.view(p.dtype)
+
+
+def _wire(u) -> torch.Tensor:
+    return u.wire() if isinstance(u, Packed) else u.detach().reshape(-1).view(torch.uint8)
+
+
+# -- bytes on the wire ----------------------------------------------------------------------------------------
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 8) * 8  # each payload starts 8-aligned: its scales (or θ' in its dtype) are read in place
+
+
+def layout(plan: ShardPlan, sizes) -> tuple[list[list[tuple[int, int]]], int]:
+    """([per rank: (tensor index, byte offset)], padded segment bytes) of one leg's byte segments: each rank's
+    tensors (solo ones aside) in index order, each payload of sizes[i] bytes at an 8-aligned offset."""
+    per_rank: list[list[tuple[int, int]]] = [[] for _ in range(plan.world_size)]
+    fill = [0] * plan.world_size
+    for i, o in enumerate(plan.owners):
+        if i not in plan.solo:
+            per_rank[o].append((i, fill[o]))
+            fill[o] += _aligned(sizes[i])
+    return per_rank, max(fill, default=0)
+
+
+def update_sizes(plan: ShardPlan, spec: Compression) -> tuple[list[int], list[int]]:
+    """Bytes of each tensor's payload on the all-to-all leg and on the all-gather leg."""
+    n = [plan.numel(i) for i in range(len(plan.shapes))]
+    back = [
+        bytes_of(spec, k) if spec.update == "compressed" else k * torch.empty((), dtype=dt).element_size()
+        for k, dt in zip(n, plan.dtypes)
+    ]
+    return [bytes_of(spec, k) for k in n], back
+
+
+def wire_bytes(plan: ShardPlan, spec: Compression) -> dict[str, float]:
+    """Bytes one rank hands to the compressed route's collectives per step, padding included: 'all_to_all'
+    ((W − 1) segments) and 'all_gather' ((W − 1) segments, the ring's share), solo gathers and broadcasts
+    averaged over the ranks ((W − 1)/W of each payload), and 'allreduce_fp32' (2·(W − 1)/W·4 bytes per entry)."""
+    w = plan.world_size
+    out, back = update_sizes(plan, spec)
+    legs = {}
+    for leg, sizes in (("all_to_all", out), ("all_gather", back)):
+        legs[leg] = (w - 1) * layout(plan, sizes)[1] + sum(sizes[i] for i in plan.solo) * (w - 1) / w
+    legs["allreduce_fp32"] = 2 * (w - 1) / w * 4 * sum(plan.numel(i) for i in range(len(plan.shapes)))
+    return legs
+
+
+def worker_wire_bytes(plan: ShardPlan) -> dict[str, int]:
+    """Bytes one rank sends in a step of a merge that needs every worker's Δ, per route, padding included (the
+    ring algorithms' counts): 'merge' (all-to-all + all-gather + solo gather/broadcast), 'allreduce'
+    (2·(K − 1)/K of the params), 'allgather_deltas' (every worker's Δ to every rank: (K − 1) copies)."""
+    world = plan.world_size
+    size = {dt: torch.empty((), dtype=dt).element_size() for dt in set(plan.dtypes)}
+    seg = sum(plan.layout(dt)[1] * size[dt] for dt in plan.sharded_dtypes)
+    solo = sum(plan.numel(i) * size[plan.dtypes[i]] for i in plan.solo)
+    total = sum(plan.numel(i) * size[plan.dtypes[i]] for i in range(len(plan.shapes)))
+    return {
+        "merge": 2 * (world - 1) * seg + 2 * solo * (world - 1) // world,
+        "allreduce": 2 * total * (world - 1) // world,
+        "allgather_deltas": total * (world - 1),
+    }
+
+
+# -- the residuals in state dicts (MergeLoCo's too) -----------------------------------------------------------
+
+
+def spec_fields(spec: Compression) -> dict:
+    """A spec as plain values (its residual dtype as a string), as state dicts keep it (feedback included;
+    `check_entry` reads a state saved before that field existed as feedback "both")."""
+    out = dataclasses.asdict(spec)
+    out["residual_dtype"] = None if spec.residual_dtype is None else str(spec.residual_dtype)
+    return out
+
+
+def state_entry(opt) -> dict:
+    """The "compress" entry of a state dict: the spec's fields, this worker's residuals (param index →
+    tensor; MergeLoCo: each param's [K, *shape]) and the owner's update residuals (param index → tensor)."""
+    return {
+        "spec": spec_fields(opt.compress),
+        "residuals": dict(opt._residuals),
+        "update_residuals": dict(opt._update_residuals),
+    }
+
+
+def _feedback_hint(spec: Compression, got, want: dict) -> str:
+    """How to continue a state whose spec differs from this one in the feedback placement only ("" otherwise)."""
+    if not isinstance(got, dict) or {k for k in want if got.get(k) != want[k]} != {"feedback"}:
+        return ""
+    fb = got["feedback"]
+    try:
+        text = dataclasses.replace(spec, feedback=fb).cli()
+    except (TypeError, ValueError):
+        return ""
+    old = "; a state saved before Compression.feedback existed is 'both'" if fb == "both" else ""
+    return (
+        f" (its error feedback placement is feedback={fb!r}, this optimizer's {want['feedback']!r}: to continue it "
+        f"pass feedback={fb!r} to Compression (as a string: {text!r}){old})"
+    )
+
+
+def check_entry(opt, state_dict, where: str, params, owned, stacked: bool = False):
+    """The "compress" entry of `state_dict` checked against opt's spec and params: (residuals, update
+    residuals) as copies on the params' devices, ready for `load_entry`; None when there is no entry (the
+    residuals then restart from zero). `owned`: the params whose update residuals this optimizer keeps;
+    `stacked`: the residuals are [K, *shape] (MergeLoCo's K workers, one K for all), else one worker's; a leg
+    without error feedback (`spec.leg`) must hold none. Raises ValueError naming what differs (another spec,
+    a residual of another shape or dtype, NaN/Inf), before anything is loaded."""
+    entry = state_dict.get("compress") if isinstance(state_dict, dict) else None
+    if entry is None:
+        return None
+    if opt.compress is None:
+        raise ValueError(
+            f"{where}: the state holds error-feedback residuals of compression {entry.get('spec')!r} but this "
+            "optimizer has compress=None; build it with the same compress=, or drop the 'compress' entry"
+        )
+    want = spec_fields(opt.compress)
+    got = entry.get("spec") if isinstance(entry, dict) else entry
+    if isinstance(got, dict) and "feedback" not in got:  # saved before the field existed: both legs
+        got = dict(got, feedback="both")
+    if not isinstance(entry, dict) or got != want:
+        raise ValueError(
+            f"{where}: the state was saved with compression {got!r}; this optimizer has {want!r}: residuals of "
+            "another format, block, β, rounding, update leg, seed or feedback placement cannot continue here"
+            + _feedback_hint(opt.compress, got, want)
+        )
+    held = entry.get("residuals")
+    first = next(iter(held.values()), None) if isinstance(held, dict) else None
+    lead = (first.shape[0],) if stacked and isinstance(first, torch.Tensor) and first.ndim else ()
+    out = []
+    for key, leg, idx, shape_of, dtype_of in (
+        ("residuals", "workers", range(len(params)), lambda p: lead + tuple(p.shape), None),
+        ("update_residuals", "owner", owned, lambda p: tuple(p.shape), compute_dtype),
+    ):
+        got = entry.get(key)
+        if opt.compress.leg(leg).ef_beta is None and got:  # feedback elsewhere: this leg keeps none
+            raise ValueError(f"{where}: the 'compress' entry holds {key} but feedback={opt.compress.feedback!r}")
+        if not isinstance(got, dict) or (got and set(got) != set(idx)):
+            keys = sorted(got) if isinstance(got, dict) else got
+            raise ValueError(f"{where}: the 'compress' entry's {key} must cover params {list(idx)}, got {keys}")
+        for i, t in got.items():
+            p = params[i]
+            dt = opt.compress.residual_dtype or (dtype_of(p.dtype) if dtype_of else p.dtype)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape_of(p) or t.dtype != dt:
+                what = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{where}: {key} of param {i} is {what}; expected {shape_of(p)} {dt}")
+        check_all_finite([got[i] for i in sorted(got)], [f"{where}: {key} of param {i}" for i in sorted(got)])
+        out.append({i: got[i].detach().to(params[i].device, copy=True) for i in sorted(got)})
+    return tuple(out)
+
+
+def load_entry(opt, checked) -> None:
+    """Install what `check_entry` returned (None: no residuals, the next step starts them from zero)."""
+    opt._residuals, opt._update_residuals = checked if checked is not None else ({}, {})

@@ -4,9 +4,10 @@ Every piece of library work a collective entry point runs between the ranks' fir
 its last collective runs under its `Agreement.attempt` (the rank keeps the failure, still joins
 every collective, and the next agreement tells every rank). This test enumerates those points:
 it counts rank 1's attempts in a good call, then makes each one fail in turn on rank 1 only, for
-every route — the DTensor step's owner, gather and Gram routes, `ShardedIsoLoCo`,
-`sharded_iso_merge_`, `average_` and `IsoLoCo(process_group=...)` (its averaged-grads check
-included). Every rank must raise DistributedStepError naming rank 1 well inside the process-group
+every route — the DTensor step's owner, gather and Gram routes, `sharded_iso_merge_`, `average_` and
+`IsoLoCo(process_group=...)` (its averaged-grads check included). `ShardedIsoLoCo`'s step has no
+attempts: its local phases are plain calls whose failure the step keeps until its one vote; each of them
+(and each library function they call) is made to fail in turn instead, for every exchange. Every rank must raise DistributedStepError naming rank 1 well inside the process-group
 timeout; where the error says nothing was changed, nothing was; and the next call works.
 2 gloo ranks, small tensors (a 16 × 16 matrix sharded on dim 0, a vector).
 """
@@ -134,10 +135,32 @@ for _route in ("owner", "gather", "gram"):
     CHECKS.add(f"dtensor_{_route}", lambda rank, _r=_route: _dtensor(_r, rank))
 
 
-@CHECKS
-def _check_sharded(rank: int) -> None:
-    """ShardedIsoLoCo: a solo param (solo_above=0.3) beside sharded ones of two dtypes, a
-    non-contiguous grad, several chunks."""
+def _sharded_sites(compress, merge):
+    """Every piece of local work a ShardedIsoLoCo step runs before its vote (each called inside the step's
+    try/except, which keeps the failure): (owner, attribute), for the exchange of `compress` and `merge`."""
+    from isoloco_kernels.distributed import sharded as S
+    from isoloco_kernels.outer import core as O
+
+    opt_sites = [(S.ShardedIsoLoCo, "_checked_grads"), (O, "collect"), (S, "checksums"), (S, "optimizer_settings")]
+    if compress is not None:
+        ex = S._CompressedExchange
+        return opt_sites + [
+            (ex, "pack"),
+            (S, "encode_delta"),
+            (ex, "inputs"),
+            (S, "owner_inputs"),
+            (S, "owner_step"),
+            (S, "apply_update"),
+        ]
+    ex = S._MeanExchange if merge in ("iso_c", "mean") else S._WorkerExchange
+    sites = opt_sites + [(ex, "pack"), (ex, "inputs"), (S.ShardedIsoLoCo, "_owner_update"), (O, "prepare_nesterov")]
+    sites += [(S._Segments, "pack")] if ex is S._MeanExchange else [(S, "merge_groups")]
+    return sites + ([(O, "bucket_flatten")] if merge == "iso_c" else [])
+
+
+def _sharded(rank: int, compress=None, merge="iso_c") -> None:
+    """ShardedIsoLoCo: each piece of local work before the vote failing in turn on rank 1: a solo param
+    (solo_above=0.3) beside sharded ones of two dtypes, a non-contiguous grad, several chunks."""
     from isoloco_kernels.distributed import ShardedIsoLoCo
 
     gen = torch.Generator().manual_seed(0)
@@ -147,11 +170,11 @@ def _check_sharded(rank: int) -> None:
         torch.randn(5, generator=gen),
         torch.randn(8, 6, generator=gen).to(torch.bfloat16),
     ]
-    opt = ShardedIsoLoCo(ps, lr=1.0, momentum=0.9, chunk_bytes=2048, solo_above=0.3)
+    opt = ShardedIsoLoCo(ps, lr=1.0, momentum=0.9, chunk_bytes=2048, solo_above=0.3, compress=compress, merge=merge)
     assert opt.plan.solo
     step, start = [0], [p.clone() for p in ps]
 
-    def prepare():  # a failure after the writes began may leave params partly gathered: start again
+    def prepare():
         step[0] += 1
         for p, s in zip(ps, start):
             p.copy_(s)
@@ -161,9 +184,19 @@ def _check_sharded(rank: int) -> None:
         ps[1].grad = ps[1].grad.mT.contiguous().mT
 
     def snapshot():
-        return [p.clone() for p in ps] + [opt.state[p]["momentum_buffer"].clone() for p in ps if p in opt.state]
+        held = [opt.state[p]["momentum_buffer"].clone() for p in ps if p in opt.state]
+        return [p.clone() for p in ps] + held + [r.clone() for r in opt._residuals.values()]
 
-    _fail_at_each(rank, prepare, opt.step, snapshot, least=10)
+    for owner, attr in _sharded_sites(compress, merge):
+        _fail_at_each(rank, prepare, opt.step, snapshot, 1, owner, attr)
+    opt.step()  # and it steps on: nothing of a refused step was kept
+
+
+CHECKS.add("sharded", lambda rank: _sharded(rank))
+CHECKS.add("sharded_mean", lambda rank: _sharded(rank, merge="mean"))
+CHECKS.add("sharded_tsv", lambda rank: _sharded(rank, merge="tsv"))
+CHECKS.add("sharded_int4", lambda rank: _sharded(rank, compress="int4:32:0.9:nearest:both"))
+CHECKS.add("sharded_int4_ties", lambda rank: _sharded(rank, compress="int4", merge="ties"))
 
 
 @CHECKS
@@ -229,9 +262,8 @@ def _check_process_group_step(rank: int) -> None:
 # Library helpers that the pipelined collectives call between two collectives (packing and
 # unpacking chunks, views of the owned segment): each call of each, failing on rank 1 in turn.
 def _helpers(rank: int) -> None:
-    from isoloco_kernels.distributed import ShardedIsoLoCo, average_, sharded_iso_merge_
+    from isoloco_kernels.distributed import average_, sharded_iso_merge_
     from isoloco_kernels.distributed import pipeline as C
-    from isoloco_kernels.distributed import sharded as S
 
     gen = torch.Generator().manual_seed(0)
     ts = [torch.randn(300, generator=gen), torch.randn(9, 7, generator=gen).mT]
@@ -247,17 +279,6 @@ def _helpers(rank: int) -> None:
     bstart = [b.clone() for b in bs]
     merge = lambda: sharded_iso_merge_(bs, method="svd", chunk_bytes=1024)  # noqa: E731
     _fail_at_each(rank, lambda: [b.copy_(s) for b, s in zip(bs, bstart)], merge, snap, 1, C, "_pieces")
-    ps = [torch.randn(16, 16, generator=gen), torch.randn(5, generator=gen), torch.randn(8, 6, generator=gen)]
-    pstart = [p.clone() for p in ps]
-    opt = ShardedIsoLoCo(ps, lr=1.0, momentum=0.9, chunk_bytes=1024)
-
-    def grads():
-        for p, s in zip(ps, pstart):
-            p.copy_(s)
-            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(rank))
-
-    for owner, attr in ((C, "_pieces"), (S, "owned_views"), (S, "flat_view")):
-        _fail_at_each(rank, grads, opt.step, lambda: [p.clone() for p in ps], 1, owner, attr)
 
 
 CHECKS.add("helpers_between_collectives", _helpers)

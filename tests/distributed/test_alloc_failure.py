@@ -11,12 +11,15 @@ were, and the next step works. 2 gloo ranks, a 16 × 16 param sharded on dim 0 (
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from isoloco_kernels import IsoLoCo
 from isoloco_kernels.distributed import DistributedStepError
@@ -85,10 +88,11 @@ def _sites(rank: int, run) -> int:
     return sites[0]
 
 
-def _fail_each(rank: int, sites, run, snapshot) -> list[int]:
+def _fail_each(rank: int, sites, run, snapshot, own: bool = False) -> list[int]:
     """`run()` with rank 1's allocation failing at each site in turn (`sites`: their names, or how
     many, named "buffer <i>"): every rank raises DistributedStepError naming it within seconds, and
-    `snapshot()` is unchanged. Returns this rank's comm_buffer calls in each run."""
+    `snapshot()` is unchanged. own: a constructor, where rank 1 raises its own error instead. Returns
+    this rank's comm_buffer calls in each run."""
     names = [f"buffer {i}" for i in range(sites)] if isinstance(sites, int) else list(sites)
     real, made = C.comm_buffer, []
     for site, what in enumerate(names):
@@ -104,11 +108,13 @@ def _fail_each(rank: int, sites, run, snapshot) -> list[int]:
         C.comm_buffer = failing
         t0 = time.monotonic()
         try:
-            with pytest.raises(
-                DistributedStepError,
-                match=rf"rank 1: OutOfMemoryError: injected allocation failure at {re.escape(what)}\b",
-            ):
-                run()
+            injected = f"injected allocation failure at {re.escape(what)}\\b"
+            if own and rank == 1:
+                with pytest.raises(torch.OutOfMemoryError, match=injected):
+                    run()
+            else:
+                with pytest.raises(DistributedStepError, match=rf"rank 1: OutOfMemoryError: {injected}"):
+                    run()
         finally:
             C.comm_buffer = real
         took = time.monotonic() - t0
@@ -153,43 +159,54 @@ def _check_average(rank: int) -> None:
 
 @CHECKS
 def _check_sharded(rank: int) -> None:
-    """ShardedIsoLoCo's buffers (reduce-scatter, reduce to the owner of a solo param, all-gather,
-    the flat copy a non-contiguous solo param is broadcast through), each in turn: a solo 40 × 40
-    param (solo_above=0.3, transposed) beside sharded ones of two dtypes."""
+    """ShardedIsoLoCo makes its exchange's buffers (my segments, the chunks, the owner's copy of a solo
+    param) when it is built: each of those failing in turn on rank 1 fails the constructor there (its own
+    error) and on every other rank (DistributedStepError naming it). A step then makes only the flat
+    stand-in a non-contiguous param is all-gathered through, before the vote: failing there fails every
+    rank with nothing changed. A solo 40 × 40 param (solo_above=0.3, transposed) beside sharded ones of two
+    dtypes; plain and compressed."""
     from isoloco_kernels.distributed import ShardedIsoLoCo
 
-    gen = torch.Generator().manual_seed(0)
-    ps = [
-        torch.randn(40, 40, generator=gen).mT,
-        torch.randn(16, 16, generator=gen),
-        torch.randn(5, generator=gen),
-        torch.randn(8, 6, generator=gen).to(torch.bfloat16),
-    ]
-    opt = ShardedIsoLoCo(ps, lr=1.0, momentum=0.9, chunk_bytes=512, solo_above=0.3)
-    assert opt.plan.solo, "the test wants a solo param"
+    for compress in (None, "int4"):
+        gen = torch.Generator().manual_seed(0)
+        ps = [
+            torch.randn(40, 40, generator=gen).mT,
+            torch.randn(16, 16, generator=gen),
+            torch.randn(5, generator=gen),
+            torch.randn(8, 6, generator=gen).to(torch.bfloat16),
+        ]
 
-    def grads(step: int) -> None:
-        g = torch.Generator().manual_seed(10 * step + rank)
-        for p in ps:
-            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        def build(c=compress):
+            return ShardedIsoLoCo(ps, lr=1.0, momentum=0.9, chunk_bytes=512, solo_above=0.3, compress=c)
 
-    def run():
-        grads(1)
-        opt.step()
+        sites = _sites(rank, build)
+        assert sites >= (4 if compress else 7), sites
+        _fail_each(rank, sites, build, lambda: [p.clone() for p in ps], own=True)
+        opt = build()
+        assert opt.plan.solo, "the test wants a solo param"
 
-    grads(0)
-    sites = _sites(rank, opt.step)
-    assert sites >= 7, sites
-    _fail_each(
-        rank,
-        sites,
-        run,
-        lambda: [p.clone() for p in ps] + [opt.state[p]["momentum_buffer"].clone() for p in ps if p in opt.state],
-    )
-    before = ps[1].clone()
-    grads(2)
-    opt.step()  # and it still works
-    assert not torch.equal(ps[1], before)
+        def grads(step: int) -> None:
+            g = torch.Generator().manual_seed(10 * step + rank)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+        def run():
+            grads(1)
+            opt.step()
+
+        grads(0)
+        sites = _sites(rank, opt.step)
+        assert sites == (0 if compress else 1), sites  # the stand-in of the transposed param
+        _fail_each(
+            rank,
+            sites,
+            run,
+            lambda: [p.clone() for p in ps] + [opt.state[p]["momentum_buffer"].clone() for p in ps if p in opt.state],
+        )
+        before = ps[1].clone()
+        grads(2)
+        opt.step()  # and it still works
+        assert not torch.equal(ps[1], before)
 
 
 @CHECKS
@@ -292,6 +309,182 @@ def _check_agreements_allocate_nothing_in_a_step(rank: int) -> None:
     finally:
         A._new_control = real
     assert calls[0] == made, f"the steps made {calls[0] - made} control tensors"
+
+
+# -- every allocation fails on one rank ----------------------------------------------------------------------
+# The broadest injection: while the call runs, every torch allocation of at least 64 elements on rank 1 raises
+# out of memory (a dispatch mode that refuses every op result of that size not sharing an input's storage:
+# new tensors, not views or in-place results; the collectives themselves pass). Every rank must raise
+# DistributedStepError naming rank 1 within seconds, nothing may change on any rank, and the next call works:
+# on 2 and 3 ranks, for average_, sharded_iso_merge_ (also the first call of a thread, before any agreement made
+# the control plane), ShardedIsoLoCo (plain, compressed, a merge of every worker's Δ; its constructor too),
+# IsoLoCo(process_group=...) and the DTensor step on each route.
+
+BROAD = Checks()
+SMALL = 64  # elements: what may still be allocated (a vote's few int64)
+
+
+class NoAllocations(TorchDispatchMode):
+    """Every op result of SMALL elements or more that does not share an input's storage raises out of memory."""
+
+    @staticmethod
+    def _storages(tree) -> set:
+        out = set()
+        for t in pytree.tree_leaves(tree):
+            if isinstance(t, torch.Tensor):
+                t = getattr(t, "_local_tensor", t)  # a DTensor's local shard
+                out.add(t.untyped_storage().data_ptr())
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+            return out
+        inputs = self._storages((args, kwargs))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                local = getattr(t, "_local_tensor", t)
+                if local.numel() >= SMALL and local.untyped_storage().data_ptr() not in inputs:
+                    raise torch.OutOfMemoryError(f"injected: {func} made {local.numel()} elements")
+        return out
+
+
+def _broad(rank: int, run, snapshot, prepare=lambda: None, own: bool = False) -> None:
+    """run() with every allocation of rank 1 failing: every rank raises (DistributedStepError naming rank 1;
+    own: rank 1 its own OutOfMemoryError), fast, snapshot() unchanged; then run() works. prepare(): before
+    each run, outside the injection (the grads)."""
+    prepare()
+    before = snapshot()
+    t0 = time.monotonic()
+    if own and rank == 1:
+        with pytest.raises(torch.OutOfMemoryError, match="injected"), NoAllocations():
+            run()
+    else:
+        with pytest.raises(DistributedStepError, match=r"rank 1: OutOfMemoryError: injected") as e:
+            with NoAllocations() if rank == 1 else contextlib.nullcontext():
+                run()
+        assert "nothing was changed on any rank" in str(e.value), str(e.value)
+    took = time.monotonic() - t0
+    assert took < PG_TIMEOUT_S / 3, f"every rank raised only after {took:.1f} s"
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(), before)), "a tensor changed"
+    prepare()
+    run()
+
+
+def _cold() -> None:
+    """Forget every control tensor of this thread: the next call makes its control plane first."""
+    from isoloco_kernels.distributed import agree as A
+
+    A._CONTROL.__dict__.clear()
+
+
+@BROAD
+def _check_average(rank: int) -> None:
+    from isoloco_kernels.distributed import average_
+
+    for cold in (True, False):
+        gen = torch.Generator().manual_seed(rank)
+        ts = [torch.randn(300, generator=gen), torch.randn(9, 7, generator=gen).to(torch.bfloat16).mT]
+        start = [t.clone() for t in ts]
+
+        def run():
+            for t, s0 in zip(ts, start):
+                t.copy_(s0)
+            if cold:
+                _cold()
+            average_(ts, chunk_bytes=256)
+
+        _broad(rank, run, lambda: [t.clone() for t in ts])
+
+
+@BROAD
+def _check_sharded_iso_merge(rank: int) -> None:
+    from isoloco_kernels.distributed import sharded_iso_merge_
+
+    for cold in (True, False):
+        gen = torch.Generator().manual_seed(0)  # equal on every rank, as averaged buckets are
+        bs = [torch.randn(40, 40, generator=gen).mT, torch.randn(4, 16, 16, generator=gen)]
+        start = [b.clone() for b in bs]
+
+        def run():
+            for b, s0 in zip(bs, start):
+                b.copy_(s0)
+            if cold:
+                _cold()
+            sharded_iso_merge_(bs, method="svd", chunk_bytes=512, solo_above=0.3)
+
+        _broad(rank, run, lambda: [b.clone() for b in bs])
+
+
+def _sharded_broad(rank: int, **kw) -> None:
+    from isoloco_kernels.distributed import ShardedIsoLoCo
+
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.randn(40, 40, generator=gen).mT, torch.randn(16, 16, generator=gen), torch.randn(50, generator=gen)]
+    make = lambda: ShardedIsoLoCo(ps, lr=1.0, momentum=0.9, chunk_bytes=512, solo_above=0.3, **kw)  # noqa: E731
+    _broad(rank, make, lambda: [p.clone() for p in ps], own=True)  # its buffers, made while it is built
+    opt = make()
+    step = [0]
+
+    def grads():
+        step[0] += 1
+        g = torch.Generator().manual_seed(10 * step[0] + rank)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+
+    grads()
+    opt.step()  # momentum, residuals held
+
+    def snapshot():
+        held = [opt.state[p]["momentum_buffer"].clone() for p in ps if p in opt.state]
+        return [p.clone() for p in ps] + held + [r.clone() for r in opt._residuals.values()]
+
+    _broad(rank, opt.step, snapshot, grads)
+
+
+BROAD.add("sharded", lambda rank: _sharded_broad(rank))
+BROAD.add("sharded_tsv", lambda rank: _sharded_broad(rank, merge="tsv"))
+BROAD.add("sharded_int4", lambda rank: _sharded_broad(rank, compress="int4:32:0.9:nearest:both"))
+
+
+@BROAD
+def _check_process_group_step(rank: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.randn(40, 40, generator=gen), torch.randn(16, 16, generator=gen), torch.randn(5, generator=gen)]
+    opt = IsoLoCo(ps, lr=1.0, momentum=0.9, process_group=dist.group.WORLD)
+
+    def grads():
+        g = torch.Generator().manual_seed(100)  # equal on every rank: already averaged
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+
+    grads()
+    opt.step()
+    snapshot = lambda: [p.clone() for p in ps] + [opt.state[p]["momentum_buffer"].clone() for p in ps]  # noqa: E731
+    _broad(rank, opt.step, snapshot, grads)
+
+
+def _dtensor_broad(route: str, rank: int) -> None:
+    ps, opt, grads = _setup(route)
+    opt.dtensor_route = route
+
+    _broad(rank, opt.step, lambda: _snapshot(ps, opt), lambda: grads(1))
+
+
+for _route in SITES:
+    BROAD.add(f"dtensor_{_route}", lambda rank, _r=_route: _dtensor_broad(_r, rank))
+
+
+def _broad_body(rank, world, tmpdir):
+    BROAD.run(tmpdir, rank, rank)
+
+
+broad_groups = groups(_broad_body, 2, 3)
+
+
+@pytest.mark.parametrize("world,name", params({2: BROAD, 3: BROAD}))
+def test_every_allocation_failing_on_one_rank_fails_every_rank(broad_groups, world, name):
+    broad_groups[world].assert_ok(name)
 
 
 def _body(rank, world, tmpdir):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import DistributedStepError, MergeLoCo, ShardedIsoLoCo
 from isoloco_kernels.compress import Compression
-from isoloco_kernels.distributed import compressed
+from isoloco_kernels.distributed import compressed, pipeline
 from tests.helpers import seeded, step_as_rank
 from tests.spawn import Checks, groups, params
 
@@ -102,7 +102,7 @@ def _check_bytes_per_rank(rank, world, tmpdir):
     each rank's outgoing bytes counted at the route's calls (the all-to-all's (W − 1)/W, the all-gather's
     W − 1 pieces, scales included), within LIMITS of an fp32 all-reduce, and equal to `wire_bytes`."""
     shapes = [(64, 48)] * 6 + [(48, 64)] * 6 + [(200,)] * 4
-    real = {"a2a": dist.all_to_all_single, "ag": compressed.all_gather_single}
+    real = {"a2a": dist.all_to_all_single, "ag": pipeline.all_gather_single}
     sent = {}
 
     def a2a(out, inp, *a, **k):
@@ -114,7 +114,7 @@ def _check_bytes_per_rank(rank, world, tmpdir):
         return real["ag"](out, inp, *a, **k)
 
     report = {}
-    dist.all_to_all_single, compressed.all_gather_single = a2a, ag
+    dist.all_to_all_single, pipeline.all_gather_single = a2a, ag
     try:
         for fmt in LIMITS:
             for update in ("compressed", "full"):
@@ -136,7 +136,7 @@ def _check_bytes_per_rank(rank, world, tmpdir):
                 else:  # the params back in float32: half an all-reduce, plus the compressed Δ
                     assert 0.5 < ratio <= 0.5 + LIMITS[fmt], (fmt, ratio)
     finally:
-        dist.all_to_all_single, compressed.all_gather_single = real["a2a"], real["ag"]
+        dist.all_to_all_single, pipeline.all_gather_single = real["a2a"], real["ag"]
     with open(os.path.join(tmpdir, f"bytes-{world}-rank{rank}.json"), "w") as f:
         json.dump(report, f, indent=1)
 

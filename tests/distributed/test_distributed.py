@@ -150,6 +150,25 @@ def _check_iso_off(group, tmpdir):
 
 
 @_pair_check
+def _check_sharded_chunk_bytes_set_later(group, tmpdir):
+    """chunk_bytes set on every rank after construction: the step that first sees it still runs on the chunks
+    the exchange was built with (the same collectives on every rank before the vote compares it), and every
+    step after on the new ones; the params are bit for bit those of an optimizer built with it (sums of two
+    ranks are exact in any chunking)."""
+    rank = dist.get_rank(group)
+    a, b = _model(SHAPES_2, torch.float32), _model(SHAPES_2, torch.float32)
+    opt_a = D.ShardedIsoLoCo(a, lr=LR, momentum=MU, process_group=group)
+    opt_b = D.ShardedIsoLoCo(b, lr=LR, momentum=MU, process_group=group, chunk_bytes=96)
+    opt_a.chunk_bytes = 96
+    built = opt_a._exchange
+    _run_sharded(a, SHAPES_2, torch.float32, rank, 1, opt_a)
+    assert opt_a._exchange is not built and opt_a._exchange.chunk_bytes == 96
+    _run_sharded(a, SHAPES_2, torch.float32, rank, 2, opt_a, start=1)
+    _run_sharded(b, SHAPES_2, torch.float32, rank, 3, opt_b)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@_pair_check
 def _check_process_group_splits_the_flatten(group, tmpdir):
     world, lr, mu = 2, LR, MU
     # IsoLoCo(process_group=...): grads already averaged on every rank, flatten work split

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import DistributedStepError, MergeLoCo, ShardedIsoLoCo
-from isoloco_kernels.distributed.merge_route import wire_bytes
+from isoloco_kernels.distributed.sharded import worker_wire_bytes as wire_bytes
 from tests.helpers import seeded, step_as_rank
 from tests.spawn import Checks, groups, params
 

@@ -216,12 +216,6 @@ def test_mergeloco_step_is_a_short_walk():
     assert len(seen) <= 10 and not back, (seen, back)
 
 
-#: ShardedIsoLoCo.step today: (modules, re-entries). The goal is ≤ 10 modules and none re-entered; its local
-#: work still runs as callbacks of the agreement (`Agreement.attempt`) and the compressed exchange is a
-#: second step in distributed/compressed.py. These ceilings keep it from getting longer meanwhile.
-SHARDED_TODAY = {None: (10, 7), "int4": (13, 10)}
-
-
 def _sharded_walk(compress):
     model = _model()
     opt = ik.ShardedIsoLoCo(model.parameters(), lr=1.8, momentum=0.8, compress=compress)
@@ -229,14 +223,11 @@ def _sharded_walk(compress):
 
 
 @pytest.mark.parametrize("compress", [None, "int4"])
-def test_sharded_step_walk_is_no_longer_than_today(one_rank_group, compress):
-    seen, back = _sharded_walk(compress)
-    modules, reentries = SHARDED_TODAY[compress]
-    assert len(seen) <= modules and len(back) <= reentries, (seen, back)
-
-
-@pytest.mark.xfail(strict=True, reason="ShardedIsoLoCo.step: agreement callbacks and a second compressed step")
-@pytest.mark.parametrize("compress", [None, "int4"])
 def test_sharded_step_is_a_short_walk(one_rank_group, compress):
+    """One plain step with one vote: its local phases are plain calls (no callbacks of an agreement), the
+    exchange is a method of the optimizer's own module, not a second step (7 modules plain, 10 with int4:
+    compress/'s spec, codec and feedback). On one rank there is nothing to vote with (agree.py is not
+    entered unless the step fails); on more ranks the vote adds agree.py, and the collectives pipeline.py,
+    neither calling back."""
     seen, back = _sharded_walk(compress)
     assert len(seen) <= 10 and not back, (seen, back)
