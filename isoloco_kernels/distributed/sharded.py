@@ -47,6 +47,7 @@ from .agree import (
     agree,
     check_on_comm_device,
     comm_device,
+    control_plane,
     error_text,
     gather_objects,
     group_info,
@@ -272,6 +273,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         # collective still runs on every rank, and the vote before the first write tells every rank.
         ex, group, failure, loss, update, successor = self._exchange, self.process_group, None, None, None, None
         try:
+            if self.world_size > 1:  # the vote's control tensors, before the first collective (made by the
+                self._control_plane()  # constructor on its thread: nothing to make then)
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
@@ -319,6 +322,13 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         where, name = "ShardedIsoLoCo.step", f"param {{i}} (shape {{shape}}) on rank {self.rank}"
         entries = outer.collect(self, where, name, require_grads=True, check_params=False)
         return [e.g for e in entries]
+
+    def _control_plane(self) -> None:
+        """Every control tensor the vote uses, made now if this thread has none (`agree.control_plane`): a
+        failure to make them is this rank's failure, which its vote reports."""
+        failure = control_plane(self.process_group)
+        if failure is not None:
+            raise failure
 
     def _successor(self, ex):
         """The exchange for a chunk_bytes set since construction (checked, its buffers made before the first
@@ -445,15 +455,14 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         where = "ShardedIsoLoCo.consolidated_state_dict"
         ag = Agreement(where, self.process_group, alone=self.world_size == 1)
         mine = ag.attempt(torch.optim.Optimizer.state_dict, self)
-        held = (
-            None
-            if mine is None
-            else {
+        held = ag.attempt(
+            lambda: {
                 pid: (tuple(st["momentum_buffer"].shape), str(st["momentum_buffer"].dtype))
                 for pid, st in mine["state"].items()
                 if st.get("momentum_buffer") is not None
             }
         )
+        ag.settle()  # every rank has its control plane and its shapes, before they are exchanged
         every = [held] if self.world_size == 1 else gather_objects(held, self.process_group)
         flats = ag.attempt(self._consolidation_buffers, mine, every) or {}
         ag.settle()
@@ -469,8 +478,6 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     def _consolidation_buffers(self, mine: dict, every: list) -> dict:
         """pid → (owner, a contiguous buffer: a copy of my momentum, or one to receive another rank's into)."""
         dtypes = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
-        if any(h is None for h in every):
-            return {}  # another rank failed above: the agreement says which
         flats = {}
         for r, h in enumerate(every):
             for pid, (shape, dtype) in h.items():

@@ -440,6 +440,8 @@ def _sharded_broad(rank: int, **kw) -> None:
         return [p.clone() for p in ps] + held + [r.clone() for r in opt._residuals.values()]
 
     _broad(rank, opt.step, snapshot, grads)
+    _broad(rank, lambda: (_cold(), opt.step()), snapshot, grads)  # a thread whose control plane is not made yet
+    _broad(rank, opt.consolidated_state_dict, snapshot)  # its buffers, made before its broadcasts
 
 
 BROAD.add("sharded", lambda rank: _sharded_broad(rank))

@@ -91,6 +91,33 @@ def _check_normal_path_returns_every_object(rank: int, world: int) -> None:
 
 
 @CHECKS
+def _check_objects_travel_through_the_vote_where_a_rank_has_no_blocks(rank: int, world: int) -> None:
+    """small=True (some rank could not make the blocks): the same objects, through the vote's own few
+    int64, also where nothing can be allocated."""
+    A.agree(None, dist.group.WORLD, "first agreement")
+    for kind in ("small", "long", "one long", "none"):
+        want = _objects(world, kind)
+        with _allocations_fail(rank, "gather_objects"):
+            assert A.gather_objects(want[rank], dist.group.WORLD, small=True) == want, kind
+
+
+@CHECKS
+def _check_a_rank_without_blocks_votes_no(rank: int, world: int) -> None:
+    """A thread's first agreement where one rank cannot make the object blocks: every rank raises at once,
+    naming that rank and its error (the text travels through the vote's tensors), and the next agreement,
+    with the blocks made, passes."""
+    A._CONTROL.__dict__.clear()
+    want = rf"step failed on 1 of {world} ranks, .*rank {VICTIM}: OutOfMemoryError: injected allocation failure"
+    with _allocations_fail(rank, "agree") if rank == VICTIM else contextlib.nullcontext():
+        if rank == VICTIM:  # the vote's own first (a few bytes), then the blocks fail
+            A.torch = torch
+            A._vote_tensors(world, torch.device("cpu"))
+            A.torch = _NoAllocations("agree")
+        _fails_everywhere_fast(rank, lambda: A.agree(None, dist.group.WORLD, "step"), want)
+    A.agree(None, dist.group.WORLD, "step")
+
+
+@CHECKS
 def _check_an_exchange_allocates_nothing(rank: int, world: int) -> None:
     """Long and short objects, on every rank or one, travel where nothing can be allocated: every rank
     returns them all, promptly (the blocks were made by the group's first agreement)."""
