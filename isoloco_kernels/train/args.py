@@ -83,6 +83,15 @@ def _parse_lr_momentum(s: str) -> tuple[float, float]:
     return lr, mom
 
 
+def _parse_clip(text: str) -> str | float:
+    if text == "median":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'median' or a number, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(
@@ -160,6 +169,29 @@ def build_parser() -> argparse.ArgumentParser:
         "default: each worker's Δ only), both or owner: where error feedback runs, e.g. "
         "int2:128:0.95:nearest:both; docs/compression.md); under "
         "torchrun it needs --outer sharded",
+    )
+    p.add_argument(
+        "--drop",
+        type=float,
+        default=d.drop,
+        metavar="FRACTION",
+        help="the fraction of the K workers that miss each outer round, drawn anew each round from the seed: they "
+        "do not train and the merge weighs them 0 (one process only; default %(default)s)",
+    )
+    p.add_argument(
+        "--faulty",
+        type=float,
+        default=d.faulty,
+        metavar="FACTOR",
+        help="multiply worker 0's Δ by this every round: a faulty worker (default %(default)s: none)",
+    )
+    p.add_argument(
+        "--merge-clip",
+        type=_parse_clip,
+        default=None,
+        metavar="median|CAP",
+        help="clip each worker's Δ per tensor before the merge: to the median of the delivering workers' norms, "
+        "or to a number (docs/merges.md)",
     )
     p.add_argument(
         "--iso-skip",

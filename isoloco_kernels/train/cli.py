@@ -145,6 +145,9 @@ def main(argv=None) -> int:
         "init",
         "iso_skip_outer",
         "compress",
+        "drop",
+        "faulty",
+        "merge_clip",
     )
     base = TrainConfig(
         **{k: getattr(a, k) for k in same},  # the flags named as TrainConfig's fields
@@ -170,6 +173,8 @@ def main(argv=None) -> int:
         # options of the outer step, given to modes that have none (ddp alone): refused, not ignored
         unused = [(f"--compress {a.compress}", a.compress is not None)]
         unused.append((f"--outer-schedule {a.outer_schedule}", a.outer_schedule != "constant"))
+        unused += [(f"--drop {a.drop}", a.drop > 0), (f"--faulty {a.faulty}", a.faulty != 1)]
+        unused.append((f"--merge-clip {a.merge_clip}", a.merge_clip is not None))
         for flag, given in unused:
             if given and not outer_modes:
                 raise ValueError(
@@ -177,6 +182,10 @@ def main(argv=None) -> int:
                     f"{','.join(a.mode)} has none of them, so it would be ignored"
                 )
         check_outer(launch, cfgs, param, device, a.outer)
+        if launch is not None and base.ragged():
+            raise ValueError(
+                "--drop, --faulty and --merge-clip simulate the workers in one process; not under torchrun"
+            )
         if a.compress is not None and launch is not None and a.outer != "sharded":
             raise ValueError("--compress under torchrun needs --outer sharded (an all-reduce cannot sum packed bytes)")
         check_folder("--out", a.out, ["results.json", "loss.png"])

@@ -68,6 +68,14 @@ class TrainConfig:
     # a compress.parse spec ("int4:128:0.95": format, block, β): every outer mode's exchange compressed, each
     # worker's Δ and the owners' update (MergeLoCo(compress=...) here; ShardedIsoLoCo under torchrun); None: off
     compress: str | None = None
+    # workers as they really arrive (one process, every outer mode): `drop`, the fraction of the K workers that
+    # miss each round (round(drop·K) of them, drawn anew each round from the seed; they do not train that round
+    # and their Δ enters the merge with weight 0); `faulty`, a factor on worker 0's Δ every round (a faulty
+    # worker); `merge_clip`, each worker's Δ clipped per tensor before the merge ("median" of the delivering
+    # workers' norms, or a cap: merges.merge's clip)
+    drop: float = 0.0
+    faulty: float = 1.0
+    merge_clip: str | float | None = None
 
     def model_config(self) -> ModelConfig:
         if self.model not in PRESETS:
@@ -140,6 +148,25 @@ class TrainConfig:
             from ..compress import parse
 
             parse(self.compress)  # ValueError naming the spec
+        if isinstance(self.drop, bool) or not isinstance(self.drop, (int, float)) or not 0 <= self.drop < 1:
+            raise ValueError(f"drop must be a fraction of the workers in [0, 1), got {self.drop!r}")
+        if round(self.drop * self.workers) >= self.workers:
+            raise ValueError(f"drop {self.drop} of {self.workers} workers leaves none to merge; lower it")
+        if (
+            isinstance(self.faulty, bool)
+            or not isinstance(self.faulty, (int, float))
+            or not (math.isfinite(self.faulty) and self.faulty > 0)
+        ):
+            raise ValueError(f"faulty must be a finite factor > 0 on worker 0's Δ (1: none), got {self.faulty!r}")
+        c = self.merge_clip
+        if (
+            c is not None
+            and c != "median"
+            and (isinstance(c, bool) or not isinstance(c, (int, float)) or not (math.isfinite(c) and c > 0))
+        ):
+            raise ValueError(f"merge_clip must be None, 'median' or a finite number > 0, got {c!r}")
+        if self.ragged() and self.compress is not None:
+            raise ValueError("drop, faulty and merge_clip run on the uncompressed exchange; leave out compress")
         if self.outer_schedule not in OUTER_SCHEDULES:
             raise ValueError(f"outer_schedule must be one of {OUTER_SCHEDULES}, got {self.outer_schedule!r}")
         if self.merge != "iso_c" and self.iso_skip:
@@ -172,6 +199,11 @@ class TrainConfig:
             )
             if not (numbers and math.isfinite(v[0]) and v[0] > 0 and 0 <= v[1] < 1):
                 raise ValueError(f"iso_skip_outer must be (lr > 0, 0 ≤ momentum < 1), got {self.iso_skip_outer!r}")
+
+    def ragged(self) -> bool:
+        """Whether the workers do not all arrive alike (drop, faulty or merge_clip set): the loop then keeps every
+        worker's Δ and merges them with weights (merges.merge)."""
+        return self.drop > 0 or self.faulty != 1 or self.merge_clip is not None
 
     def n_params(self) -> int:
         """The model's parameter count, from its shapes alone (nothing allocated)."""

@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import torch
 
 # the settings (config.py) and the optimizers (optimizers.py) are importable from here as before
+from ..merges import clip_stacks, merge
 from .config import DEFAULT_MODES, INNERS, MODES, OUTER_DEFAULTS, SGD_MODES, TrainConfig, check_device
 from .data import Batches, Corpus, check_fits, heldout_splits, worker_seed, worker_shards
 from .divergence import DivergenceMeter
@@ -312,6 +313,10 @@ def run_mode(
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     cfg = setup.cfg
     comm = comm or Comm(cfg.workers)
+    if cfg.ragged() and comm.local_workers != list(range(cfg.workers)):
+        raise ValueError(
+            "drop, faulty and merge_clip simulate the workers in one process; under torchrun leave them out"
+        )
     H, R = cfg.inner_steps, cfg.rounds
     total = H * R
     model = setup.model()
@@ -360,12 +365,24 @@ def run_mode(
             if meter is not None:
                 out["divergence"] = []
             per_worker = hasattr(outer, "set_deltas")  # MergeLoCo (a merge, or compress): every worker's Δ
+            ragged = cfg.ragged()  # some workers miss rounds, one is faulty, or the Δ are clipped: weighted merges
+            draw = torch.Generator().manual_seed(cfg.seed)  # who misses each round: the same for every mode
+            n_drop = round(cfg.drop * cfg.workers)
+            if ragged:
+                out["ragged"] = {"drop": cfg.drop, "faulty": cfg.faulty, "merge_clip": cfg.merge_clip, "missed": []}
             for r in range(R):
                 delta = [torch.zeros_like(p) for p in params]
-                stacks = [[] for _ in params] if per_worker else None
+                stacks = [[] for _ in params] if per_worker or ragged else None
+                missed = set(torch.randperm(cfg.workers, generator=draw)[:n_drop].tolist()) if n_drop else set()
+                if ragged:
+                    out["ragged"]["missed"].append(sorted(missed))
                 if meter is not None:
                     meter.start_round()
                 for k in comm.local_workers:
+                    if k in missed:  # this worker does not deliver: no training, weight 0 (a finite Δ of zeros)
+                        for st, p in zip(stacks, params):
+                            st.append(torch.zeros_like(p))
+                        continue
                     with torch.no_grad():
                         torch._foreach_copy_(list(work.parameters()), params)
                     for h in range(H):
@@ -378,6 +395,16 @@ def run_mode(
                         trained += x.numel()
                         if progress:
                             progress(done, losses[-1])
+                    if ragged:  # every worker's Δ_k kept; the merge below weighs and clips them
+                        with torch.no_grad():
+                            d = torch._foreach_sub(params, list(work.parameters()))
+                            if k == 0 and cfg.faulty != 1:
+                                torch._foreach_mul_(d, float(cfg.faulty))
+                            for st, x in zip(stacks, d):
+                                st.append(x)
+                            if meter is not None:
+                                meter.add_worker(d)
+                        continue
                     with torch.no_grad():  # Δ_k = global − local, summed over this process's workers
                         torch._foreach_add_(delta, params)
                         torch._foreach_sub_(delta, list(work.parameters()))
@@ -386,17 +413,29 @@ def run_mode(
                                 st.append(d)
                         if meter is not None:
                             meter.add_worker(torch._foreach_sub(params, list(work.parameters())))
-                comm.pseudo_gradients_(delta)
+                weights = None
+                if ragged:
+                    weights = [0.0 if k in missed else 1.0 for k in range(cfg.workers)]
+                    stacks = [torch.stack(st) for st in stacks]
+                    if cfg.merge_clip is not None:
+                        stacks = clip_stacks(stacks, cfg.merge_clip, [k for k, w in enumerate(weights) if w > 0]).stacks
+                    # the mean of the delivering workers: what DiLoCo steps on and IsoLoCo flattens
+                    delta = merge(stacks, "mean", weights=weights)
+                else:
+                    comm.pseudo_gradients_(delta)
                 if meter is not None or capture is not None:
-                    mean_delta = comm.mean_pseudo_gradients(delta)
+                    mean_delta = delta if ragged else comm.mean_pseudo_gradients(delta)
                     if meter is not None:
-                        out["divergence"].append({"round": r + 1, **meter.finish(comm, mean_delta)})
+                        over = Comm(cfg.workers - len(missed)) if ragged else comm  # the delivering workers
+                        out["divergence"].append({"round": r + 1, **meter.finish(over, mean_delta)})
                     if capture is not None:
                         capture(r + 1, names, mean_delta)
                 for p, d in zip(params, delta):
                     p.grad = d
                 with clock.time("outer"):
-                    if per_worker:  # MergeLoCo merges the stacks (it never reads .grad)
+                    if per_worker and ragged:
+                        outer.step(deltas=stacks, weights=weights)
+                    elif per_worker:  # MergeLoCo merges the stacks (it never reads .grad)
                         outer.step(deltas=[torch.stack(st) for st in stacks])
                     else:
                         outer.step()

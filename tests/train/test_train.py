@@ -693,3 +693,96 @@ def test_the_main_job_says_when_diloco_ran_untuned_and_its_study_config_matches_
     assert "lr 1.4, μ 0" in outer_note(runs, 32)
     assert outer_note([{"mode": "diloco", "outer_lr": 1.0, "outer_momentum": 0.0}], 8) is None  # tuned by the user
     assert outer_note([{"mode": "isoloco", "outer_lr": 1.8, "outer_momentum": 0.8}], 8) is None
+
+
+# ---- workers as they really arrive: drop, faulty, merge_clip (one process) ----
+
+TINY = dict(workers=4, inner_steps=3, rounds=2, batch=2, seq_len=32, eval_windows=4, divergence=False)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(drop=1.0), "drop must be"),
+        (dict(drop=-0.1), "drop must be"),
+        (dict(drop=0.9), "leaves none to merge"),
+        (dict(faulty=0.0), "faulty must be"),
+        (dict(faulty=float("nan")), "faulty must be"),
+        (dict(merge_clip="mean"), "merge_clip must be"),
+        (dict(merge_clip=-1.0), "merge_clip must be"),
+        (dict(drop=0.25, compress="int8"), "leave out compress"),
+    ],
+)
+def test_ragged_settings_are_refused_by_name(bad, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**{**TINY, **bad}).validate()
+
+
+def test_who_misses_a_round_is_drawn_from_the_seed_the_same_for_every_mode(corpus):
+    missed = {}
+    for mode in ("diloco", "isoloco"):
+        cfg = TrainConfig(**TINY, drop=0.5, seed=3)
+        missed[mode] = run_mode(mode, Setup(cfg, corpus))["ragged"]["missed"]
+    assert missed["diloco"] == missed["isoloco"]
+    assert all(len(m) == 2 and len(set(m)) == 2 for m in missed["diloco"])  # round(0.5 · 4) each round
+    other = run_mode("diloco", Setup(TrainConfig(**TINY, drop=0.5, seed=4), corpus))["ragged"]["missed"]
+    assert other != missed["diloco"] or len(other) == 1  # another seed, (almost surely) another draw
+
+
+def test_a_round_with_every_worker_weighted_alike_is_todays_round_up_to_rounding(corpus):
+    """A cap no Δ reaches takes the ragged path (every worker's Δ kept, the weighted merge) with nothing
+    clipped or dropped: the same training as the plain path, up to the summation order."""
+    for mode in ("diloco", "isoloco", "tsv"):
+        m = "isoloco" if mode == "tsv" else mode
+        runs = [
+            run_mode(m, Setup(TrainConfig(**TINY, **kw, merge="tsv" if mode == "tsv" else "iso_c"), corpus))
+            for kw in ({}, {"merge_clip": 1e30})
+        ]
+        assert "ragged" not in runs[0] and runs[1]["ragged"]["missed"] == [[], []]
+        assert runs[1]["final_loss"] == pytest.approx(runs[0]["final_loss"], rel=1e-4), mode
+
+
+def test_a_missed_round_steps_on_the_mean_of_the_workers_that_delivered(corpus):
+    """Round 1 with workers {1, 3} of 4 missing: the Δ IsoLoCo flattens is the mean of workers 0 and 2's Δ
+    (captured), which is the plain run's K 2 mean when workers 0 and 2 train alike: checked through a clip
+    cap so large it is inert and a faulty factor 1 — the weighted mean of the delivering workers."""
+    seen = {}
+    cfg = TrainConfig(**{**TINY, "rounds": 1}, drop=0.5, seed=0)
+    out = run_mode(
+        "isoloco", Setup(cfg, corpus), capture=lambda r, names, d: seen.setdefault(r, [x.clone() for x in d])
+    )
+    (missed,) = out["ragged"]["missed"]
+    assert len(missed) == 2
+    # the faulty worker scales the mean by exactly its share: worker 0's Δ × 3 when worker 0 delivers
+    seen3 = {}
+    cfg3 = TrainConfig(**{**TINY, "rounds": 1}, drop=0.5, seed=0, faulty=3.0)
+    run_mode("isoloco", Setup(cfg3, corpus), capture=lambda r, names, d: seen3.setdefault(r, [x.clone() for x in d]))
+    n = 4 - len(missed)
+    if 0 not in missed:  # mean' = mean + (3 − 1)·Δ_0 / n  →  Δ_0 = (mean' − mean)·n / 2, finite and nonzero
+        d0 = [(b - a) * n / 2 for a, b in zip(seen[1], seen3[1])]
+        assert all(torch.isfinite(x).all() for x in d0) and any(x.abs().sum() > 0 for x in d0)
+    else:  # worker 0 did not deliver: its factor changes nothing
+        assert all(torch.equal(a, b) for a, b in zip(seen[1], seen3[1]))
+
+
+def test_median_clip_brings_a_faulty_worker_back(corpus):
+    """Worker 0's Δ × 100 every round: unclipped, the mean it dominates; clipped to the median, the mean
+    of the four stays near the honest run's."""
+    norms = {}
+    for kw in ({}, {"faulty": 100.0}, {"faulty": 100.0, "merge_clip": "median"}):
+        seen = {}
+        cfg = TrainConfig(**{**TINY, "rounds": 1}, **kw)
+        run_mode("diloco", Setup(cfg, corpus), capture=lambda r, names, d: seen.setdefault(r, [x.clone() for x in d]))
+        norms[tuple(kw.items())] = float(torch.sqrt(sum(x.double().pow(2).sum() for x in seen[1])))
+    honest, faulty, clipped = norms.values()
+    assert faulty > 10 * honest and clipped < 1.5 * honest
+
+
+def test_ragged_rounds_need_every_worker_in_this_process(corpus):
+    class OneRank(Comm):
+        def __init__(self):
+            super().__init__(4)
+            self.local_workers = [0]
+
+    with pytest.raises(ValueError, match="one process"):
+        run_mode("diloco", Setup(TrainConfig(**TINY, drop=0.25), corpus), comm=OneRank())
