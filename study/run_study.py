@@ -115,7 +115,16 @@ V3_SETTINGS = {
     "eval_every": ("eval_every", int),
     "outer_schedule": ("outer_schedule", str),  # v6: in a run's settings only when not "constant"
     "compress": ("compress", str),  # compressed exchange (study/compression/): in a run's settings only when set
+    # workers as they arrive (study/arrival/): in a run's settings only when set
+    "drop": ("drop", float),
+    "faulty": ("faulty", float),
+    "merge_clip": ("merge_clip", str),
 }
+
+
+#: settings whose runs never join a tuning grid (common.grids.grids): the grid is constant-schedule, uncompressed,
+#: every worker delivering alike
+OFF_GRID = ("outer_schedule", "compress", "drop", "faulty", "merge_clip")
 
 
 def parse_lrs(text: str) -> list[tuple[str, float | None, float | None]]:
@@ -155,7 +164,7 @@ def cell_of(k: tuple) -> tuple:
 
 def grid_settings(v3: dict) -> dict:
     """The settings of the grid (common.grids.grids: constant schedule, uncompressed; any μ) a `best:` job picks from."""
-    return {**{k: v for k, v in v3.items() if k not in ("outer_schedule", "compress")}, "mu": None}
+    return {**{k: v for k, v in v3.items() if k not in OFF_GRID}, "mu": None}
 
 
 def wait_for_grids(folder: Path, cells: set, limit_s: float = 3600.0, poll_s: float = 20.0) -> bool:
@@ -254,6 +263,9 @@ def main() -> None:
         help="v6: the outer optimizer's schedule (train.config.OUTER_SCHEDULES: warmup, warmup-cosine, momentum-warmup)",
     )
     p.add_argument("--compress", default=None, help="v3: compress the outer exchange (a compress.parse spec)")
+    p.add_argument("--drop", type=float, default=None, help="v3: the fraction of workers that miss each round")
+    p.add_argument("--faulty", type=float, default=None, help="v3: a factor on worker 0's Δ every round")
+    p.add_argument("--merge-clip", default=None, help="v3: clip each worker's Δ before the merge (median)")
     p.add_argument("--iso-method", default=None, help="v4: comma list of IsoLoCo flatten methods (library or study)")
     p.add_argument("--spectra", default=None, help="v4: JSONL for the error and flatness of every method on Δ")
     a = p.parse_args()
@@ -294,11 +306,25 @@ def main() -> None:
             v3["outer_schedule"] = a.outer_schedule
         if a.compress is not None:  # likewise
             v3["compress"] = a.compress
-    elif (a.batch, a.seq_len, a.inner_lr, a.inner, a.model, a.eval_every, a.outer_schedule, a.compress) != (
-        (4, 64, 3e-3, "adamw", "tiny", None, "constant", None)
-    ):
+        for name in ("drop", "faulty", "merge_clip"):  # likewise
+            if getattr(a, name) is not None:
+                v3[name] = getattr(a, name)
+    elif (
+        a.batch,
+        a.seq_len,
+        a.inner_lr,
+        a.inner,
+        a.model,
+        a.eval_every,
+        a.outer_schedule,
+        a.compress,
+        a.drop,
+        a.faulty,
+        a.merge_clip,
+    ) != ((4, 64, 3e-3, "adamw", "tiny", None, "constant", None, None, None, None)):
         p.error(
-            "--batch, --seq-len, --inner-lr, --inner, --model, --eval-every, --outer-schedule and --compress are "
+            "--batch, --seq-len, --inner-lr, --inner, --model, --eval-every, --outer-schedule, --compress, --drop, "
+            "--faulty and --merge-clip are "
             "study v3 settings: add --part v3 or v4"
         )
     if a.spectra and Path(a.spectra).resolve().parent == Path(a.out).resolve().parent:
@@ -351,7 +377,7 @@ def main() -> None:
             p.error("--lrs best:MODES picks from study v3's grids: add --part v3")
         from study.common.grids import best_jobs
 
-        grid = {k: v for k, v in v3.items() if k not in ("outer_schedule", "compress")}  # the grid best: reads
+        grid = {k: v for k, v in v3.items() if k not in OFF_GRID}  # the grid best: reads
         grid_cells = {
             cell_of(key_of(0, K, H, "", None, init, {**grid, "mu": None})) for init in inits for K, H in cells
         }

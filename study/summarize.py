@@ -11,6 +11,7 @@ into its question's folder and prints each table, after its `<!-- name -->` mark
     horizon/      study v6 parts A and B (v6.py): summary_v6.json (with k_scaling's part C), study_v6_horizon.png
     k_scaling/    study v6 part C (fixed_compute.py): study_v6_fixed_compute.png; study v7 (v7.py, spectra.py):
                   summary_v7.json, study_v7_k_scaling.png
+    arrival/      workers as they arrive (arrival.py): summary_arrival.json
     compression/  the compressed exchange (compression.py): summary_compress.json, study_compress.png
     precision/    study v4 (v4.py): summary_v4.json, study_v4.png
     capacity/     study v5 part A's mechanism (v5_mechanism.py, its own records): study_v5_mechanism.png
@@ -119,6 +120,12 @@ def main() -> None:
         print("\n<!-- v7 k scaling -->\n" + v7.markdown_v7(rows))
         if spectra_rows:
             print("\n<!-- v7 spectra -->\n" + spectra.markdown_spectra(spectra_rows))
+    from study.arrival import arrival  # workers as they really arrive: missed rounds, a faulty worker, the clip
+
+    arr = arrival.summarize_arrival(every)
+    if arr:
+        (HERE / "arrival" / "summary_arrival.json").write_text(json.dumps(arr, indent=1))
+        print("\n<!-- arrival -->\n" + arrival.markdown_arrival(arr))
     v4_recs = [r for r in recs if r.get("study") == "v4"]
     if v4_recs:
         from study.precision.v4 import markdown_v4, markdown_verdict, plot_v4, summarize_v4, verdict

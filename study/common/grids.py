@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
+from study.common.records import plain
 from study.common.stats import mean_of
 
 CELL_KEYS = ("workers", "inner_steps", "rounds", "vocab", "init")
@@ -58,7 +59,7 @@ def grids(recs: list[dict]) -> dict:
     grid points; a repeated run keeps the first)."""
     out: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
     for r in recs:
-        if r.get("study") != "v3" or r["v3"].get("outer_schedule", "constant") != "constant" or "compress" in r["v3"]:
+        if r.get("study") != "v3" or not plain(r):
             continue
         cfg = (r.get("outer_lr"), r.get("outer_momentum"))
         out[record_cell(r)][r["mode"]][cfg].setdefault(r["seed"], r)

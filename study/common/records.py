@@ -80,7 +80,10 @@ def load(study: Path = STUDY) -> list[dict]:
 
 
 def plain(r: dict) -> bool:
-    """A run at a constant outer schedule with an uncompressed exchange: what every study before v6 ran, and all
+    """A run at a constant outer schedule with an uncompressed exchange and every worker delivering alike: what every study before v6 ran, and all
     that their summaries (v2 to v5) read. Study v6's scheduled runs and the compressed-exchange runs have their own."""
     v3 = r.get("v3") or {}
-    return "compress" not in v3 and v3.get("outer_schedule", "constant") == "constant"
+    return (
+        not {"compress", "drop", "faulty", "merge_clip"} & set(v3)
+        and v3.get("outer_schedule", "constant") == "constant"
+    )

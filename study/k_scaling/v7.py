@@ -54,7 +54,7 @@ def in_cell(r: dict, K: int) -> bool:
         and r.get("init", "gpt2") == "gpt2"
         and r.get("eval_split") == "halves"
         and (v3.get("batch"), v3.get("seq_len"), v3.get("inner"), v3.get("model")) == (BATCH, SEQ, "adamw", "tiny")
-        and "compress" not in v3
+        and not {"compress", "drop", "faulty", "merge_clip"} & set(v3)
         and r.get("mode") in METHODS
         and (r["mode"] == "ddp" or v3.get("inner_lr") == INNER_LR)
     )
