@@ -3,7 +3,7 @@
 
 Every rank checks its grads and fingerprints their bits (`bits.bit_fingerprints`); the ranks agree
 (failures, hyper-parameters, the grads' shapes, and the grads' bits: grads that are not
-bit-identical on every rank are refused, by name, as not yet averaged); after a `load_state_dict`
+bit-identical on every rank are refused, naming the first that differs, as not yet averaged); after a `load_state_dict`
 on any rank they agree once on the bits of every momentum buffer (a replicated optimizer's state
 must be replicated); `sharded_iso_merge_` splits the flatten over the group inside the same
 agreement, and the ranks agree once more before any rank writes. Everything between two
@@ -17,10 +17,10 @@ from typing import Optional
 
 import torch
 
-from .agree import Agreement, DistributedStepError, group_info
+from .agree import Agreement, group_info
 from .bits import bit_fingerprints
 
-__all__ = ["AVERAGED", "check_averaged", "grad_bits", "momentum_bits", "step_"]
+__all__ = ["AVERAGED", "REPLICATED", "check_averaged", "grad_bits", "momentum_bits", "step_"]
 
 #: What the refusal of grads that differ between ranks adds: what the step expects instead.
 AVERAGED = (
@@ -29,7 +29,12 @@ AVERAGED = (
     "(isoloco_kernels.average_), or hand each rank's own pseudo-gradient to ShardedIsoLoCo, which averages "
     "them itself"
 )
-_GRAD_BITS = "grad bits"
+#: What the refusal of momentum buffers that differ between ranks adds.
+REPLICATED = (
+    "IsoLoCo(process_group=...) is replicated: every rank must hold the same momentum. Load the same state dict "
+    "on every rank; ShardedIsoLoCo's per-rank state dicts each hold only that rank's buffers and load only into "
+    "ShardedIsoLoCo"
+)
 
 
 def step_(opt, group, failed: Optional[BaseException] = None) -> None:
@@ -38,10 +43,11 @@ def step_(opt, group, failed: Optional[BaseException] = None) -> None:
     failed: what the closure raised on this rank; it reaches every rank as a DistributedStepError."""
     ag = Agreement("IsoLoCo.step", group)
     entries = ag.attempt(_checked, opt, failed) or []
-    settings = ag.attempt(_step_settings, opt, entries)
-    loaded = _settle_averaged(ag, settings, ask=getattr(opt, "_state_loaded", False))
+    settings = ag.attempt(opt._settings, [e.g for e in entries])
+    grads = ag.attempt(grad_bits, [e.g for e in entries], [e.name for e in entries])
+    loaded = ag.settle(settings=settings, replicas=grads, ask=getattr(opt, "_state_loaded", False))
     if loaded:  # once after a load on any rank: the momentum must be replicated too
-        _settle_replicated(ag, ag.attempt(momentum_bits, opt))
+        ag.settle(replicas=ag.attempt(momentum_bits, opt))
         opt._state_loaded = False
     if not entries:
         return
@@ -57,51 +63,24 @@ def _checked(opt, failed):
     return opt._collect_grads()
 
 
-def _step_settings(opt, entries) -> dict[str, str]:
-    """The step's settings (`IsoLoCo._settings`) and each grad's bits (`grad_bits`)."""
-    return {**opt._settings([e.g for e in entries]), **grad_bits([e.g for e in entries], [e.name for e in entries])}
-
-
-def grad_bits(grads: list, names: list) -> dict[str, str]:
-    """name → the bit fingerprint of each grad, as the ranks compare it."""
-    return {f"{n} {_GRAD_BITS}": f"{h:#018x}" for n, h in zip(names, bit_fingerprints([g.detach() for g in grads]))}
-
-
-def _settle_averaged(ag: Agreement, settings, ask: bool = False) -> bool:
-    """`ag.settle(settings=...)`; a refusal naming grads whose bits differ says what was expected."""
-    try:
-        return ag.settle(settings=settings, ask=ask)
-    except DistributedStepError as e:
-        if f" {_GRAD_BITS}: " in str(e):
-            raise DistributedStepError(
-                f"{e}. The grad differs between ranks: {AVERAGED}; nothing was changed"
-            ) from None
-        raise
-
-
-def _settle_replicated(ag: Agreement, settings) -> None:
-    """The agreement on the momentum buffers' bits; a refusal says what a replicated optimizer needs."""
-    try:
-        ag.settle(settings=settings)
-    except DistributedStepError as e:
-        raise DistributedStepError(
-            f"{e}. IsoLoCo(process_group=...) is replicated: every rank must hold the same momentum (load the "
-            "same state dict on every rank; ShardedIsoLoCo's per-rank state dicts each hold only that rank's "
-            "buffers and load only into ShardedIsoLoCo); nothing was changed"
-        ) from None
+def grad_bits(grads: list, names: list) -> tuple:
+    """The grads as the ranks compare them (`agree`'s replicas): a 64-bit fingerprint of each one's exact bits
+    (`bits.bit_fingerprints`), named; refused with what the step expects (`AVERAGED`) when they differ."""
+    return "grads", list(names), bit_fingerprints([g.detach() for g in grads]), AVERAGED
 
 
 def check_averaged(grads: list, names: list, group) -> None:
     """Refuse grads that are not bit-identical on every rank of `group`, on every rank alike,
-    naming each grad that differs and the ranks holding each version (one agreement)."""
+    naming the first grad that differs and the ranks holding each version (one agreement)."""
     _, world = group_info(group)
     if world == 1 or not grads:
         return
-    _settle_averaged(Agreement("IsoLoCo.step over a process group", group), grad_bits(grads, names))
+    Agreement("IsoLoCo.step over a process group", group).settle(replicas=grad_bits(grads, names))
 
 
-def momentum_bits(opt) -> dict[str, str]:
-    """name → the bit fingerprint of each param's momentum buffer ("none" where it has none)."""
+def momentum_bits(opt) -> tuple:
+    """The momentum buffers as the ranks compare them (`agree`'s replicas): each param's, by the bit
+    fingerprint of its buffer (0 where it has none), named; refused with `REPLICATED` when they differ."""
     named = [
         (f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) momentum_buffer", p)
         for gi, g in enumerate(opt.param_groups)
@@ -110,4 +89,4 @@ def momentum_bits(opt) -> dict[str, str]:
     bufs = [opt.state[p].get("momentum_buffer") if p in opt.state else None for _, p in named]
     held = [i for i, b in enumerate(bufs) if isinstance(b, torch.Tensor)]
     prints = dict(zip(held, bit_fingerprints([bufs[i].detach() for i in held])))
-    return {n: (f"{prints[i]:#018x}" if i in prints else "none") for i, (n, _) in enumerate(named)}
+    return "momentum buffers", [n for n, _ in named], [prints.get(i, 0) for i in range(len(named))], REPLICATED

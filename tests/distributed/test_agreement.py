@@ -187,6 +187,49 @@ def _case_sharded_add_param_group(rank, world, odd):
     assert all(not torch.equal(p, b) for p, b in zip(params, before))
 
 
+# -- ShardedIsoLoCo: replicas whose params differ ------------------------------------------------------
+
+
+def _params_differ(how: str, compress=None):
+    """The last rank's params are not the others' when step() is called: refused on every rank, naming the
+    first param that differs and the ranks holding each version, saying what to do; nothing changed."""
+
+    def case(rank, world, odd):
+        params, opt = _stepped_sharded(rank, compress=compress)
+        if rank == odd:
+            with torch.no_grad():
+                if how == "forgot to restore":  # this rank's local weights, after its inner steps
+                    params[2].add_(0.01)
+                    params[3].mul_(0.5)
+                elif how == "one ulp":
+                    params[2][1] = torch.nextafter(params[2][1], torch.tensor(float("inf")))
+                else:  # another seed: every param
+                    for p in params:
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(99)))
+        first, others = {"forgot to restore": (2, 1), "one ulp": (2, 0), "seed": (0, len(SHAPES) - 1)}[how]
+        more = f"; {others} more of the {len(SHAPES)} params differ too" if others else ""
+        versions = f"rank{'s' if world > 2 else ''} {', '.join(map(str, range(world - 1)))} hold"
+        versions += f"{'' if world > 2 else 's'} one version, rank {world - 1} holds another"
+        want = (
+            re.escape(
+                f"ShardedIsoLoCo.step: the ranks' params differ, nothing was changed on any rank: param {first} "
+                f"(shape {SHAPES[first]}) is the first that differs ({versions}){more}. "
+            )
+            + "ShardedIsoLoCo steps replicas: .*Restore the global weights on every rank before step"
+        )
+        _fails_together(opt.step, want, params + [p.grad for p in params], opt)
+        for p, q in zip(params, _model(SHAPES, torch.float32)):  # the same weights on every rank: it steps
+            p.data.copy_(q)
+        opt.step()
+
+    return case
+
+
+for _how in ("forgot to restore", "one ulp", "seed"):
+    for _c in (None, "int4"):
+        CASES[f"sharded_params_differ_{_how.replace(' ', '_')}{'_int4' if _c else ''}"] = _params_differ(_how, _c)
+
+
 # -- sharded_iso_merge_ ---------------------------------------------------------------------------
 
 

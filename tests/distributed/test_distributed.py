@@ -203,7 +203,10 @@ def _check_process_group_refuses_grads_not_yet_averaged(group, tmpdir):
     own = _pseudo_grads(SHAPES_2, torch.float32, rank, 0)
     for p, g in zip(params, own):
         p.grad = g.clone()
-    with pytest.raises(D.DistributedStepError, match=r"differs between ranks.*ALREADY AVERAGED.*ShardedIsoLoCo"):
+    with pytest.raises(
+        D.DistributedStepError,
+        match=r"the ranks' grads differ, nothing was changed.* is the first that differs.*ALREADY AVERAGED.*ShardedIsoLoCo",
+    ):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before)) and not opt.state, "changed on refusal"
     D.average_([p.grad for p in params], process_group=group)
@@ -223,7 +226,7 @@ def _averaged_boundary(rank, group):
     """The averaged-grads check decides bit identity, on both sides of the boundary: equal grads
     pass; one element one ulp off, noise of 1e-6 and 1e-3 of the mean magnitude, a permutation
     (same norm, same sum), -0.0 for 0.0, in float32, bfloat16 and float64 and near float32's
-    largest value, are refused on every rank naming the grad."""
+    largest value, are refused on every rank naming the first grad that differs and who holds what."""
     from isoloco_kernels.distributed.process_group import check_averaged
 
     def second(base, how):  # rank 1's grad (computed on every rank alike: same seeds)
@@ -256,14 +259,15 @@ def _averaged_boundary(rank, group):
                 check_averaged([base.clone(), g], ["other", name], group)
                 continue
             with pytest.raises(
-                D.DistributedStepError, match=rf"{re.escape(name)} grad bits: .* on rank 0, .* on rank 1"
+                D.DistributedStepError,
+                match=rf"grads differ.*: {re.escape(name)} is the first that differs \(rank 0 holds one version, rank 1 holds another\)\. ",
             ):
                 check_averaged([base.clone(), g], ["other", name], group)
     huge = torch.full((8, 8), 3e38)  # near float32's largest value: nothing to overflow in a fingerprint
     check_averaged([huge.clone()], ["huge float32"], group)
     if rank:
         huge[0, 0] = torch.nextafter(huge[0, 0], torch.tensor(float("inf")))
-    with pytest.raises(D.DistributedStepError, match="huge float32 grad bits.*ALREADY AVERAGED"):
+    with pytest.raises(D.DistributedStepError, match="huge float32 is the first that differs.*ALREADY AVERAGED"):
         check_averaged([huge], ["huge float32"], group)
 
 
@@ -291,7 +295,10 @@ def _check_replicated_optimizer_refuses_per_rank_momentum(group, tmpdir):
         p.grad = g.clone()
     before = [p.clone() for p in params] + [opt.state[p]["momentum_buffer"].clone() for p in params if p in opt.state]
     for _ in range(2):
-        with pytest.raises(D.DistributedStepError, match=r"momentum_buffer: .* on rank [01].*replicated"):
+        with pytest.raises(
+            D.DistributedStepError,
+            match=r"the ranks' momentum buffers differ.* momentum_buffer is the first that differs.*replicated",
+        ):
             opt.step()
         after = [p for p in params] + [opt.state[p]["momentum_buffer"] for p in params if p in opt.state]
         assert all(torch.equal(a, b) for a, b in zip(after, before)), "changed although refused"
