@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from study.common.stats import interval_text, paired_t
+from study.common.stats import interval_text, markdown_table, paired_t
 
 RAGGED = ("drop", "faulty", "merge_clip")
 METHODS = ("diloco", "isoloco")
@@ -75,13 +75,6 @@ def summarize_arrival(recs: list[dict]) -> list[dict]:
 
 
 def markdown_arrival(rows: list[dict]) -> str:
-    lines = [
-        "| K × rounds | condition | IsoLoCo − DiLoCo | DiLoCo − its clean run | IsoLoCo − its clean run |",
-        "|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['workers']} × {r['rounds']} | {r['condition']} | {interval_text(r['iso_minus_diloco'])} | "
-            f"{interval_text(r['cost']['diloco'])} | {interval_text(r['cost']['isoloco'])} |"
-        )
-    return "\n".join(lines)
+    header = ["K × rounds", "condition", "IsoLoCo − DiLoCo", "DiLoCo − its clean run", "IsoLoCo − its clean run"]
+    gaps = lambda r: [interval_text(g) for g in (r["iso_minus_diloco"], r["cost"]["diloco"], r["cost"]["isoloco"])]
+    return markdown_table(header, [[f"{r['workers']} × {r['rounds']}", r["condition"], *gaps(r)] for r in rows])

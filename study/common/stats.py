@@ -2,7 +2,7 @@
 
 paired_bootstrap_ci, the percentile bootstrap of the mean paired difference; t_interval, its 95 % Student-t
 interval; paired_t and paired_gap, a − b over the seeds both have with those intervals; mean_of, fmt and
-interval_text, the mean and the number formats of the tables.
+interval_text, the mean and the number formats of the tables; markdown_table, a table from its header and rows.
 """
 
 from __future__ import annotations
@@ -88,3 +88,9 @@ def interval_text(g: dict | None) -> str:
     if not g:
         return "—"
     return f"{fmt(g['mean'])} [{fmt(g['t_lo'])}, {fmt(g['t_hi'])}] ({g['seeds']} seeds)"
+
+
+def markdown_table(header, rows) -> str:
+    """A markdown table: the header's cells, then one line per row of cells (each written with str)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])

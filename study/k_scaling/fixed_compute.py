@@ -11,7 +11,7 @@ gap after 10 rounds (v3's fixed-rounds cells). summarize.py writes the table int
 from __future__ import annotations
 
 from study.common.grids import cell_picks
-from study.common.stats import interval_text, paired_t
+from study.common.stats import interval_text, markdown_table, paired_t
 from study.horizon.v6 import HORIZON, TINY_PARAMS
 
 #: K -> outer rounds at part A's token budget (K × rounds = 1,200 worker-rounds of H 30 × 4 × 64 tokens)
@@ -49,17 +49,13 @@ def summarize_fixed_compute(recs: list[dict], base: tuple = HORIZON) -> list[dic
 
 
 def markdown_fixed_compute(rows: list[dict]) -> str:
-    lines = [
-        "| K | rounds (tokens/param) | DiLoCo pick | IsoLoCo pick | IsoLoCo − DiLoCo at fixed compute | after 10 rounds |",
-        "|---|---|---|---|---|---|",
-    ]
+    header = ["K", "rounds (tokens/param)", "DiLoCo pick", "IsoLoCo pick", "IsoLoCo − DiLoCo at fixed compute"]
+    out = []
     for r in rows:
         d, i = r["picks"]["diloco"], r["picks"]["isoloco"]
-        lines.append(
-            f"| {r['workers']} | {r['rounds']} ({r['tokens_per_param']:.1f}) | {d['lr']} @ {d['momentum']} | "
-            f"{i['lr']} @ {i['momentum']} | {interval_text(r['gap'])} | {interval_text(r['gap_10_rounds'])} |"
-        )
-    return "\n".join(lines)
+        out.append([r["workers"], f"{r['rounds']} ({r['tokens_per_param']:.1f})", f"{d['lr']} @ {d['momentum']}",
+                    f"{i['lr']} @ {i['momentum']}", interval_text(r["gap"]), interval_text(r["gap_10_rounds"])])  # fmt: skip
+    return markdown_table(header + ["after 10 rounds"], out)
 
 
 def plot_fixed_compute(rows: list[dict], path) -> None:

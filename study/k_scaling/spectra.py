@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from study.common.stats import markdown_table
+
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "spectra" / "v7_spectra.jsonl"
 KS = (4, 8, 16, 32)
@@ -112,16 +114,10 @@ def summarize_spectra(recs: list[dict]) -> list[dict]:
 
 
 def markdown_spectra(rows: list[dict]) -> str:
-    lines = [
-        "| K | trajectory | erank / r | σ₁ / σ̄ | top-1 % energy | ‖Iso-C‖ / ‖mean‖ | shrinkage |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['workers']} | {r['mode']} | {r['erank_frac']:.3f} | {r['top_over_mean']:.2f} | "
-            f"{r['top1_energy']:.3f} | {r['iso_norm']:.3f} | {r['shrinkage']:.3f} |"
-        )
-    return "\n".join(lines)
+    header = ["K", "trajectory", "erank / r", "σ₁ / σ̄", "top-1 % energy", "‖Iso-C‖ / ‖mean‖", "shrinkage"]
+    cells = ("erank_frac", ".3f"), ("top_over_mean", ".2f"), ("top1_energy", ".3f"), ("iso_norm", ".3f")
+    out = [[r["workers"], r["mode"], *(format(r[k], f) for k, f in cells), f"{r['shrinkage']:.3f}"] for r in rows]
+    return markdown_table(header, out)
 
 
 def plot_spectra(rows: list[dict], gaps: dict, path: Path) -> None:

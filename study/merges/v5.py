@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 
 from study.common.grids import BASE
-from study.common.stats import fmt, paired_gap
+from study.common.stats import fmt, markdown_table, paired_gap
 
 # (method, outer step, study mode) in the table's order; mean/Nesterov is DiLoCo itself (the baseline)
 ROWS = (
@@ -88,10 +88,8 @@ def summarize_merges(v3_summary: dict, recs: list[dict], paired_ci) -> list[dict
 
 
 def markdown_merges(rows: list[dict]) -> str:
-    lines = [
-        "| merge | outer step | pick (lr @ μ) | test loss (mean of seeds) | − DiLoCo tuned [95 % t] | outer step s / round |",
-        "|---|---|---|---|---|---|",
-    ]
+    header = ["merge", "outer step", "pick (lr @ μ)", "test loss (mean of seeds)", "− DiLoCo tuned [95 % t]"]
+    out = []
     for r in rows:
         g = r["gap"]
         gap = "—" if g is None else f"{fmt(g['mean'])} [{fmt(g['t_lo'])}, {fmt(g['t_hi'])}]"
@@ -99,11 +97,8 @@ def markdown_merges(rows: list[dict]) -> str:
             gap = f"**{gap}**"
         pick = f"{r['lr']:g} @ {r['momentum']:g}" + (" (edge)" if r["edge"] else "")
         sec = "—" if r["outer_s_per_round"] is None else f"{r['outer_s_per_round']:.3f}"
-        lines.append(
-            f"| {r['method']} | {r['outer']} | {pick} | {fmt(r['test_mean'], '.3f')} ({len(r['seeds'])}) | {gap} "
-            f"| {sec} |"
-        )
-    return "\n".join(lines)
+        out.append([r["method"], r["outer"], pick, f"{fmt(r['test_mean'], '.3f')} ({len(r['seeds'])})", gap, sec])
+    return markdown_table(header + ["outer step s / round"], out)
 
 
 def plot_merges(rows: list[dict], path) -> None:
