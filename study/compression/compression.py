@@ -112,7 +112,7 @@ def _order(spec: str) -> tuple:
     if spec == UNCOMPRESSED:
         return (0,)
     head, rest = _split(spec)
-    bits = {"int8": 8, "fp8": 8, "int4": 4, "fp4": 4, "int2": 2}.get(head.split(":")[0], 0)
+    bits = {"int8": 8, "fp8": 8, "int4": 4, "fp4": 4, "stat4": 4, "int2": 2, "stat2": 2}.get(head.split(":")[0], 0)
     return (1, -bits, head, rest != "none", rest)
 
 
