@@ -619,6 +619,7 @@ class _ParamsBack:
         self.plan, self.rank, self.world, self.device = plan, rank, plan.world_size, device
         self.chunk_bytes = chunk_bytes
         self.solo = sorted(plan.solo)
+        self.numel = [plan.numel(i) for i in range(len(plan.shapes))]
         self.segments: dict[torch.dtype, _Segments] = {}
         self._stand_ins: dict[int, torch.Tensor] = {}
 
@@ -774,7 +775,7 @@ class _MeanExchange(_ParamsBack):
         use a non-root's input as scratch, so grads are never handed to it)."""
         dt, owner = self.plan.dtypes[i], self.plan.owners[i]
         rdt, dst, pending = reduce_dtype(dt), _global(group, owner), []
-        for k, (a, b) in enumerate(_chunks(self.plan.numel(i), max(1, self.chunk_bytes // rdt.itemsize))):
+        for k, (a, b) in enumerate(_chunks(self.numel[i], max(1, self.chunk_bytes // rdt.itemsize))):
             buf = self._chunk(k, rdt, b - a)
             if failure is None:
                 try:
@@ -893,12 +894,17 @@ class _WorkerExchange(_ParamsBack):
 class _CompressedExchange:
     """`compress=`: each rank's Δ compressed, c_k = Q(Δ_k + e_k) (`encode_delta`), all-to-all'd as bytes to each
     owner (a solo tensor: gathered): a reduce-scatter cannot sum packed integers. The owner dequantizes and sums
-    in float32 (`owner_inputs`), steps (`owner_step`) and compresses its update u; leg 2, before the vote,
-    all-gathers every owner's u (solo: broadcast), and every rank, the owner included, computes θ' = θ + deq(u)
-    aside (`apply_update`), checked finite. After the vote: θ', the momentum and the residuals are written.
+    in float32 (`owner_inputs`), steps (`owner_step`) and compresses its update u; leg 2, before the vote, sends
+    every owner's u to every rank (an all-to-all of each owner's own bytes; solo: broadcast), and every rank, the
+    owner included, computes θ' = θ + deq(u) aside (`apply_update`), checked finite. After the vote: θ', the
+    momentum and the residuals are written.
 
-    Buffers held (uint8): the all-to-all's send and receive (world segments of the leg's padded bytes), the
-    all-gather's own segment and result, per solo tensor a send, a broadcast and (on its owner) K receive
+    Every payload travels at its exact size: each rank's part of each all-to-all is the bytes of the payloads
+    it holds for that rank, back to back (`layout`), no padding, so the bytes on the wire are those
+    `compress.exchange_bytes` reports at every world size (`wire_bytes`). A payload that lands off an 8-byte
+    boundary is copied to aligned memory before it is decoded. Buffers held (uint8): leg 1's send (my payloads
+    for every owner) and receive (every worker's payloads of my tensors), leg 2's send (my updates, one copy per
+    rank) and receive (every owner's updates), per solo tensor a send, a broadcast and (on its owner) K receive
     buffers."""
 
     def __init__(self, plan: ShardPlan, rank: int, device, spec: Compression):
@@ -906,13 +912,16 @@ class _CompressedExchange:
         self.numel = [plan.numel(i) for i in range(len(plan.shapes))]
         w = self.world
         self.sizes = s1, s2 = update_sizes(plan, spec)
-        (out, self.seg1), (back, seg2) = layout(plan, s1), layout(plan, s2)
+        (out, self.split1), (back, self.split2) = layout(plan, s1), layout(plan, s2)
         self.at1 = {i: (o, off) for o, entries in enumerate(out) for i, off in entries}
-        self.at2 = {i: (o * seg2 + off, off) for o, entries in enumerate(back) for i, off in entries}
-        self.send = pipeline.comm_buffer(w * self.seg1, torch.uint8, device, True)  # padding travels as zeros
-        self.recv = pipeline.comm_buffer(w * self.seg1, torch.uint8, device, False) if w > 1 else self.send
-        self.own = pipeline.comm_buffer(seg2, torch.uint8, device, True)
-        self.every = pipeline.comm_buffer(w * seg2, torch.uint8, device, False) if w > 1 else self.own
+        self.at2 = {i: (o, off) for o, entries in enumerate(back) for i, off in entries}
+        self.start1 = [sum(self.split1[:r]) for r in range(w)]
+        self.start2 = [sum(self.split2[:r]) for r in range(w)]
+        mine1, mine2 = self.split1[rank], self.split2[rank]
+        self.send = pipeline.comm_buffer(sum(self.split1), torch.uint8, device, True)
+        self.recv = pipeline.comm_buffer(w * mine1, torch.uint8, device, False) if w > 1 else self.send
+        self.own = pipeline.comm_buffer(w * mine2, torch.uint8, device, True)
+        self.every = pipeline.comm_buffer(sum(self.split2), torch.uint8, device, False) if w > 1 else self.own
         solo = sorted(plan.solo)
         self.solo_send = {i: pipeline.comm_buffer(s1[i], torch.uint8, device, True) for i in solo}
         mine = [i for i in solo if plan.owners[i] == rank]
@@ -922,27 +931,31 @@ class _CompressedExchange:
         self._new: Optional[list] = None
 
     def _outgoing(self, i: int) -> torch.Tensor:
-        """Where this rank's payload of tensor i goes on the all-to-all leg."""
+        """Where this rank's payload of tensor i goes on leg 1."""
         if i in self.solo_send:
             return self.solo_send[i]
         o, off = self.at1[i]
-        return self.send.narrow(0, o * self.seg1 + off, self.sizes[0][i])
+        return self.send.narrow(0, self.start1[o] + off, self.sizes[0][i])
 
     def _incoming(self, i: int, k: int) -> torch.Tensor:
         """Worker k's payload of tensor i (owned here), as received."""
         if i in self.parts:
             return self.parts[i][k]
-        return self.recv.narrow(0, k * self.seg1 + self.at1[i][1], self.sizes[0][i])
+        return self.recv.narrow(0, k * self.split1[self.rank] + self.at1[i][1], self.sizes[0][i])
 
     def _update(self, i: int, mine: bool) -> torch.Tensor:
-        """Tensor i's update payload: its slot in my own segment (mine=True), or the all-gathered copy."""
+        """Tensor i's update payload: its slot in my own updates (mine=True), or as every rank received it."""
         if i in self.solo_back:
             return self.solo_back[i]
-        start, off = self.at2[i]
-        return self.own.narrow(0, off, self.sizes[1][i]) if mine else self.every.narrow(0, start, self.sizes[1][i])
+        o, off = self.at2[i]
+        return (
+            self.own.narrow(0, off, self.sizes[1][i])
+            if mine
+            else self.every.narrow(0, self.start2[o] + off, self.sizes[1][i])
+        )
 
     def pack(self, opt, grads) -> None:
-        """This rank's payload of every tensor into the all-to-all's buffers; the new residuals kept aside."""
+        """This rank's payload of every tensor into leg 1's buffers; the new residuals kept aside."""
         self._residuals = {}
         for i, (p, g) in enumerate(zip(opt._params, grads)):
             packed, self._residuals[i] = encode_delta(
@@ -963,7 +976,8 @@ class _CompressedExchange:
             for buf in self.solo_send.values():
                 buf.zero_()
         if self.world > 1:
-            dist.all_to_all_single(self.recv, self.send, group=group)
+            mine = self.split1[self.rank]
+            dist.all_to_all_single(self.recv, self.send, [mine] * self.world, self.split1, group=group)
         for i in sorted(self.plan.solo):
             rows = self.parts.get(i)
             dist.gather(self.solo_send[i], rows, dst=_global(group, self.plan.owners[i]), group=group)
@@ -973,19 +987,24 @@ class _CompressedExchange:
         """What I merge: the mean (or the stack) of the workers' dequantized Δ of each tensor I own."""
         spec = self.spec
         payloads = {
-            i: [Packed.from_wire(self._incoming(i, k), spec, self.numel[i]) for k in range(self.world)]
+            i: [Packed.from_wire(_aligned(self._incoming(i, k)), spec, self.numel[i]) for k in range(self.world)]
             for i in opt._mine
         }
         return owner_inputs(opt, opt._params, payloads)
 
     def aside(self, opt, update, group, failure):
-        """Leg 2, before the vote: my updates into my segment, all-gathered (solo: broadcast), and every
-        param's θ' computed aside, checked finite (a rank that failed sends zeros and computes nothing)."""
+        """Leg 2, before the vote: my updates into my part (one copy for each rank), every owner's sent to every
+        rank (solo: broadcast), and every param's θ' computed aside, checked finite (a rank that failed sends
+        zeros and computes nothing)."""
         self._new = None
+        mine = self.split2[self.rank]
         if failure is None:
             try:
                 for i in opt._mine:
                     self._update(i, True).copy_(_wire(update[3][i]))
+                if self.world > 1:
+                    copies = self.own.view(self.world, mine)
+                    copies[1:].copy_(copies[0].expand(self.world - 1, mine))
             except Exception as e:  # noqa: BLE001
                 failure = e
         if failure is not None:
@@ -994,13 +1013,14 @@ class _CompressedExchange:
                 if self.plan.owners[i] == self.rank:
                     self.solo_back[i].zero_()
         if self.world > 1:
-            pipeline.all_gather_single(self.every, self.own, group=group)
+            dist.all_to_all_single(self.every, self.own, self.split2, [mine] * self.world, group=group)
         for i in sorted(self.plan.solo):
             dist.broadcast(self.solo_back[i], src=_global(group, self.plan.owners[i]), group=group)
         if failure is None:
             try:
                 new = [
-                    apply_update(p, _payload(self.spec, p, self._update(i, False))) for i, p in enumerate(opt._params)
+                    apply_update(p, _payload(self.spec, p, _aligned(self._update(i, False))))
+                    for i, p in enumerate(opt._params)
                 ]
                 check_all_finite(new, [f"param {i} after the step" for i in range(len(new))])
                 self._new = new
@@ -1025,6 +1045,12 @@ class _CompressedExchange:
     def __setstate__(self, state: dict) -> None:
         device = state.pop("device")
         self.__init__(state["plan"], state["rank"], device, state["spec"])
+
+
+def _aligned(buf: torch.Tensor) -> torch.Tensor:
+    """A received payload where its scales (or θ' in its dtype) can be read in place: itself when it starts on
+    an 8-byte boundary, else an aligned copy (payloads travel back to back, unpadded)."""
+    return buf if buf.storage_offset() % 8 == 0 else buf.clone()
 
 
 def _remake(cls):
@@ -1220,20 +1246,16 @@ def _wire(u) -> torch.Tensor:
 # -- bytes on the wire ----------------------------------------------------------------------------------------
 
 
-def _aligned(n: int) -> int:
-    return -(-n // 8) * 8  # each payload starts 8-aligned: its scales (or θ' in its dtype) are read in place
-
-
-def layout(plan: ShardPlan, sizes) -> tuple[list[list[tuple[int, int]]], int]:
-    """([per rank: (tensor index, byte offset)], padded segment bytes) of one leg's byte segments: each rank's
-    tensors (solo ones aside) in index order, each payload of sizes[i] bytes at an 8-aligned offset."""
+def layout(plan: ShardPlan, sizes) -> tuple[list[list[tuple[int, int]]], list[int]]:
+    """([per rank: (tensor index, byte offset)], [bytes per rank]) of one leg: each rank's tensors (solo ones
+    aside) in index order, each payload of sizes[i] bytes right after the one before (no padding)."""
     per_rank: list[list[tuple[int, int]]] = [[] for _ in range(plan.world_size)]
     fill = [0] * plan.world_size
     for i, o in enumerate(plan.owners):
         if i not in plan.solo:
             per_rank[o].append((i, fill[o]))
-            fill[o] += _aligned(sizes[i])
-    return per_rank, max(fill, default=0)
+            fill[o] += sizes[i]
+    return per_rank, fill
 
 
 def update_sizes(plan: ShardPlan, spec: Compression) -> tuple[list[int], list[int]]:
@@ -1247,14 +1269,14 @@ def update_sizes(plan: ShardPlan, spec: Compression) -> tuple[list[int], list[in
 
 
 def wire_bytes(plan: ShardPlan, spec: Compression) -> dict[str, float]:
-    """Bytes one rank hands to the compressed route's collectives per step, padding included: 'all_to_all'
-    ((W − 1) segments) and 'all_gather' ((W − 1) segments, the ring's share), solo gathers and broadcasts
-    averaged over the ranks ((W − 1)/W of each payload), and 'allreduce_fp32' (2·(W − 1)/W·4 bytes per entry)."""
+    """Bytes one rank puts on the wire per step in the compressed route, averaged over the ranks: 'all_to_all'
+    (leg 1: every payload but the owner's own travels once to its owner, by all-to-all or, solo, gather) and
+    'all_gather' (leg 2: every owner's updates to the W − 1 others, by all-to-all or, solo, broadcast), each
+    (W − 1)/W of the payloads' bytes: `compress.exchange_bytes` summed over the tensors, at every world size (no
+    padding); 'allreduce_fp32' (2·(W − 1)/W·4 bytes per entry) to compare."""
     w = plan.world_size
     out, back = update_sizes(plan, spec)
-    legs = {}
-    for leg, sizes in (("all_to_all", out), ("all_gather", back)):
-        legs[leg] = (w - 1) * layout(plan, sizes)[1] + sum(sizes[i] for i in plan.solo) * (w - 1) / w
+    legs = {"all_to_all": (w - 1) / w * sum(out), "all_gather": (w - 1) / w * sum(back)}
     legs["allreduce_fp32"] = 2 * (w - 1) / w * 4 * sum(plan.numel(i) for i in range(len(plan.shapes)))
     return legs
 
