@@ -227,7 +227,7 @@ def test_sharded_step_is_a_short_walk(one_rank_group, compress):
     """One plain step with one vote: its local phases are plain calls (no callbacks of an agreement), the
     exchange is a method of the optimizer's own module, not a second step (7 modules plain, 10 with int4:
     compress/'s spec, codec and feedback). On one rank there is nothing to vote with (agree.py is not
-    entered unless the step fails); on more ranks the vote adds agree.py, and the collectives pipeline.py,
-    neither calling back."""
+    entered unless the step fails); on 2 ranks the vote adds agree.py and bits.py (the params' checksum), the
+    solo broadcast pipeline.py: 10 and 12 modules, none calling back."""
     seen, back = _sharded_walk(compress)
     assert len(seen) <= 10 and not back, (seen, back)
