@@ -27,11 +27,6 @@ def _params():
     ]
 
 
-def _deltas(params, K, key):
-    g = gen(key)
-    return [torch.randn(K, *p.shape, generator=g) for p in params]
-
-
 @pytest.mark.parametrize("merge_name", ["mean", "tsv", "iso_cts", "ties", "dare"])
 def test_two_steps_are_the_merge_then_nesterov(merge_name):
     params = _params()
@@ -39,7 +34,7 @@ def test_two_steps_are_the_merge_then_nesterov(merge_name):
     b64 = [torch.zeros_like(p) for p in p64]
     opt = MergeLoCo(params, lr=0.9, momentum=0.7, merge=merge_name)
     for step in range(2):
-        deltas = _deltas(params, 4, (merge_name, step))
+        deltas = worker_deltas(params, (merge_name, step), 4)
         opt.step(deltas=deltas)
         for i, d in enumerate(deltas):
             opts = {"seed": step} if merge_name == "dare" else {}
@@ -54,7 +49,7 @@ def test_iso_c_is_isoloco_bit_for_bit():
     opt_a = MergeLoCo(a, lr=1.8, momentum=0.8)
     opt_b = IsoLoCo(b, lr=1.8, momentum=0.8)
     for step in range(3):
-        deltas = _deltas(a, 4, ("iso", step))
+        deltas = worker_deltas(a, ("iso", step), 4)
         opt_a.step(deltas=deltas)
         for p, d in zip(b, deltas):
             p.grad = d.mean(0)
@@ -67,7 +62,7 @@ def test_iso_c_is_isoloco_bit_for_bit():
 def test_dare_draws_new_drops_each_step():
     params = _params()
     opt = MergeLoCo(params, lr=1.0, momentum=0.0, merge="dare", merge_options={"sparsity": 0.5})
-    d = _deltas(params, 4, "dare-steps")
+    d = worker_deltas(params, "dare-steps", 4)
     opt.step(deltas=d)
     g0 = params[0].grad.clone()  # the merge the step took
     opt.step(deltas=d)
@@ -87,7 +82,7 @@ def test_bad_input_is_refused_and_nothing_changes():
         opt.step(deltas=[torch.randn(4, 8, 12), torch.randn(4, 5), torch.randn(4)])
     with pytest.raises(ValueError, match="K = 0"):
         opt.step(deltas=[torch.randn(0, 12, 8), torch.randn(0, 5), torch.randn(0)])
-    bad = _deltas(params, 4, "nan")
+    bad = worker_deltas(params, "nan", 4)
     bad[1][3, 2] = float("nan")
     with pytest.raises(ValueError, match="stack 1: worker 3's Δ of param 1 contains NaN"):
         opt.step(deltas=bad)

@@ -14,21 +14,15 @@ from isoloco_kernels import MergeLoCo
 from isoloco_kernels.merges import clip_stacks
 from isoloco_kernels.merges.reference import clip_ref, merge_ref
 from isoloco_kernels.reference import nesterov_ref
-from tests.helpers import gen, rel_err
+from tests.helpers import rel_err, three_params, worker_deltas
 
 
-def _params(key="mc"):
-    g = gen(key)
-    return [
-        torch.nn.Parameter(torch.randn(12, 8, generator=g)),
-        torch.nn.Parameter(torch.randn(5, generator=g)),
-        torch.nn.Parameter(torch.randn(6, 10, generator=g)),
-    ]
+def _params():
+    return three_params(key="mc")
 
 
 def _deltas(params, K, key):
-    g = gen(key)
-    out = [torch.randn(K, *p.shape, generator=g) for p in params]
+    out = worker_deltas(params, key, K)
     for d in out:
         d[1] *= 10.0  # worker 1 far larger than the others
     return out

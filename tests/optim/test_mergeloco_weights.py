@@ -11,23 +11,13 @@ from isoloco_kernels import MergeLoCo
 from isoloco_kernels.merges import MERGES
 from isoloco_kernels.merges.reference import merge_ref
 from isoloco_kernels.reference import nesterov_ref
-from tests.helpers import gen, rel_err
+from tests.helpers import gen, rel_err, three_params, worker_deltas
 
 OPTS = {"dare": {"sparsity": 0.5, "seed": 2}, "ties": {"sparsity": 0.3}}
 
 
-def _params(key="mw"):
-    g = gen(key)
-    return [
-        torch.nn.Parameter(torch.randn(12, 8, generator=g)),
-        torch.nn.Parameter(torch.randn(5, generator=g)),
-        torch.nn.Parameter(torch.randn(6, 10, generator=g)),
-    ]
-
-
-def _deltas(params, K, key):
-    g = gen(key)
-    return [torch.randn(K, *p.shape, generator=g) for p in params]
+def _params():
+    return three_params(key="mw")
 
 
 def _opt(params, method, **kw):
@@ -54,26 +44,34 @@ def _same(a, b) -> bool:
     )
 
 
-@pytest.mark.parametrize("method", list(MERGES))
-def test_equal_weights_step_bit_for_bit_as_no_weights(method):
+def _step_alike(method, key, step_a, step_b) -> bool:
+    """Two optimizers over equal params, stepped twice on the same 4 workers' deltas d, one by step_a(opt, d),
+    the other by step_b(opt, d): whether their params, grads, momentum and step count are bit for bit equal."""
     a, b = _params(), _params()
     opt_a, opt_b = _opt(a, method), _opt(b, method)
     for step in range(2):
-        d = _deltas(a, 4, ("eq", method, step))
-        opt_a.step(deltas=d)
-        opt_b.step(deltas=d, weights=[3.0] * 4)
-    assert _same(_snap(a, opt_a), _snap(b, opt_b))
+        d = worker_deltas(a, (key, method, step), 4)
+        step_a(opt_a, d)
+        step_b(opt_b, d)
+    return _same(_snap(a, opt_a), _snap(b, opt_b))
+
+
+@pytest.mark.parametrize("method", list(MERGES))
+def test_equal_weights_step_bit_for_bit_as_no_weights(method):
+    assert _step_alike(
+        method, "eq", lambda opt, d: opt.step(deltas=d), lambda opt, d: opt.step(deltas=d, weights=[3.0] * 4)
+    )
 
 
 @pytest.mark.parametrize("method", list(MERGES))
 def test_a_zero_weight_steps_as_the_stacks_without_that_worker(method):
-    a, b = _params(), _params()
-    opt_a, opt_b = _opt(a, method), _opt(b, method)
-    for step in range(2):
-        d = _deltas(a, 4, ("drop", method, step))
-        opt_a.step(deltas=d, weights=torch.tensor([1.0, 1.0, 1.0, 0.0]))
-        opt_b.step(deltas=[s[:3] for s in d])  # the last worker dropped: DARE's others keep their stream index
-    assert _same(_snap(a, opt_a), _snap(b, opt_b))
+    assert _step_alike(
+        method,
+        "drop",
+        lambda opt, d: opt.step(deltas=d, weights=torch.tensor([1.0, 1.0, 1.0, 0.0])),
+        # the last worker dropped: DARE's others keep their stream index
+        lambda opt, d: opt.step(deltas=[s[:3] for s in d]),
+    )
 
 
 @pytest.mark.parametrize("method", list(MERGES))
@@ -84,7 +82,7 @@ def test_weighted_steps_are_the_weighted_merge_then_nesterov(method):
     opt = _opt(params, method)
     w = [0.5, 2.0, 0.0, 1.5]
     for step in range(2):
-        d = _deltas(params, 4, ("wstep", method, step))
+        d = worker_deltas(params, ("wstep", method, step), 4)
         opt.step(deltas=d, weights=w)
         for i, s in enumerate(d):
             opts = dict(OPTS.get(method, {}))
@@ -110,7 +108,7 @@ def test_a_group_without_iso_takes_the_weighted_mean():
 def test_set_deltas_keeps_the_weights_for_the_next_step():
     a, b = _params(), _params()
     opt_a, opt_b = _opt(a, "norm_mean"), _opt(b, "norm_mean")
-    d = _deltas(a, 3, "w-set")
+    d = worker_deltas(a, "w-set", 3)
     opt_a.set_deltas(d, weights=[1.0, 2.0, 0.0])
     opt_a.step()
     opt_b.step(deltas=d, weights=[1.0, 2.0, 0.0])
@@ -133,12 +131,12 @@ def test_set_deltas_keeps_the_weights_for_the_next_step():
 def test_bad_weights_are_refused_by_name_and_nothing_changes(weights, match):
     params = _params()
     opt = _opt(params, "tsv")
-    opt.step(deltas=_deltas(params, 3, "w-first"))  # momentum exists
+    opt.step(deltas=worker_deltas(params, "w-first", 3))  # momentum exists
     before = _snap(params, opt)
     with pytest.raises((ValueError, TypeError), match=rf"^MergeLoCo.step: {match}"):
-        opt.step(deltas=_deltas(params, 3, "w-second"), weights=weights)
+        opt.step(deltas=worker_deltas(params, "w-second", 3), weights=weights)
     with pytest.raises((ValueError, TypeError), match=rf"^MergeLoCo.set_deltas: {match}"):
-        opt.set_deltas(_deltas(params, 3, "w-second"), weights=weights)
+        opt.set_deltas(worker_deltas(params, "w-second", 3), weights=weights)
     assert _same(before, _snap(params, opt))
     with pytest.raises(ValueError, match="no worker deltas"):  # the refused set_deltas kept nothing
         opt.step()
@@ -147,7 +145,7 @@ def test_bad_weights_are_refused_by_name_and_nothing_changes(weights, match):
 def test_compress_takes_equal_weights_and_refuses_others_before_anything_changes():
     a, b = _params(), _params()
     opt_a, opt_b = _opt(a, "tsv", compress="int8:64"), _opt(b, "tsv", compress="int8:64")
-    d = _deltas(a, 3, "w-compress")
+    d = worker_deltas(a, "w-compress", 3)
     opt_a.step(deltas=d)
     opt_b.step(deltas=d, weights=[2, 2, 2])
     assert _same(_snap(a, opt_a), _snap(b, opt_b))
