@@ -13,7 +13,7 @@ from torch import nn
 import isoloco_kernels as ik
 from isoloco_kernels._validate import ResultOverflowError
 from isoloco_kernels.reference import iso_flatten_ref, isoloco_step_ref, nesterov_ref, sgd_nesterov_ref
-from tests.helpers import DTYPES, TOL, gen, opt_with_state, rel_err
+from tests.helpers import DTYPES, TOL, opt_with_state, rel_err, three_params
 
 # Matrices (with a transposed twin, 1×n and n×1), vectors, a 3-D tensor and a strided param.
 SHAPES = [(6, 9), (9, 6), (6, 9), (1, 7), (7, 1), (5,), (1,), (2, 3, 4), (4, 4)]
@@ -739,12 +739,6 @@ def test_isoloco_with_a_meta_momentum_buffer_says_so_with_nothing_changed():
 def test_isoloco_with_a_meta_lr_tensor_says_so():
     with pytest.raises(ValueError, match=r"'lr' is a meta tensor"):
         ik.IsoLoCo([torch.randn(3)], lr=torch.tensor(0.1, device="meta"))
-
-
-def three_params(dtype=torch.float32, key="contracts"):
-    g = gen(key)
-    shapes = [(7, 5), (4,), (3, 6)]
-    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
