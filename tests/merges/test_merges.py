@@ -134,11 +134,12 @@ def test_batched_mixed_and_non_contiguous_stacks_match_one_by_one():
             assert torch.allclose(together[j], alone, rtol=1e-6, atol=1e-7), (method, j)
 
 
-def test_merge_in_place_writes_slot_zero_only():
+@pytest.mark.parametrize("method", list(MERGES))
+def test_merge_in_place_writes_slot_zero_only(method):
     x = torch.randn(4, 8, 6, generator=gen("inplace"))
     before = x.clone()
-    ref = merge([x], "ties")[0]
-    (slot,) = merge_([x], "ties")
+    ref = merge([x], method)[0]
+    (slot,) = merge_([x], method)
     assert slot.data_ptr() == x.data_ptr()
     assert torch.equal(x[0], ref) and torch.equal(x[1:], before[1:])
 
