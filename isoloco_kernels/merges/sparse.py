@@ -90,30 +90,22 @@ def _merge_torch(x, cd, opts, thr, keys, cut, inv_scale, post, weights=None) -> 
         d = x[k].to(cd)  # the trim compares unscaled magnitudes, as the thresholds were taken
         return torch.where(_keep(d, k, opts, thr, keys, cut), d * inv_scale, 0)
 
-    if weights is not None:
-        return _weighted(pruned, K, weights.to(x.device, cd), opts["disjoint"]) * post
-    total = pruned(0)
-    for k in range(1, K):
-        total += pruned(k)
-    if not opts["disjoint"]:
-        return total * (post / K)
-    elect = torch.sign(total)
-    acc = torch.zeros_like(total)
-    cnt = torch.zeros_like(total)
-    for k in range(K):
-        t = pruned(k)
-        agree = (torch.sign(t) == elect) & (t != 0)
-        acc += torch.where(agree, t, 0)
-        cnt += agree
-    return acc / cnt.clamp_min(1) * post
+    w = None if weights is None else weights.to(x.device, cd)
+    out = _combine(pruned, K, w, opts["disjoint"])
+    return out * (post / K) if w is None and not opts["disjoint"] else out * post
 
 
-def _weighted(pruned, K: int, w: torch.Tensor, disjoint: bool) -> torch.Tensor:
-    """The weighted combination of the K pruned deltas (normalized weights w, every one > 0): Σ ω_k t_k, or
-    with `disjoint` the elected sign sign(Σ ω_k t_k) and Σ_agree ω_k t_k / Σ_agree ω_k (none agree: 0)."""
-    total = pruned(0) * w[0]
+def _combine(pruned, K: int, w: torch.Tensor | None, disjoint: bool) -> torch.Tensor:
+    """The combination of the K pruned deltas t_k with weights ω_k (normalized, every one > 0; w None: every
+    ω_k = 1, nothing multiplied): Σ ω_k t_k, or with `disjoint` the elected sign sign(Σ ω_k t_k) and
+    Σ_agree ω_k t_k / Σ_agree ω_k (none agree: 0)."""
+
+    def term(k: int, t: torch.Tensor) -> torch.Tensor:
+        return t if w is None else t * w[k]
+
+    total = term(0, pruned(0))
     for k in range(1, K):
-        total += pruned(k) * w[k]
+        total += term(k, pruned(k))
     if not disjoint:
         return total
     elect = torch.sign(total)
@@ -122,8 +114,10 @@ def _weighted(pruned, K: int, w: torch.Tensor, disjoint: bool) -> torch.Tensor:
     for k in range(K):
         t = pruned(k)
         agree = (torch.sign(t) == elect) & (t != 0)
-        acc += torch.where(agree, t * w[k], 0)
-        mass += torch.where(agree, w[k], 0)
+        acc += torch.where(agree, term(k, t), 0)
+        mass += agree if w is None else torch.where(agree, w[k], 0)
+    if w is None:
+        return acc / mass.clamp_min(1)  # mass counts the agreeing workers
     return torch.where(mass > 0, acc / torch.where(mass > 0, mass, 1), 0)
 
 
