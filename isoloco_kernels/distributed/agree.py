@@ -1,18 +1,21 @@
 """Agree before writing: the one protocol every collective entry point uses.
 
-Before a collective operation writes anything, every rank contributes (failed?, fingerprint) to one small
-all-gather: `failed` says whether this rank's checks (or anything it computed so far) raised, the fingerprint
-hashes what the ranks must pass alike: the tensors' shapes and dtypes, the plan, and every setting that changes
-which collectives run or what is written (lr, momentum, iso, method, route, chunk sizes). If any rank failed or
-the fingerprints differ, every rank raises DistributedStepError naming the ranks and their errors (the texts
-travel by `gather_objects`, in pre-made blocks), or the settings that differ and where, and nothing was written
-on any rank. A rank that fails must still reach the agreement (so callers catch its exception first); a rank
-that dies is caught by the process group's timeout.
+Before a collective operation writes anything, every rank contributes a few int64 to one small all-gather (its
+vote): whether this rank's checks (or anything it computed so far) raised, a fingerprint of what the ranks must
+pass alike (the tensors' shapes and dtypes, the plan, and every setting that changes which collectives run or
+what is written: lr, momentum, iso, method, route, chunk sizes), and a checksum of values the ranks must hold
+alike (`replicas`: a replica's params, grads already averaged). If any rank failed or they differ, every rank
+raises DistributedStepError naming the ranks and their errors (the texts travel by `gather_objects`, in
+pre-made blocks), the settings that differ and where, or the first value that differs and what to do, and
+nothing was written on any rank. A rank that fails must still reach the agreement (so callers catch its
+exception first); a rank that dies is caught by the process group's timeout.
 
 `agree` runs over a process group (one all-gather); `agree_on_mesh` over a DeviceMesh of any number of
-dimensions (one all-reduce per dimension), for the DTensor step. `Agreement` is the step protocol every entry
-point runs on them (check → agree → compute → agree → write): local work under `attempt`, one `settle` per
-agreement. Every tensor the package hands to a collective of a group lives on `comm_device(group)`.
+dimensions (one all-reduce per dimension), for the DTensor step. `Agreement` is the protocol the entry points
+but ShardedIsoLoCo run on them (check → agree → compute → agree → write): local work under `attempt`, one
+`settle` per agreement; `ShardedIsoLoCo.step` keeps its failure itself and votes once. `control_plane` makes
+every control tensor before an entry point's first collective, so no vote allocates. Every tensor the package
+hands to a collective of a group lives on `comm_device(group)`.
 """
 
 from __future__ import annotations
