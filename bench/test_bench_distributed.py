@@ -26,8 +26,8 @@ do not depend on the machine.
 Bytes (extra_info, per rank per step): "payload" counts the tensors handed to each collective
 (all_reduce: the tensor; reduce-scatter: the input; all-gather: the output), "ring_wire" what a ring
 algorithm sends from each rank for them: 2(W−1)/W of an all-reduce's payload, (W−1)/W of a
-reduce-scatter's or all-gather's; an all-to-all's input and a gather's or broadcast's tensor count (W−1)/W, what
-leaves the rank. "vs_fp32_allreduce" is ring_wire over an fp32 all-reduce's ring bytes for the same params
+reduce-scatter's or all-gather's; a gather's or broadcast's tensor and an even all-to-all's input count (W−1)/W,
+an all-to-all with split sizes (the compressed legs) every split but the rank's own: what leaves the rank. "vs_fp32_allreduce" is ring_wire over an fp32 all-reduce's ring bytes for the same params
 (the targets at the spec's defaults: ≤ 0.27 at 8 bits, ≤ 0.14 at 4, ≤ 0.08 at 2).
 
 Roofline (harness.roofline, the ceilings the parent measured in the same run): each rank's bytes are
@@ -74,7 +74,6 @@ class _Counter:
         import torch.distributed as dist
 
         from isoloco_kernels.distributed import collectives as C
-        from isoloco_kernels.distributed import compressed as Q
         from isoloco_kernels.distributed import pipeline as P
 
         self.world, self.payload, self.ring = world, 0, 0
@@ -103,8 +102,14 @@ class _Counter:
 
         a2a, gather, bcast = dist.all_to_all_single, dist.gather, dist.broadcast
 
-        def all_to_all(out, inp, *a, **k):  # the compressed route's packed chunks
-            count(nbytes(inp), (w - 1) / w)
+        def all_to_all(out, inp, *a, **k):  # every worker's Δ to its owner; the compressed route's exact splits
+            splits = k.get("input_split_sizes", a[1] if len(a) > 1 else None)
+            if splits is None:
+                count(nbytes(inp), (w - 1) / w)
+            else:  # what leaves this rank: every split but its own, in rows of dim 0
+                row = nbytes(inp) // max(1, inp.shape[0]) if inp.dim() else nbytes(inp)
+                self.payload += nbytes(inp)
+                self.ring += (sum(splits) - splits[dist.get_rank()]) * row
             return a2a(out, inp, *a, **k)
 
         def solo(real):  # a solo tensor's gather to its owner or broadcast from it
@@ -115,7 +120,7 @@ class _Counter:
             return call
 
         dist.all_reduce, P.reduce_scatter_single, P.all_gather_single = all_reduce, reduce_scatter, all_gather
-        C.all_gather_single = Q.all_gather_single = all_gather  # the DTensor gather route's, the compressed route's
+        C.all_gather_single = all_gather  # the DTensor gather route's
         dist.all_to_all_single, dist.gather, dist.broadcast = all_to_all, solo(gather), solo(bcast)
 
     def reset(self):
