@@ -1302,7 +1302,8 @@ def worker_wire_bytes(plan: ShardPlan) -> dict[str, int]:
 
 def spec_fields(spec: Compression) -> dict:
     """A spec as plain values (its residual dtype as a string), as state dicts keep it (feedback included;
-    `check_entry` reads a state saved before that field existed as feedback "both")."""
+    `check_entry` reads a state saved before that field existed as feedback "both", and one saved before
+    `sigmas` and `skip` existed as their defaults, None and "none")."""
     out = dataclasses.asdict(spec)
     out["residual_dtype"] = None if spec.residual_dtype is None else str(spec.residual_dtype)
     return out
@@ -1353,6 +1354,8 @@ def check_entry(opt, state_dict, where: str, params, owned, stacked: bool = Fals
     got = entry.get("spec") if isinstance(entry, dict) else entry
     if isinstance(got, dict) and "feedback" not in got:  # saved before the field existed: both legs
         got = dict(got, feedback="both")
+    if isinstance(got, dict):  # saved before `sigmas` and `skip` existed: their defaults then
+        got = {"sigmas": None, "skip": "none", **got}
     if not isinstance(entry, dict) or got != want:
         raise ValueError(
             f"{where}: the state was saved with compression {got!r}; this optimizer has {want!r}: residuals of "

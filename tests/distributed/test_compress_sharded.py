@@ -7,6 +7,7 @@ bit (the default placement and "both"), refused under another spec or rank."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -292,6 +293,31 @@ def _check_residuals_survive_a_save_and_load(rank, world, feedback):
     assert not oc._residuals and not oc._update_residuals
 
 
+def _check_a_state_saved_before_sigmas_and_skip_loads(rank, world):
+    """A "compress" entry whose spec lacks "sigmas" and "skip" (saved before those fields existed) loads as their
+    defaults (None, "none"), and the optimizer that loaded it steps bit for bit as one that loaded the full entry."""
+    spec = "int4:64:0.95:stochastic:both"
+    a = _init()
+    oa = ShardedIsoLoCo(a, lr=0.9, momentum=0.8, compress=spec)
+    _steps(oa, a, rank, world, range(2))
+    saved = copy.deepcopy(oa.state_dict())  # loads take the tensors: each optimizer gets its own copy
+    old = copy.deepcopy(saved)
+    del old["compress"]["spec"]["sigmas"], old["compress"]["spec"]["skip"]
+    runs = []
+    for sd in (saved, old):
+        ps = [p.detach().clone() for p in a]
+        opt = ShardedIsoLoCo(ps, lr=0.9, momentum=0.8, compress=spec)
+        opt.load_state_dict(sd)
+        _steps(opt, ps, rank, world, range(2, 4))
+        runs.append((ps, opt))
+    (full, of), (legacy, ol) = runs
+    assert all(torch.equal(p, q) for p, q in zip(full, legacy))
+    assert ol.merged_steps == of.merged_steps == 4, (ol.merged_steps, of.merged_steps)
+    assert all(torch.equal(ol._residuals[i], r) for i, r in of._residuals.items())
+    assert ol._residuals.keys() == of._residuals.keys() and ol._update_residuals.keys() == of._update_residuals.keys()
+    assert all(torch.equal(ol.state[legacy[i]]["momentum_buffer"], of.state[full[i]]["momentum_buffer"]) for i in ol.mine)
+
+
 def _check_the_loop_under_torchrun_builds_the_compressed_route(rank, world):
     """--outer sharded with --compress: the loop's DistComm builds ShardedIsoLoCo(compress=the parsed spec)."""
     from isoloco_kernels.compress import parse
@@ -308,6 +334,7 @@ def _check_the_loop_under_torchrun_builds_the_compressed_route(rank, world):
 
 for _table in TABLES.values():
     _table.add("loop_under_torchrun", _check_the_loop_under_torchrun_builds_the_compressed_route)
+    _table.add("state_before_sigmas_and_skip", _check_a_state_saved_before_sigmas_and_skip_loads)
     _table.add("bytes_per_rank", _check_bytes_per_rank)
     _table.add("nan_on_one_rank", _check_nan_on_one_rank_changes_nothing)
     _table.add("update_overflow", _check_an_update_that_does_not_fit_changes_nothing)
