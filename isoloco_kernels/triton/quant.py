@@ -70,6 +70,79 @@ def _store(ptr, offs, value, n, MASKED: tl.constexpr):
         tl.store(ptr + offs, value)
 
 
+@triton.jit
+def _blocks(pid0, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """This program's ROWS block indices (int64) and the [ROWS, BLOCK] offsets of their entries."""
+    rows = (pid0 + tl.program_id(0)).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    j = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    return rows, j
+
+
+@triton.jit
+def _load_v(delta_ptr, res_ptr, j, n, HAS_RES: tl.constexpr, MASKED: tl.constexpr):
+    """v = Δ + e in float32 (Δ alone without HAS_RES)."""
+    v = _load(delta_ptr, j, n, MASKED).to(tl.float32)
+    if HAS_RES:
+        v = v + _load(res_ptr, j, n, MASKED).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _store_residual(new_res_ptr, j, v, c, beta, n, MASKED: tl.constexpr):
+    """e' = β·(v − c), rounded once to the residual's dtype."""
+    _store(new_res_ptr, j, (beta * (v - c)).to(new_res_ptr.dtype.element_ty), n, MASKED)
+
+
+@triton.jit
+def _pack_store(
+    codes_ptr,
+    code,
+    rows,
+    j,
+    n,
+    n_bytes,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BITS: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Store the [ROWS, BLOCK] codes of BITS bits: a byte each at 8 bits, else 8 // BITS to a byte, the
+    first entry in the low bits (codec.pack_codes's layout)."""
+    if BITS == 8:
+        _store(codes_ptr, j, code.to(tl.uint8), n, MASKED)
+    else:
+        PER: tl.constexpr = 8 // BITS
+        fields = tl.reshape(code, (ROWS, BLOCK // PER, PER)) << (tl.arange(0, PER) * BITS)[None, None, :]
+        byte = tl.sum(fields, 2)  # the fields do not overlap: sum = or
+        b = rows[:, None] * (BLOCK // PER) + tl.arange(0, BLOCK // PER)[None, :]
+        _store(codes_ptr, b, byte.to(tl.uint8), n_bytes, MASKED)
+
+
+@triton.jit
+def _load_codes(codes_ptr, j, n, BITS: tl.constexpr, MASKED: tl.constexpr):
+    """The codes (int32, in [0, 2^BITS)) of entries j as _pack_store stores them; 0 at j ≥ n when MASKED."""
+    if BITS == 8:
+        code = _load(codes_ptr, j, n, MASKED).to(tl.int32)
+    else:
+        PER: tl.constexpr = 8 // BITS
+        if MASKED:
+            byte = tl.load(codes_ptr + j // PER, mask=j < n, other=0).to(tl.int32)
+        else:
+            byte = tl.load(codes_ptr + j // PER).to(tl.int32)
+        code = (byte >> ((j % PER) * BITS).to(tl.int32)) & ((1 << BITS) - 1)
+    return code
+
+
+@triton.jit
+def _accumulate_store(out_ptr, j, c, n, ACCUMULATE: tl.constexpr, MASKED: tl.constexpr):
+    """out[j] (+)= c (float32): with ACCUMULATE the sum in float32; one rounding to out's dtype."""
+    if ACCUMULATE:
+        total = _load(out_ptr, j, n, MASKED).to(tl.float32) + c
+    else:
+        total = c
+    _store(out_ptr, j, total.to(out_ptr.dtype.element_ty), n, MASKED)
+
+
 @triton.jit(do_not_specialize=["pid0", "first_block", "key_a", "key_b"])
 def _quantize_ef_pack_kernel(
     delta_ptr,
@@ -97,11 +170,8 @@ def _quantize_ef_pack_kernel(
     STOCHASTIC: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    rows = (pid0 + tl.program_id(0)).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    j = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    v = _load(delta_ptr, j, n, MASKED).to(tl.float32)
-    if HAS_RES:
-        v = v + _load(res_ptr, j, n, MASKED).to(tl.float32)
+    rows, j = _blocks(pid0, BLOCK, ROWS)
+    v = _load_v(delta_ptr, res_ptr, j, n, HAS_RES, MASKED)
     av = tl.abs(v)
     bad = tl.sum(((v != v) | (av == float("inf"))).to(tl.int32), 1)
     s = tl.math.div_rn(tl.max(av, 1), tl.full([ROWS], VMAX, tl.float32))
@@ -137,16 +207,9 @@ def _quantize_ef_pack_kernel(
     if FEEDBACK:
         level = tl.where(neg, -level, level)
         c = level * s[:, None]
-        _store(new_res_ptr, j, (beta * (v - c)).to(new_res_ptr.dtype.element_ty), n, MASKED)
+        _store_residual(new_res_ptr, j, v, c, beta, n, MASKED)
     _store(scales_ptr, rows, tl.where(bad > 0, float("nan"), s), n_blocks, MASKED)
-    if BITS == 8:
-        _store(codes_ptr, j, code.to(tl.uint8), n, MASKED)
-    else:
-        PER: tl.constexpr = 8 // BITS
-        fields = tl.reshape(code, (ROWS, BLOCK // PER, PER)) << (tl.arange(0, PER) * BITS)[None, None, :]
-        byte = tl.sum(fields, 2)  # the fields do not overlap: sum = or
-        b = rows[:, None] * (BLOCK // PER) + tl.arange(0, BLOCK // PER)[None, :]
-        _store(codes_ptr, b, byte.to(tl.uint8), n_bytes, MASKED)
+    _pack_store(codes_ptr, code, rows, j, n, n_bytes, BLOCK, ROWS, BITS, MASKED)
 
 
 @triton.jit(do_not_specialize=["pid0"])
@@ -167,17 +230,8 @@ def _unpack_accumulate_kernel(
     ACCUMULATE: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    rows = (pid0 + tl.program_id(0)).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    j = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    if BITS == 8:
-        code = _load(codes_ptr, j, n, MASKED).to(tl.int32)
-    else:
-        PER: tl.constexpr = 8 // BITS
-        if MASKED:
-            byte = tl.load(codes_ptr + j // PER, mask=j < n, other=0).to(tl.int32)
-        else:
-            byte = tl.load(codes_ptr + j // PER).to(tl.int32)
-        code = (byte >> ((j % PER) * BITS).to(tl.int32)) & ((1 << BITS) - 1)
+    rows, j = _blocks(pid0, BLOCK, ROWS)
+    code = _load_codes(codes_ptr, j, n, BITS, MASKED)
     s = _load(scales_ptr, rows, n_blocks, MASKED)
     if IS_FLOAT:
         mag = code & ((1 << (BITS - 1)) - 1)
@@ -190,9 +244,7 @@ def _unpack_accumulate_kernel(
     else:
         level = (code - ((code >> (BITS - 1)) << BITS)).to(tl.float32)
     c = level * s[:, None]
-    if ACCUMULATE:
-        c = _load(out_ptr, j, n, MASKED).to(tl.float32) + c
-    _store(out_ptr, j, c.to(out_ptr.dtype.element_ty), n, MASKED)
+    _accumulate_store(out_ptr, j, c, n, ACCUMULATE, MASKED)
 
 
 @triton.jit(do_not_specialize=["pid0"])
@@ -216,11 +268,8 @@ def _stat_quantize_ef_pack_kernel(
     MASKED: tl.constexpr,
 ):
     NB: tl.constexpr = 1 << BITS
-    rows = (pid0 + tl.program_id(0)).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    j = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    v = _load(delta_ptr, j, n, MASKED).to(tl.float32)
-    if HAS_RES:
-        v = v + _load(res_ptr, j, n, MASKED).to(tl.float32)
+    rows, j = _blocks(pid0, BLOCK, ROWS)
+    v = _load_v(delta_ptr, res_ptr, j, n, HAS_RES, MASKED)
     finite = tl.abs(v) < float("inf")  # NaN compares false
     bad = tl.sum((~finite).to(tl.int32), 1)
     v = tl.where(finite, v, 0.0)  # a non-finite block is refused by the caller; keep its arithmetic quiet
@@ -256,12 +305,8 @@ def _stat_quantize_ef_pack_kernel(
         _store(table_ptr, rows * NB + cc, value, n_blocks * NB, MASKED)
         c = tl.where(code == cc, value[:, None], c)
     if FEEDBACK:
-        _store(new_res_ptr, j, (beta * (v - c)).to(new_res_ptr.dtype.element_ty), n, MASKED)
-    PER: tl.constexpr = 8 // BITS
-    fields = tl.reshape(code, (ROWS, BLOCK // PER, PER)) << (tl.arange(0, PER) * BITS)[None, None, :]
-    byte = tl.sum(fields, 2)  # the fields do not overlap: sum = or
-    b = rows[:, None] * (BLOCK // PER) + tl.arange(0, BLOCK // PER)[None, :]
-    _store(codes_ptr, b, byte.to(tl.uint8), n_bytes, MASKED)
+        _store_residual(new_res_ptr, j, v, c, beta, n, MASKED)
+    _pack_store(codes_ptr, code, rows, j, n, n_bytes, BLOCK, ROWS, BITS, MASKED)
 
 
 @triton.jit(do_not_specialize=["pid0"])
@@ -279,21 +324,13 @@ def _stat_unpack_accumulate_kernel(
     MASKED: tl.constexpr,
 ):
     NB: tl.constexpr = 1 << BITS
-    PER: tl.constexpr = 8 // BITS
-    rows = (pid0 + tl.program_id(0)).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    j = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    if MASKED:
-        byte = tl.load(codes_ptr + j // PER, mask=j < n, other=0).to(tl.int32)
-    else:
-        byte = tl.load(codes_ptr + j // PER).to(tl.int32)
-    code = (byte >> ((j % PER) * BITS).to(tl.int32)) & (NB - 1)
+    rows, j = _blocks(pid0, BLOCK, ROWS)
+    code = _load_codes(codes_ptr, j, n, BITS, MASKED)
     if MASKED:
         c = tl.load(table_ptr + rows[:, None] * NB + code, mask=j < n, other=0.0)
     else:
         c = tl.load(table_ptr + rows[:, None] * NB + code)
-    if ACCUMULATE:
-        c = _load(out_ptr, j, n, MASKED).to(tl.float32) + c
-    _store(out_ptr, j, c.to(out_ptr.dtype.element_ty), n, MASKED)
+    _accumulate_store(out_ptr, j, c, n, ACCUMULATE, MASKED)
 
 
 def _launches(n: int, block: int, rows: int):
@@ -336,6 +373,53 @@ def _i32(k: int) -> int:
     return k - (1 << 32) if k >= 1 << 31 else k
 
 
+def _quantize_ready(name: str, delta: torch.Tensor, *tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a quantize launcher has entries to launch over (False for an empty Δ); any of Δ and `tensors`
+    that is not contiguous is refused, naming the launcher."""
+    if delta.numel() == 0:
+        return False
+    for t in (delta, *tensors):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name}: every tensor must be contiguous")
+    return True
+
+
+def _launch_quantize(
+    kernel, delta, residual, codes, side, new_residual, *, fmt, block, rows, beta, scalars=(), **constexprs
+) -> None:
+    """kernel(Δ, residual, new_residual, codes, side, pid0, n, n_blocks, n_bytes, *scalars, β) over Δ's entries,
+    the tensors not given passed as Δ (never read: HAS_RES and FEEDBACK say which are), β 0 without feedback."""
+    _launch(
+        kernel,
+        delta.numel(),
+        fmt,
+        block,
+        rows,
+        (
+            delta,
+            residual if residual is not None else delta,
+            new_residual if new_residual is not None else delta,
+            codes,
+            side,
+        ),
+        (codes.numel(), *scalars, float(beta) if beta is not None else 0.0),
+        HAS_RES=residual is not None,
+        FEEDBACK=beta is not None,
+        **constexprs,
+    )
+
+
+def _launch_unpack(name: str, kernel, codes, side, out, *, fmt, block, accumulate, rows, **constexprs) -> None:
+    """kernel(codes, side, out, pid0, n, n_blocks) over out's entries (none: nothing launched); a
+    non-contiguous out is refused, naming the launcher."""
+    n = out.numel()
+    if n == 0:
+        return
+    if not out.is_contiguous():
+        raise ValueError(f"{name}: out must be contiguous")
+    _launch(kernel, n, fmt, block, rows, (codes, side, out), (), ACCUMULATE=accumulate, **constexprs)
+
+
 def quantize_ef_pack(
     delta: torch.Tensor,
     residual: Optional[torch.Tensor],
@@ -354,30 +438,22 @@ def quantize_ef_pack(
     new_residual (Δ's shape, any float dtype) from the contiguous Δ (float16/bfloat16/float32) and
     residual (None: zeros). fmt: the format (compress/'s Format: bits, is_float, mant, emin, vmax).
     keys: stream_keys(...) for stochastic rounding, None for nearest."""
-    n = delta.numel()
-    if n == 0:
+    if not _quantize_ready("quantize_ef_pack", delta, residual, codes, scales, new_residual):
         return
-    for t in (delta, residual, codes, scales, new_residual):
-        if t is not None and not t.is_contiguous():
-            raise ValueError("quantize_ef_pack: every tensor must be contiguous")
     ka, kb = keys if keys is not None else (0, 0)
-    _launch(
+    _launch_quantize(
         _quantize_ef_pack_kernel,
-        n,
-        fmt,
-        block,
-        rows,
-        (
-            delta,
-            residual if residual is not None else delta,
-            new_residual if new_residual is not None else delta,
-            codes,
-            scales,
-        ),
-        (codes.numel(), first_block, _i32(ka), _i32(kb), float(beta) if beta is not None else 0.0),
+        delta,
+        residual,
+        codes,
+        scales,
+        new_residual,
+        fmt=fmt,
+        block=block,
+        rows=rows,
+        beta=beta,
+        scalars=(first_block, _i32(ka), _i32(kb)),
         VMAX=float(fmt.vmax),
-        HAS_RES=residual is not None,
-        FEEDBACK=beta is not None,
         STOCHASTIC=keys is not None,
     )
 
@@ -395,21 +471,17 @@ def unpack_accumulate(
     """out (+)= level·s for the contiguous out (any float dtype, numel entries): accumulate=False
     writes the dequantized values, True adds them (in float32, one rounding to out's dtype). fmt: as
     quantize_ef_pack's."""
-    n = out.numel()
-    if n == 0:
-        return
-    if not out.is_contiguous():
-        raise ValueError("unpack_accumulate: out must be contiguous")
-    _launch(
+    _launch_unpack(
+        "unpack_accumulate",
         _unpack_accumulate_kernel,
-        n,
-        fmt,
-        block,
-        rows,
-        (codes, scales, out),
-        (),
+        codes,
+        scales,
+        out,
+        fmt=fmt,
+        block=block,
+        accumulate=accumulate,
+        rows=rows,
         NAN_CODE=0x7F if fmt.is_float and fmt.bits == 8 else -1,
-        ACCUMULATE=accumulate,
     )
 
 
@@ -430,32 +502,23 @@ def stat_quantize_ef_pack(
     [ceil(n/block)·2^bits]: each block's centroids, NaN for a block holding NaN/Inf) and, with `beta`,
     new_residual from the contiguous Δ (float16/bfloat16/float32) and residual (None: zeros). fmt: compress/'s
     StatFormat (bits); sigmas: k, a multiple of 1/16."""
-    n = delta.numel()
-    if n == 0:
+    if not _quantize_ready("stat_quantize_ef_pack", delta, residual, codes, table, new_residual):
         return
-    for t in (delta, residual, codes, table, new_residual):
-        if t is not None and not t.is_contiguous():
-            raise ValueError("stat_quantize_ef_pack: every tensor must be contiguous")
     ks = round(sigmas * 16)
     if ks != sigmas * 16:
         raise ValueError(f"stat_quantize_ef_pack: sigmas must be a multiple of 1/16, got {sigmas}")
-    _launch(
+    _launch_quantize(
         _stat_quantize_ef_pack_kernel,
-        n,
-        fmt,
-        block,
-        rows,
-        (
-            delta,
-            residual if residual is not None else delta,
-            new_residual if new_residual is not None else delta,
-            codes,
-            table,
-        ),
-        (codes.numel(), float(beta) if beta is not None else 0.0),
+        delta,
+        residual,
+        codes,
+        table,
+        new_residual,
+        fmt=fmt,
+        block=block,
+        rows=rows,
+        beta=beta,
         KS=ks,
-        HAS_RES=residual is not None,
-        FEEDBACK=beta is not None,
     )
 
 
@@ -471,9 +534,14 @@ def stat_unpack_accumulate(
 ) -> None:
     """out (+)= table[block, code] for the contiguous out (any float dtype, numel entries): the statistical
     formats' unpack_accumulate (accumulate=True adds in float32 and rounds once to out's dtype)."""
-    n = out.numel()
-    if n == 0:
-        return
-    if not out.is_contiguous():
-        raise ValueError("stat_unpack_accumulate: out must be contiguous")
-    _launch(_stat_unpack_accumulate_kernel, n, fmt, block, rows, (codes, table, out), (), ACCUMULATE=accumulate)
+    _launch_unpack(
+        "stat_unpack_accumulate",
+        _stat_unpack_accumulate_kernel,
+        codes,
+        table,
+        out,
+        fmt=fmt,
+        block=block,
+        accumulate=accumulate,
+        rows=rows,
+    )
