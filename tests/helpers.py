@@ -283,6 +283,15 @@ def step_as_rank(opt, params, stacks, rank: int) -> None:
     opt.step()
 
 
+def step_with_one_process(opt, one, params, stacks_of, rank: int, steps: int = 3) -> None:
+    """`steps` outer steps of this rank (step_as_rank) and of the one-process simulation `one` (MergeLoCo fed
+    every worker's Δ) on the same stacks: stacks_of(step) for step 0, 1, …"""
+    for step in range(steps):
+        stacks = stacks_of(step)
+        step_as_rank(opt, params, stacks, rank)
+        one.step(deltas=stacks)
+
+
 class CheckReads:
     """Elements the finiteness checks read (their one pass, `_validate._amax_pass`) while active."""
 

@@ -14,7 +14,7 @@ import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import MergeLoCo, ShardedIsoLoCo
 from isoloco_kernels.compress import Compression, compress, dequantize, parse
 from isoloco_kernels.distributed import compressed
-from tests.helpers import seeded, step_as_rank
+from tests.helpers import seeded, step_with_one_process
 from tests.spawn import Checks, groups, params
 
 SHAPES = [(64, 48), (48, 64), (40, 6), (200,), (7,)]
@@ -65,10 +65,7 @@ def _equal_to_one_process(rank, world, spec, merge, dtype):
     ps, ref = seeded(SHAPES, 7, dtype), seeded(SHAPES, 7, dtype)
     opt = ShardedIsoLoCo(ps, lr=0.9, momentum=0.6, compress=spec, merge=merge)
     one = MergeLoCo(ref, lr=0.9, momentum=0.6, compress=spec, merge=merge)
-    for step in range(3):
-        deltas = _deltas(world, step, dtype)
-        step_as_rank(opt, ps, deltas, rank)
-        one.step(deltas=deltas)
+    step_with_one_process(opt, one, ps, lambda step: _deltas(world, step, dtype), rank)
     for i, (p, q) in enumerate(zip(ps, ref)):
         assert torch.equal(p, q), f"{spec} {merge} {dtype}: param {i} differs from the one-process simulation"
     for i, r in opt._residuals.items():

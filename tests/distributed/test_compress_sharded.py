@@ -21,7 +21,7 @@ import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import DistributedStepError, MergeLoCo, ShardedIsoLoCo
 from isoloco_kernels.compress import Compression
 from isoloco_kernels.distributed import compressed, pipeline
-from tests.helpers import seeded, step_as_rank
+from tests.helpers import seeded, step_as_rank, step_with_one_process
 from tests.spawn import Checks, groups, params
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks
@@ -64,10 +64,7 @@ def _equal_to_one_process(rank, world, spec, merge, solo, dtype):
     opt = ShardedIsoLoCo(ps, lr=0.9, momentum=0.6, compress=spec, merge=merge, solo_above=solo)
     one = MergeLoCo(ref, lr=0.9, momentum=0.6, compress=spec, merge=merge)
     assert solo == 1.0 or opt.plan.solo, "the case means to send solo tensors"
-    for step in range(3):
-        deltas = _deltas(world, step, dtype)
-        step_as_rank(opt, ps, deltas, rank)
-        one.step(deltas=deltas)
+    step_with_one_process(opt, one, ps, lambda step: _deltas(world, step, dtype), rank)
     for i, (p, q) in enumerate(zip(ps, ref)):
         assert torch.equal(p, q), f"{spec} {merge} {dtype}: param {i} differs from the one-process simulation"
         assert not torch.equal(p, _init(dtype)[i]), f"param {i} did not move"
