@@ -68,15 +68,24 @@ def _inputs(n, dtype, res_dtype, seed):
 
 
 def _run_kernel(mod, d, r, s: Compression, step=2, tid=5, first_block=0, rows=2, rdt=None):
-    fmt, n = s.fmt, d.numel()
-    codes = torch.full(((n * fmt.bits + 7) // 8,), 0xAB, dtype=torch.uint8, device=d.device)
-    scales = torch.full((-(-n // s.block),), float("nan"), device=d.device)
+    """(codes, scales, new residual) of the spec's quantize kernel (a statistical format's: the centroid tables
+    for the scales), into outputs poisoned first."""
+    n = d.numel()
+    codes = torch.full(((n * s.bits + 7) // 8,), 0xAB, dtype=torch.uint8, device=d.device)
+    scales = torch.full((-(-n // s.block) * s.floats_per_block,), float("nan"), device=d.device)
     new = None if s.ef_beta is None else torch.full(d.shape, float("nan"), dtype=rdt, device=d.device)
-    keys = codec.stream_keys(s.seed, step, tid) if s.rounding == "stochastic" else None
-    mod.quantize_ef_pack(
-        d, r, codes, scales, new, fmt=fmt, block=s.block, first_block=first_block, keys=keys, beta=s.ef_beta, rows=rows
-    )
+    kw = dict(fmt=s.fmt, block=s.block, beta=s.ef_beta, rows=rows)
+    if s.is_stat:
+        mod.stat_quantize_ef_pack(d, r, codes, scales, new, sigmas=s.sigmas, **kw)
+    else:
+        keys = codec.stream_keys(s.seed, step, tid) if s.rounding == "stochastic" else None
+        mod.quantize_ef_pack(d, r, codes, scales, new, first_block=first_block, keys=keys, **kw)
     return codes, scales, new
+
+
+def _unpack(mod, s: Compression):
+    """The spec's unpack kernel launcher."""
+    return mod.stat_unpack_accumulate if s.is_stat else mod.unpack_accumulate
 
 
 CASES = [  # (Δ dtype, residual given, residual dtype)
@@ -88,23 +97,32 @@ CASES = [  # (Δ dtype, residual given, residual dtype)
 ]
 
 
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_quantize_kernel_matches_the_torch_path(interp, fmt, rounding):
+def _check_quantize_kernel(mod, fmt, seed=0, **spec):
+    """Codes, scales (centroid tables) and residuals bit for bit against compress's torch path: every Δ /
+    residual dtype case; one entry, a partial block, several programs (2 blocks each) and a ragged end (with a
+    constant block, σ = 0, for a statistical format)."""
     for k, (dt, with_res, rdt) in enumerate(CASES):
-        s = Compression(fmt, 32, rounding, ef_beta=0.9, residual_dtype=rdt if rdt != dt else None)
-        for n in (1, 33, 163):  # one entry, a partial block, several programs (2 blocks each) and a ragged end
-            d, r = _inputs(n, dt, rdt if with_res else None, seed=100 * k + n)
+        s = Compression(fmt, 32, ef_beta=0.9, residual_dtype=rdt if rdt != dt else None, **spec)
+        for n in (1, 33, 163):
+            d, r = _inputs(n, dt, rdt if with_res else None, seed=100 * k + n + seed)
+            if s.is_stat and n >= 160:
+                d[96:128] = 0.375  # a constant block: σ = 0
             want, want_e = C.compress(d, r, s, step=2, tensor_id=5)
-            codes, scales, new = _run_kernel(interp, d, r, s, rdt=rdt)
+            codes, scales, new = _run_kernel(mod, d, r, s, rdt=rdt)
             assert torch.equal(codes, want.codes), (dt, n, (codes != want.codes).nonzero()[:4])
             assert torch.equal(scales, want.scales), (dt, n)
             # the residual before its rounding, from the same inputs in float32
-            s32 = Compression(fmt, 32, rounding, ef_beta=0.9, residual_dtype=torch.float32)
+            s32 = Compression(fmt, 32, ef_beta=0.9, residual_dtype=torch.float32, **spec)
             _, e32 = C.compress(d, None if r is None else r.float(), s32, step=2, tensor_id=5)
             assert _same(new, e32, interpreted=True), (dt, rdt, n)
             if rdt != torch.bfloat16:
                 assert torch.equal(new, want_e)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_quantize_kernel_matches_the_torch_path(interp, fmt, rounding):
+    _check_quantize_kernel(interp, fmt, rounding=rounding)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -124,28 +142,32 @@ def test_kernel_chunk_draws_the_whole_tensors_bits(interp):
     assert torch.equal(part, whole[32:])
 
 
-def test_kernel_marks_a_non_finite_block_with_a_nan_scale(interp):
-    s = Compression("int4", 32, ef_beta=0.9)
+@pytest.mark.parametrize("fmt", ["int4", "stat2"])
+def test_kernel_marks_a_non_finite_block_with_a_nan_scale(interp, fmt):
+    """Inf in Δ, NaN in the residual: their blocks' scale (every entry of a centroid table) NaN, no other."""
+    s = Compression(fmt, 32, ef_beta=0.9)
     d, r = _inputs(100, torch.float32, torch.float32, seed=3)
     d[40] = float("inf")
     r[70] = float("nan")
     _, scales, _ = _run_kernel(interp, d, r, s)
-    assert torch.isnan(scales).tolist() == [False, True, True, False]
+    nan = torch.isnan(scales.view(4, -1))
+    assert nan.all(1).tolist() == [False, True, True, False] and not bool(nan[[0, 3]].any())
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", list(FORMATS) + list(STAT_FORMATS))
 def test_unpack_kernel_matches_the_torch_path(interp, fmt):
     s = Compression(fmt, 64)
+    unpack = _unpack(interp, s)
     for n in (1, 65, 300):
         d, _ = _inputs(n, torch.float32, None, seed=n)
         p = C.quantize(d, s)
         for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
             acc0 = torch.randn(n).to(out_dtype)
             acc = acc0.clone()
-            interp.unpack_accumulate(p.codes, p.scales, acc, fmt=s.fmt, block=s.block, rows=2)
+            unpack(p.codes, p.scales, acc, fmt=s.fmt, block=s.block, rows=2)
             assert _same(acc, acc0.float() + C.dequantize(p), interpreted=True), (n, out_dtype)
             out = torch.full((n,), float("nan"), dtype=out_dtype)
-            interp.unpack_accumulate(p.codes, p.scales, out, fmt=s.fmt, block=s.block, accumulate=False)
+            unpack(p.codes, p.scales, out, fmt=s.fmt, block=s.block, accumulate=False)
             assert _same(out, C.dequantize(p), interpreted=True), (n, out_dtype)
 
 
@@ -161,10 +183,14 @@ def test_unpack_kernel_decodes_every_code(interp):
         assert torch.equal(out.isnan(), table.isnan()) and torch.equal(out.nan_to_num(), table.nan_to_num()), fmt.name
 
 
-def test_compress_routes_through_the_kernels(interp, monkeypatch):
+@pytest.mark.parametrize(
+    "s",
+    [Compression("int2", 64, "stochastic", ef_beta=0.95), Compression("stat4", 128, ef_beta=0.95)],
+    ids=Compression.cli,
+)
+def test_compress_routes_through_the_kernels(interp, monkeypatch, s):
     """compress / decompress_add_ with the Triton backend: the same payload and residual as the torch
     path, and a non-finite input refused naming the tensor, the inputs untouched."""
-    s = Compression("int2", 64, "stochastic", ef_beta=0.95)
     d, r = _inputs(300, torch.float32, torch.float32, seed=4)
     want, want_e = C.compress(d, r, s, step=1, tensor_id=2)
     monkeypatch.setattr(fb, "backend_for", lambda x: ("triton", "test"))
@@ -184,37 +210,11 @@ def test_compress_routes_through_the_kernels(interp, monkeypatch):
 # the statistical formats' kernels under the interpreter
 
 
-def _run_stat_kernel(mod, d, r, s: Compression, rows=2, rdt=None):
-    n = d.numel()
-    codes = torch.full(((n * s.bits + 7) // 8,), 0xAB, dtype=torch.uint8, device=d.device)
-    table = torch.full((-(-n // s.block) * s.floats_per_block,), float("nan"), device=d.device)
-    new = None if s.ef_beta is None else torch.full(d.shape, float("nan"), dtype=rdt, device=d.device)
-    mod.stat_quantize_ef_pack(
-        d, r, codes, table, new, fmt=s.fmt, block=s.block, sigmas=s.sigmas, beta=s.ef_beta, rows=rows
-    )
-    return codes, table, new
-
-
 @pytest.mark.parametrize("fmt", list(STAT_FORMATS))
 def test_stat_quantize_kernel_matches_the_torch_path(interp, fmt):
-    """Codes, centroid tables and residuals bit for bit against compress's torch path: every Δ / residual dtype
-    case, one entry, a partial block, several programs with a ragged end, at the default k and another."""
+    """As the blockwise formats' test, with centroid tables for scales, at the default k and another."""
     for sigmas in (None, 3.25):
-        for k, (dt, with_res, rdt) in enumerate(CASES):
-            s = Compression(fmt, 32, ef_beta=0.9, residual_dtype=rdt if rdt != dt else None, sigmas=sigmas)
-            for n in (1, 33, 163):
-                d, r = _inputs(n, dt, rdt if with_res else None, seed=100 * k + n + 7)
-                if n >= 160:
-                    d[96:128] = 0.375  # a constant block: σ = 0
-                want, want_e = C.compress(d, r, s, step=2, tensor_id=5)
-                codes, table, new = _run_stat_kernel(interp, d, r, s, rdt=rdt)
-                assert torch.equal(codes, want.codes), (dt, n, (codes != want.codes).nonzero()[:4])
-                assert torch.equal(table, want.scales), (dt, n)
-                s32 = Compression(fmt, 32, ef_beta=0.9, residual_dtype=torch.float32, sigmas=sigmas)
-                _, e32 = C.compress(d, None if r is None else r.float(), s32, step=2, tensor_id=5)
-                assert _same(new, e32, interpreted=True), (dt, rdt, n)
-                if rdt != torch.bfloat16:
-                    assert torch.equal(new, want_e)
+        _check_quantize_kernel(interp, fmt, seed=7, sigmas=sigmas)
 
 
 @pytest.mark.parametrize("fmt", list(STAT_FORMATS))
@@ -224,61 +224,21 @@ def test_stat_quantize_kernel_without_feedback_at_large_blocks(interp, fmt):
         s = Compression(fmt, block)
         d, _ = _inputs(block + 300, torch.float32, None, seed=block)
         d[block : block + 256] = 0
-        codes, table, new = _run_stat_kernel(interp, d, None, s, rows=None)
+        codes, table, new = _run_kernel(interp, d, None, s, rows=None)
         want = C.quantize(d, s)
         assert new is None and torch.equal(codes, want.codes) and torch.equal(table, want.scales), block
-
-
-def test_stat_kernel_marks_a_non_finite_block_with_a_nan_table(interp):
-    s = Compression("stat2", 32, ef_beta=0.9)
-    d, r = _inputs(100, torch.float32, torch.float32, seed=3)
-    d[40] = float("inf")
-    r[70] = float("nan")
-    _, table, _ = _run_stat_kernel(interp, d, r, s)
-    nan_blocks = torch.isnan(table.view(4, 4)).all(1).tolist()
-    assert nan_blocks == [False, True, True, False] and not bool(torch.isnan(table.view(4, 4)[[0, 3]]).any())
-
-
-@pytest.mark.parametrize("fmt", list(STAT_FORMATS))
-def test_stat_unpack_kernel_matches_the_torch_path(interp, fmt):
-    s = Compression(fmt, 64)
-    for n in (1, 65, 300):
-        d, _ = _inputs(n, torch.float32, None, seed=n)
-        p = C.quantize(d, s)
-        for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
-            acc0 = torch.randn(n).to(out_dtype)
-            acc = acc0.clone()
-            interp.stat_unpack_accumulate(p.codes, p.scales, acc, fmt=s.fmt, block=s.block, rows=2)
-            assert _same(acc, acc0.float() + C.dequantize(p), interpreted=True), (n, out_dtype)
-            out = torch.full((n,), float("nan"), dtype=out_dtype)
-            interp.stat_unpack_accumulate(p.codes, p.scales, out, fmt=s.fmt, block=s.block, accumulate=False)
-            assert _same(out, C.dequantize(p), interpreted=True), (n, out_dtype)
-
-
-def test_stat_compress_routes_through_the_kernels(interp, monkeypatch):
-    """compress / decompress_add_ with the Triton backend and a statistical format: the torch path's payload and
-    residual; NaN refused naming the tensor."""
-    s = Compression("stat4", 128, ef_beta=0.95)
-    d, r = _inputs(300, torch.float32, torch.float32, seed=4)
-    want, want_e = C.compress(d, r, s, step=1, tensor_id=2)
-    monkeypatch.setattr(fb, "backend_for", lambda x: ("triton", "test"))
-    p, e = C.compress(d, r, s, step=1, tensor_id=2)
-    assert torch.equal(p.codes, want.codes) and torch.equal(p.scales, want.scales) and torch.equal(e, want_e)
-    acc = torch.ones(300)
-    C.decompress_add_(acc, p)
-    assert torch.equal(acc, 1 + C.dequantize(p))
-    d[7] = float("nan")
-    with pytest.raises(ValueError, match="compress: head: Δ contains NaN"):
-        C.compress(d, r, s, step=1, tensor_id=2, name="head")
 
 
 # ----------------------------------------------------------------------------------------------
 # compiled for sm_80 and sm_90 without a GPU: every switch of both kernels
 
 
-def _quant_launches(monkeypatch, s: Compression, dt, rdt, with_res, n=5000):
+def _compiled(monkeypatch, s: Compression, dt, rdt, with_res, capability, n=5000) -> list:
+    """(kernel name, MASKED, PTX) of the spec's quantize and unpack kernels (adding when the residual is given),
+    each as the unmasked launch of the full programs and the masked one of the last, compiled for the GPU of
+    `capability` (a cubin made)."""
     from isoloco_kernels.triton import quant
-    from tests.dispatch.test_triton import _launches
+    from tests.dispatch.test_triton import _compile_launch, _launches
 
     d = torch.empty(n, dtype=dt)
     r = torch.empty(n, dtype=rdt) if with_res else None
@@ -286,11 +246,20 @@ def _quant_launches(monkeypatch, s: Compression, dt, rdt, with_res, n=5000):
     def call():
         _run_kernel(quant, d, r, s, rows=None, rdt=rdt)
         p = C.quantize(torch.zeros(n), Compression(s.format, s.block))
-        quant.unpack_accumulate(
-            p.codes, p.scales, torch.empty(n, dtype=dt), fmt=s.fmt, block=s.block, accumulate=with_res
-        )
+        _unpack(quant, s)(p.codes, p.scales, torch.empty(n, dtype=dt), fmt=s.fmt, block=s.block, accumulate=with_res)
 
-    return _launches(monkeypatch, quant, ["_quantize_ef_pack_kernel", "_unpack_accumulate_kernel"], call)
+    stat = "_stat" if s.is_stat else ""
+    names = [f"{stat}_quantize_ef_pack_kernel", f"{stat}_unpack_accumulate_kernel"]
+    launches = _launches(monkeypatch, quant, names, call)
+    assert sorted((k.fn.__name__, kw["MASKED"]) for k, _, kw in launches) == [
+        (k, m) for k in names for m in (False, True)
+    ]
+    out = []
+    for kernel, args, kw in launches:
+        compiled, _ = _compile_launch(kernel, args, kw, capability)
+        assert compiled.asm["cubin"], kernel
+        out.append((kernel.fn.__name__, kw["MASKED"], compiled.asm["ptx"]))
+    return out
 
 
 COMPILE_CASES = [  # (format, rounding, β, Δ dtype, residual dtype, residual given, block)
@@ -309,25 +278,14 @@ def test_kernels_compile_for_sm80_and_sm90(monkeypatch, capability, case):
     """Both kernels build for the GPU, each as the unmasked launch of the full programs and the masked
     one of the last, with the premises of their bit-exactness in the PTX (correctly rounded division,
     no fused multiply-add) and vector loads where unmasked."""
-    from tests.dispatch.test_triton import _compile_launch
-
     fmt, rounding, beta, dt, rdt, with_res, block = case
     s = Compression(fmt, block, rounding, ef_beta=beta, residual_dtype=rdt if beta is not None else None)
-    launches = _quant_launches(monkeypatch, s, dt, rdt or dt, with_res)
-    assert sorted((k.fn.__name__, kw["MASKED"]) for k, _, kw in launches) == [
-        ("_quantize_ef_pack_kernel", False),
-        ("_quantize_ef_pack_kernel", True),
-        ("_unpack_accumulate_kernel", False),
-        ("_unpack_accumulate_kernel", True),
-    ]
-    for kernel, args, kw in launches:
-        compiled, _ = _compile_launch(kernel, args, kw, capability)
-        ptx = compiled.asm["ptx"]
-        assert compiled.asm["cubin"] and "fma.rn.f32" not in ptx, kernel
-        if "quantize" in kernel.fn.__name__:
+    for name, masked, ptx in _compiled(monkeypatch, s, dt, rdt or dt, with_res, capability):
+        assert "fma.rn.f32" not in ptx, name
+        if "quantize" in name:
             assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
-        if not kw["MASKED"]:  # the full programs: 128-bit loads (quantize) and stores (unpack) of the float data
-            assert ("ld.global.v4" if "quantize" in kernel.fn.__name__ else "st.global.v4") in ptx, kernel
+        if not masked:  # the full programs: 128-bit loads (quantize) and stores (unpack) of the float data
+            assert ("ld.global.v4" if "quantize" in name else "st.global.v4") in ptx, name
 
 
 STAT_COMPILE_CASES = [  # (format, β, Δ dtype, residual dtype, residual given, block)
@@ -344,35 +302,14 @@ def test_stat_kernels_compile_for_sm80_and_sm90(monkeypatch, capability, case):
     """The statistical formats' kernels build for the GPU (full and partial programs), with the premises of
     their bit-exactness in the PTX: float64 division and square root correctly rounded (div.rn.f64, sqrt.rn.f64),
     the centroids rounded to float32 to nearest without flushing subnormals, no fused multiply-add."""
-    from isoloco_kernels.triton import quant
-    from tests.dispatch.test_triton import _compile_launch, _launches
-
     fmt, beta, dt, rdt, with_res, block = case
     s = Compression(fmt, block, ef_beta=beta, residual_dtype=rdt if beta is not None else None)
-    n = 5000
-    d = torch.empty(n, dtype=dt)
-    r = torch.empty(n, dtype=rdt or dt) if with_res else None
-
-    def call():
-        _run_stat_kernel(quant, d, r, s, rows=None, rdt=rdt or dt)
-        p = C.quantize(torch.zeros(n), Compression(fmt, block))
-        quant.stat_unpack_accumulate(p.codes, p.scales, torch.empty(n, dtype=dt), fmt=s.fmt, block=block)
-
-    launches = _launches(monkeypatch, quant, ["_stat_quantize_ef_pack_kernel", "_stat_unpack_accumulate_kernel"], call)
-    assert sorted((k.fn.__name__, kw["MASKED"]) for k, _, kw in launches) == [
-        ("_stat_quantize_ef_pack_kernel", False),
-        ("_stat_quantize_ef_pack_kernel", True),
-        ("_stat_unpack_accumulate_kernel", False),
-        ("_stat_unpack_accumulate_kernel", True),
-    ]
-    for kernel, args, kw in launches:
-        compiled, _ = _compile_launch(kernel, args, kw, capability)
-        ptx = compiled.asm["ptx"]
-        assert compiled.asm["cubin"] and "fma.rn" not in ptx, kernel
-        if "quantize" in kernel.fn.__name__:
+    for name, masked, ptx in _compiled(monkeypatch, s, dt, rdt or dt, with_res, capability):
+        assert "fma.rn" not in ptx, name
+        if "quantize" in name:
             assert "div.rn.f64" in ptx and "sqrt.rn.f64" in ptx and "cvt.rn.f32.f64" in ptx
             assert "div.approx" not in ptx and "sqrt.approx" not in ptx and "cvt.rn.ftz.f32.f64" not in ptx
-        if not kw["MASKED"] and "quantize" in kernel.fn.__name__ and dt == torch.float32:
+        if not masked and "quantize" in name and dt == torch.float32:
             assert "ld.global.v4" in ptx
 
 
