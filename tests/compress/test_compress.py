@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from isoloco_kernels.compress import FORMATS, Compression, Packed, bytes_of, dequantize, parse, quantize
+from isoloco_kernels.compress import FORMATS, STAT_FORMATS, Compression, Packed, bytes_of, dequantize, parse, quantize
 from isoloco_kernels.compress import codec as q
 from isoloco_kernels.compress import spec as sp
 from isoloco_kernels.compress.reference import levels_ref, quantize_ref, random_bits_ref
@@ -214,12 +214,15 @@ def test_update_leg_and_residual_memory():
         bytes_of(Compression(), -1)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", list(FORMATS) + list(STAT_FORMATS))
 @pytest.mark.parametrize("n", SIZES)
 def test_payload_has_exactly_bytes_of_and_survives_the_wire(fmt, n):
+    """ceil(n·bits/8) code bytes plus 4 a block per scale (a statistical format: its centroid table, 2^bits)."""
     s = Compression(fmt, 32)
+    assert bytes_of(s, n) == math.ceil(n * s.bits / 8) + 4 * s.floats_per_block * math.ceil(n / 32)
     p = quantize(_x(n), s)
     assert p.nbytes == bytes_of(s, n) and p.codes.dtype == torch.uint8 and p.scales.dtype == torch.float32
+    assert p.scales.numel() == s.floats_per_block * math.ceil(n / 32)
     buf = p.wire()
     assert buf.dtype == torch.uint8 and buf.numel() == bytes_of(s, n)
     back = Packed.from_wire(buf, s, n)

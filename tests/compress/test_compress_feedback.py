@@ -232,8 +232,9 @@ def test_stochastic_bits_are_reproducible_and_independent_of_the_chunking():
 
 
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16, torch.float64], ids=lambda d: str(d)[6:])
-def test_decompress_add_sums_in_float32_and_rounds_once(acc_dtype):
-    s = Compression("fp4", 64)
+@pytest.mark.parametrize("fmt", ["fp4", "stat4"])
+def test_decompress_add_sums_in_float32_and_rounds_once(fmt, acc_dtype):
+    s = Compression(fmt, 64)
     workers = [quantize(_delta(200, seed=20 + k), s) for k in range(3)]
     acc = torch.zeros(10, 20, dtype=acc_dtype)
     want = torch.zeros(200, dtype=torch.float64 if acc_dtype == torch.float64 else torch.float32)

@@ -18,7 +18,6 @@ from isoloco_kernels.compress import (
     bytes_of,
     codec,
     compress,
-    decompress_add_,
     dequantize,
     exchange_bytes,
     parse,
@@ -123,21 +122,7 @@ def test_parse_reads_the_named_fields_and_cli_round_trips():
 # bytes: codes plus the centroid tables
 
 
-@pytest.mark.parametrize("fmt", STATS)
-@pytest.mark.parametrize("n", SIZES)
-def test_payload_has_exactly_bytes_of_tables_included_and_survives_the_wire(fmt, n):
-    s = Compression(fmt, 32)
-    bins = STAT_FORMATS[fmt].bins
-    assert bytes_of(s, n) == math.ceil(n * s.bits / 8) + 4 * bins * math.ceil(n / 32)
-    p = quantize(_x(n), s)
-    assert p.nbytes == bytes_of(s, n) and p.scales.numel() == bins * math.ceil(n / 32)
-    buf = p.wire()
-    assert buf.dtype == torch.uint8 and buf.numel() == bytes_of(s, n)
-    back = Packed.from_wire(buf, s, n)
-    assert torch.equal(back.codes, p.codes) and torch.equal(back.scales, p.scales)
-    assert torch.equal(dequantize(back), dequantize(p))
-    with pytest.raises(ValueError, match="bytes"):
-        Packed.from_wire(torch.cat([buf, buf[:1]]) if n else torch.zeros(1, dtype=torch.uint8), s, n)
+# every format's payload bytes and wire round trip: test_compress.py
 
 
 def test_the_tiny_models_bytes_against_an_fp32_allreduce():
@@ -363,16 +348,7 @@ def test_feedback_keeps_the_accumulated_error_bounded():
                 assert gap >= 0.99 * T * one
 
 
-def test_decompress_add_sums_in_float32_and_rounds_once():
-    s = Compression("stat4", 64)
-    workers = [quantize(_x(200, seed=40 + k), s) for k in range(3)]
-    for acc_dtype in (torch.float32, torch.bfloat16, torch.float64):
-        acc = torch.zeros(10, 20, dtype=acc_dtype)
-        want = torch.zeros(200, dtype=torch.float64 if acc_dtype == torch.float64 else torch.float32)
-        for p in workers:
-            assert decompress_add_(acc, p) is acc
-            want = (want + dequantize(p, want.dtype)).to(acc_dtype).to(want.dtype)
-        assert torch.equal(acc.flatten().to(want.dtype), want)
+# decompress_add_'s float32 sums, stat4 among the formats: test_compress_feedback.py
 
 
 def test_a_payload_of_another_size_is_refused():
