@@ -14,12 +14,12 @@ for spec in stat2:256:0.95 stat2:256:0.8 stat2:256:none stat4:1024:0.95 int2:128
     $R $C --compress $spec
 done
 C="--cells 16:30 --batch 4 --steps 2250 --eval-every 2 --seeds 0,1,2 --lrs diloco=0.7@0.8,isoloco=3.2 --out $O"
-for spec in stat2:256:none int2:128:0.95; do
+for spec in stat2:256:none int2:128:0.95:nearest:workers; do
     $R $C --compress $spec
 done
 # the 2-bit winner at the base cell on seeds 3 and 4, with its fp32 and today's int2 (worker feedback) beside it
 C="--cells 4:30 --batch 4 --steps 300 --seeds 3,4 --lrs diloco=0.7@0,isoloco=3.2 --out $O"
 $R $C
-for spec in stat2:256:none int2:128:0.95; do
+for spec in stat2:256:none int2:128:0.95:nearest:workers; do
     $R $C --compress $spec
 done
