@@ -2,10 +2,13 @@
 
 One step, as it runs (`ShardedIsoLoCo.step`):
 
-    checks         every rank's pseudo-gradients (and, with compress, each one compressed)
+    checks         every rank's pseudo-gradients, its weight (and, with clip, its norm of each Δ)
+    roll call      one small all-gather of every rank's weight, quorum and norms: a failure so far goes to the vote,
+                   a round short of min_workers returns, unchanged, on every rank; the weights normalized, the caps
+    clip, pack     this rank's Δ clipped to the caps, weighted (the mean route) or zeros (weight 0); compressed
     leg 1          each rank's Δ to the owner of each tensor (`plan.py`): the mean by reduce-scatter, every
                    worker's Δ by all-to-all (merges that need them), or every worker's compressed Δ by all-to-all
-    owner          M = iso(mean Δ) (2-D, iso on), the mean, or another merge; Nesterov (reference.nesterov_ref),
+    owner          M = iso(mean Δ) (2-D, iso on), the (weighted) mean, or another merge; Nesterov (reference.nesterov_ref),
                    prepared: nothing written
     leg 2 (aside)  compressed: the owners' updates all-gathered, every rank's new θ computed aside
     the vote       the step's one agreement: every rank's failure, its settings and a checksum of its params
@@ -25,7 +28,9 @@ simulation calls the same functions (through compressed.py), so the two agree bi
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, Optional
+import math
+import numbers
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,8 +38,8 @@ import torch.distributed as dist
 from .._validate import ResultOverflowError, amaxes, check_all_finite, check_amax_finite, compute_dtype, is_dtensor
 from ..compress import Compression, Packed, bytes_of, compress, decompress_add_, parse
 from ..compress.codec import mix32
-from ..merges import merge_groups
-from ..merges.options import resolve_options
+from ..merges import merge_groups, worker_norms
+from ..merges.options import resolve_clip, resolve_options, resolve_weights
 from ..outer import core as outer
 from ..outer import sgd_state
 from ..outer.core import BucketPlan
@@ -45,6 +50,7 @@ from . import pipeline
 from .agree import (
     Agreement,
     agree,
+    all_gather_single,
     check_on_comm_device,
     comm_device,
     control_plane,
@@ -55,6 +61,7 @@ from .agree import (
 )
 from .bits import checksums
 from .checkpoint import DROPPED
+from .errors import DistributedStepError
 from .merge import PLAN_MISMATCH
 from .pipeline import CHUNK_BYTES, check_chunk_bytes, reduce_dtype
 from .plan import ShardPlan, plan_shards
@@ -64,6 +71,7 @@ if TYPE_CHECKING:
     from torch.optim.optimizer import ParamsT
 
 __all__ = [
+    "Round",
     "ShardedIsoLoCo",
     "apply_update",
     "attach",
@@ -95,6 +103,13 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     other merges instead: each owner receives every rank's Δ of its own tensors. `compress`
     (a `compress.Compression` or its string, "int4:128:0.95") sends each Δ and the update compressed,
     with error feedback residuals kept per rank (docs/compression.md).
+
+    Ragged rounds: `step(weight=w)` with this rank's worker weight (tokens processed; 0: nothing to send) merges
+    the ranks with weight > 0 under their normalized weights (docs/merges.md), every rank agreeing on every weight
+    in the step's roll call; `min_workers` (default 1) is the quorum: a round with fewer ranks of weight > 0 is
+    skipped on every rank with nothing changed, and `last_round.committed` says so (no exception: the next round
+    goes on). `clip` (None, "median" or a cap > 0, as MergeLoCo's) scales each rank's Δ of each tensor to at most
+    the cap before it is sent; `last_worker_norms` / `last_clip_caps` keep what it saw. docs/distributed.md.
 
     Momentum lives with the owner: state_dict() is per rank, consolidated_state_dict() the whole model's
     (a copy keeps all but the process group). Arguments: IsoLoCo's, in SGD's positions;
@@ -142,26 +157,40 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         merge: str = "iso_c",
         merge_options: Optional[dict] = None,
         compress: Optional[Compression | str] = None,
+        clip: Optional[str | float] = None,
+        min_workers: int = 1,
     ) -> None:
         sgd = SGDArgs(lr, momentum, dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused)
         self.process_group = process_group
         self.rank, self.world_size = group_info(process_group)
         self._built = False
         self.merge, self.merge_options, self.merged_steps = merge, dict(merge_options or {}), 0
+        self.last_round: Optional[Round] = None  # the last step's round: committed?, participants, weights
+        self.last_worker_norms: dict[int, torch.Tensor] = {}  # with clip: the last committed step's norms
+        self.last_clip_caps: dict[int, float] = {}
         # Every rank constructs or none does (never a hang at step one): a rank whose arguments are
         # refused, or that cannot make its exchange's buffers, raises its error after the agreement, the
         # others DistributedStepError naming it; settings that differ between ranks raise DistributedStepError
         # everywhere, naming them. The agreement also makes the control tensors every later vote uses.
         ag = Agreement("ShardedIsoLoCo()", process_group, alone=self.world_size == 1, mismatch=PLAN_MISMATCH)
-        ag.attempt(self._build, params, sgd, iso, method, chunk_bytes, solo_above, compress)
+        ag.attempt(self._build, params, sgd, iso, method, chunk_bytes, solo_above, compress, clip, min_workers)
         ag.settle(settings=ag.attempt(self._settings), own_error=True)
         self._built = True
 
-    def _build(self, params, sgd: SGDArgs, iso, method, chunk_bytes, solo_above, compress) -> None:
+    def _build(self, params, sgd: SGDArgs, iso, method, chunk_bytes, solo_above, compress, clip, min_workers) -> None:
         try:
             resolve_options(self.merge, self.merge_options)  # an unknown merge or option, by name
         except (TypeError, ValueError) as e:
             raise type(e)(f"ShardedIsoLoCo: {e}") from None
+        self.clip = resolve_clip(clip, "ShardedIsoLoCo")
+        if isinstance(min_workers, bool) or not isinstance(min_workers, int):
+            raise TypeError(f"ShardedIsoLoCo: min_workers must be an int (the quorum), got {min_workers!r}")
+        if not 1 <= min_workers <= self.world_size:
+            raise ValueError(
+                f"ShardedIsoLoCo: min_workers={min_workers} must be in [1, {self.world_size}] (the world size): the "
+                "number of ranks with weight > 0 a round needs to be applied"
+            )
+        self.min_workers = min_workers
         attach(self, compress, "ShardedIsoLoCo")
         defaults = sgd.defaults("ShardedIsoLoCo", iso, method)
         check_chunk_bytes(chunk_bytes, "ShardedIsoLoCo: chunk_bytes")
@@ -211,6 +240,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         self._mine = self.plan.owned(self.rank)
         self._plan_text = f"{self.plan.fingerprint:#x}"
         self._exchange = self._new_exchange(chunk_bytes)
+        device = comm_device(self.process_group) if self.world_size > 1 else self._data_device
+        self._roll = _RollCall(self.world_size, device, len(self._params) if self.clip is not None else 0)
 
     def _new_exchange(self, chunk_bytes: int):
         """The exchange this optimizer's merge and compress call for, with its buffers made (on the group's
@@ -228,6 +259,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         plan.update({f"param {i} (shape, dtype)": f"{tuple(p.shape)} {p.dtype}" for i, p in enumerate(self._params)})
         merge = {"merge": self.merge, "merge_options": repr(sorted(self.merge_options.items()))}
         merge["compress"] = repr(self.compress)
+        merge.update(clip=repr(self.clip), min_workers=repr(self.min_workers))
         return optimizer_settings(
             self, method=self.method, chunk_bytes=self.chunk_bytes, solo_above=self.solo_above, **plan, **merge
         )
@@ -250,13 +282,26 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
     # -- the step ---------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+    def step(self, closure: Optional[Callable[[], float]] = None, *, weight=None) -> Optional[float]:
         """Average every rank's pseudo-gradients (reduce-scatter), Iso-C + Nesterov by each param's owner,
         all-gather the new params; returns the closure's loss (None without one).
 
+        weight: this rank's worker weight this round, a number ≥ 0 (the tokens it processed, say; 0: it has
+            nothing to send, its Δ is not merged and it sends zeros), given on every rank or on none; None:
+            equal weights, the step as without it. The owners merge the ranks with weight > 0 under their
+            normalized weights (docs/merges.md's weighted forms; equal weights are the unweighted step bit for
+            bit). Fewer than `min_workers` ranks with weight > 0: the round is skipped on every rank, nothing
+            changed (params, momentum, step count), and `last_round.committed` is False. Every rank's grads are
+            still read and checked, a weight-0 rank's too (zeros will do). With `compress=` the weights must be
+            equal.
+
+        After each step `last_round` says what the ranks agreed: (committed, participants, weights).
+
         Raises:
-            DistributedStepError: on every rank, for bad input, a failing closure or flatten on any rank, settings
-                or params that differ between ranks; nothing changed on any rank.
+            DistributedStepError: on every rank, for bad input (a NaN, negative or non-number weight included),
+                a failing closure or flatten on any rank, settings or params that differ between ranks, every
+                weight 0, a weight given on some ranks only, unequal weights with compress=; nothing changed on
+                any rank.
 
         Examples:
             >>> outer = ShardedIsoLoCo([torch.nn.Parameter(torch.randn(6, 4))])
@@ -272,21 +317,38 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         # This rank's first failure is kept (torchft's report_error), its later local work skipped; every
         # collective still runs on every rank, and the vote before the first write tells every rank.
         ex, group, failure, loss, update, successor = self._exchange, self.process_group, None, None, None, None
+        own = grads = norms = send = None
         try:
             if self.world_size > 1:  # the vote's control tensors, before the first collective (made by the
                 self._control_plane()  # constructor on its thread: nothing to make then)
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            own = _own_weight(weight, self.rank)
             grads = self._checked_grads()
+            norms = self._norms(grads)  # with clip: this rank's norm of each Δ, for the roll call
             successor = self._successor(ex)  # a changed chunk_bytes: the next exchange, used after this step
-            ex.pack(self, grads)
         except Exception as e:  # noqa: BLE001 — every rank learns of it at the vote
+            failure = e
+        # The roll call: every rank's weight (and norms), one all-gather before leg 1. Its verdicts are every
+        # rank's alike: a failure before it goes straight to the vote, a refused round raises here and a round
+        # short of the quorum returns here, on every rank, before any exchange.
+        roll = self._roll_call(failure, own, norms)
+        if roll is None:  # some rank failed: the vote raises on every rank, naming it
+            self._vote(failure)
+            raise DistributedStepError(f"ShardedIsoLoCo.step: a rank failed before the roll call; {_UNCHANGED}")
+        if not roll.quorum:
+            self.last_round = Round(False, roll.participants, roll.weights)
+            return loss
+        try:
+            send = self._send_plan(roll)
+            ex.pack(self, self._clipped(grads, send), send)
+        except Exception as e:  # noqa: BLE001
             failure = e
         failure = ex.to_owners(group, failure)  # leg 1, on every rank
         try:
             if failure is None:
-                update = self._owner_update(ex.inputs(self))
+                update = self._owner_update(ex.inputs(self), send.weights)
         except Exception as e:  # noqa: BLE001
             failure = e
         failure = ex.aside(self, update, group, failure)  # what leg 2 needs before the vote (compressed: leg 2)
@@ -295,7 +357,98 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         if successor is not None:
             self._exchange = successor
         self.merged_steps += 1
+        self.last_round = Round(True, roll.participants, roll.weights)
+        if send.caps is not None:  # what the clip saw, as MergeLoCo keeps it
+            self.last_worker_norms, self.last_clip_caps = send.norms, send.caps
         return loss
+
+    def _norms(self, grads) -> Optional[torch.Tensor]:
+        """With clip: this rank's 2-norm of each Δ (`merges.worker_norms` of it as a stack of one worker), float64
+        [params] on the CPU; None without clip."""
+        if self.clip is None:
+            return None
+        if not grads:
+            return torch.zeros(0, dtype=torch.float64)
+        return torch.cat([worker_norms(g.unsqueeze(0)) for g in grads])
+
+    def _roll_call(self, failure, own: Optional[float], norms) -> Optional[_Roll]:
+        """Every rank's weight, quorum and (with clip) norms (`_RollCall`: one all-gather; one rank: its own),
+        and the verdicts every rank draws alike from them: None when a rank failed before it (the vote then
+        names it), DistributedStepError for a round the ranks cannot run (min_workers differ between ranks, a
+        weight on some ranks only, every weight 0, unequal weights with compress=), or the round, short of the
+        quorum or not. Pure Python on the gathered numbers: nothing here can fail on one rank alone."""
+        where = "ShardedIsoLoCo.step"
+        if self.world_size == 1:
+            rows = [(2 if failure is not None else int(own is not None), self.min_workers, own or 0.0)]
+            every = None if norms is None else norms.view(1, -1)
+        else:
+            rows = self._roll.call(failure is not None, self.min_workers, own, norms, self.process_group)
+            every = self._roll.norms()
+        if any(state == 2 for state, _, _ in rows):
+            return None
+        quora = [q for _, q, _ in rows]
+        if len(set(quora)) > 1:
+            raise DistributedStepError(
+                f"{where}: the ranks' min_workers differ ({_per_rank(quora)}); set it alike on every rank; "
+                f"{_UNCHANGED}"
+            )
+        given = [state == 1 for state, _, _ in rows]
+        if any(given) and not all(given):
+            on = [r for r, g in enumerate(given) if g]
+            off = [r for r, g in enumerate(given) if not g]
+            raise DistributedStepError(
+                f"{where}: weight= was given on rank{'s' if len(on) > 1 else ''} {on} and not on "
+                f"rank{'s' if len(off) > 1 else ''} {off}; pass each rank's weight on every rank, or on none "
+                f"(equal weights); {_UNCHANGED}"
+            )
+        weights = [w for _, _, w in rows] if all(given) else None
+        participants = self.world_size if weights is None else sum(w > 0 for w in weights)
+        if participants == 0:
+            raise DistributedStepError(
+                f"{where}: every rank's weight is 0 ({self.world_size} ranks): there is nothing to merge; skip this "
+                f"round's step, or give the ranks that delivered a positive weight; {_UNCHANGED}"
+            )
+        quorum = participants >= quora[0]
+        if quorum and self.compress is not None and weights is not None and len(set(weights)) > 1:
+            raise DistributedStepError(
+                f"{where}: weights with compress= must be equal on every rank (or None), got {_per_rank(weights)}: "
+                "the compressed exchange averages every worker's payload (as MergeLoCo(compress=) does), so a rank "
+                f"can be neither weighted nor dropped there; {_UNCHANGED}"
+            )
+        return _Roll(quorum, participants, None if weights is None else tuple(weights), every)
+
+    def _send_plan(self, roll: _Roll) -> _Send:
+        """What this rank sends and the owners merge, from the round: the normalized weights (merges/options.py's
+        `resolve_weights`, as MergeLoCo resolves them), this rank's factor on the mean route, and with clip every
+        tensor's cap and this rank's scale (merges/norm.py's rule, on the norms every rank sent)."""
+        norms = caps = scales = None
+        active, omega = (None, None)
+        if roll.weights is not None:
+            active, omega = resolve_weights(list(roll.weights), self.world_size, "ShardedIsoLoCo.step")
+        if self.clip is not None:
+            norms = {i: roll.norms[:, i].clone() for i in range(len(self._params))}
+            caps, scales = {}, {}
+            for i, n in norms.items():
+                caps[i] = _cap(n if active is None else n[active], self.clip)
+                mine = float(n[self.rank])
+                if mine > caps[i]:
+                    scales[i] = caps[i] / mine
+        me_active = active is None or self.rank in active
+        me = self.rank if active is None else active.index(self.rank) if me_active else None
+        factor = None if omega is None or me is None else float(omega[me])
+        divisor = 1 if omega is not None else (self.world_size if active is None else len(active))
+        return _Send(roll.weights, not me_active, factor, divisor, norms, caps, scales)
+
+    def _clipped(self, grads, send: _Send):
+        """The grads with this rank's Δ of each tensor above its cap scaled to it (merges/norm.py's arithmetic:
+        in the compute dtype, rounded to the grad's dtype), the others as they are."""
+        if not send.scales:
+            return grads
+        out = list(grads)
+        for i, c in send.scales.items():
+            g = grads[i]
+            out[i] = (g.to(compute_dtype(g.dtype)) * c).to(g.dtype)
+        return out
 
     def _checked_grads(self) -> list[torch.Tensor]:
         """Every rank's pseudo-gradients, checked (every param needs one: all are reduced and written), with
@@ -312,6 +465,17 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                 "exchange and its buffers were built for other ones at construction; build a new ShardedIsoLoCo "
                 "(on every rank) for another merge or compression"
             )
+        if (self.clip is not None) != bool(self._roll.count) or not (
+            isinstance(self.min_workers, int) and 1 <= self.min_workers <= self.world_size
+        ):
+            raise ValueError(
+                f"ShardedIsoLoCo.step: clip={self.clip!r}, min_workers={self.min_workers!r}, but this optimizer was "
+                f"built {'with' if self._roll.count else 'without'} a clip (its roll call carries the norms only then) "
+                f"for a world of {self.world_size}; build a new ShardedIsoLoCo (on every rank) to switch the clip on or "
+                "off, and keep min_workers in [1, world size]"
+            )
+        if self.clip is not None:  # a cap set since construction, checked as the constructor checks it
+            resolve_clip(self.clip, "ShardedIsoLoCo.step")
         for i, p in enumerate(self._params):
             if tuple(p.shape) != self.plan.shapes[i] or p.dtype != self.plan.dtypes[i]:
                 raise ValueError(
@@ -339,15 +503,16 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         check_chunk_bytes(self.chunk_bytes, "ShardedIsoLoCo: chunk_bytes")
         return self._new_exchange(self.chunk_bytes)
 
-    def _owner_update(self, inputs: dict[int, torch.Tensor]):
+    def _owner_update(self, inputs: dict[int, torch.Tensor], weights=None):
         """The owner's step on its own tensors, computed and checked, nothing written: full precision the
         function that writes (Iso-C or the merge, then the Nesterov update: `outer.prepare_nesterov`); with
-        compress `owner_step`'s (buckets, momentum, update residuals, updates)."""
+        compress `owner_step`'s (buckets, momentum, update residuals, updates). weights: every rank's, for a
+        merge of every worker's Δ (the mean route weighted its sum already; compress: equal)."""
         if self.compress is not None:
             return owner_step(self, self._params, [self.param_groups[k] for k in self._group_of], inputs, self._buckets)
         if self.merge not in _MEAN_MERGES:  # every worker's Δ of my tensors: their merge
             merged = {i for i in inputs if self.param_groups[self._group_of[i]]["iso"]}
-            out = merge_groups(inputs, merged, self.merge, self.merge_options, self.merged_steps, self.method)
+            out = merge_groups(inputs, merged, self.merge, self.merge_options, self.merged_steps, self.method, weights)
             inputs = {i: m.to(self._params[i].dtype) for i, m in out.items()}
         idx = sorted(inputs)
         mine = [inputs[i] for i in idx]
@@ -552,6 +717,117 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         return rest
 
 
+_UNCHANGED = "nothing was changed on any rank"
+
+
+class Round(NamedTuple):
+    """What the ranks agreed on in one `ShardedIsoLoCo.step` (its `last_round`)."""
+
+    committed: bool  #: the step was applied; False: fewer than min_workers ranks had weight > 0, nothing changed
+    participants: int  #: the ranks with weight > 0 (every rank without weights)
+    weights: Optional[tuple[float, ...]]  #: every rank's weight in rank order; None: step() without weights
+
+
+class _Roll(NamedTuple):
+    """The roll call's round: quorum met?, participants, every rank's weight (None: none given), and with clip
+    every rank's norms ([world, params] float64, a view of the roll call's buffer)."""
+
+    quorum: bool
+    participants: int
+    weights: Optional[tuple[float, ...]]
+    norms: Optional[torch.Tensor]
+
+
+class _Send(NamedTuple):
+    """What this rank sends and the owners merge in one round (`ShardedIsoLoCo._send_plan`)."""
+
+    weights: Optional[tuple[float, ...]]  # every rank's (None: equal), for the merges of every worker's Δ
+    zero: bool  # this rank's weight is 0: it sends zeros
+    factor: Optional[float]  # the mean route: this rank's normalized weight ω (None: unweighted)
+    divisor: int  # the mean route: what the owner divides the sum by (world, the participants, or 1 under ω)
+    norms: Optional[dict]  # with clip: {param index: every rank's norm (float64 [world], CPU)}
+    caps: Optional[dict]  # with clip: {param index: its cap}
+    scales: Optional[dict]  # with clip: {param index: this rank's scale cap / norm}, where the norm is above the cap
+
+
+def _own_weight(weight, rank: int) -> Optional[float]:
+    """This rank's weight= checked: None, or a finite number ≥ 0 as a float (a one-element tensor counts as its
+    number). TypeError / ValueError naming it otherwise; a failure of this rank, which the vote reports."""
+    if weight is None:
+        return None
+    what = f"ShardedIsoLoCo.step: weight= on rank {rank}"
+    if isinstance(weight, torch.Tensor):
+        if weight.numel() != 1 or weight.dtype == torch.bool or weight.is_complex():
+            raise TypeError(f"{what} must be a number ≥ 0 (this rank's worker weight), got a tensor {weight!r}")
+        weight = weight.item()
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+        raise TypeError(f"{what} must be a number ≥ 0 (this rank's worker weight), got {weight!r}")
+    v = float(weight)
+    if not math.isfinite(v):
+        raise ValueError(f"{what} is {weight!r}; it must be finite")
+    if v < 0:
+        raise ValueError(f"{what} is {weight!r}; weights must be ≥ 0 (0: this rank has nothing to send)")
+    return v
+
+
+def _cap(norms: torch.Tensor, clip) -> float:
+    """One tensor's clip cap from the norms of the workers with weight > 0 (float64): merges/norm.py's rule, the
+    median (the middle value, or the mean of the two middle ones) or the number given."""
+    if clip != "median":
+        return float(clip)
+    v = norms.sort().values
+    n = v.numel()
+    return float(v[n // 2]) if n % 2 else float((v[n // 2 - 1] + v[n // 2]) / 2)
+
+
+def _per_rank(values) -> str:
+    return ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values))
+
+
+class _RollCall:
+    """The step's roll call, before leg 1: one all-gather of each rank's row of int64 words — its state (0: no
+    weight given, 1: a weight given, 2: failed so far), its min_workers, its weight and, with clip, its norm of
+    each Δ (floats by their float64 bits: carried exactly). Its buffers are made with the optimizer (on the
+    group's communication device, and a host copy of each off the CPU), so the call allocates nothing."""
+
+    def __init__(self, world: int, device, norms: int):
+        self.world, self.words, self.count = world, 3 + norms, norms
+        if world == 1:
+            return
+        self.mine = pipeline.comm_buffer(self.words, torch.int64, device, True)
+        self.every = pipeline.comm_buffer(world * self.words, torch.int64, device, True)
+        cpu = torch.device(device).type == "cpu"
+        self.host = self.mine if cpu else torch.zeros(self.words, dtype=torch.int64)
+        self.host_every = self.every if cpu else torch.zeros(world * self.words, dtype=torch.int64)
+
+    def call(self, failed: bool, quorum: int, weight: Optional[float], norms, group) -> list[tuple]:
+        """Every rank's (state, min_workers, weight), in rank order; `norms()` then reads their norms."""
+        h = self.host
+        h.zero_()
+        h[0] = 2 if failed else int(weight is not None)
+        h[1] = quorum
+        if not failed:
+            f = h.view(torch.float64)
+            f[2] = 0.0 if weight is None else weight
+            if self.count and norms is not None and norms.numel() == self.count:
+                f[3:].copy_(norms)
+        if self.mine is not h:
+            self.mine.copy_(h)
+        all_gather_single(self.every, self.mine, group=group)
+        if self.host_every is not self.every:
+            self.host_every.copy_(self.every)
+        rows = self.host_every.view(self.world, self.words)
+        states = rows[:, :2].tolist()
+        weights = rows.view(torch.float64)[:, 2].tolist()
+        return [(s, q, w) for (s, q), w in zip(states, weights)]
+
+    def norms(self) -> Optional[torch.Tensor]:
+        """Every rank's norms from the last call: a [world, params] float64 view (None without clip)."""
+        if not self.count:
+            return None
+        return self.host_every.view(self.world, self.words).view(torch.float64)[:, 3:]
+
+
 _REPLICA_HINT = (
     "ShardedIsoLoCo steps replicas: every rank's params must be the same global weights when step() is called "
     "(only the grads differ: each rank's own pseudo-gradient). Restore the global weights on every rank before "
@@ -700,6 +976,7 @@ class _MeanExchange(_ParamsBack):
     def __init__(self, plan: ShardPlan, rank: int, device, chunk_bytes: int):
         self._init_back(plan, rank, device, chunk_bytes)
         self._flats: Optional[list] = None
+        self._send: Optional[_Send] = None
         if self.world == 1:
             return
         send = out = 0
@@ -723,9 +1000,27 @@ class _MeanExchange(_ParamsBack):
     def _reduce_per(self, dtype: torch.dtype) -> int:
         return max(1, self.chunk_bytes // (self.world * reduce_dtype(dtype).itemsize))
 
-    def pack(self, opt, grads) -> None:
-        """Each grad flat (a view; a copy where it is not contiguous), for the reduce-scatter's chunks."""
+    def pack(self, opt, grads, send: _Send) -> None:
+        """Each grad flat (a view; a copy where it is not contiguous), for the reduce-scatter's chunks, and what
+        the round says this rank sends: its Δ, its Δ times its normalized weight ω (in the sum's dtype, as the
+        one-process weighted mean multiplies), or −0.0 (weight 0: the sum's identity, sign of zero included)."""
         self._flats = [g.reshape(-1) for g in grads]
+        self._send = send
+
+    def _fill(self, fill, send: torch.Tensor) -> None:
+        """One chunk of what this rank sends: `fill(send)` packs its Δ, then its weight applies."""
+        if self._send.zero:
+            send.fill_(-0.0)
+            return
+        fill(send)
+        if self._send.factor is not None:
+            send.mul_(self._send.factor)
+
+    def _mean(self, total: torch.Tensor) -> torch.Tensor:
+        """The received sum as the round's mean: divided by the world, by the participants, or (weighted: the
+        ω sum to 1) as it is."""
+        d = self.world if self._send is None else self._send.divisor
+        return total if d == 1 else total.div_(d)
 
     def to_owners(self, group, failure):
         """Leg 1: the mean of every rank's Δ of each tensor on its owner (my segments, the solo tensors I own).
@@ -748,7 +1043,7 @@ class _MeanExchange(_ParamsBack):
             out = self._out_bufs[k % 3][: w * rdt.itemsize].view(rdt)
             if failure is None:
                 try:
-                    seg.pack(flats, a, b, send)
+                    self._fill(lambda buf: seg.pack(flats, a, b, buf), send)
                 except Exception as e:  # noqa: BLE001
                     failure = e
             if failure is not None:
@@ -765,7 +1060,7 @@ class _MeanExchange(_ParamsBack):
         work.wait()
         if failure is None:
             try:
-                own[a:b].copy_(out.div_(self.world))  # the sum's mean, rounded once to the tensors' dtype
+                own[a:b].copy_(self._mean(out))  # the sum's mean, rounded once to the tensors' dtype
             except Exception as e:  # noqa: BLE001
                 failure = e
         return failure
@@ -779,7 +1074,7 @@ class _MeanExchange(_ParamsBack):
             buf = self._chunk(k, rdt, b - a)
             if failure is None:
                 try:
-                    buf.copy_(flats[i][a:b])
+                    self._fill(lambda dst: dst.copy_(flats[i][a:b]), buf)
                 except Exception as e:  # noqa: BLE001
                     failure = e
             if failure is not None:
@@ -796,7 +1091,7 @@ class _MeanExchange(_ParamsBack):
         work.wait()
         if failure is None and i in self.solo_out:
             try:
-                self.solo_out[i][a:b].copy_(buf.div_(self.world))
+                self.solo_out[i][a:b].copy_(self._mean(buf))
             except Exception as e:  # noqa: BLE001
                 failure = e
         return failure
@@ -847,10 +1142,17 @@ class _WorkerExchange(_ParamsBack):
                 self.solo_rows[i] = [pipeline.comm_buffer(n, dt, device, False) for _ in range(self.world)]
         self._chunk_buffers(self._gather_bytes())
 
-    def pack(self, opt, grads) -> None:
-        """My Δ of every tensor into the all-to-all's send buffers (each owner's part) and the solo copies."""
+    def pack(self, opt, grads, send: _Send) -> None:
+        """My Δ of every tensor into the all-to-all's send buffers (each owner's part) and the solo copies (weight
+        0: zeros; the owners' merge drops the rank)."""
         if self.world == 1:
             self._flats = [g.reshape(-1) for g in grads]
+            return
+        if send.zero:
+            for buf, _ in self.a2a.values():
+                buf.zero_()
+            for buf in self.solo_send.values():
+                buf.zero_()
             return
         for dt, seg in self.segments.items():
             send = self.a2a[dt][0]
@@ -954,8 +1256,9 @@ class _CompressedExchange:
             else self.every.narrow(0, self.start2[o] + off, self.sizes[1][i])
         )
 
-    def pack(self, opt, grads) -> None:
-        """This rank's payload of every tensor into leg 1's buffers; the new residuals kept aside."""
+    def pack(self, opt, grads, send: _Send) -> None:
+        """This rank's payload of every tensor into leg 1's buffers; the new residuals kept aside (the round's
+        weights are equal here: the roll call refuses others)."""
         self._residuals = {}
         for i, (p, g) in enumerate(zip(opt._params, grads)):
             packed, self._residuals[i] = encode_delta(

@@ -135,13 +135,18 @@ for _route in ("owner", "gather", "gram"):
     CHECKS.add(f"dtensor_{_route}", lambda rank, _r=_route: _dtensor(_r, rank))
 
 
-def _sharded_sites(compress, merge):
+def _sharded_sites(compress, merge, clip=None, weighted=False):
     """Every piece of local work a ShardedIsoLoCo step runs before its vote (each called inside the step's
-    try/except, which keeps the failure): (owner, attribute), for the exchange of `compress` and `merge`."""
+    try/except, which keeps the failure): (owner, attribute), for the exchange of `compress` and `merge`; with
+    `clip` the norms, caps and clipping; `weighted`: the weights' check and resolution (before and after the roll
+    call)."""
     from isoloco_kernels.distributed import sharded as S
     from isoloco_kernels.outer import core as O
 
     opt_sites = [(S.ShardedIsoLoCo, "_checked_grads"), (O, "collect"), (S, "checksums"), (S, "optimizer_settings")]
+    opt_sites += [(S, "_own_weight"), (S.ShardedIsoLoCo, "_send_plan"), (S.ShardedIsoLoCo, "_clipped")]
+    opt_sites += [(S, "worker_norms"), (S, "_cap")] if clip is not None else []
+    opt_sites += [(S, "resolve_weights")] if weighted else []
     if compress is not None:
         ex = S._CompressedExchange
         return opt_sites + [
@@ -158,9 +163,10 @@ def _sharded_sites(compress, merge):
     return sites + ([(O, "bucket_flatten")] if merge == "iso_c" else [])
 
 
-def _sharded(rank: int, compress=None, merge="iso_c") -> None:
+def _sharded(rank: int, compress=None, merge="iso_c", clip=None, weighted=False) -> None:
     """ShardedIsoLoCo: each piece of local work before the vote failing in turn on rank 1: a solo param
-    (solo_above=0.3) beside sharded ones of two dtypes, a non-contiguous grad, several chunks."""
+    (solo_above=0.3) beside sharded ones of two dtypes, a non-contiguous grad, several chunks; with `clip` and
+    `weighted` (each rank's own weight) a clipped, weighted round."""
     from isoloco_kernels.distributed import ShardedIsoLoCo
 
     gen = torch.Generator().manual_seed(0)
@@ -170,7 +176,9 @@ def _sharded(rank: int, compress=None, merge="iso_c") -> None:
         torch.randn(5, generator=gen),
         torch.randn(8, 6, generator=gen).to(torch.bfloat16),
     ]
-    opt = ShardedIsoLoCo(ps, lr=1.0, momentum=0.9, chunk_bytes=2048, solo_above=0.3, compress=compress, merge=merge)
+    opt = ShardedIsoLoCo(
+        ps, lr=1.0, momentum=0.9, chunk_bytes=2048, solo_above=0.3, compress=compress, merge=merge, clip=clip
+    )
     assert opt.plan.solo
     step, start = [0], [p.clone() for p in ps]
 
@@ -187,9 +195,12 @@ def _sharded(rank: int, compress=None, merge="iso_c") -> None:
         held = [opt.state[p]["momentum_buffer"].clone() for p in ps if p in opt.state]
         return [p.clone() for p in ps] + held + [r.clone() for r in opt._residuals.values()]
 
-    for owner, attr in _sharded_sites(compress, merge):
-        _fail_at_each(rank, prepare, opt.step, snapshot, 1, owner, attr)
-    opt.step()  # and it steps on: nothing of a refused step was kept
+    def run():
+        opt.step(weight=1.0 + rank if weighted else None)
+
+    for owner, attr in _sharded_sites(compress, merge, clip, weighted):
+        _fail_at_each(rank, prepare, run, snapshot, 1, owner, attr)
+    run()  # and it steps on: nothing of a refused step was kept
 
 
 CHECKS.add("sharded", lambda rank: _sharded(rank))
@@ -197,6 +208,8 @@ CHECKS.add("sharded_mean", lambda rank: _sharded(rank, merge="mean"))
 CHECKS.add("sharded_tsv", lambda rank: _sharded(rank, merge="tsv"))
 CHECKS.add("sharded_int4", lambda rank: _sharded(rank, compress="int4:32:0.9:nearest:both"))
 CHECKS.add("sharded_int4_ties", lambda rank: _sharded(rank, compress="int4", merge="ties"))
+CHECKS.add("sharded_weighted_clip", lambda rank: _sharded(rank, clip="median", weighted=True))
+CHECKS.add("sharded_tsv_weighted_clip", lambda rank: _sharded(rank, merge="tsv", clip=2.0, weighted=True))
 
 
 @CHECKS
