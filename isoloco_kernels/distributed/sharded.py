@@ -389,8 +389,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         quora = [q for _, q, _ in rows]
         if len(set(quora)) > 1:
             raise DistributedStepError(
-                f"{where}: the ranks' min_workers differ ({_per_rank(quora)}); set it alike on every rank; "
-                f"{_UNCHANGED}"
+                f"{where}: the ranks' min_workers differ ({_per_rank(quora)}); set it alike on every rank; {_UNCHANGED}"
             )
         given = [state == 1 for state, _, _ in rows]
         if any(given) and not all(given):

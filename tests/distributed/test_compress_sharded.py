@@ -312,7 +312,9 @@ def _check_a_state_saved_before_sigmas_and_skip_loads(rank, world):
     assert ol.merged_steps == of.merged_steps == 4, (ol.merged_steps, of.merged_steps)
     assert all(torch.equal(ol._residuals[i], r) for i, r in of._residuals.items())
     assert ol._residuals.keys() == of._residuals.keys() and ol._update_residuals.keys() == of._update_residuals.keys()
-    assert all(torch.equal(ol.state[legacy[i]]["momentum_buffer"], of.state[full[i]]["momentum_buffer"]) for i in ol.mine)
+    assert all(
+        torch.equal(ol.state[legacy[i]]["momentum_buffer"], of.state[full[i]]["momentum_buffer"]) for i in ol.mine
+    )
 
 
 def _check_the_loop_under_torchrun_builds_the_compressed_route(rank, world):

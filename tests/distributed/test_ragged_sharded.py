@@ -168,7 +168,9 @@ def _check_equal_weights_are_the_step_without_weights(rank, world):
         (base, ob), *others = runs
         for ps, opt in others:
             assert all(torch.equal(p, q) for p, q in zip(ps, base)), kw
-            assert all(torch.equal(opt.state[ps[i]]["momentum_buffer"], ob.state[base[i]]["momentum_buffer"]) for i in opt.mine)
+            assert all(
+                torch.equal(opt.state[ps[i]]["momentum_buffer"], ob.state[base[i]]["momentum_buffer"]) for i in opt.mine
+            )
         assert ob.last_round == sharded.Round(True, world, None)
 
 
