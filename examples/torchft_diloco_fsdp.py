@@ -12,6 +12,14 @@ pseudo-gradients are averaged across them. The same DiLoCo run (same init, same 
 times: with SGD, with IsoLoCo(iso=False) at SGD's settings (which must land on SGD's weights) and
 with IsoLoCo. Prints the held-out loss of each and asserts the equality and finite losses.
 
+A fourth IsoLoCo run has a ragged round: replica group 1 sits out outer round 1 (`SitOut`). It stays in the
+quorum but, as a spare of torchft's FIXED_WITH_SPARES mode for that one round, contributes zeros (weight 0),
+and torchft's average divides by the groups left (`Manager.num_participants()`): the outer step of both
+groups takes group 0's pseudo-gradient alone, and the replicas stay replicas. Its manager's
+`min_replica_size=1` is torchft's quorum (`ShardedIsoLoCo(min_workers=)`'s counterpart): a round with one
+group still commits. Prints the participants that reached the merge in each round, [2, 1, 2, …], and
+asserts them.
+
     python examples/torchft_diloco_fsdp.py [--rounds 4] [--inner 10] [--shards 1]
 
 --shards 2 shards each replica group over two ranks (4 processes in all).
@@ -39,6 +47,9 @@ OUTER = {
     "IsoLoCo": partial(IsoLoCo, lr=1.8, momentum=0.8, nesterov=True),
 }
 DIM, HIDDEN, CLASSES, BATCH = 16, 32, 8, 32
+#: The ragged run (torchft only, with --rounds 2 or more): IsoLoCo with replica group 1 sitting out outer round 1.
+RAGGED = "IsoLoCo, one group sits out a round"
+SIT_OUT = (1, 1)  # (replica group, outer round)
 
 
 def make_model() -> nn.Module:
@@ -56,19 +67,68 @@ def teacher_batch(gen: torch.Generator, n: int = BATCH) -> tuple[torch.Tensor, t
     return x, (torch.tanh(x @ t1) @ t2).argmax(-1)
 
 
+def sit_out_manager():
+    """torchft's Manager with one replica group sitting out one outer round (the class is made here: torchft is
+    imported only where it runs)."""
+    from torchft.manager import Manager
+
+    class SitOut(Manager):
+        """Replica group `SIT_OUT[0]` sits out outer round `SIT_OUT[1]`: for that round it is a spare (torchft's
+        FIXED_WITH_SPARES rule: it sends zeros) and every group's average divides by the groups left. Records,
+        per outer round, the count that reached the merge (`participants`) and a digest of each tensor this
+        group handed to the average and of what came back (`exchanged`)."""
+
+        def __init__(self, *args, group: int, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.group, self.participants, self.exchanged, self._sent = group, [], [], []
+
+        def allreduce(self, tensor, *args, **kwargs):
+            self._sent.append((digest(tensor), tensor))  # this group's own pseudo-gradient, before the average
+            return super().allreduce(tensor, *args, **kwargs)
+
+        def _round_out(self) -> bool:  # the same answer on every group: the committed step count
+            return self.current_step() == SIT_OUT[1]
+
+        def num_participants(self) -> int:
+            n = super().num_participants()
+            return n - 1 if self._round_out() else n
+
+        def is_participating(self) -> bool:
+            return super().is_participating() and not (self._round_out() and self.group == SIT_OUT[0])
+
+        def should_commit(self, timeout=None) -> bool:  # DiLoCo waited for the averages: what the merge gets
+            self.participants.append(self.num_participants())  # the divisor the round's average used
+            self.exchanged.append([(sent, digest(t)) for sent, t in self._sent])
+            self._sent = []
+            return super().should_commit(timeout)
+
+    return SitOut
+
+
+def digest(t: torch.Tensor) -> str:
+    """A tensor's exact bits, as a short hash."""
+    import hashlib
+
+    t = t.detach().cpu().contiguous()
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
 def build_torchft(
     name: str, model: nn.Module, inner, state_fns, replica: int, rank: int, shards: int, lighthouse: str, args
 ):
-    """torchft's Manager and DiLoCo as a torchft user writes them, with the outer optimizer `name`."""
+    """torchft's Manager and DiLoCo as a torchft user writes them, with the outer optimizer `name` (the ragged
+    run: IsoLoCo, with a manager whose group `SIT_OUT[0]` sits out one round)."""
     from torchft.local_sgd import DiLoCo
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
-    outer = OUTER[name](model.parameters())  # <- the line that changes
+    ragged = name == RAGGED
+    outer = OUTER["IsoLoCo" if ragged else name](model.parameters())  # <- the line that changes
     t = timedelta(seconds=60)
-    manager = Manager(
+    kind, extra = (sit_out_manager(), {"group": replica}) if ragged else (Manager, {})
+    manager = kind(
         pg=ProcessGroupGloo(timeout=t),
-        min_replica_size=2,
+        min_replica_size=1 if ragged else 2,
         use_async_quorum=False,
         load_state_dict=state_fns[0],
         state_dict=state_fns[1],
@@ -82,6 +142,7 @@ def build_torchft(
         quorum_timeout=t,
         connect_timeout=t,
         init_sync=False,  # both groups start from the same seed: no transfer of the initial weights
+        **extra,
     )
     diloco = DiLoCo(
         manager, [model], inner, outer, sync_every=args.inner, backup_device=torch.device("cpu"), pin_memory=False
@@ -129,7 +190,16 @@ def run_one(build, name: str, lighthouse: str, replica: int, rank: int, shards: 
         weights = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
     finally:
         manager.shutdown(wait=False)
-    return {"held_out": held_out, "train": train_losses, "weights": weights, "steps": manager.current_step()}
+    out = {"held_out": held_out, "train": train_losses, "weights": weights, "steps": manager.current_step()}
+    out["participants"] = getattr(manager, "participants", None)
+    out["exchanged"] = getattr(manager, "exchanged", None)
+    return out
+
+
+def runs(build, args) -> list[str]:
+    """The runs of this invocation: the three outer optimizers, and with torchft's own build and two rounds or
+    more the ragged one."""
+    return list(OUTER) + ([RAGGED] if build is build_torchft and args.rounds > SIT_OUT[1] else [])
 
 
 def worker(build, replica: int, rank: int, shards: int, port: int, lighthouse: str, args, out) -> None:
@@ -137,7 +207,7 @@ def worker(build, replica: int, rank: int, shards: int, port: int, lighthouse: s
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=shards)
-        result = {name: run_one(build, name, lighthouse, replica, rank, shards, args) for name in OUTER}
+        result = {name: run_one(build, name, lighthouse, replica, rank, shards, args) for name in runs(build, args)}
         out.put((replica, rank, result))
     except BaseException as e:  # the parent reports it instead of waiting for a result forever
         out.put((replica, rank, f"{type(e).__name__}: {e}"))
@@ -220,7 +290,7 @@ def check(results: dict, args) -> dict:
     """The DiLoCo invariants and the drop-in claim; returns the held-out loss per outer optimizer."""
     first = results[(0, 0)]
     for key, res in results.items():
-        for name in OUTER:
+        for name in first:
             assert res[name]["steps"] == args.rounds, (key, name, res[name]["steps"])
             assert all(math.isfinite(v) for v in res[name]["train"]) and math.isfinite(res[name]["held_out"])
             # after an outer step every replica group holds the same global weights
@@ -230,6 +300,19 @@ def check(results: dict, args) -> dict:
     losses = {name: first[name]["held_out"] for name in OUTER}
     for name, v in losses.items():
         print(f"{name:>20}: held-out loss {v:.4f} (initial train loss {first[name]['train'][0]:.4f})")
+    if RAGGED in first:  # every group saw the same count reach the merge: 2, but 1 in the round group 1 sat out
+        want = [1 if r == SIT_OUT[1] else 2 for r in range(args.rounds)]
+        for key, res in results.items():
+            assert res[RAGGED]["participants"] == want, (key, res[RAGGED]["participants"], want)
+            # in that round every group's average is group 0's own pseudo-gradient, bit for bit: group 1 weighed 0
+            kept = results[(0, key[1])][RAGGED]["exchanged"][SIT_OUT[1]]
+            got = res[RAGGED]["exchanged"][SIT_OUT[1]]
+            assert [back for _, back in got] == [sent for sent, _ in kept], key
+        assert first[RAGGED]["weights"] != first["IsoLoCo"]["weights"]  # the round without group 1 moved elsewhere
+        print(
+            f"{RAGGED} (group {SIT_OUT[0]} sends zeros in round {SIT_OUT[1]}): participants per round "
+            f"{first[RAGGED]['participants']}, held-out loss {first[RAGGED]['held_out']:.4f}"
+        )
     return losses
 
 
