@@ -14,8 +14,6 @@
 - `process_group.py`: `IsoLoCo.step` over a process group (`IsoLoCo(process_group=...)`);
 - `dtensor.py`: `IsoLoCo.step` on DTensor params (FSDP2, tensor parallel): checks and the router;
   `routes.py` and `gram_route.py`: its routes;
-- `compressed.py`: the compressed route's arithmetic and state entry under the names MergeLoCo's
-  one-process simulation imports (defined in sharded.py);
 - `checkpoint.py`: what IsoLoCo and MergeLoCo refuse of a per-rank state; `bits.py`: the fingerprints and
   checksums replicas compare.
 

@@ -22,7 +22,7 @@ lives on the owner. docs/distributed.md has the contract, docs/compression.md th
 
 The compressed owner route's arithmetic (`encode_delta`, `owner_inputs`, `owner_step`, `apply_update`) and its
 state-dict entry (`attach`, `state_entry`, `check_entry`, `load_entry`) live here too: MergeLoCo's one-process
-simulation calls the same functions (through compressed.py), so the two agree bit for bit.
+simulation (optim/compressed.py) calls the same functions, so the two agree bit for bit.
 """
 
 from __future__ import annotations

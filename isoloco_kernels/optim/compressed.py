@@ -10,7 +10,7 @@ process, for K workers whose Δ_k arrive as [K, *shape] stacks — bit for bit w
 With ef_beta set, spec.feedback says which residuals are kept: "workers" (the default: no update residual),
 "both" (the workers' and the owner's) or "owner" (no worker residual): `Compression.leg`.
 
-The arithmetic is distributed/compressed.py's own functions (encode_delta, owner_inputs, owner_step,
+The arithmetic is distributed/sharded.py's own functions (ShardedIsoLoCo's compressed route) (encode_delta, owner_inputs, owner_step,
 apply_update), called with the same payloads in the same order, so `MergeLoCo(compress=spec)` fed the K
 stacks and `ShardedIsoLoCo(compress=spec)` on K ranks (rank k's grad = stack[k]) write equal params
 (torch.equal) in float32, bfloat16 and float16; tests/test_compress_sharded.py checks it on 2 and 3 ranks.
@@ -26,7 +26,7 @@ import torch
 
 from .._validate import check_all_finite, check_writable
 from ..compress import allreduce_bytes, exchange_bytes
-from ..distributed import compressed
+from ..distributed import sharded
 from ..distributed.plan import plan_shards
 
 __all__ = ["simulated_step", "worker_bytes"]
@@ -67,7 +67,7 @@ def simulated_step(opt, stacks: Sequence[Optional[torch.Tensor]]) -> None:
             rows = []
             payloads[i] = []
             for k in range(K):
-                packed, r = compressed.encode_delta(
+                packed, r = sharded.encode_delta(
                     spec,
                     stacks[i][k].detach().to(p.dtype),
                     held[i][k] if i in held else None,
@@ -90,14 +90,14 @@ def simulated_step(opt, stacks: Sequence[Optional[torch.Tensor]]) -> None:
         bufs, updates, owned = {}, {}, {}
         for r in range(plan.world_size):  # each rank's owner step on its own tensors, as ShardedIsoLoCo's
             mine = plan.owned(r)
-            inputs = compressed.owner_inputs(opt, params, {i: payloads[i] for i in mine})
-            _, b, e, u = compressed.owner_step(opt, params, groups, inputs)
+            inputs = sharded.owner_inputs(opt, params, {i: payloads[i] for i in mine})
+            _, b, e, u = sharded.owner_step(opt, params, groups, inputs)
             bufs.update(b)
             owned.update(e)
             updates.update(u)
-        new = [compressed.apply_update(p, updates[i]) for i, p in enumerate(params)]
+        new = [sharded.apply_update(p, updates[i]) for i, p in enumerate(params)]
         check_all_finite(new, [f"{where}: param {i} after the step" for i in range(len(new))])
-        compressed.write(opt, params, new, bufs, residuals, owned)
+        sharded.write(opt, params, new, bufs, residuals, owned)
     opt.merged_steps += 1
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import torch
 
 from .._validate import check_all_finite, is_dtensor
-from ..distributed import compressed
+from ..distributed import sharded
 from ..distributed.checkpoint import refuse_rank_state
 from ..merges import check_stacks, clip_stacks, merge_groups
 from ..merges.options import resolve_clip, resolve_options, resolve_weights
@@ -118,7 +118,7 @@ class MergeLoCo(IsoLoCo):
         self.last_clip_caps: dict[int, float] = {}
         self.merge, self.merge_options, self.merged_steps = merge, opts, 0
         self._pending: Optional[tuple] = None  # (stacks, weights) set_deltas checked, for the next step
-        compressed.attach(self, compress, "MergeLoCo")  # this process's K workers' residuals, once stepped
+        sharded.attach(self, compress, "MergeLoCo")  # this process's K workers' residuals, once stepped
         super().__init__(
             params,
             lr,
@@ -283,7 +283,7 @@ class MergeLoCo(IsoLoCo):
         sd = super().state_dict()
         sd["merge"] = merge_entry(self.merge, self.merge_options, self.merged_steps)
         if self.compress is not None:  # the K workers' residuals ([K, *shape] each) and the update residuals
-            sd["compress"] = compressed.state_entry(self)
+            sd["compress"] = sharded.state_entry(self)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -292,11 +292,11 @@ class MergeLoCo(IsoLoCo):
         refuse_rank_state(state_dict, "MergeLoCo.load_state_dict")  # before its residuals are compared with ours
         info = check_merge_entry(self, state_dict, "MergeLoCo.load_state_dict")
         params = [p for p, _ in self._params()]
-        held = compressed.check_entry(self, state_dict, "MergeLoCo.load_state_dict", params, range(len(params)), True)
+        held = sharded.check_entry(self, state_dict, "MergeLoCo.load_state_dict", params, range(len(params)), True)
         drop = ("merge", "compress")
         rest = {k: v for k, v in state_dict.items() if k not in drop} if isinstance(state_dict, dict) else state_dict
         super().load_state_dict(rest)
-        compressed.load_entry(self, held)
+        sharded.load_entry(self, held)
         if info is not None:
             self.merged_steps = int(info["steps"])
 

@@ -13,7 +13,7 @@ import torch
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import MergeLoCo, ShardedIsoLoCo
 from isoloco_kernels.compress import Compression, compress, dequantize, parse
-from isoloco_kernels.distributed import compressed
+from isoloco_kernels.distributed import sharded
 from tests.helpers import seeded, step_with_one_process
 from tests.spawn import Checks, groups, params
 
@@ -91,7 +91,7 @@ def _check_the_route_sends_the_tables(rank, world):
         for p in ps:
             p.grad = torch.randn(p.shape)
         opt.step()
-        model = compressed.wire_bytes(opt.plan, spec)
+        model = sharded.wire_bytes(opt.plan, spec)
         assert model["all_to_all"] + model["all_gather"] <= limit * model["allreduce_fp32"], (spec, model)
         assert all(bool(p.abs().sum() > 0) for p in ps)
 

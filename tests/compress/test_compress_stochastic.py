@@ -11,7 +11,7 @@ import torch
 
 from isoloco_kernels.compress import FORMATS, Compression, compress, dequantize, quantize
 from isoloco_kernels.compress.reference import levels_ref
-from isoloco_kernels.distributed.compressed import UPDATE_STREAM, stream_spec
+from isoloco_kernels.distributed.sharded import UPDATE_STREAM, stream_spec
 
 
 def _x(n: int, seed: int) -> torch.Tensor:
@@ -84,7 +84,7 @@ def test_draws_depend_on_seed_step_tensor_and_element_only():
 
 
 def test_each_worker_draws_its_own_stream_and_every_rank_the_same():
-    """The routes' streams (distributed/compressed.py `stream_spec`): worker k's Δ draws with the spec's seed mixed
+    """The routes' streams (distributed/sharded.py `stream_spec`): worker k's Δ draws with the spec's seed mixed
     with stream k + 1, the owner's update with stream 0. The same stream gives the same spec on every rank, so
     the bits of a (stream, step, tensor, element) are one number everywhere; different workers' streams are
     independent (their rounding errors do not line up and average out in the mean of K payloads)."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import isoloco_kernels  # noqa: F401  (registers the ops in spawned workers too)
 from isoloco_kernels import DistributedStepError, MergeLoCo, ShardedIsoLoCo
 from isoloco_kernels.compress import Compression
-from isoloco_kernels.distributed import compressed, pipeline
+from isoloco_kernels.distributed import pipeline, sharded
 from tests.helpers import seeded, step_as_rank, step_with_one_process
 from tests.spawn import Checks, groups, params
 
@@ -167,7 +167,7 @@ def _check_bytes_per_rank(rank, world, tmpdir):
             with _Wire(world) as wire:
                 opt.step()
             legs = wire.totals()
-            model = compressed.wire_bytes(opt.plan, spec)
+            model = sharded.wire_bytes(opt.plan, spec)
             reported = worker_bytes(spec, ps, world)["compressed"]
             assert math.isclose(sum(legs), world * reported, rel_tol=1e-12), (fmt, update, legs, reported)
             assert math.isclose(legs[0], world * model["all_to_all"], rel_tol=1e-12), (legs, model)
