@@ -39,12 +39,16 @@ from study.common.stats import paired_bootstrap_ci
 from study.init_scale.v2 import markdown_v2, summary_v2
 from study.init_scale.v2_plots import plot_grid, plots_v2
 
+#: the results files of the questions after study v6, kept out of the summaries before them
+LATER = ("k_scaling/results/v7_*.jsonl", "compression/results/compress_v2.jsonl", "arrival/results/*.jsonl")
+
 
 def main() -> None:
-    # study v7's runs (k_scaling/results/v7_*.jsonl) are v7's alone: the summaries before it read the runs they made
-    v7_runs = load(HERE)
-    v7_only = {run_key(r) for f in sorted((HERE / "k_scaling" / "results").glob("v7_*.jsonl")) for r in read_jsonl(f)}
-    every = [r for r in v7_runs if run_key(r) not in v7_only]
+    # the runs of the questions after v6 (LATER: study v7's, compression v2's, arrival's) are theirs alone: the
+    # summaries before them read the runs they made (compression v2 reran the uncompressed base cell on new seeds)
+    all_runs = load(HERE)
+    later = {run_key(r) for pattern in LATER for f in sorted(HERE.glob(pattern)) for r in read_jsonl(f)}
+    every = [r for r in all_runs if run_key(r) not in later]
     recs = [r for r in every if plain(r)]
     v2, v2_recs = summary_v2(recs)
     (HERE / "init_scale" / "summary_v2.json").write_text(json.dumps(v2, indent=1))
@@ -97,7 +101,7 @@ def main() -> None:
             print("\n<!-- v6 fixed compute -->\n" + fixed_compute.markdown_fixed_compute(s6["fixed_compute"]))
         from study.compression.compression import markdown_compress, plot_compress, summarize_compress
 
-        comp = summarize_compress([r for r in every if r.get("study") == "v3"])
+        comp = summarize_compress([r for r in all_runs if r.get("study") == "v3"])
         if comp:
             (HERE / "compression" / "summary_compress.json").write_text(json.dumps(comp, indent=1))
             plot_compress(comp, HERE / "compression" / "study_compress.png")
@@ -105,7 +109,7 @@ def main() -> None:
     from study.k_scaling import spectra, v7  # study v7: K at fixed compute against the strongest DiLoCo, and why
 
     v3_cells = v3 if v3_recs else {}
-    rows = v7.summarize_v7(v7_runs)
+    rows = v7.summarize_v7(all_runs)
     if rows:
         spectra_rows = spectra.summarize_spectra(read_jsonl(spectra.OUT)) if spectra.OUT.exists() else []
         s7 = {"fixed_compute": rows, "spectra": spectra_rows}
@@ -122,7 +126,7 @@ def main() -> None:
             print("\n<!-- v7 spectra -->\n" + spectra.markdown_spectra(spectra_rows))
     from study.arrival import arrival  # workers as they really arrive: missed rounds, a faulty worker, the clip
 
-    arr = arrival.summarize_arrival(every)
+    arr = arrival.summarize_arrival(all_runs)
     if arr:
         (HERE / "arrival" / "summary_arrival.json").write_text(json.dumps(arr, indent=1))
         print("\n<!-- arrival -->\n" + arrival.markdown_arrival(arr))
