@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import torch
 
 # the settings (config.py) and the optimizers (optimizers.py) are importable from here as before
-from ..merges import clip_stacks, merge
+from ..merges import merge
 from .config import DEFAULT_MODES, INNERS, MODES, OUTER_DEFAULTS, SGD_MODES, TrainConfig, check_device
 from .data import Batches, Corpus, check_fits, heldout_splits, worker_seed, worker_shards
 from .divergence import DivergenceMeter
@@ -417,10 +417,10 @@ def run_mode(
                 if ragged:
                     weights = [0.0 if k in missed else 1.0 for k in range(cfg.workers)]
                     stacks = [torch.stack(st) for st in stacks]
-                    if cfg.merge_clip is not None:
-                        stacks = clip_stacks(stacks, cfg.merge_clip, [k for k, w in enumerate(weights) if w > 0]).stacks
-                    # the mean of the delivering workers: what DiLoCo steps on and IsoLoCo flattens
-                    delta = merge(stacks, "mean", weights=weights)
+                    if not per_worker or meter is not None or capture is not None:
+                        # the clipped mean of the delivering workers: what DiLoCo steps on and IsoLoCo flattens
+                        # (MergeLoCo merges and clips the stacks itself: MergeLoCo(clip=), step(weights=))
+                        delta = merge(stacks, "mean", weights=weights, clip=cfg.merge_clip)
                 else:
                     comm.pseudo_gradients_(delta)
                 if meter is not None or capture is not None:

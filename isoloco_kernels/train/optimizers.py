@@ -108,7 +108,7 @@ def outer_optimizer(mode: str, params, cfg: TrainConfig) -> torch.optim.Optimize
     if cfg.merge != "iso_c":
         from ..optim.mergeloco import MergeLoCo
 
-        return MergeLoCo(params, lr=lr, momentum=mom, merge=cfg.merge, method=cfg.iso_method)
+        return MergeLoCo(params, lr=lr, momentum=mom, merge=cfg.merge, method=cfg.iso_method, clip=cfg.merge_clip)
     from ..optim.isoloco import IsoLoCo
 
     return IsoLoCo(params, lr=lr, momentum=mom, iso=True, method=cfg.iso_method)

@@ -786,3 +786,14 @@ def test_ragged_rounds_need_every_worker_in_this_process(corpus):
 
     with pytest.raises(ValueError, match="one process"):
         run_mode("diloco", Setup(TrainConfig(**TINY, drop=0.25), corpus), comm=OneRank())
+
+
+def test_a_merge_optimizer_clips_through_its_own_clip(corpus):
+    """With a merge other than iso_c the loop hands the stacks to MergeLoCo(clip=...): worker 0's Δ × 1000 moves
+    the model far from the honest run unclipped and back to within the honest run's neighbourhood clipped."""
+    cfg = dict(TINY, rounds=1, merge="tsv")
+    honest, faulty, clipped = (
+        run_mode("isoloco", Setup(TrainConfig(**cfg, **kw), corpus))["final_loss"]
+        for kw in ({}, {"faulty": 1000.0}, {"faulty": 1000.0, "merge_clip": "median"})
+    )
+    assert abs(faulty - honest) > 10 * abs(clipped - honest) and abs(clipped - honest) < 0.05
