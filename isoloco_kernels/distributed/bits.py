@@ -92,9 +92,9 @@ def _checksum(t: torch.Tensor) -> Optional[torch.Tensor]:
     flat = t.detach().reshape(-1)  # a view of a contiguous tensor
     if flat.numel() == 0:
         return None
+    if (flat.storage_offset() * flat.element_size()) % 8:  # not 8-aligned: an aligned copy, so equal bits at any
+        flat = flat.clone()  # offset give the same checksum (a fresh allocation starts aligned)
     raw = flat.view(torch.uint8)
-    if (flat.storage_offset() * flat.element_size()) % 8:  # not 8-aligned: the element bits, widened (slower)
-        return (flat.view(_INT[flat.element_size()]).to(torch.int64) * _weights(0, flat.numel(), flat.device)).sum()
     words = raw.numel() // 8
     body = raw[: words * 8].view(torch.int64)  # the bits as 8-byte words, read in place: native int64 sums
     rows = words // ROW

@@ -804,7 +804,7 @@ class _RollCall:
         h = self.host
         h.zero_()
         h[0] = 2 if failed else int(weight is not None)
-        h[1] = quorum
+        h[1] = 0 if failed else quorum  # a failed rank's own settings may be what failed: nothing of them is sent
         if not failed:
             f = h.view(torch.float64)
             f[2] = 0.0 if weight is None else weight

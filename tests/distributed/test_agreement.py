@@ -681,3 +681,23 @@ def test_every_collective_follows_nccl_device_rule(tmp_path, world):
     """agree, agree_on_mesh, object gathers, average_, ShardedIsoLoCo, sharded_iso_merge_,
     IsoLoCo(process_group=...) and the DTensor step, good and failing, under the stand-in."""
     spawn(_body_nccl_rule, world, tmp_path, pg_timeout_s=PG_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_checksum_is_of_the_bits_not_of_where_they_sit(dtype):
+    """Replicas holding equal params at different storage offsets (views into a flat buffer at an odd offset)
+    get equal checksums; one flipped bit changes it."""
+    from isoloco_kernels.distributed.bits import checksums
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3 * 512 + 7, generator=g).to(dtype)
+    buf = torch.zeros(x.numel() + 3, dtype=dtype)
+    buf[1:-2] = x
+    view = buf[1:-2]  # not 8-byte aligned but for float64
+    assert (view.storage_offset() * view.element_size() % 8 == 0) == (dtype == torch.float64)
+    assert checksums([view]) == checksums([x.clone()])
+    y = x.clone()
+    y.view(torch.int8 if dtype.itemsize == 1 else {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize])[
+        100
+    ] ^= 1
+    assert checksums([y]) != checksums([x])

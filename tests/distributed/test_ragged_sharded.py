@@ -277,6 +277,11 @@ def _check_settings_are_refused_by_name(rank, world):
     with pytest.raises(DistributedStepError, match="min_workers differ"):
         _step(opt, ps, _deltas(world, 0), rank, 1.0)
     assert all(torch.equal(p, q) for p, q in zip(ps, _init())) and opt.merged_steps == 0
+    for bad in ("2", None, 2**70):  # a min_workers that is no valid int on one rank: that rank's own error
+        opt.min_workers = bad if rank == world - 1 else 1  # (it sends nothing of it), the others' agreed one
+        with pytest.raises((DistributedStepError, TypeError, ValueError), match="min_workers"):
+            _step(opt, ps, _deltas(world, 0), rank, 1.0)
+        assert all(torch.equal(p, q) for p, q in zip(ps, _init())) and opt.merged_steps == 0
     opt.min_workers = 1
     opt.clip = "median"  # built without a clip: the roll call has no room for the norms
     with pytest.raises(DistributedStepError, match="built without a clip"):
