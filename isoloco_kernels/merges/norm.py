@@ -21,8 +21,9 @@ tensor (a matrix, a vector, any tensor: the 2-norm of all its entries), each wor
     c_k = min(1, cap / ‖Δ_k‖),   cap = median_{k: w_k > 0} ‖Δ_k‖ ("median") or the number given
 
 so it only ever shrinks; a worker at or below the cap is left as it is, bit for bit. The median of an
-even count is the mean of its two middle values. Norms are taken in float64 from a power-of-two scaled
-copy (no overflow, no underflow); the scaled Δ_k is rounded to the stack's dtype, which is what the
+even count is the mean of its two middle values. Norms are reduced in the stack's compute dtype (float32
+for 16- and 32-bit stacks, float64 for float64) on a power-of-two scaled copy (no overflow, no underflow) and
+returned as float64; the scaled Δ_k is rounded to the stack's dtype, which is what the
 merge then reads.
 """
 
