@@ -107,7 +107,7 @@ for _world, _table in TABLES.items():
     for _name, _rounds, _exact in ROUNDS[_world]:
         for _merge in ("iso_c", "mean", "tsv"):
             exact = _exact or _merge not in MEAN_ROUTE  # the owner of a worker merge receives every Δ as it was
-            for _dt in (torch.float32, torch.bfloat16):
+            for _dt in (torch.float32, torch.bfloat16, torch.float16):
                 for _solo in (1.0, 0.2) if _merge in ("mean", "tsv") and _dt == torch.float32 else (1.0,):
                     _table.add(
                         f"weights-{_name}-{_merge}-{str(_dt)[6:]}-solo{_solo}",
