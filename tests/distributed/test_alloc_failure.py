@@ -378,13 +378,11 @@ def _cold() -> None:
     A._CONTROL.__dict__.clear()
 
 
-@BROAD
-def _check_average(rank: int) -> None:
-    from isoloco_kernels.distributed import average_
-
+def _broad_cold_and_warm(rank: int, make, call) -> None:
+    """_broad of call(ts) on the tensors make() gives, restored before each run: first as a thread's first
+    call (its control plane not made yet), then warm."""
     for cold in (True, False):
-        gen = torch.Generator().manual_seed(rank)
-        ts = [torch.randn(300, generator=gen), torch.randn(9, 7, generator=gen).to(torch.bfloat16).mT]
+        ts = make()
         start = [t.clone() for t in ts]
 
         def run():
@@ -392,28 +390,31 @@ def _check_average(rank: int) -> None:
                 t.copy_(s0)
             if cold:
                 _cold()
-            average_(ts, chunk_bytes=256)
+            call(ts)
 
         _broad(rank, run, lambda: [t.clone() for t in ts])
+
+
+@BROAD
+def _check_average(rank: int) -> None:
+    from isoloco_kernels.distributed import average_
+
+    def make():
+        gen = torch.Generator().manual_seed(rank)
+        return [torch.randn(300, generator=gen), torch.randn(9, 7, generator=gen).to(torch.bfloat16).mT]
+
+    _broad_cold_and_warm(rank, make, lambda ts: average_(ts, chunk_bytes=256))
 
 
 @BROAD
 def _check_sharded_iso_merge(rank: int) -> None:
     from isoloco_kernels.distributed import sharded_iso_merge_
 
-    for cold in (True, False):
+    def make():
         gen = torch.Generator().manual_seed(0)  # equal on every rank, as averaged buckets are
-        bs = [torch.randn(40, 40, generator=gen).mT, torch.randn(4, 16, 16, generator=gen)]
-        start = [b.clone() for b in bs]
+        return [torch.randn(40, 40, generator=gen).mT, torch.randn(4, 16, 16, generator=gen)]
 
-        def run():
-            for b, s0 in zip(bs, start):
-                b.copy_(s0)
-            if cold:
-                _cold()
-            sharded_iso_merge_(bs, method="svd", chunk_bytes=512, solo_above=0.3)
-
-        _broad(rank, run, lambda: [b.clone() for b in bs])
+    _broad_cold_and_warm(rank, make, lambda bs: sharded_iso_merge_(bs, method="svd", chunk_bytes=512, solo_above=0.3))
 
 
 def _sharded_broad(rank: int, **kw) -> None:
