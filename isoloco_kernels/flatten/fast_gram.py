@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from .._validate import ResultOverflowError, _describe_nonfinite, compute_dtype, overflow_limit, rank_tol
+from .._validate import _describe_nonfinite, compute_dtype, overflow_limit, rank_tol
 from . import exact, gram, tf32
 from .polar import TF32X2, TF32X3, certificate_flops, polar_flops
 
@@ -271,15 +271,15 @@ def flatten_fast_gram_(
         scale = torch.where(scale > 0, scale, 1)
         sub.div_(scale)
         fallback(sub)
-        sub.mul_(scale)
-        if not bool(torch.isfinite(sub).all()) or not bool((sub.abs() < big).all()):
-            k = int((~(torch.isfinite(sub) & (sub.abs() < big))).flatten(1).any(1).nonzero()[0, 0])
-            raise ResultOverflowError(
-                f"iso_flatten_ (fast): matrix {int(flagged[k])}: the recomputed Iso-C result does not fit "
-                f"{x3.dtype}; nothing was written",
-                matrix=int(flagged[k]),
-            )
-        sub = sub.to(x3.dtype)
+        sub = gram.check_aside(
+            sub.mul_(scale),
+            flagged,
+            big,
+            x3.dtype,
+            lambda i, _: (
+                f"iso_flatten_ (fast): matrix {i}: the recomputed Iso-C result does not fit {x3.dtype}; nothing was written"
+            ),
+        )
 
     recorder.finish(
         x3.shape,

@@ -131,6 +131,19 @@ def check_fit(suspects, skip: set, largest, amax: torch.Tensor, big: float, dtyp
             )
 
 
+def check_aside(result: torch.Tensor, flagged: torch.Tensor, big: float, dtype: torch.dtype, refusal) -> torch.Tensor:
+    """The flagged matrices' results recomputed aside (result[k]: matrix flagged[k]'s) in `dtype`, once each fits:
+    ResultOverflowError for the first with an entry ≥ `big` or not finite (nothing was written), its message
+    refusal(i, largest entry)."""
+    top = result.abs().flatten(1).amax(-1)
+    ok = top < big  # NaN fails
+    if not bool(ok.all()):
+        k = int((~ok).nonzero()[0, 0])
+        i = int(flagged[k])
+        raise ResultOverflowError(refusal(i, float(top[k])), matrix=i)
+    return result.to(dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # The iteration
 
@@ -299,19 +312,16 @@ def flatten_gram_(x3: torch.Tensor, *, budget: int | None = None, update: str = 
     # computed aside; it must fit too.
     fallback = None
     if flagged.numel():
-        fallback = exact.svd_result(x3[flagged])
-        top = fallback.abs().flatten(1).amax(-1)
-        ok = top < big
-        if not bool(ok.all()):
-            k = int((~ok).nonzero()[0, 0])
-            i = int(flagged[k])
-            raise ResultOverflowError(
+        fallback = check_aside(
+            exact.svd_result(x3[flagged]),
+            flagged,
+            big,
+            x3.dtype,
+            lambda i, top: (
                 f"iso_flatten_ (gram): matrix {i}: the Iso-C result (recomputed by SVD) does not fit "
-                f"{x3.dtype} (largest entry {float(top[k]):.4g}, the input is finite); nothing was "
-                f"written",
-                matrix=i,
-            )
-        fallback = fallback.to(x3.dtype)
+                f"{x3.dtype} (largest entry {top:.4g}, the input is finite); nothing was written"
+            ),
+        )
 
     # Every check has passed: record and warn now, before the first write (a warning filtered into
     # an error leaves the bucket untouched).
