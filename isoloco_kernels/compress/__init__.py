@@ -11,7 +11,7 @@ feedback, pack / unpack, which params stay in full precision (skip) — torch pa
 """
 
 from .codec import Packed, dequantize, quantize
-from .feedback import backend_for, compress, decompress_add_, residual_dtype_for
+from .feedback import backend_for, compress, decompress_add_, residual_dtype_for, track
 from .spec import (
     FORMATS,
     STAT_FORMATS,
@@ -45,4 +45,5 @@ __all__ = [
     "residual_bytes",
     "residual_dtype_for",
     "skip_mask",
+    "track",
 ]

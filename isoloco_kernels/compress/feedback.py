@@ -10,6 +10,13 @@ Every format, the statistical ones included, goes through the same two calls.
 With β = None there is no residual (e = 0, nothing kept). The residual is per worker and as large
 as the parameter: numel × 4 bytes in float32, × 2 in bfloat16 / float16 (spec.residual_bytes).
 
+Tracking (`track`, spec.feedback "ef21"): the worker keeps an estimate g of its Δ instead of a residual, in
+the same dtype and memory, and sends the correction to it:
+
+    v = Δ − β·g          in the compute dtype
+    c = Q(v)             compressed without feedback
+    g ← β·g + c          in the compute dtype, rounded once to the estimate's dtype
+
 All or nothing: the inputs are never written; the new residual is a new tensor the caller swaps
 in. NaN or Inf in Δ or the residual (or a float32 overflow of their sum) raises ValueError naming
 the tensor before the caller sees anything.
@@ -17,6 +24,7 @@ the tensor before the caller sees anything.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -26,7 +34,7 @@ from .._validate import ResultOverflowError, compute_dtype
 from .codec import Packed, _blocks, _check_packed, check_call, encode_blocks, pack_codes, stream_keys, unpack_add_
 from .spec import Compression, format_of
 
-__all__ = ["compress", "decompress_add_", "backend_for", "residual_dtype_for"]
+__all__ = ["compress", "decompress_add_", "track", "backend_for", "residual_dtype_for"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -102,6 +110,8 @@ def compress(
     <tensor_id>") on NaN/Inf, TypeError/ValueError on a residual of another dtype or shape.
     """
     check_call(spec, step, tensor_id, first_block)
+    if spec.feedback == "ef21" and spec.ef_beta is not None:
+        raise ValueError("compress: feedback 'ef21' keeps a tracked estimate, not a residual: call track(...)")
     _check_inputs(delta, residual, spec)
     name = name or f"tensor {tensor_id}"
     n = delta.numel()
@@ -134,6 +144,41 @@ def compress(
         return packed, None
     new = (spec.ef_beta * (v - deq[:n])).to(rdt)
     _check_residual(new, rdt, name)
+    return packed, new.view(delta.shape)
+
+
+def track(
+    delta: torch.Tensor,
+    estimate: Optional[torch.Tensor],
+    spec: Compression,
+    *,
+    step: int,
+    tensor_id: int,
+    name: Optional[str] = None,
+) -> tuple[Packed, torch.Tensor]:
+    """(payload, new estimate) of one worker's Δ under tracking (module docstring; spec.feedback "ef21"):
+    c = Q(Δ − β·g), g ← β·g + c. estimate: g (None = zeros: the first step), in the residual dtype
+    (spec.residual_dtype or Δ's); the new one has Δ's shape and that dtype. Nothing given is modified. Raises
+    ValueError naming the tensor on NaN/Inf in Δ or g, ResultOverflowError when the new g does not fit its dtype."""
+    if not isinstance(spec, Compression) or spec.feedback != "ef21":
+        raise ValueError(f"track: the spec's feedback must be 'ef21', got {getattr(spec, 'feedback', spec)!r}")
+    _check_inputs(delta, estimate, spec)
+    name = name or f"tensor {tensor_id}"
+    cd, rdt = compute_dtype(delta.dtype), residual_dtype_for(spec, delta.dtype)
+    v = delta.detach().reshape(-1).to(cd)
+    prior = torch.zeros_like(v) if estimate is None else estimate.detach().reshape(-1).to(cd) * spec.ef_beta
+    v = v - prior
+    if not bool(torch.isfinite(v).all()):
+        text = _describe(delta, estimate, v, name).replace("the error-feedback residual", "the tracked estimate")
+        raise ValueError(text.replace("Δ + residual", "Δ − β·estimate") + "; nothing was quantized or written")
+    plain = dataclasses.replace(spec, ef_beta=None, residual_dtype=None, feedback="workers")
+    packed, _ = compress(v, None, plain, step=step, tensor_id=tensor_id, name=name)
+    new = decompress_add_(prior, packed).to(rdt)
+    if not bool(torch.isfinite(new).all()):
+        raise ResultOverflowError(
+            f"track: {name}: the tracked estimate β·g + c does not fit {rdt}; nothing was kept. Keep estimates in "
+            "float32 (residual_dtype=None for float32 params) or send this tensor uncompressed"
+        )
     return packed, new.view(delta.shape)
 
 

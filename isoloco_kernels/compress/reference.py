@@ -11,6 +11,7 @@ Python integer arithmetic. For one flat tensor x and a spec (compress/spec.py):
     level = sign(y)·(lo or hi); value = level·s
 
 Error feedback: v = Δ + e; c = value(v); e ← β·(v − c).
+Tracking (feedback "ef21"): v = Δ − β·g; c = value(v); g ← β·g + c.
 
 Statistical formats (`stat_quantize_ref`), per block of m entries, in Python integers and floats (a Python
 int / int is correctly rounded, as float64 division of the exactly converted integers is):
@@ -42,6 +43,7 @@ __all__ = [
     "stat_quantize_ref",
     "stat_dequantize_ref",
     "error_feedback_ref",
+    "tracking_ref",
 ]
 
 _M32 = 0xFFFFFFFF
@@ -187,3 +189,21 @@ def error_feedback_ref(
         sent = dequantize_ref(levels, scales, spec.block)
     new = None if spec.ef_beta is None else spec.ef_beta * (v - sent)
     return levels, scales, sent, new
+
+
+def tracking_ref(
+    delta: torch.Tensor,
+    estimate: Optional[torch.Tensor],
+    spec: Compression,
+    step: int = 0,
+    tensor_id: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sent values, new estimate) in float64 of tracking (feedback "ef21"): v = Δ − β·g, c = Q(v) without
+    feedback, g ← β·g + c."""
+    g = torch.zeros(delta.numel(), dtype=torch.float64)
+    if estimate is not None:
+        g = estimate.detach().to("cpu", torch.float64).flatten()
+    v = delta.detach().to("cpu", torch.float64).flatten() - spec.ef_beta * g
+    plain = Compression(spec.format, spec.block, spec.rounding, sigmas=spec.sigmas, seed=spec.seed)
+    sent = error_feedback_ref(v, None, plain, step, tensor_id)[2]
+    return sent, spec.ef_beta * g + sent

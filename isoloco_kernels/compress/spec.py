@@ -123,8 +123,9 @@ ROUNDINGS = ("nearest", "stochastic")
 #: How the owner's update travels back: in the spec's format, or in the parameters' dtype.
 UPDATES = ("compressed", "full")
 #: Where error feedback runs when ef_beta is set: both legs, each worker's Δ only (the default), the owner's
-#: update only.
-FEEDBACKS = ("both", "workers", "owner")
+#: update only; or "ef21": no residual, each worker sends the correction to its tracked estimate of its Δ and
+#: the owner steps on its tracked estimate of the mean (`Compression`).
+FEEDBACKS = ("both", "workers", "owner", "ef21")
 #: The two legs a spec compresses: each worker's Δ ("workers") and the owner's update ("owner").
 LEGS = ("workers", "owner")
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -222,7 +223,11 @@ class Compression:
     feedback        where error feedback runs (ef_beta set): "workers" (the default: each worker's residual on
                     its Δ only; the update sent without one), "both" legs, or "owner" (the owner's residual on
                     the update only; every Δ sent without one; refused with update="full", which has no update
-                    leg); with ef_beta None only the default is accepted
+                    leg); or "ef21", tracking instead of a residual: worker k keeps an estimate g_k of its Δ and
+                    sends c_k = Q(Δ_k − β·g_k), g_k ← β·g_k + c_k; the owner keeps G ← β·G + mean_k c_k
+                    (the mean of the g_k) and merges G, so the quantization error never enters the pre-Iso-C
+                    mean; the update goes back without a residual (the mean merges only: "iso_c", "mean");
+                    with ef_beta None only the default is accepted
     sigmas          k of the statistical formats (bins over μ ± k·σ): None takes the format's default (2.0 for
                     stat2, 2.5 for stat4); a multiple of 1/16 in (0, 16]. None for the blockwise formats.
     skip            which params stay in full precision: "none" (the default: every param compressed, as before
@@ -378,9 +383,16 @@ class Compression:
         (ef_beta and residual_dtype None, feedback the default): no residual is made or kept for that leg."""
         if leg not in LEGS:
             raise ValueError(f"Compression.leg: leg must be one of {list(LEGS)}, got {leg!r}")
-        if self.ef_beta is None or self.feedback in ("both", leg):
+        if self.ef_beta is None or self.feedback in ("both", leg) or (self.feedback, leg) == ("ef21", "workers"):
             return self
         return dataclasses.replace(self, ef_beta=None, residual_dtype=None, feedback="workers")
+
+    def keeps(self, leg: str) -> bool:
+        """Whether leg `leg` keeps a tensor between steps: a residual (error feedback on that leg; none for an
+        update sent in full) or, under feedback "ef21", the tracked estimate (each worker's g_k; the owner's G)."""
+        if self.feedback == "ef21":
+            return self.leg(leg) is not None  # every leg (an unknown one refused by name)
+        return self.leg(leg).ef_beta is not None and not (leg == "owner" and self.update == "full")
 
     def cli(self) -> str:
         """The `parse` string of this spec's format, block, β, rounding, feedback, k and skip rule
@@ -489,12 +501,11 @@ def bytes_of(spec: Compression, numel: int) -> int:
 
 
 def residual_bytes(spec: Compression, numel: int, param_dtype: torch.dtype, leg: str = "workers") -> int:
-    """Memory of one tensor's error-feedback residual on leg `leg` ("workers": a worker's, on its Δ; "owner":
-    the owner's, on the update, whose default dtype is float32 for float32 / bfloat16 / float16 params);
-    0 when error feedback is off or not on that leg (`Compression.leg`)."""
+    """Memory of the tensor leg `leg` keeps per param (`Compression.keeps`) — "workers": a worker's residual on its
+    Δ (or its ef21 estimate); "owner": the owner's residual on the update (or its ef21 estimate of the mean),
+    whose default dtype is float32 for float32 / bfloat16 / float16 params; 0 where the leg keeps none."""
     whole_tensor_spec(spec, "residual_bytes")
-    spec = spec.leg(leg)
-    if spec.ef_beta is None or (leg == "owner" and spec.update == "full"):
+    if not spec.keeps(leg):
         return 0
     if leg == "owner" and spec.residual_dtype is None:
         param_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32

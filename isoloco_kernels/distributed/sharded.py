@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .._validate import ResultOverflowError, amaxes, check_all_finite, check_amax_finite, compute_dtype, is_dtensor
-from ..compress import Compression, Packed, bytes_of, compress, decompress_add_, parse
+from ..compress import Compression, Packed, bytes_of, compress, decompress_add_, parse, track
 from ..compress.codec import mix32
 from ..merges import merge_groups, worker_norms
 from ..merges.options import resolve_clip, resolve_options, resolve_weights
@@ -238,6 +238,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         )
         self._data_device = self._params[0].device if self._params else torch.device("cpu")
         self._mine = self.plan.owned(self.rank)
+        self._specs = tensor_specs(self, self._params, "ShardedIsoLoCo")
         self._plan_text = f"{self.plan.fingerprint:#x}"
         self._exchange = self._new_exchange(chunk_bytes)
         device = comm_device(self.process_group) if self.world_size > 1 else self._data_device
@@ -248,7 +249,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         communication device; the params' own device on one rank)."""
         device = comm_device(self.process_group) if self.world_size > 1 else self._data_device
         if self.compress is not None:
-            return _CompressedExchange(self.plan, self.rank, device, self.compress)
+            return _CompressedExchange(self.plan, self.rank, device, self.compress, self._specs)
         kind = _MeanExchange if self.merge in _MEAN_MERGES else _WorkerExchange
         return kind(self.plan, self.rank, device, chunk_bytes)
 
@@ -508,7 +509,8 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         compress `owner_step`'s (buckets, momentum, update residuals, updates). weights: every rank's, for a
         merge of every worker's Δ (the mean route weighted its sum already; compress: equal)."""
         if self.compress is not None:
-            return owner_step(self, self._params, [self.param_groups[k] for k in self._group_of], inputs, self._buckets)
+            groups = [self.param_groups[k] for k in self._group_of]
+            return owner_step(self, self._params, groups, inputs, self._specs, self._buckets)
         if self.merge not in _MEAN_MERGES:  # every worker's Δ of my tensors: their merge
             merged = {i for i in inputs if self.param_groups[self._group_of[i]]["iso"]}
             out = merge_groups(inputs, merged, self.merge, self.merge_options, self.merged_steps, self.method, weights)
@@ -1208,11 +1210,10 @@ class _CompressedExchange:
     rank) and receive (every owner's updates), per solo tensor a send, a broadcast and (on its owner) K receive
     buffers."""
 
-    def __init__(self, plan: ShardPlan, rank: int, device, spec: Compression):
-        self.plan, self.rank, self.world, self.spec = plan, rank, plan.world_size, spec
-        self.numel = [plan.numel(i) for i in range(len(plan.shapes))]
+    def __init__(self, plan: ShardPlan, rank: int, device, spec: Compression, specs: list):
+        self.plan, self.rank, self.world, self.spec, self.specs = plan, rank, plan.world_size, spec, specs
         w = self.world
-        self.sizes = s1, s2 = update_sizes(plan, spec)
+        self.sizes = s1, s2 = update_sizes(plan, specs)
         (out, self.split1), (back, self.split2) = layout(plan, s1), layout(plan, s2)
         self.at1 = {i: (o, off) for o, entries in enumerate(out) for i, off in entries}
         self.at2 = {i: (o, off) for o, entries in enumerate(back) for i, off in entries}
@@ -1261,7 +1262,7 @@ class _CompressedExchange:
         self._residuals = {}
         for i, (p, g) in enumerate(zip(opt._params, grads)):
             packed, self._residuals[i] = encode_delta(
-                self.spec,
+                self.specs[i],
                 g.detach().to(p.dtype),
                 opt._residuals.get(i),
                 step=opt.merged_steps,
@@ -1269,7 +1270,7 @@ class _CompressedExchange:
                 worker=opt.rank,
                 name=f"param {i} (shape {tuple(p.shape)}) on rank {opt.rank}",
             )
-            self._outgoing(i).copy_(packed.wire())
+            self._outgoing(i).copy_(_wire(packed))
 
     def to_owners(self, group, failure):
         """Leg 1: every worker's payload of my tensors (a rank that failed sends zeros)."""
@@ -1287,12 +1288,14 @@ class _CompressedExchange:
 
     def inputs(self, opt) -> dict[int, torch.Tensor]:
         """What I merge: the mean (or the stack) of the workers' dequantized Δ of each tensor I own."""
-        spec = self.spec
         payloads = {
-            i: [Packed.from_wire(_aligned(self._incoming(i, k)), spec, self.numel[i]) for k in range(self.world)]
+            i: [
+                _payload(self.specs[i], "workers", opt._params[i], _aligned(self._incoming(i, k)))
+                for k in range(self.world)
+            ]
             for i in opt._mine
         }
-        return owner_inputs(opt, opt._params, payloads)
+        return owner_inputs(opt, opt._params, payloads, self.specs)
 
     def aside(self, opt, update, group, failure):
         """Leg 2, before the vote: my updates into my part (one copy for each rank), every owner's sent to every
@@ -1321,7 +1324,7 @@ class _CompressedExchange:
         if failure is None:
             try:
                 new = [
-                    apply_update(p, _payload(self.spec, p, _aligned(self._update(i, False))))
+                    apply_update(p, _payload(self.specs[i], "owner", p, _aligned(self._update(i, False))))
                     for i, p in enumerate(opt._params)
                 ]
                 check_all_finite(new, [f"param {i} after the step" for i in range(len(new))])
@@ -1346,7 +1349,7 @@ class _CompressedExchange:
 
     def __setstate__(self, state: dict) -> None:
         device = state.pop("device")
-        self.__init__(state["plan"], state["rank"], device, state["spec"])
+        self.__init__(state["plan"], state["rank"], device, state["spec"], state["specs"])
 
 
 def _aligned(buf: torch.Tensor) -> torch.Tensor:
@@ -1405,7 +1408,30 @@ def attach(opt, compress, where: str) -> None:
             f"{where}: compress must be a Compression, a spec string such as 'int4:128:0.95', or None; "
             f"got {type(compress).__name__}"
         )
+    merge = getattr(opt, "merge", "iso_c")
+    if compress is not None and compress.feedback == "ef21" and merge not in _MEAN_MERGES:
+        raise ValueError(
+            f"{where}: feedback='ef21' tracks the mean of the workers' Δ, which merge {merge!r} does not step on "
+            f"(it merges every worker's Δ); use merge 'iso_c' or 'mean', or another feedback placement"
+        )
     opt.compress, opt._residuals, opt._update_residuals = compress, {}, {}
+
+
+def tensor_specs(opt, params, where: str) -> list[Optional[Compression]]:
+    """Per param (in order): the spec it travels with, or None where the spec's `skip` rule keeps it in full
+    precision (its Δ and θ' sent in its dtype, no residual). A rule that names params reads the groups'
+    `param_names` (params given as `model.named_parameters()`); without them it is refused by name. [] without
+    compress."""
+    spec = opt.compress
+    if spec is None:
+        return []
+    names = [n for g in opt.param_groups for n in g.get("param_names", ())]
+    if len(names) != len(params):
+        names = [None] * len(params)
+    try:
+        return [spec.for_tensor(tuple(p.shape), n) for p, n in zip(params, names)]
+    except ValueError as e:
+        raise ValueError(f"{where}: {e} (give the optimizer model.named_parameters() to name them)") from None
 
 
 def stream_spec(spec: Compression, stream: int) -> Compression:
@@ -1415,32 +1441,45 @@ def stream_spec(spec: Compression, stream: int) -> Compression:
 
 def encode_delta(spec, delta, residual, *, step: int, index: int, worker: int, name: str):
     """(payload, new residual) of worker `worker`'s Δ of param `index` (compress.compress, stream worker + 1), with
-    the worker leg's spec (`spec.leg("workers")`: the new residual is None where that leg has no feedback)."""
+    the worker leg's spec (`spec.leg("workers")`: the new residual is None where that leg has no feedback).
+    spec None (a param the skip rule keeps): the Δ itself, checked finite, and no residual."""
+    if spec is None:
+        check_all_finite([delta], [name])
+        return delta.reshape(-1), None
+    if spec.feedback == "ef21":  # the correction to this worker's tracked estimate; the new estimate
+        return track(delta, residual, stream_spec(spec, worker + 1), step=step, tensor_id=index, name=name)
     leg = spec.leg("workers")
     return compress(delta, residual, stream_spec(leg, worker + 1), step=step, tensor_id=index, name=name)
 
 
-def owner_inputs(opt, params, payloads: dict[int, list]) -> dict[int, torch.Tensor]:
+def owner_inputs(opt, params, payloads: dict[int, list], specs) -> dict[int, torch.Tensor]:
     """What the owner merges, from every worker's payload (in worker order) of each of its tensors: the mean
     (merge "iso_c" or "mean": the sum in float32, float64 for float64 params, divided by K, rounded once to
-    θ's dtype) or the [K, *shape] stack of each worker's dequantized Δ in θ's dtype (the other merges)."""
+    θ's dtype) or the [K, *shape] stack of each worker's dequantized Δ in θ's dtype (the other merges). Under
+    feedback "ef21" a compressed tensor's is the owner's new estimate G' = β·G + sum / K, in the compute dtype
+    (`owner_step` keeps it and merges it rounded to θ's dtype)."""
     stack = opt.merge not in _MEAN_MERGES
     out = {}
     for i, packs in payloads.items():
         p = params[i]
         cd = compute_dtype(p.dtype)
         if stack:
-            rows = [decompress_add_(torch.zeros(p.numel(), dtype=cd, device=p.device), pk) for pk in packs]
+            rows = [_add(torch.zeros(p.numel(), dtype=cd, device=p.device), pk) for pk in packs]
             out[i] = torch.stack(rows).to(p.dtype).view(len(packs), *p.shape)
+            continue
+        acc = torch.zeros(p.numel(), dtype=cd, device=p.device)
+        for pk in packs:
+            _add(acc, pk)
+        acc.div_(len(packs))
+        if specs[i] is not None and specs[i].feedback == "ef21":
+            held = opt._update_residuals.get(i)
+            out[i] = (acc if held is None else acc.add_(held.reshape(-1).to(cd) * specs[i].ef_beta)).view(p.shape)
         else:
-            acc = torch.zeros(p.numel(), dtype=cd, device=p.device)
-            for pk in packs:
-                decompress_add_(acc, pk)
-            out[i] = acc.div_(len(packs)).to(p.dtype).view(p.shape)
+            out[i] = acc.to(p.dtype).view(p.shape)
     # every payload decodes to finite values (compress refuses the rest), so a non-finite result is an overflow
     # of the workers' sum (or of its rounding to θ's dtype): said as such, not as an Inf input
     for i in sorted(out):
-        if not bool(torch.isfinite(out[i]).all()):
+        if not bool(torch.isfinite(out[i].to(params[i].dtype)).all()):
             raise ResultOverflowError(
                 f"the {'stack' if stack else 'mean'} of the workers' decompressed Δ of param {i} (shape "
                 f"{tuple(params[i].shape)}) does not fit {params[i].dtype}: "
@@ -1450,15 +1489,34 @@ def owner_inputs(opt, params, payloads: dict[int, list]) -> dict[int, torch.Tens
     return out
 
 
-def owner_step(opt, params, groups, inputs: dict[int, torch.Tensor], buckets=None):
+def _add(acc: torch.Tensor, payload) -> torch.Tensor:
+    """acc += a worker's payload: decoded (a Packed), or the Δ of a param kept in full precision."""
+    if isinstance(payload, Packed):
+        return decompress_add_(acc, payload)
+    return acc.add_(payload.reshape(-1).to(acc.dtype))
+
+
+def owner_step(opt, params, groups, inputs: dict[int, torch.Tensor], specs, buckets=None):
     """The owner's step on its tensors: M (Iso-C of the mean in iso groups, the mean, or the merge of the
-    stacks), Nesterov from the held momentum, and the update u of each (see above). Reads opt's
-    compress, merge, merge_options, method, merged_steps, state and _update_residuals; writes nothing.
+    stacks), Nesterov from the held momentum, and the update u of each (see above), with each param's spec
+    (`tensor_specs`; None: kept in full precision, u = θ' as update="full" sends it). Reads opt's
+    merge, merge_options, method, merged_steps, state and _update_residuals; writes nothing.
     Returns (buckets for the next Iso-C, {i: new momentum or None (μ = 0: untouched)}, {i: new update
     residual} (empty where the update leg has no feedback: `spec.leg("owner")`), {i: u: a Packed, or θ' in
     θ's dtype for update="full"})."""
-    spec, step = opt.compress.leg("owner"), opt.merged_steps
+    step = opt.merged_steps
     idx = sorted(inputs)
+    residuals = {}
+    for i in idx:  # ef21: the owner's new estimate G' is kept, and merged rounded to θ's dtype
+        if specs[i] is not None and specs[i].feedback == "ef21":
+            residuals[i] = inputs[i].to(specs[i].residual_dtype or inputs[i].dtype)
+            if not bool(torch.isfinite(residuals[i]).all()):
+                raise ResultOverflowError(
+                    f"the owner's tracked estimate of param {i} (shape {tuple(params[i].shape)}) does not fit "
+                    f"{residuals[i].dtype}; nothing was changed. Keep estimates in float32 (residual_dtype=None)",
+                    tensor=i,
+                )
+            inputs = {**inputs, i: inputs[i].to(params[i].dtype)}
     if opt.merge in _MEAN_MERGES:
         m = dict(inputs)
         if opt.merge == "iso_c":
@@ -1470,7 +1528,7 @@ def owner_step(opt, params, groups, inputs: dict[int, torch.Tensor], buckets=Non
         merged = {i for i in idx if groups[i]["iso"]}
         out = merge_groups(inputs, merged, opt.merge, opt.merge_options, step, opt.method)
         m = {i: t.to(params[i].dtype) for i, t in out.items()}
-    bufs, residuals, updates, changes = {}, {}, {}, {}
+    bufs, updates, changes = {}, {}, {}
     # The Nesterov op on scratch from θ = 0, one call per (lr, μ): change = −lr·(M + μ·buf'), buf' = μ·buf + M
     # (a new buffer starts at zero: buf' = M exactly; μ = 0, torch.optim.SGD's rule: the held buffer is not
     # touched). The scratch params are known to be 0; the op reads the buffers and the updates once.
@@ -1494,13 +1552,13 @@ def owner_step(opt, params, groups, inputs: dict[int, torch.Tensor], buckets=Non
         for i, b, c in zip(ids, bs, cs):
             bufs[i], changes[i] = (None if mu == 0 else b), c
     for i in idx:
-        p, change = params[i], changes[i]
+        p, change, spec = params[i], changes[i], specs[i] and specs[i].leg("owner")
         name = f"the update of param {i} (shape {tuple(p.shape)})"
-        if spec.update == "full":
+        if spec is None or spec.update == "full":
             updates[i] = (p.detach().to(change.dtype) + change).to(p.dtype)
             check_all_finite([updates[i]], [name])
         else:
-            e = opt._update_residuals.get(i)
+            e = opt._update_residuals.get(i) if spec.ef_beta is not None else None  # ef21 holds G there
             updates[i], e = compress(change, e, stream_spec(spec, UPDATE_STREAM), step=step, tensor_id=i, name=name)
             if e is not None:
                 residuals[i] = e
@@ -1534,11 +1592,12 @@ def write(opt, params, new_params, bufs, residuals, update_residuals) -> None:
         opt._update_residuals.update({i: r for i, r in update_residuals.items() if r is not None})
 
 
-def _payload(spec, p, buf: torch.Tensor):
-    """A received update payload: a Packed (update="compressed") or θ' in p's dtype ("full")."""
-    if spec.update == "compressed":
-        return Packed.from_wire(buf, spec, p.numel())
-    return buf.view(p.dtype)
+def _payload(spec, leg: str, p, buf: torch.Tensor):
+    """A received payload of param p on leg `leg` ("workers": a Δ, "owner": an update): a Packed, or p's dtype
+    values — a Δ or θ' of a param the skip rule keeps (spec None), θ' of update="full"."""
+    if spec is None or (leg == "owner" and spec.update == "full"):
+        return buf.view(p.dtype)
+    return Packed.from_wire(buf, spec, p.numel())
 
 
 def _wire(u) -> torch.Tensor:
@@ -1560,24 +1619,27 @@ def layout(plan: ShardPlan, sizes) -> tuple[list[list[tuple[int, int]]], list[in
     return per_rank, fill
 
 
-def update_sizes(plan: ShardPlan, spec: Compression) -> tuple[list[int], list[int]]:
-    """Bytes of each tensor's payload on the all-to-all leg and on the all-gather leg."""
-    n = [plan.numel(i) for i in range(len(plan.shapes))]
-    back = [
-        bytes_of(spec, k) if spec.update == "compressed" else k * torch.empty((), dtype=dt).element_size()
-        for k, dt in zip(n, plan.dtypes)
-    ]
-    return [bytes_of(spec, k) for k in n], back
+def update_sizes(plan: ShardPlan, specs) -> tuple[list[int], list[int]]:
+    """Bytes of each tensor's payload on the all-to-all leg and on the all-gather leg, with each tensor's spec
+    (`tensor_specs`; None: in its dtype both ways)."""
+    out, back = [], []
+    for i, (s, dt) in enumerate(zip(specs, plan.dtypes)):
+        k, full = plan.numel(i), plan.numel(i) * torch.empty((), dtype=dt).element_size()
+        out.append(full if s is None else bytes_of(s, k))
+        back.append(full if s is None or s.update == "full" else bytes_of(s, k))
+    return out, back
 
 
-def wire_bytes(plan: ShardPlan, spec: Compression) -> dict[str, float]:
+def wire_bytes(plan: ShardPlan, spec: Compression, names=None) -> dict[str, float]:
     """Bytes one rank puts on the wire per step in the compressed route, averaged over the ranks: 'all_to_all'
     (leg 1: every payload but the owner's own travels once to its owner, by all-to-all or, solo, gather) and
     'all_gather' (leg 2: every owner's updates to the W − 1 others, by all-to-all or, solo, broadcast), each
     (W − 1)/W of the payloads' bytes: `compress.exchange_bytes` summed over the tensors, at every world size (no
-    padding); 'allreduce_fp32' (2·(W − 1)/W·4 bytes per entry) to compare."""
+    padding); 'allreduce_fp32' (2·(W − 1)/W·4 bytes per entry) to compare. A param the spec's skip rule keeps
+    (by shape, or by `names`, one per tensor) travels in its dtype both ways."""
     w = plan.world_size
-    out, back = update_sizes(plan, spec)
+    names = [None] * len(plan.shapes) if names is None else list(names)
+    out, back = update_sizes(plan, [spec.for_tensor(s, n) for s, n in zip(plan.shapes, names)])
     legs = {"all_to_all": (w - 1) / w * sum(out), "all_gather": (w - 1) / w * sum(back)}
     legs["allreduce_fp32"] = 2 * (w - 1) / w * 4 * sum(plan.numel(i) for i in range(len(plan.shapes)))
     return legs
@@ -1664,16 +1726,17 @@ def check_entry(opt, state_dict, where: str, params, owned, stacked: bool = Fals
             "another format, block, β, rounding, update leg, seed or feedback placement cannot continue here"
             + _feedback_hint(opt.compress, got, want)
         )
+    kept = {i for i, s in enumerate(tensor_specs(opt, params, where)) if s is not None}  # the rest keep none
     held = entry.get("residuals")
     first = next(iter(held.values()), None) if isinstance(held, dict) else None
     lead = (first.shape[0],) if stacked and isinstance(first, torch.Tensor) and first.ndim else ()
     out = []
     for key, leg, idx, shape_of, dtype_of in (
-        ("residuals", "workers", range(len(params)), lambda p: lead + tuple(p.shape), None),
-        ("update_residuals", "owner", owned, lambda p: tuple(p.shape), compute_dtype),
+        ("residuals", "workers", [i for i in range(len(params)) if i in kept], lambda p: lead + tuple(p.shape), None),
+        ("update_residuals", "owner", [i for i in owned if i in kept], lambda p: tuple(p.shape), compute_dtype),
     ):
         got = entry.get(key)
-        if opt.compress.leg(leg).ef_beta is None and got:  # feedback elsewhere: this leg keeps none
+        if not opt.compress.keeps(leg) and got:  # feedback elsewhere: this leg keeps none
             raise ValueError(f"{where}: the 'compress' entry holds {key} but feedback={opt.compress.feedback!r}")
         if not isinstance(got, dict) or (got and set(got) != set(idx)):
             keys = sorted(got) if isinstance(got, dict) else got

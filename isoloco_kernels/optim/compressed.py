@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from .._validate import check_all_finite, check_writable
-from ..compress import allreduce_bytes, exchange_bytes
+from ..compress import allreduce_bytes, model_exchange_bytes
 from ..distributed import sharded
 from ..distributed.plan import plan_shards
 
@@ -60,7 +60,7 @@ def simulated_step(opt, stacks: Sequence[Optional[torch.Tensor]]) -> None:
         [f"{where}: param {i} (shape {tuple(p.shape)})" for i, p in enumerate(params)]
         + [f"{where}: param {i}'s momentum_buffer" for i, _ in held_bufs],
     )
-    spec, step = opt.compress, opt.merged_steps
+    specs, step = sharded.tensor_specs(opt, params, where), opt.merged_steps  # None: kept in full precision
     payloads, residuals = {}, {}
     with torch.no_grad():
         for i, p in enumerate(params):
@@ -68,7 +68,7 @@ def simulated_step(opt, stacks: Sequence[Optional[torch.Tensor]]) -> None:
             payloads[i] = []
             for k in range(K):
                 packed, r = sharded.encode_delta(
-                    spec,
+                    specs[i],
                     stacks[i][k].detach().to(p.dtype),
                     held[i][k] if i in held else None,
                     step=step,
@@ -78,7 +78,7 @@ def simulated_step(opt, stacks: Sequence[Optional[torch.Tensor]]) -> None:
                 )
                 payloads[i].append(packed)
                 rows.append(r)
-            if spec.leg("workers").ef_beta is not None:  # the workers' leg keeps residuals (feedback)
+            if specs[i] is not None and specs[i].leg("workers").ef_beta is not None:  # the workers' leg's residuals
                 residuals[i] = torch.stack(rows)
         plan = plan_shards(
             [p.shape for p in params],
@@ -90,8 +90,8 @@ def simulated_step(opt, stacks: Sequence[Optional[torch.Tensor]]) -> None:
         bufs, updates, owned = {}, {}, {}
         for r in range(plan.world_size):  # each rank's owner step on its own tensors, as ShardedIsoLoCo's
             mine = plan.owned(r)
-            inputs = sharded.owner_inputs(opt, params, {i: payloads[i] for i in mine})
-            _, b, e, u = sharded.owner_step(opt, params, groups, inputs)
+            inputs = sharded.owner_inputs(opt, params, {i: payloads[i] for i in mine}, specs)
+            _, b, e, u = sharded.owner_step(opt, params, groups, inputs, specs)
             bufs.update(b)
             owned.update(e)
             updates.update(u)
@@ -101,10 +101,12 @@ def simulated_step(opt, stacks: Sequence[Optional[torch.Tensor]]) -> None:
     opt.merged_steps += 1
 
 
-def worker_bytes(spec, params: Sequence[torch.Tensor], workers: int) -> dict[str, float]:
-    """Bytes one worker sends per outer round on the compressed owner route (`compress.exchange_bytes` per
-    tensor: both legs, scales included) and on an fp32 ring all-reduce of the same tensors."""
+def worker_bytes(spec, params: Sequence[torch.Tensor], workers: int, names=None) -> dict[str, float]:
+    """Bytes one worker sends per outer round on the compressed owner route (`compress.model_exchange_bytes`:
+    both legs, scales included, a param the skip rule keeps (by shape, or by `names`) in its dtype) and on an
+    fp32 ring all-reduce of the same tensors."""
+    shapes, dtypes = [p.shape for p in params], [p.dtype for p in params]
     return {
-        "compressed": sum(exchange_bytes(spec, p.numel(), workers, p.dtype) for p in params) if spec else None,
+        "compressed": model_exchange_bytes(spec, shapes, workers, dtypes, names) if spec else None,
         "allreduce_fp32": sum(allreduce_bytes(p.numel(), workers, 4) for p in params),
     }

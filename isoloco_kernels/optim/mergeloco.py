@@ -137,6 +137,8 @@ class MergeLoCo(IsoLoCo):
         )
         if any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
             raise ValueError("MergeLoCo: DTensor params are not supported (merge their full tensors, or use IsoLoCo)")
+        if self.compress is not None:  # a skip rule it cannot apply (by name, without the names): refused now
+            sharded.tensor_specs(self, [p for p, _ in self._params()], "MergeLoCo")
 
     def _params(self) -> list[tuple[torch.Tensor, bool]]:
         return [(p, g.get("iso", True)) for g in self.param_groups for p in g["params"]]

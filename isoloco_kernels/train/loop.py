@@ -88,11 +88,14 @@ def memory_estimate(cfg: TrainConfig, modes: Sequence[str], local_workers: int) 
     outer = any(m != "ddp" for m in modes)
     states = n * 4 * ((2 * local_workers + 5) if outer else 5)
     if outer and cfg.compress is not None:
-        from ..compress import parse, residual_bytes
+        from ..compress import model_residual_bytes, parse
 
         spec = parse(cfg.compress)
-        states += local_workers * residual_bytes(spec, n, torch.float32) + residual_bytes(
-            spec, n, torch.float32, "owner"
+        with torch.device("meta"):  # the params' shapes and names (a skip rule keeps some without a residual)
+            named = [(n, tuple(p.shape)) for n, p in ByteLM(mcfg).named_parameters()]
+        shapes, names = [s for _, s in named], [n for n, _ in named]
+        states += local_workers * model_residual_bytes(spec, shapes, names=names) + model_residual_bytes(
+            spec, shapes, names=names, leg="owner"
         )
     seqs = cfg.batch * (local_workers if "ddp" in modes else 1)
     per_token = 4 * (mcfg.n_layers * 8 * mcfg.d_model + 2 * mcfg.vocab)
@@ -327,7 +330,8 @@ def run_mode(
     out = {"mode": mode}
     if mode != "ddp":
         out["outer_lr"], out["outer_momentum"] = cfg.outer(mode)
-        out.update(round_bytes(cfg, list(model.parameters())))  # what one worker sends per round
+        named = list(model.named_parameters())
+        out.update(round_bytes(cfg, [p for _, p in named], [n for n, _ in named]))  # what a worker sends per round
         if cfg.outer_schedule != "constant":
             out["outer_schedule"] = cfg.outer_schedule
     clock = _Clock(setup.device)
@@ -365,6 +369,8 @@ def run_mode(
             if meter is not None:
                 out["divergence"] = []
             per_worker = hasattr(outer, "set_deltas")  # MergeLoCo (a merge, or compress): every worker's Δ
+            at = {id(p): i for i, p in enumerate(params)}  # its stacks go in its groups' order (iso_skip: two)
+            order = [at[id(p)] for g in outer.param_groups for p in g["params"]]
             ragged = cfg.ragged()  # some workers miss rounds, one is faulty, or the Δ are clipped: weighted merges
             draw = torch.Generator().manual_seed(cfg.seed)  # who misses each round: the same for every mode
             n_drop = round(cfg.drop * cfg.workers)
@@ -434,9 +440,9 @@ def run_mode(
                     p.grad = d
                 with clock.time("outer"):
                     if per_worker and ragged:
-                        outer.step(deltas=stacks, weights=weights)
+                        outer.step(deltas=[stacks[i] for i in order], weights=weights)
                     elif per_worker:  # MergeLoCo merges the stacks (it never reads .grad)
-                        outer.step(deltas=[torch.stack(st) for st in stacks])
+                        outer.step(deltas=[torch.stack(stacks[i]) for i in order])
                     else:
                         outer.step()
                     outer.zero_grad(set_to_none=True)

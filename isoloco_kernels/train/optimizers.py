@@ -8,7 +8,7 @@ same Nesterov step, stated once in `isoloco_kernels.reference.nesterov_ref`.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -82,16 +82,23 @@ def inner_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
 def outer_params(mode: str, names: Sequence[str], params: Sequence[torch.Tensor], cfg: TrainConfig) -> list:
     """The outer optimizer's params: all of them, or in an Iso-C mode with cfg.iso_skip two
     groups, the second (the parameters whose names start with a prefix of iso_skip) with iso=False
-    and, with cfg.iso_skip_outer, its own (lr, momentum)."""
-    if mode in SGD_MODES or not cfg.iso_skip:
+    and, with cfg.iso_skip_outer, its own (lr, momentum). With cfg.compress the groups carry the params' names
+    (`param_names`), which a compression skip rule by name reads."""
+    iso_skip = () if mode in SGD_MODES else tuple(cfg.iso_skip)
+    if not iso_skip and cfg.compress is None:
         return list(params)
-    keep, skip = [], []
+    keep, skip = {"params": [], "param_names": []}, {"params": [], "param_names": [], "iso": False}
     for n, p in zip(names, params):
-        (skip if n.startswith(tuple(cfg.iso_skip)) else keep).append(p)
-    group = {"params": skip, "iso": False}
-    if cfg.iso_skip_outer is not None:
-        group["lr"], group["momentum"] = (float(x) for x in cfg.iso_skip_outer)
-    return [{"params": keep}, group]
+        g = skip if iso_skip and n.startswith(iso_skip) else keep
+        g["params"].append(p)
+        g["param_names"].append(n)
+    if cfg.iso_skip_outer is not None and iso_skip:
+        skip["lr"], skip["momentum"] = (float(x) for x in cfg.iso_skip_outer)
+    groups = [keep, skip] if iso_skip else [keep]
+    if cfg.compress is None:
+        for g in groups:
+            del g["param_names"]
+    return groups
 
 
 def outer_optimizer(mode: str, params, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -114,14 +121,15 @@ def outer_optimizer(mode: str, params, cfg: TrainConfig) -> torch.optim.Optimize
     return IsoLoCo(params, lr=lr, momentum=mom, iso=True, method=cfg.iso_method)
 
 
-def round_bytes(cfg: TrainConfig, params: Sequence[torch.Tensor]) -> dict:
+def round_bytes(cfg: TrainConfig, params: Sequence[torch.Tensor], names: Optional[Sequence[str]] = None) -> dict:
     """What one worker sends per outer round: with cfg.compress the compressed owner route's both legs, scales
-    included (`compress.exchange_bytes` per tensor), else an fp32 ring all-reduce's 2·(K − 1)/K·4 bytes per
+    included (`compress.model_exchange_bytes`: a param the spec's skip rule keeps, by shape or by its name in
+    `names`, in its dtype both ways), else an fp32 ring all-reduce's 2·(K − 1)/K·4 bytes per
     entry, which every run also records for comparison (optim/compressed.py `worker_bytes`)."""
     from ..compress import parse
     from ..optim.compressed import worker_bytes
 
-    got = worker_bytes(parse(cfg.compress) if cfg.compress else None, params, cfg.workers)
+    got = worker_bytes(parse(cfg.compress) if cfg.compress else None, params, cfg.workers, names)
     sent = got["allreduce_fp32"] if got["compressed"] is None else got["compressed"]
     out = {"bytes_per_worker_per_round": sent, "allreduce_fp32_bytes_per_worker_per_round": got["allreduce_fp32"]}
     return out | ({"compress": cfg.compress} if cfg.compress else {})

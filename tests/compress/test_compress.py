@@ -67,7 +67,11 @@ def test_spec_defaults_and_fields_are_checked():
         (dict(update="bf16"), ValueError, "update"),
         (dict(seed=-1), ValueError, "seed"),
         (dict(seed=2**32), ValueError, "seed"),
-        (dict(ef_beta=0.9, feedback="nowhere"), ValueError, r"feedback must be one of \['both', 'workers', 'owner'\]"),
+        (
+            dict(ef_beta=0.9, feedback="nowhere"),
+            ValueError,
+            r"feedback must be one of \['both', 'workers', 'owner', 'ef21'\]",
+        ),
         (dict(ef_beta=0.9, feedback=None), ValueError, "feedback must be one of"),
         (dict(feedback="both"), ValueError, "feedback is set but ef_beta is None: error feedback is off"),
         (dict(feedback="owner"), ValueError, "feedback is set but ef_beta is None"),

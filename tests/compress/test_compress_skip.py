@@ -1,6 +1,7 @@
 """The spec's `skip` rule: which params stay in full precision. Its grammar (refused by name), the predicate by
-shape and by name, the per-tensor functions refusing a rule they cannot apply (so no route that ignores it sends
-everything compressed), and the bytes of a model with the skipped params counted in their own dtype."""
+shape and by name, the per-tensor functions refusing a rule they cannot apply, MergeLoCo applying it (the kept
+params in full precision, the rest as without the rule), and the bytes of a model with the skipped params counted
+in their own dtype. The sharded route: tests/distributed/test_compress_skip_sharded.py."""
 
 from __future__ import annotations
 
@@ -126,8 +127,8 @@ def test_skip_mask_on_the_loops_tiny_model():
 
 def test_the_per_tensor_functions_refuse_a_rule_they_cannot_apply():
     """compress, quantize, bytes_of, exchange_bytes, residual_bytes and Packed.from_wire work on one tensor: with a
-    skip rule they refuse, naming it, so a route that does not apply the rule fails at once instead of sending
-    every param compressed."""
+    skip rule they refuse, naming it (the routes apply the rule: they call them with `for_tensor`'s per-param
+    spec), so a caller that does not apply it fails at once instead of sending every param compressed."""
     s = Compression("stat2", 256, ef_beta=0.9, skip="vectors")
     x = torch.randn(300)
     msg = "skip='vectors' keeps some params in full precision.*for_tensor"
@@ -145,14 +146,50 @@ def test_the_per_tensor_functions_refuse_a_rule_they_cannot_apply():
     assert bytes_of(per, 300) == bytes_of(Compression("stat2", 256), 300)
 
 
-def test_the_current_routes_refuse_a_skip_spec_and_change_nothing():
-    """MergeLoCo (the one-process route; ShardedIsoLoCo calls the same encode) does not apply skip rules yet: a spec
-    with one is refused at its first compress, before anything is written."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mergeloco_sends_the_kept_params_in_full_and_the_rest_as_without_the_rule(dtype):
+    """MergeLoCo(compress=...) applies the rule: a kept param's step is the plain mean's, θ − lr·(Σ_k Δ_k / K),
+    summed in the compute dtype and rounded once (momentum 0, merge "mean": a float64 oracle to the dtype's
+    rounding), with no residual; every other param is bit-equal to a run whose spec keeps nothing."""
+    shapes, names = [(16, 8), (8,), (12, 256), (7, 5)], ["w", "norm.weight", "tok.weight", "v"]
+    g = torch.Generator().manual_seed(4)
+    init = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    deltas = [torch.randn(3, *s, generator=g).to(dtype) for s in shapes]
+    kept = {1, 2}
+    runs = {}
+    for rule in ("vectors+vocab=256", "vectors+name=tok.", "none"):
+        ps = [t.clone() for t in init]
+        opt = MergeLoCo(list(zip(names, ps)), lr=0.7, momentum=0.0, merge="mean", compress=f"int4:32:0.9:skip={rule}")
+        opt.step(deltas=deltas)
+        runs[rule] = (ps, set(opt._residuals))
+    for rule in ("vectors+vocab=256", "vectors+name=tok."):
+        ps, residuals = runs[rule]
+        assert residuals == {0, 3}  # the kept params keep none
+        for i in range(len(shapes)):
+            if i in kept:
+                want = init[i].double() - 0.7 * deltas[i].double().mean(0)
+                tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+                torch.testing.assert_close(ps[i].double(), want, rtol=tol, atol=tol)
+                assert not torch.equal(ps[i], runs["none"][0][i])  # not sent compressed
+            else:
+                assert torch.equal(ps[i], runs["none"][0][i]), (rule, i)
+
+
+def test_a_name_rule_without_names_is_refused_when_the_optimizer_is_built():
+    ps = [torch.randn(16, 8), torch.randn(8)]
+    with pytest.raises(ValueError, match=r"MergeLoCo: Compression.skip=.*no name was given.*named_parameters"):
+        MergeLoCo(ps, compress="stat2:256:skip=name=tok.")
+    MergeLoCo(ps, compress="stat2:256:skip=vectors")  # a rule by shape needs no names
+
+
+def test_a_nan_in_a_kept_params_delta_is_refused_and_nothing_changes():
     ps = [torch.randn(16, 8), torch.randn(8)]
     before = [p.clone() for p in ps]
     opt = MergeLoCo(ps, lr=1.0, momentum=0.5, compress="stat2:256:0.95:skip=vectors")
-    with pytest.raises(ValueError, match="skip='vectors'"):
-        opt.step(deltas=[torch.randn(2, *p.shape) for p in ps])
+    deltas = [torch.randn(2, *p.shape) for p in ps]
+    deltas[1][1, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"worker 1's Δ of param 1 .*NaN"):
+        opt.step(deltas=deltas)
     assert all(torch.equal(p, q) for p, q in zip(ps, before)) and not any(opt.state.values()) and not opt._residuals
     assert opt.merged_steps == 0
 

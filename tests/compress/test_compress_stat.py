@@ -317,7 +317,7 @@ def test_decayed_worker_feedback_runs_for_every_placement_and_residual_dtype(fmt
     """β is the spec's: each leg's spec (Compression.leg) keeps it where its feedback runs, drops it where not;
     a bfloat16 residual is β·(v − c) rounded once."""
     d = _x(200, seed=4) * 1e-2
-    for fb in sp.FEEDBACKS:
+    for fb in set(sp.FEEDBACKS) - {"ef21"}:  # tracking keeps an estimate, not a residual: test_tracking.py
         spec = Compression(fmt, 64, ef_beta=0.8, feedback=fb, residual_dtype=torch.bfloat16)
         for leg in sp.LEGS:
             legspec = spec.leg(leg)

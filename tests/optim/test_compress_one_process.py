@@ -447,3 +447,29 @@ def test_a_finite_delta_whose_sum_overflows_is_an_overflow_not_an_inf_input():
     ):
         opt.step(deltas=deltas)
     assert not p.detach().any() and opt.merged_steps == 0
+
+
+@pytest.mark.slow
+def test_the_loop_applies_a_skip_rule_by_name_and_counts_it():
+    """--compress with a skip rule by name (the loop names the params, in both of iso_skip's groups too): it
+    trains, and records the bytes of the kept params in float32 both ways and the rest compressed."""
+    from isoloco_kernels.compress import model_exchange_bytes, parse
+    from isoloco_kernels.train import Setup, TrainConfig, load_corpus, run_mode
+    from isoloco_kernels.train.loop import memory_estimate
+
+    corpus = load_corpus(max_bytes=60_000)
+    spec = "stat2:256:skip=vectors+name=tok.+name=head."
+    cfg = TrainConfig(**SMALL, compress=spec, iso_skip=("blocks.0.",))
+    got = run_mode("isoloco", Setup(cfg, corpus))
+    assert "diverged" not in got and all(math.isfinite(x) for x in got["heldout_loss"])
+    named = list(Setup(cfg, corpus).model().named_parameters())
+    shapes, names = [p.shape for _, p in named], [n for n, _ in named]
+    want = model_exchange_bytes(parse(spec), shapes, SMALL["workers"], names=names)
+    assert got["bytes_per_worker_per_round"] == want
+    assert want > model_exchange_bytes(parse("stat2:256"), shapes, SMALL["workers"])  # the kept params cost more
+    kept = sum(p.numel() for n, p in named if p.ndim < 2 or n.startswith(("tok.", "head.")))
+    with_residuals = [
+        memory_estimate(TrainConfig(**SMALL, compress=s), ["isoloco"], 2)
+        for s in ("int4:128:0.95", "int4:128:0.95:skip=vectors+name=tok.+name=head.")
+    ]
+    assert with_residuals[0] - with_residuals[1] == 2 * 4 * kept  # each local worker's residual of a kept param
