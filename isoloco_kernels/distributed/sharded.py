@@ -39,6 +39,7 @@ from .._validate import ResultOverflowError, amaxes, check_all_finite, check_ama
 from ..compress import Compression, Packed, bytes_of, compress, decompress_add_, parse, track
 from ..compress.codec import mix32
 from ..merges import merge_groups, worker_norms
+from ..merges.norm import clip_cap
 from ..merges.options import resolve_clip, resolve_options, resolve_weights
 from ..outer import core as outer
 from ..outer import sgd_state
@@ -429,7 +430,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             norms = {i: roll.norms[:, i].clone() for i in range(len(self._params))}
             caps, scales = {}, {}
             for i, n in norms.items():
-                caps[i] = _cap(n if active is None else n[active], self.clip)
+                caps[i] = clip_cap(n if active is None else n[active], self.clip)
                 mine = float(n[self.rank])
                 if mine > caps[i]:
                     scales[i] = caps[i] / mine
@@ -769,16 +770,6 @@ def _own_weight(weight, rank: int) -> Optional[float]:
     if v < 0:
         raise ValueError(f"{what} is {weight!r}; weights must be ≥ 0 (0: this rank has nothing to send)")
     return v
-
-
-def _cap(norms: torch.Tensor, clip) -> float:
-    """One tensor's clip cap from the norms of the workers with weight > 0 (float64): merges/norm.py's rule, the
-    median (the middle value, or the mean of the two middle ones) or the number given."""
-    if clip != "median":
-        return float(clip)
-    v = norms.sort().values
-    n = v.numel()
-    return float(v[n // 2]) if n % 2 else float((v[n // 2 - 1] + v[n // 2]) / 2)
 
 
 def _per_rank(values) -> str:

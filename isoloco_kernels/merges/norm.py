@@ -35,7 +35,7 @@ import torch
 
 from .._validate import compute_dtype
 
-__all__ = ["Clipped", "clip_stacks", "norm_mean_merge", "worker_norms"]
+__all__ = ["Clipped", "clip_cap", "clip_stacks", "norm_mean_merge", "worker_norms"]
 
 
 def _frobenius(t: torch.Tensor) -> torch.Tensor:
@@ -74,9 +74,13 @@ def worker_norms(s: torch.Tensor) -> torch.Tensor:
     return norms.to("cpu", torch.float64) * scale.to("cpu", torch.float64)
 
 
-def _median(v: torch.Tensor) -> float:
-    """The median of a float64 vector: the middle value, or the mean of the two middle values."""
-    v = v.sort().values
+def clip_cap(norms: torch.Tensor, clip) -> float:
+    """One tensor's cap from the float64 norms of the workers it is taken over (weight > 0): for "median" their
+    median (the middle value, or the mean of the two middle values), else the number given. ShardedIsoLoCo
+    takes its caps here too, from the norms every rank sent."""
+    if clip != "median":
+        return float(clip)
+    v = norms.sort().values
     n = v.numel()
     return float(v[n // 2]) if n % 2 else float((v[n // 2 - 1] + v[n // 2]) / 2)
 
@@ -97,10 +101,7 @@ def clip_stacks(stacks: Sequence[torch.Tensor], clip, active: Optional[Sequence[
     out, norms, caps = [], [], []
     for s in stacks:
         n = worker_norms(s)
-        if clip == "median":
-            cap = _median(n if active is None else n[list(active)])
-        else:
-            cap = float(clip)
+        cap = clip_cap(n if active is None else n[list(active)], clip)
         over = (n > cap).nonzero().flatten().tolist()
         if over:
             cd = compute_dtype(s.dtype)
