@@ -15,7 +15,7 @@ the same dtype and memory, and sends the correction to it:
 
     v = Δ − β·g          in the compute dtype
     c = Q(v)             compressed without feedback
-    g ← β·g + c          in the compute dtype, rounded once to the estimate's dtype
+    g ← β·g + c          in the compute dtype, kept there (the owner's estimate of the mean is too)
 
 All or nothing: the inputs are never written; the new residual is a new tensor the caller swaps
 in. NaN or Inf in Δ or the residual (or a float32 overflow of their sum) raises ValueError naming
@@ -54,9 +54,12 @@ def backend_for(x: torch.Tensor) -> tuple[str, str]:
 
 
 def residual_dtype_for(spec: Compression, param_dtype: torch.dtype) -> Optional[torch.dtype]:
-    """The residual's dtype for a parameter of `param_dtype` (None when error feedback is off)."""
+    """The residual's dtype for a parameter of `param_dtype` (None when error feedback is off); under feedback
+    "ef21" the estimate's, the compute dtype."""
     if spec.ef_beta is None:
         return None
+    if spec.feedback == "ef21":
+        return compute_dtype(param_dtype)
     return spec.residual_dtype or param_dtype
 
 
@@ -158,7 +161,7 @@ def track(
 ) -> tuple[Packed, torch.Tensor]:
     """(payload, new estimate) of one worker's Δ under tracking (module docstring; spec.feedback "ef21"):
     c = Q(Δ − β·g), g ← β·g + c. estimate: g (None = zeros: the first step), in the residual dtype
-    (spec.residual_dtype or Δ's); the new one has Δ's shape and that dtype. Nothing given is modified. Raises
+    (the compute dtype: float32, float64 for float64 Δ); the new one has Δ's shape and that dtype. Nothing given is modified. Raises
     ValueError naming the tensor on NaN/Inf in Δ or g, ResultOverflowError when the new g does not fit its dtype."""
     if not isinstance(spec, Compression) or spec.feedback != "ef21":
         raise ValueError(f"track: the spec's feedback must be 'ef21', got {getattr(spec, 'feedback', spec)!r}")
@@ -170,6 +173,7 @@ def track(
     v = v - prior
     if not bool(torch.isfinite(v).all()):
         text = _describe(delta, estimate, v, name).replace("the error-feedback residual", "the tracked estimate")
+        text = text.replace("compress:", "track:", 1)
         raise ValueError(text.replace("Δ + residual", "Δ − β·estimate") + "; nothing was quantized or written")
     plain = dataclasses.replace(spec, ef_beta=None, residual_dtype=None, feedback="workers")
     packed, _ = compress(v, None, plain, step=step, tensor_id=tensor_id, name=name)

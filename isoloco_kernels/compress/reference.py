@@ -26,6 +26,7 @@ int / int is correctly rounded, as float64 division of the exactly converted int
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from typing import Optional
 
@@ -204,6 +205,6 @@ def tracking_ref(
     if estimate is not None:
         g = estimate.detach().to("cpu", torch.float64).flatten()
     v = delta.detach().to("cpu", torch.float64).flatten() - spec.ef_beta * g
-    plain = Compression(spec.format, spec.block, spec.rounding, sigmas=spec.sigmas, seed=spec.seed)
+    plain = dataclasses.replace(spec, ef_beta=None, residual_dtype=None, feedback="workers")
     sent = error_feedback_ref(v, None, plain, step, tensor_id)[2]
     return sent, spec.ef_beta * g + sent

@@ -308,6 +308,13 @@ class Compression:
                 f"Compression.feedback is set but ef_beta is None: error feedback is off (feedback={self.feedback!r}; "
                 "leave it at the default 'workers' or set ef_beta)"
             )
+        if self.feedback == "ef21" and self.residual_dtype is not None:
+            raise ValueError(
+                f"Compression.residual_dtype={self.residual_dtype} with feedback='ef21': the workers' and the owner's "
+                "estimates are both kept in the compute dtype (float32; float64 for float64 params), so the owner's "
+                "stays the mean of the workers' (a narrower one stops moving while the owner's keeps adding); leave "
+                "residual_dtype None"
+            )
         if self.feedback == "owner" and self.update == "full":
             raise ValueError(
                 "Compression.feedback='owner' with update='full': the update goes back in full, without a leg "
@@ -507,7 +514,7 @@ def residual_bytes(spec: Compression, numel: int, param_dtype: torch.dtype, leg:
     whole_tensor_spec(spec, "residual_bytes")
     if not spec.keeps(leg):
         return 0
-    if leg == "owner" and spec.residual_dtype is None:
+    if (leg == "owner" or spec.feedback == "ef21") and spec.residual_dtype is None:
         param_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
     dt = spec.residual_dtype or param_dtype
     return _numel(numel) * torch.empty((), dtype=dt).element_size()

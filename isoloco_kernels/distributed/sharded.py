@@ -239,7 +239,6 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
         )
         self._data_device = self._params[0].device if self._params else torch.device("cpu")
         self._mine = self.plan.owned(self.rank)
-        self._specs = tensor_specs(self, self._params, "ShardedIsoLoCo")
         self._plan_text = f"{self.plan.fingerprint:#x}"
         self._exchange = self._new_exchange(chunk_bytes)
         device = comm_device(self.process_group) if self.world_size > 1 else self._data_device
@@ -275,6 +274,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
                 "rank) for the new params"
             )
         super().add_param_group(param_group)
+        add_specs(self, "ShardedIsoLoCo")
 
     @property
     def mine(self) -> list[int]:
@@ -1405,24 +1405,37 @@ def attach(opt, compress, where: str) -> None:
             f"{where}: feedback='ef21' tracks the mean of the workers' Δ, which merge {merge!r} does not step on "
             f"(it merges every worker's Δ); use merge 'iso_c' or 'mean', or another feedback placement"
         )
-    opt.compress, opt._residuals, opt._update_residuals = compress, {}, {}
+    opt.compress, opt._residuals, opt._update_residuals, opt._specs = compress, {}, {}, []
 
 
-def tensor_specs(opt, params, where: str) -> list[Optional[Compression]]:
-    """Per param (in order): the spec it travels with, or None where the spec's `skip` rule keeps it in full
-    precision (its Δ and θ' sent in its dtype, no residual). A rule that names params reads the groups'
-    `param_names` (params given as `model.named_parameters()`); without them it is refused by name. [] without
-    compress."""
-    spec = opt.compress
-    if spec is None:
-        return []
-    names = [n for g in opt.param_groups for n in g.get("param_names", ())]
-    if len(names) != len(params):
-        names = [None] * len(params)
+def add_specs(opt, where: str) -> None:
+    """Extend opt._specs (per param, in order: the spec it travels with, or None where the spec's `skip` rule keeps it
+    in full precision — its Δ and θ' sent in its dtype, no residual) with the last param group's, when the group is
+    added: the rule is applied once, to the names the params were given with (a group's `param_names`, from
+    `model.named_parameters()`; a rule that names params needs them), and does not change when a state dict
+    brings other names. Refused by name, the group taken back out: names that are not one str per param, a rule by
+    name without names."""
+    if opt.compress is None:
+        return
+    k = len(opt.param_groups) - 1
+    group = opt.param_groups[k]
+    params, names = group["params"], group.get("param_names")
     try:
-        return [spec.for_tensor(tuple(p.shape), n) for p, n in zip(params, names)]
+        if names is not None and (len(names) != len(params) or not all(isinstance(n, str) for n in names)):
+            raise ValueError(
+                f"param group {k}'s param_names must be one str per param ({len(params)} params), got {names!r:.200}"
+            )
+        try:
+            specs = [
+                opt.compress.for_tensor(tuple(p.shape), None if names is None else names[j])
+                for j, p in enumerate(params)
+            ]
+        except ValueError as e:
+            raise ValueError(f"{e} (give the optimizer model.named_parameters() to name them)") from None
     except ValueError as e:
-        raise ValueError(f"{where}: {e} (give the optimizer model.named_parameters() to name them)") from None
+        opt.param_groups.pop()
+        raise ValueError(f"{where}: {e}") from None
+    opt._specs = [*opt._specs, *specs]
 
 
 def stream_spec(spec: Compression, stream: int) -> Compression:
@@ -1471,8 +1484,10 @@ def owner_inputs(opt, params, payloads: dict[int, list], specs) -> dict[int, tor
     # of the workers' sum (or of its rounding to θ's dtype): said as such, not as an Inf input
     for i in sorted(out):
         if not bool(torch.isfinite(out[i].to(params[i].dtype)).all()):
+            tracked = not stack and specs[i] is not None and specs[i].feedback == "ef21"
+            what = "owner's estimate β·G + mean" if tracked else ("stack" if stack else "mean")
             raise ResultOverflowError(
-                f"the {'stack' if stack else 'mean'} of the workers' decompressed Δ of param {i} (shape "
+                f"the {what} of the workers' decompressed Δ of param {i} (shape "
                 f"{tuple(params[i].shape)}) does not fit {params[i].dtype}: "
                 f"{'a worker' if stack else 'their sum'} overflows near the dtype's largest values; nothing was changed",
                 tensor=i,
@@ -1490,7 +1505,7 @@ def _add(acc: torch.Tensor, payload) -> torch.Tensor:
 def owner_step(opt, params, groups, inputs: dict[int, torch.Tensor], specs, buckets=None):
     """The owner's step on its tensors: M (Iso-C of the mean in iso groups, the mean, or the merge of the
     stacks), Nesterov from the held momentum, and the update u of each (see above), with each param's spec
-    (`tensor_specs`; None: kept in full precision, u = θ' as update="full" sends it). Reads opt's
+    (`add_specs`; None: kept in full precision, u = θ' as update="full" sends it). Reads opt's
     merge, merge_options, method, merged_steps, state and _update_residuals; writes nothing.
     Returns (buckets for the next Iso-C, {i: new momentum or None (μ = 0: untouched)}, {i: new update
     residual} (empty where the update leg has no feedback: `spec.leg("owner")`), {i: u: a Packed, or θ' in
@@ -1612,7 +1627,7 @@ def layout(plan: ShardPlan, sizes) -> tuple[list[list[tuple[int, int]]], list[in
 
 def update_sizes(plan: ShardPlan, specs) -> tuple[list[int], list[int]]:
     """Bytes of each tensor's payload on the all-to-all leg and on the all-gather leg, with each tensor's spec
-    (`tensor_specs`; None: in its dtype both ways)."""
+    (`add_specs`; None: in its dtype both ways)."""
     out, back = [], []
     for i, (s, dt) in enumerate(zip(specs, plan.dtypes)):
         k, full = plan.numel(i), plan.numel(i) * torch.empty((), dtype=dt).element_size()
@@ -1630,7 +1645,12 @@ def wire_bytes(plan: ShardPlan, spec: Compression, names=None) -> dict[str, floa
     (by shape, or by `names`, one per tensor) travels in its dtype both ways."""
     w = plan.world_size
     names = [None] * len(plan.shapes) if names is None else list(names)
-    out, back = update_sizes(plan, [spec.for_tensor(s, n) for s, n in zip(plan.shapes, names)])
+    if len(names) != len(plan.shapes):
+        raise ValueError(f"wire_bytes: {len(names)} names for {len(plan.shapes)} params (one per param)")
+    try:
+        out, back = update_sizes(plan, [spec.for_tensor(s, n) for s, n in zip(plan.shapes, names)])
+    except ValueError as e:
+        raise ValueError(f"wire_bytes: {e}") from None
     legs = {"all_to_all": (w - 1) / w * sum(out), "all_gather": (w - 1) / w * sum(back)}
     legs["allreduce_fp32"] = 2 * (w - 1) / w * 4 * sum(plan.numel(i) for i in range(len(plan.shapes)))
     return legs
@@ -1714,10 +1734,10 @@ def check_entry(opt, state_dict, where: str, params, owned, stacked: bool = Fals
     if not isinstance(entry, dict) or got != want:
         raise ValueError(
             f"{where}: the state was saved with compression {got!r}; this optimizer has {want!r}: residuals of "
-            "another format, block, β, rounding, update leg, seed or feedback placement cannot continue here"
-            + _feedback_hint(opt.compress, got, want)
+            "another format, block, β, rounding, update leg, seed, feedback placement, k or skip rule cannot "
+            "continue here" + _feedback_hint(opt.compress, got, want)
         )
-    kept = {i for i, s in enumerate(tensor_specs(opt, params, where)) if s is not None}  # the rest keep none
+    kept = {i for i, s in enumerate(opt._specs) if s is not None}  # the params the skip rule keeps have none
     held = entry.get("residuals")
     first = next(iter(held.values()), None) if isinstance(held, dict) else None
     lead = (first.shape[0],) if stacked and isinstance(first, torch.Tensor) and first.ndim else ()
@@ -1731,15 +1751,26 @@ def check_entry(opt, state_dict, where: str, params, owned, stacked: bool = Fals
             raise ValueError(f"{where}: the 'compress' entry holds {key} but feedback={opt.compress.feedback!r}")
         if not isinstance(got, dict) or (got and set(got) != set(idx)):
             keys = sorted(got) if isinstance(got, dict) else got
-            raise ValueError(f"{where}: the 'compress' entry's {key} must cover params {list(idx)}, got {keys}")
+            extra = sorted(set(got) - set(idx) - kept) if isinstance(got, dict) else []
+            why = f" (params {extra} travel in full precision: skip={opt.compress.skip!r})" if extra else ""
+            raise ValueError(f"{where}: the 'compress' entry's {key} must cover params {list(idx)}, got {keys}{why}")
         for i, t in got.items():
             p = params[i]
             dt = opt.compress.residual_dtype or (dtype_of(p.dtype) if dtype_of else p.dtype)
+            if opt.compress.feedback == "ef21":  # both estimates in the compute dtype
+                dt = compute_dtype(p.dtype)
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape_of(p) or t.dtype != dt:
                 what = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{where}: {key} of param {i} is {what}; expected {shape_of(p)} {dt}")
         check_all_finite([got[i] for i in sorted(got)], [f"{where}: {key} of param {i}" for i in sorted(got)])
         out.append({i: got[i].detach().to(params[i].device, copy=True) for i in sorted(got)})
+    owned_kept = [i for i in owned if i in kept]
+    if opt.compress.feedback == "ef21" and owned_kept and bool(out[0]) != bool(out[1]):
+        raise ValueError(
+            f"{where}: under feedback='ef21' the workers' estimates ('residuals') and the owner's ('update_residuals') "
+            "are restored together: the owner's is the mean of the workers'; this state holds only "
+            f"{'the workers' if out[0] else 'the owner'}'s. Load both, or drop the 'compress' entry to restart both"
+        )
     return tuple(out)
 
 

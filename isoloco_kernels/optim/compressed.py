@@ -60,7 +60,7 @@ def simulated_step(opt, stacks: Sequence[Optional[torch.Tensor]]) -> None:
         [f"{where}: param {i} (shape {tuple(p.shape)})" for i, p in enumerate(params)]
         + [f"{where}: param {i}'s momentum_buffer" for i, _ in held_bufs],
     )
-    specs, step = sharded.tensor_specs(opt, params, where), opt.merged_steps  # None: kept in full precision
+    specs, step = opt._specs, opt.merged_steps  # per param (None: kept in full precision), set with its group
     payloads, residuals = {}, {}
     with torch.no_grad():
         for i, p in enumerate(params):

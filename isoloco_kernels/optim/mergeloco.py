@@ -137,8 +137,10 @@ class MergeLoCo(IsoLoCo):
         )
         if any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
             raise ValueError("MergeLoCo: DTensor params are not supported (merge their full tensors, or use IsoLoCo)")
-        if self.compress is not None:  # a skip rule it cannot apply (by name, without the names): refused now
-            sharded.tensor_specs(self, [p for p, _ in self._params()], "MergeLoCo")
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        sharded.add_specs(self, "MergeLoCo")  # with compress: the group's specs under the skip rule, by its names
 
     def _params(self) -> list[tuple[torch.Tensor, bool]]:
         return [(p, g.get("iso", True)) for g in self.param_groups for p in g["params"]]
@@ -306,7 +308,7 @@ class MergeLoCo(IsoLoCo):
         state = super().__getstate__()
         state.update(merge=self.merge, merge_options=dict(self.merge_options), merged_steps=self.merged_steps)
         state.update(clip=(self.clip, dict(self.last_worker_norms), dict(self.last_clip_caps)))
-        state.update(compress=(self.compress, dict(self._residuals), dict(self._update_residuals)))
+        state.update(compress=(self.compress, dict(self._residuals), dict(self._update_residuals), list(self._specs)))
         state["pending"] = self._pending
         return state
 
@@ -315,10 +317,10 @@ class MergeLoCo(IsoLoCo):
         copied = "merge" in state
         merge, options = state.pop("merge", None), state.pop("merge_options", None)
         steps, pending = state.pop("merged_steps", None), state.pop("pending", None)
-        packed = state.pop("compress", (None, {}, {}))
+        packed = state.pop("compress", (None, {}, {}, []))
         clip = state.pop("clip", (None, {}, {}))
         super().__setstate__(state)
         if copied:  # deepcopy / pickle (torch's load_state_dict passes only "state" and "param_groups")
             self.merge, self.merge_options, self.merged_steps, self._pending = merge, options, steps, pending
-            self.compress, self._residuals, self._update_residuals = packed
+            self.compress, self._residuals, self._update_residuals, self._specs = packed
             self.clip, self.last_worker_norms, self.last_clip_caps = clip

@@ -5,6 +5,7 @@ in their own dtype. The sharded route: tests/distributed/test_compress_skip_shar
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -225,3 +226,45 @@ def test_a_models_bytes_count_the_skipped_params_in_their_dtype():
         assert round(got, 4) == want, (text, got)
     with pytest.raises(ValueError, match="world must be"):
         model_exchange_bytes(s, shapes, 0)
+
+
+def test_the_rule_is_applied_to_the_names_the_params_were_given_with():
+    """The kept params are decided when a group is added: a state dict that brings other names does not move
+    them; names that are not one str per param are refused, naming the group."""
+    a, b = torch.randn(16, 8), torch.randn(16, 8)
+    opt = MergeLoCo([("tok.weight", a), ("blocks.w", b)], lr=1.0, compress="int4:32:0.9:skip=name=tok.")
+    assert [s is None for s in opt._specs] == [True, False]
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["param_names"] = ["module.tok.weight", "module.blocks.w"]
+    opt.load_state_dict(sd)
+    assert [s is None for s in opt._specs] == [True, False]
+    opt.step(deltas=[torch.randn(2, 16, 8), torch.randn(2, 16, 8)])
+    assert set(opt._residuals) == {1}
+    with pytest.raises(ValueError, match=r"MergeLoCo: param group 0's param_names must be one str per param"):
+        MergeLoCo([{"params": [a, b], "param_names": ["tok.weight"]}], compress="int4:32:skip=name=tok.")
+    with pytest.raises(ValueError, match=r"param group 1's param_names must be one str per param"):
+        MergeLoCo(
+            [{"params": [a], "param_names": ["x"]}, {"params": [b], "param_names": [3]}],
+            compress="int4:32:skip=name=tok.",
+        )
+    grow = MergeLoCo([("x", a)], compress="int4:32:skip=name=tok.")
+    with pytest.raises(ValueError, match="param group 1's param_names"):
+        grow.add_param_group({"params": [b], "param_names": [None]})
+    assert len(grow.param_groups) == 1 and len(grow._specs) == 1  # the refused group taken back out
+    grow.add_param_group({"params": [b], "param_names": ["tok.extra"]})
+    assert [s is None for s in grow._specs] == [False, True]
+
+
+def test_wire_bytes_refuses_names_that_do_not_match_the_params():
+    from isoloco_kernels.distributed import sharded
+    from isoloco_kernels.distributed.plan import plan_shards
+
+    plan = plan_shards([(16, 8), (8,), (4, 4)], 2)
+    spec = Compression("int4", 32, skip="name=tok.")
+    with pytest.raises(ValueError, match="wire_bytes: 1 names for 3 params"):
+        sharded.wire_bytes(plan, spec, ["tok.weight"])
+    with pytest.raises(ValueError, match="wire_bytes: .*no name was given"):
+        sharded.wire_bytes(plan, spec)
+    full = sharded.wire_bytes(plan, Compression("int4", 32), ["a", "b", "c"])
+    kept = sharded.wire_bytes(plan, spec, ["tok.weight", "b", "c"])
+    assert kept["all_to_all"] > full["all_to_all"]

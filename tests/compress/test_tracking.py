@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from isoloco_kernels import MergeLoCo, ResultOverflowError
+from isoloco_kernels import MergeLoCo
 from isoloco_kernels.compress import Compression, compress, decompress_add_, parse, residual_bytes, track
 from isoloco_kernels.compress.reference import tracking_ref
 from isoloco_kernels.distributed.sharded import stream_spec
@@ -24,7 +24,11 @@ def test_the_spec_string_and_what_each_leg_keeps():
     assert s == Compression("stat2", 256, ef_beta=0.9, feedback="ef21") and parse(s.cli()) == s
     assert s.leg("workers") is s and s.leg("owner").ef_beta is None  # the update goes back without a residual
     assert s.keeps("workers") and s.keeps("owner")  # each worker's g_k, the owner's G
-    assert residual_bytes(s, 100, torch.bfloat16) == 200 and residual_bytes(s, 100, torch.bfloat16, "owner") == 400
+    # both estimates in the compute dtype, whatever the params' (so the owner's stays the mean of the workers')
+    assert residual_bytes(s, 100, torch.bfloat16) == 400 and residual_bytes(s, 100, torch.bfloat16, "owner") == 400
+    assert residual_bytes(s, 100, torch.float64) == 800
+    with pytest.raises(ValueError, match="residual_dtype=torch.bfloat16 with feedback='ef21'"):
+        Compression("stat2", ef_beta=0.9, feedback="ef21", residual_dtype=torch.bfloat16)
     full = Compression("int4", ef_beta=0.9, feedback="ef21", update="full")
     assert full.keeps("owner") and residual_bytes(full, 10, torch.float32, "owner") == 40
     with pytest.raises(ValueError, match="feedback is set but ef_beta is None"):
@@ -151,13 +155,14 @@ def test_bad_input_changes_nothing():
     assert all(torch.equal(p, q) for p, q in zip(before[0], after[0])) and opt.merged_steps == 1
     for key in ("residuals", "update_residuals"):
         assert all(torch.equal(before[1]["compress"][key][i], after[1]["compress"][key][i]) for i in (0, 1))
-    f16 = Compression("int8", 32, ef_beta=1.0, feedback="ef21", residual_dtype=torch.float16)
     big = [torch.zeros(16, 8)]
-    o16 = MergeLoCo(big, lr=1e-6, momentum=0.0, compress=f16)
-    with pytest.raises(ResultOverflowError, match="tracked estimate .*does not fit torch.float16"):
-        o16.step(deltas=[torch.full((2, 16, 8), 2e5)])
-    assert not o16._residuals and not o16._update_residuals and o16.merged_steps == 0
-    assert torch.equal(big[0], torch.zeros(16, 8))
+    ob = MergeLoCo(big, lr=1e-30, momentum=0.0, compress="int8:32:1:nearest:ef21")
+    ob.step(deltas=[torch.full((2, 16, 8), 1.5e38)])  # g ≈ 1.5e38 on each worker, G ≈ 1.5e38
+    held = copy.deepcopy((big, ob._residuals, ob._update_residuals))
+    with pytest.raises(ValueError, match=r"track: worker 0's Δ of param 0 .*Δ − β·estimate overflows"):
+        ob.step(deltas=[torch.full((2, 16, 8), -2e38)])  # Δ − g does not fit float32
+    assert ob.merged_steps == 1 and torch.equal(big[0], held[0][0])
+    assert torch.equal(ob._residuals[0], held[1][0]) and torch.equal(ob._update_residuals[0], held[2][0])
 
 
 def test_compress_refuses_a_tracking_spec():
@@ -166,3 +171,37 @@ def test_compress_refuses_a_tracking_spec():
         compress(torch.randn(10), None, parse("int4:128:0.9:nearest:ef21"), step=0, tensor_id=0)
     with pytest.raises(ValueError, match="feedback must be 'ef21'"):
         track(torch.randn(10), None, parse("int4:128:0.9"), step=0, tensor_id=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_owners_estimate_stays_the_mean_of_the_workers(dtype):
+    """200 rounds of a fixed Δ at β 1 with half-precision params: G − mean_k g_k stays at float32 rounding (a
+    narrower worker estimate would stop moving once its correction is below its last bit while the owner kept
+    adding it: linear drift)."""
+    ps = [torch.zeros(64, 48, dtype=dtype)]
+    opt = MergeLoCo(ps, lr=1e-3, momentum=0.0, merge="mean", iso=False, compress="stat2:256:1:nearest:ef21")
+    d = [torch.randn(4, 64, 48, generator=torch.Generator().manual_seed(7)).to(dtype)]
+    for _ in range(200):
+        opt.step(deltas=d)
+    G, g = opt._update_residuals[0], opt._residuals[0]
+    assert G.dtype == g.dtype == torch.float32
+    assert float((G - g.mean(0)).norm() / g.mean(0).norm()) < 1e-6
+    assert float((G - d[0].float().mean(0)).norm() / d[0].float().mean(0).norm()) < 1e-6  # and it tracked Δ
+
+
+def test_a_state_with_one_side_of_the_estimates_is_refused():
+    gen = torch.Generator().manual_seed(9)
+    ps = [torch.randn(16, 8, generator=gen)]
+    opt = _opt(ps)
+    opt.step(deltas=[torch.randn(2, 16, 8, generator=gen)])
+    saved = copy.deepcopy(opt.state_dict())
+    for key in ("residuals", "update_residuals"):
+        half = copy.deepcopy(saved)
+        half["compress"][key] = {}
+        fresh = _opt([ps[0].clone()])
+        with pytest.raises(ValueError, match="restored together"):
+            fresh.load_state_dict(half)
+        assert not fresh._residuals and not fresh._update_residuals and not fresh.state
+    none = copy.deepcopy(saved)
+    none["compress"]["residuals"], none["compress"]["update_residuals"] = {}, {}
+    _opt([ps[0].clone()]).load_state_dict(none)  # both restart from zero together
