@@ -7,6 +7,8 @@ import re
 import pytest
 import torch
 
+from tests.helpers import torch_settings_restored
+
 
 @pytest.fixture(scope="module")
 def one_thread():
@@ -16,6 +18,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _torch_settings_restored():
+    """Every test leaves torch's process-wide settings as it found them: one that calls the training
+    CLI's main in this process (--threads, deterministic algorithms) must not change later tests' bytes."""
+    with torch_settings_restored():
+        yield
 
 
 def pytest_configure(config):

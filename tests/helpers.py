@@ -3,12 +3,35 @@ matrices, named spectra, pseudo-gradients from the reference loop and the commit
 
 from __future__ import annotations
 
+import contextlib
+import os
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+
+@contextlib.contextmanager
+def torch_settings_restored():
+    """Put back the process-wide settings `isoloco_kernels.train.cli.main` sets for its run (torch's
+    thread count from --threads, deterministic algorithms, $CUBLAS_WORKSPACE_CONFIG on CUDA): a test
+    that calls main in this process must not change the numbers of the tests after it (a training run
+    on 1 thread instead of the default gives other bytes: tests/package/test_pinned.py)."""
+    threads = torch.get_num_threads()
+    det, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(det, warn_only=warn_only)
+        if cublas is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
+
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _COLUMNS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)

@@ -17,7 +17,7 @@ import torch
 from isoloco_kernels.train import MODES, TrainConfig
 from isoloco_kernels.train.cli import main
 from isoloco_kernels.train.dist import Launch, check_outer, launched_by_torchrun
-from tests.helpers import TOL
+from tests.helpers import TOL, torch_settings_restored
 from tests.spawn import free_port
 
 pytestmark = pytest.mark.slow  # launches training ranks under torchrun
@@ -73,14 +73,11 @@ def _torchrun(args: list[str], out) -> subprocess.CompletedProcess:
 def simulation(data_file, tmp_path_factory):
     """The single-process run of the same 2 workers, every mode."""
     out = tmp_path_factory.mktemp("sim")
-    n = torch.get_num_threads()
-    try:
+    with torch_settings_restored():  # a module fixture: set up before conftest's per-test restore
         assert (
             main(["--mode", "all", "-K", "2", "--threads", "1", "--data", str(data_file), *FLAGS, "--out", str(out)])
             == 0
         )
-    finally:
-        torch.set_num_threads(n)
     return json.loads((out / "results.json").read_text())
 
 
