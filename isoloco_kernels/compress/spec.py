@@ -359,6 +359,11 @@ class Compression:
         """float32 values sent per block: the scale (1), or the centroid table (2^bits)."""
         return STAT_FORMATS[self.format].bins if self.is_stat else 1
 
+    @property
+    def skip_prefixes(self) -> tuple[str, ...]:
+        """The param-name prefixes the `skip` rule names (its name= terms)."""
+        return _skip_terms(self.skip)[2]
+
     def skips(self, shape, name: Optional[str] = None) -> bool:
         """Whether the `skip` rule keeps a param of this shape (and name) in full precision. Raises ValueError
         when the rule names params (a "name=" term) and no name is given: it cannot tell."""

@@ -188,6 +188,17 @@ class TrainConfig:
                     raise ValueError(
                         f"iso_skip {prefix!r} matches no matrix of the model; its matrices: {', '.join(matrices)}"
                     )
+        if self.compress is not None:  # a skip rule's name prefixes must name params of the model (a typo keeps
+            from ..compress import parse  # everything compressed, silently)
+
+            with torch.device("meta"):
+                names = [n for n, _ in ByteLM(mcfg).named_parameters()]
+            for prefix in parse(self.compress).skip_prefixes:
+                if not any(n.startswith(prefix) for n in names):
+                    raise ValueError(
+                        f"compress {self.compress!r}: skip name={prefix} matches no param of the model; its params: "
+                        f"{', '.join(names)}"
+                    )
         if self.iso_skip_outer is not None:
             if not self.iso_skip:
                 raise ValueError("iso_skip_outer is set but iso_skip names no parameters")

@@ -268,3 +268,8 @@ def test_wire_bytes_refuses_names_that_do_not_match_the_params():
     full = sharded.wire_bytes(plan, Compression("int4", 32), ["a", "b", "c"])
     kept = sharded.wire_bytes(plan, spec, ["tok.weight", "b", "c"])
     assert kept["all_to_all"] > full["all_to_all"]
+
+
+def test_the_rule_names_its_prefixes():
+    assert Compression("int2", skip="vectors+name=tok.+name=head.").skip_prefixes == ("head.", "tok.")
+    assert Compression("int2", skip="vectors+vocab=256").skip_prefixes == ()

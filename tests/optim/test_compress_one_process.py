@@ -473,3 +473,11 @@ def test_the_loop_applies_a_skip_rule_by_name_and_counts_it():
         for s in ("int4:128:0.95", "int4:128:0.95:skip=vectors+name=tok.+name=head.")
     ]
     assert with_residuals[0] - with_residuals[1] == 2 * 4 * kept  # each local worker's residual of a kept param
+
+
+def test_the_loop_refuses_a_skip_name_that_matches_no_param():
+    from isoloco_kernels.train import TrainConfig
+
+    with pytest.raises(ValueError, match=r"skip name=tok_ matches no param of the model; its params: tok.weight"):
+        TrainConfig(**SMALL, compress="stat2:256:skip=vectors+name=tok_").validate()
+    TrainConfig(**SMALL, compress="stat2:256:skip=vectors+name=tok.").validate()
