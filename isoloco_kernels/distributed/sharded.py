@@ -38,8 +38,8 @@ import torch.distributed as dist
 from .._validate import ResultOverflowError, amaxes, check_all_finite, check_amax_finite, compute_dtype, is_dtensor
 from ..compress import Compression, Packed, bytes_of, compress, decompress_add_, parse, track
 from ..compress.codec import mix32
-from ..merges import merge_groups, worker_norms
-from ..merges.norm import clip_cap
+from ..merges import merge_groups
+from ..merges.norm import clip_cap, worker_norms_each
 from ..merges.options import resolve_clip, resolve_options, resolve_weights
 from ..outer import core as outer
 from ..outer import sgd_state
@@ -371,7 +371,7 @@ class ShardedIsoLoCo(torch.optim.Optimizer):
             return None
         if not grads:
             return torch.zeros(0, dtype=torch.float64)
-        return torch.cat([worker_norms(g.unsqueeze(0)) for g in grads])
+        return torch.cat(worker_norms_each([g.unsqueeze(0) for g in grads]))
 
     def _roll_call(self, failure, own: Optional[float], norms) -> Optional[_Roll]:
         """Every rank's weight, quorum and (with clip) norms (`_RollCall`: one all-gather; one rank: its own),

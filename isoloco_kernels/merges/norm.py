@@ -35,7 +35,7 @@ import torch
 
 from .._validate import compute_dtype
 
-__all__ = ["Clipped", "clip_cap", "clip_stacks", "norm_mean_merge", "worker_norms"]
+__all__ = ["Clipped", "clip_cap", "clip_stacks", "norm_mean_merge", "worker_norms", "worker_norms_each"]
 
 
 def _frobenius(t: torch.Tensor) -> torch.Tensor:
@@ -63,15 +63,29 @@ def worker_norms(s: torch.Tensor) -> torch.Tensor:
     """Each worker's 2-norm (Frobenius for a matrix) of a finite stack [K, *shape]: float64 [K] on the CPU.
     Each worker is scaled by a power of two near its largest entry first (exact), so no square overflows
     or underflows in the compute dtype."""
-    K = s.shape[0]
-    if s.numel() == 0:
-        return torch.zeros(K, dtype=torch.float64)
-    x = s.detach().reshape(K, -1).to(compute_dtype(s.dtype))
-    amax = x.abs().amax(1)
-    _, e = torch.frexp(amax)
-    scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), e - 1), torch.ones_like(amax))
-    norms = torch.linalg.vector_norm(x / scale[:, None], dim=1)
-    return norms.to("cpu", torch.float64) * scale.to("cpu", torch.float64)
+    return worker_norms_each([s])[0]
+
+
+def worker_norms_each(stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`worker_norms` of every stack, with one copy to the host per device (not one per stack)."""
+    out: list = [None] * len(stacks)
+    on: dict = {}  # device -> [(index, float64 norms on the device)]
+    for i, s in enumerate(stacks):
+        K = s.shape[0]
+        if s.numel() == 0:
+            out[i] = torch.zeros(K, dtype=torch.float64)
+            continue
+        x = s.detach().reshape(K, -1).to(compute_dtype(s.dtype))
+        amax = x.abs().amax(1)
+        _, e = torch.frexp(amax)
+        scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), e - 1), torch.ones_like(amax))
+        norms = torch.linalg.vector_norm(x / scale[:, None], dim=1)
+        on.setdefault(x.device, []).append((i, norms.to(torch.float64) * scale.to(torch.float64)))
+    for parts in on.values():
+        host = torch.cat([n for _, n in parts]).cpu()
+        for (i, _), n in zip(parts, host.split([n.numel() for _, n in parts])):
+            out[i] = n
+    return out
 
 
 def clip_cap(norms: torch.Tensor, clip) -> float:
@@ -99,8 +113,7 @@ def clip_stacks(stacks: Sequence[torch.Tensor], clip, active: Optional[Sequence[
     clip: "median" or a positive float (options.resolve_clip's); active: the workers whose norms the
     median is taken over (weight > 0; None: all). Writes nothing: a clipped stack is a new tensor."""
     out, norms, caps = [], [], []
-    for s in stacks:
-        n = worker_norms(s)
+    for s, n in zip(stacks, worker_norms_each(stacks)):
         cap = clip_cap(n if active is None else n[list(active)], clip)
         over = (n > cap).nonzero().flatten().tolist()
         if over:

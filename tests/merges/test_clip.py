@@ -177,3 +177,23 @@ def test_clip_accepts_numbers_of_any_kind_and_the_in_place_merge_writes_the_clip
     before = x.clone()
     (slot,) = merge_([x], "iso_c", clip=2.0)
     assert torch.equal(slot, want) and torch.equal(x[1:], before[1:])  # the clip itself writes nothing
+
+
+def test_the_norms_of_many_stacks_are_each_stacks_own():
+    """worker_norms_each copies to the host once per device: the same float64 bits as one stack at a time."""
+    from isoloco_kernels.merges.norm import worker_norms, worker_norms_each
+
+    g = torch.Generator().manual_seed(11)
+    stacks = [
+        torch.randn(3, 5, 4, generator=g),
+        torch.zeros(3, 0),
+        (torch.randn(3, 7, generator=g) * 1e4).to(torch.bfloat16),
+        torch.randn(3, 6, generator=g, dtype=torch.float64) * 1e-300,
+    ]
+    got = worker_norms_each(stacks)
+    for s, n in zip(stacks, got):
+        assert n.dtype == torch.float64 and n.device.type == "cpu" and n.shape == (3,)
+        assert torch.equal(n, worker_norms(s))
+        m = float(s.double().abs().max()) if s.numel() else 1.0  # the float64 reference scaled too (1e-300² = 0)
+        want = torch.linalg.vector_norm(s.double().reshape(3, -1) / m, dim=1) * m
+        torch.testing.assert_close(n, want, rtol=2e-3 if s.dtype == torch.bfloat16 else 1e-6, atol=0)
