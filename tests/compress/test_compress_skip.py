@@ -1,7 +1,7 @@
 """The spec's `skip` rule: which params stay in full precision. Its grammar (refused by name), the predicate by
 shape and by name, the per-tensor functions refusing a rule they cannot apply, MergeLoCo applying it (the kept
 params in full precision, the rest as without the rule), and the bytes of a model with the skipped params counted
-in their own dtype. The sharded route: tests/distributed/test_compress_skip_sharded.py."""
+in their own dtype. The sharded route: tests/distributed/test_compress_skip_tracking_sharded.py."""
 
 from __future__ import annotations
 

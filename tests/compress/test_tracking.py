@@ -2,7 +2,7 @@
 its tracked estimate of the mean. `track` against the float64 oracle (compress/reference.py `tracking_ref`),
 MergeLoCo's rounds against an independent simulation of the docs' arithmetic, the estimate converging to a
 constant mean, the spec's rules, the estimates in state dicts, and bad input refused with nothing changed. The
-sharded route: tests/distributed/test_compress_tracking_sharded.py."""
+sharded route: tests/distributed/test_compress_skip_tracking_sharded.py."""
 
 from __future__ import annotations
 
