@@ -85,23 +85,25 @@ def _check_bytes(rank, world):
         assert math.isclose(reported, kept_bytes + alone["compressed"], rel_tol=1e-12)
 
 
-def _check_save_and_load(rank, world):
-    """Residuals of the compressed params only, saved and loaded into a fresh optimizer: it goes on bit for
-    bit as the one that saved."""
-    spec = CASES["name"][0]
-    a, b = seeded(SHAPES, 3, torch.float32), seeded(SHAPES, 3, torch.float32)
-    oa = ShardedIsoLoCo(_named(a), lr=0.9, momentum=0.6, compress=spec)
-    step_as_rank(oa, a, _deltas(world, 0, torch.float32), rank)
+def _check_save_and_load(rank, world, spec, shapes, deltas, named, residuals, owner):
+    """Saved after a step and loaded into a fresh optimizer: it goes on bit for bit as the one that saved.
+    `residuals`: the params whose worker residual (or estimate) the state holds; `owner`: whether it holds the
+    owner's (feedback "both", tracking) for this rank's tensors (those the skip rule keeps hold none)."""
+    a, b = seeded(shapes, 3, torch.float32), seeded(shapes, 3, torch.float32)
+    wrap = _named if named else list
+    oa = ShardedIsoLoCo(wrap(a), lr=0.9, momentum=0.6, compress=spec)
+    step_as_rank(oa, a, deltas(world, 0, torch.float32), rank)
     sd = copy.deepcopy(oa.state_dict())  # torch's load keeps the saved tensors: the two would share them
-    assert set(sd["compress"]["residuals"]) == {2, 3}
-    ob = ShardedIsoLoCo(_named(b), lr=0.9, momentum=0.6, compress=spec)
+    assert set(sd["compress"]["residuals"]) == residuals
+    assert set(sd["compress"]["update_residuals"]) == (set(oa.mine) & residuals if owner else set())
+    ob = ShardedIsoLoCo(wrap(b), lr=0.9, momentum=0.6, compress=spec)
     with torch.no_grad():
         for p, q in zip(b, a):
             p.copy_(q)
     ob.load_state_dict(sd)
     for s in (1, 2):
-        step_as_rank(oa, a, _deltas(world, s, torch.float32), rank)
-        step_as_rank(ob, b, _deltas(world, s, torch.float32), rank)
+        step_as_rank(oa, a, deltas(world, s, torch.float32), rank)
+        step_as_rank(ob, b, deltas(world, s, torch.float32), rank)
     assert all(torch.equal(p, q) for p, q in zip(a, b))
 
 
@@ -139,24 +141,6 @@ def _tracking_equal_to_one_process(rank, world, spec, merge, dtype):
         assert torch.equal(r, one._update_residuals[i])
 
 
-def _check_tracking_save_and_load(rank, world):
-    spec = TRACK_CASES[0][0]
-    a, b = seeded(TRACK_SHAPES, 4, torch.float32), seeded(TRACK_SHAPES, 4, torch.float32)
-    oa = ShardedIsoLoCo(a, lr=0.9, momentum=0.6, compress=spec)
-    step_as_rank(oa, a, _track_deltas(world, 0, torch.float32), rank)
-    saved = copy.deepcopy(oa.state_dict())
-    assert set(saved["compress"]["update_residuals"]) == set(oa.mine)
-    ob = ShardedIsoLoCo(b, lr=0.9, momentum=0.6, compress=spec)
-    with torch.no_grad():
-        for p, q in zip(b, a):
-            p.copy_(q)
-    ob.load_state_dict(saved)
-    for s in (1, 2):
-        step_as_rank(oa, a, _track_deltas(world, s, torch.float32), rank)
-        step_as_rank(ob, b, _track_deltas(world, s, torch.float32), rank)
-    assert all(torch.equal(p, q) for p, q in zip(a, b))
-
-
 def _check_nan_on_one_rank_changes_nothing(rank, world):
     ps = seeded(TRACK_SHAPES, 4, torch.float32)
     opt = ShardedIsoLoCo(ps, lr=0.9, momentum=0.6, compress=TRACK_CASES[0][0])
@@ -183,14 +167,22 @@ for _table in TABLES.values():
                     lambda rank, world, c=_case, m=_merge, d=_dt: _equal_to_one_process(rank, world, c, m, d),
                 )
     _table.add("bytes", _check_bytes)
-    _table.add("save_and_load", _check_save_and_load)
+    _table.add(
+        "save_and_load",
+        lambda rank, world: _check_save_and_load(rank, world, CASES["name"][0], SHAPES, _deltas, True, {2, 3}, True),
+    )
     _table.add("name_rule_without_names", _check_a_name_rule_without_names_is_refused)
     for _k, (_spec, _merge, _dt) in enumerate(TRACK_CASES):
         _table.add(
             f"tracking-equal-{_k}-{_merge}-{str(_dt)[6:]}",
             lambda rank, world, s=_spec, m=_merge, d=_dt: _tracking_equal_to_one_process(rank, world, s, m, d),
         )
-    _table.add("tracking_save_and_load", _check_tracking_save_and_load)
+    _table.add(
+        "tracking_save_and_load",
+        lambda rank, world: _check_save_and_load(
+            rank, world, TRACK_CASES[0][0], TRACK_SHAPES, _track_deltas, False, {0, 1, 2, 3, 4}, True
+        ),
+    )
     _table.add("tracking_nan_on_one_rank", _check_nan_on_one_rank_changes_nothing)
 
 
