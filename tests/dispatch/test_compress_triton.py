@@ -206,6 +206,23 @@ def test_compress_routes_through_the_kernels(interp, monkeypatch, s):
     assert torch.equal(d.nan_to_num(), d0.nan_to_num()) and torch.equal(r, r0)
 
 
+@pytest.mark.parametrize(
+    "s",
+    [
+        Compression("int2", 64, "stochastic", ef_beta=1.0, feedback="ef21"),
+        Compression("stat2", 128, ef_beta=0.9, feedback="ef21"),
+    ],
+    ids=Compression.cli,
+)
+def test_track_routes_through_the_kernels(interp, monkeypatch, s):
+    """track (feedback "ef21") with the Triton backend: the same payload and new estimate as the torch path."""
+    d, g = _inputs(300, torch.float32, torch.float32, seed=5)
+    want, want_g = C.track(d, g, s, step=3, tensor_id=1)
+    monkeypatch.setattr(fb, "backend_for", lambda x: ("triton", "test"))
+    p, new = C.track(d, g, s, step=3, tensor_id=1)
+    assert torch.equal(p.codes, want.codes) and torch.equal(p.scales, want.scales) and torch.equal(new, want_g)
+
+
 # ----------------------------------------------------------------------------------------------
 # the statistical formats' kernels under the interpreter
 
