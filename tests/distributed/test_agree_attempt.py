@@ -145,7 +145,7 @@ def _sharded_sites(compress, merge, clip=None, weighted=False):
 
     opt_sites = [(S.ShardedIsoLoCo, "_checked_grads"), (O, "collect"), (S, "checksums"), (S, "optimizer_settings")]
     opt_sites += [(S, "_own_weight"), (S.ShardedIsoLoCo, "_send_plan"), (S.ShardedIsoLoCo, "_clipped")]
-    opt_sites += [(S, "worker_norms"), (S, "_cap")] if clip is not None else []
+    opt_sites += [(S, "worker_norms_each"), (S, "clip_cap")] if clip is not None else []
     opt_sites += [(S, "resolve_weights")] if weighted else []
     if compress is not None:
         ex = S._CompressedExchange
