@@ -1512,17 +1512,11 @@ def owner_step(opt, params, groups, inputs: dict[int, torch.Tensor], specs, buck
     θ's dtype for update="full"})."""
     step = opt.merged_steps
     idx = sorted(inputs)
-    residuals = {}
-    for i in idx:  # ef21: the owner's new estimate G' is kept, and merged rounded to θ's dtype
-        if specs[i] is not None and specs[i].feedback == "ef21":
-            residuals[i] = inputs[i].to(specs[i].residual_dtype or inputs[i].dtype)
-            if not bool(torch.isfinite(residuals[i]).all()):
-                raise ResultOverflowError(
-                    f"the owner's tracked estimate of param {i} (shape {tuple(params[i].shape)}) does not fit "
-                    f"{residuals[i].dtype}; nothing was changed. Keep estimates in float32 (residual_dtype=None)",
-                    tensor=i,
-                )
-            inputs = {**inputs, i: inputs[i].to(params[i].dtype)}
+    # ef21: the owner's new estimate G' (owner_inputs made it in the compute dtype and checked it fits θ's dtype) is
+    # kept as it is, and merged rounded to θ's dtype
+    residuals = {i: inputs[i] for i in idx if specs[i] is not None and specs[i].feedback == "ef21"}
+    if residuals:
+        inputs = {**inputs, **{i: g.to(params[i].dtype) for i, g in residuals.items()}}
     if opt.merge in _MEAN_MERGES:
         m = dict(inputs)
         if opt.merge == "iso_c":
