@@ -11,7 +11,8 @@ takes its best. Reported on the test split, paired per seed, with 95 % Student-t
     EF             with error feedback − without, at the same format and block (each at its own pick)
 
 and the bytes one worker sends per round (both legs, scales included; the record's bytes_per_worker_per_round),
-in all over the run, against test loss: study_compress.png, one curve per method through its Pareto front.
+in all over the run, against test loss: study_compress.png, one panel per cell and one curve per method through
+its Pareto front.
 
     python study/summarize.py     # prints this table among the others, writes study/compression/summary_compress.json
                                   # and the plot
@@ -169,8 +170,27 @@ def plot_compress(s: dict, path) -> None:
 
     if not s:
         return
-    label, c = next(iter(s.items()))  # one cell
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, axes = plt.subplots(1, len(s), figsize=(7.5 * len(s), 4.5), squeeze=False)
+    for ax, (label, c) in zip(axes[0], sorted(s.items(), key=lambda kv: _cell_order(kv[0]))):
+        _plot_cell(ax, label, c)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _cell_order(label: str) -> tuple:
+    """Panels by K then rounds ("K 4, … R 10" before "K 16, … R 75"), not by the label's text."""
+    fields = dict(f.split(" ", 1) for f in label.split(", ") if " " in f)
+    return int(fields.get("K", 0)), int(fields.get("R", 0)), label
+
+
+def _plot_cell(ax, label: str, c: dict) -> None:
+    """One cell's panel: every (spec, method) pick at its MiB over the run and its test loss, each method's Pareto
+    front drawn and named."""
+    base = [p["test_mean"] for m in METHODS if (p := c["rows"].get(UNCOMPRESSED, {}).get(m)) and p["test_mean"]]
+    top = max(base, default=None)
+    top = None if top is None else top + 0.3  # a spec that costs more than 0.3 nats is off the scale, counted
+    off = 0
     for color, m in zip(("C1", "C0"), METHODS):
         pts = {}
         for spec, row in c["rows"].items():
@@ -179,6 +199,9 @@ def plot_compress(s: dict, path) -> None:
                 continue
             x, y = p["bytes_per_round"] * p["rounds"] / 2**20, p["test_mean"]
             pts[(x, y)] = spec
+            if top is not None and y > top:
+                off += 1
+                continue
             ef = spec != UNCOMPRESSED and _split(spec)[1] != "none"
             ax.scatter([x], [y], color=color, marker="o", s=22, facecolors=color if ef else "none")
         front = pareto(list(pts))
@@ -188,9 +211,9 @@ def plot_compress(s: dict, path) -> None:
                         textcoords="offset points")  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel("MiB sent per worker over the run (both legs, scales included)")
-    ax.set_ylabel("test loss (nats/byte), mean of 3 seeds")
-    ax.set_title(f"Compressed exchange: {label}\nfilled: with error feedback; open: without", fontsize=9)
+    ax.set_ylabel("test loss (nats/byte), mean of the seeds")
+    if off:
+        ax.set_ylim(top=top)
+    note = f"; {off} off the scale (> fp32 + 0.3)" if off else ""
+    ax.set_title(f"Compressed exchange: {label}\nfilled: with error feedback; open: without{note}", fontsize=9)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
