@@ -306,13 +306,29 @@ def step_as_rank(opt, params, stacks, rank: int) -> None:
     opt.step()
 
 
-def step_with_one_process(opt, one, params, stacks_of, rank: int, steps: int = 3) -> None:
-    """`steps` outer steps of this rank (step_as_rank) and of the one-process simulation `one` (MergeLoCo fed
-    every worker's Δ) on the same stacks: stacks_of(step) for step 0, 1, …"""
+def step_with_one_process(
+    ps, ref, rank: int, stacks_of, spec, merge: str, steps: int = 3, names: Optional[list] = None, **sharded_kw
+):
+    """ShardedIsoLoCo on this rank's params ps and the one-process simulation (MergeLoCo fed every worker's Δ)
+    on ref, an equal copy, both at lr 0.9 and momentum 0.6 with compression `spec` and `merge` (given `names`,
+    as named params; sharded_kw: the sharded optimizer's own settings): `steps` outer steps of each (this
+    rank's by step_as_rank) on the same stacks, stacks_of(step) for step 0, 1, …, after which every param must
+    be torch.equal — the sharded route is the simulation, bit for bit. Returns (opt, one) for the state each
+    caller compares."""
+    from isoloco_kernels import MergeLoCo, ShardedIsoLoCo
+
+    def named(t):
+        return t if names is None else list(zip(names, t))
+
+    opt = ShardedIsoLoCo(named(ps), lr=0.9, momentum=0.6, compress=spec, merge=merge, **sharded_kw)
+    one = MergeLoCo(named(ref), lr=0.9, momentum=0.6, compress=spec, merge=merge)
     for step in range(steps):
         stacks = stacks_of(step)
-        step_as_rank(opt, params, stacks, rank)
+        step_as_rank(opt, ps, stacks, rank)
         one.step(deltas=stacks)
+    for i, (p, q) in enumerate(zip(ps, ref)):
+        assert torch.equal(p, q), f"{spec} {merge} {p.dtype}: param {i} differs from the one-process simulation"
+    return opt, one
 
 
 class CheckReads:
