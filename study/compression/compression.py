@@ -28,6 +28,7 @@ from study.common.stats import fmt, paired_t
 
 METHODS = ("diloco", "isoloco")
 UNCOMPRESSED = "fp32"  # the uncompressed route's row: a ring all-reduce in float32
+OFF_SCALE = 0.3  # nats above the method's own fp32: a pick that costs more is counted, not drawn
 
 
 def compressed_grids(recs: list[dict]) -> dict:
@@ -186,22 +187,23 @@ def _cell_order(label: str) -> tuple:
 
 def _plot_cell(ax, label: str, c: dict) -> None:
     """One cell's panel: every (spec, method) pick at its MiB over the run and its test loss, each method's Pareto
-    front drawn and named."""
-    base = [p["test_mean"] for m in METHODS if (p := c["rows"].get(UNCOMPRESSED, {}).get(m)) and p["test_mean"]]
-    top = max(base, default=None)
-    top = None if top is None else top + 0.3  # a spec that costs more than 0.3 nats is off the scale, counted
-    off = 0
+    front drawn and named. A pick more than OFF_SCALE above its own method's fp32 is left out of the panel and its
+    front (so it cannot stretch the axis) and counted in the title."""
+    off, shown = 0, []
     for color, m in zip(("C1", "C0"), METHODS):
+        own = c["rows"].get(UNCOMPRESSED, {}).get(m)
+        top = own["test_mean"] + OFF_SCALE if own and own["test_mean"] is not None else None
         pts = {}
         for spec, row in c["rows"].items():
             p = row.get(m)
             if not p or not p.get("bytes_per_round") or p["test_mean"] is None:
                 continue
             x, y = p["bytes_per_round"] * p["rounds"] / 2**20, p["test_mean"]
-            pts[(x, y)] = spec
             if top is not None and y > top:
                 off += 1
                 continue
+            pts[(x, y)] = spec
+            shown.append(y)
             ef = spec != UNCOMPRESSED and _split(spec)[1] != "none"
             ax.scatter([x], [y], color=color, marker="o", s=22, facecolors=color if ef else "none")
         front = pareto(list(pts))
@@ -212,8 +214,6 @@ def _plot_cell(ax, label: str, c: dict) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("MiB sent per worker over the run (both legs, scales included)")
     ax.set_ylabel("test loss (nats/byte), mean of the seeds")
-    if off:
-        ax.set_ylim(top=top)
-    note = f"; {off} off the scale (> fp32 + 0.3)" if off else ""
+    note = f"; {off} off the scale (> its method's fp32 + {OFF_SCALE})" if off else ""
     ax.set_title(f"Compressed exchange: {label}\nfilled: with error feedback; open: without{note}", fontsize=9)
     ax.legend()
