@@ -15,8 +15,10 @@ $R $C --seeds 0 --lrs diloco=0.7@0.5,diloco=1@0.5,diloco=1.4@0.5 --out $O
 $R $C --seeds 0 --inner-lr 0.0045 --lrs ddp=- --out $O
 $R $C --seeds 0 --inner-lr 0.006 --lrs ddp=- --out $O
 $R $C --seeds 0 --outer-schedule warmup-cosine --lrs isoloco=3.2,isoloco=4.2 --out $O
-$R $C --seeds 0 --lrs norm_mean=0.7@0.8,norm_mean=1@0.8,norm_mean=1.4@0.8 --out $O
-$R $C --seeds 0 --lrs norm_mean=1@0.5,norm_mean=1.4@0.5,norm_mean=2@0 --out $O
+# norm_mean's step is the workers' mean norm (≈ 1/0.64 of the mean's at K 16): at 0.7 and 1.0 @ 0.8 it was far behind
+# DiLoCo (1.905, 2.216), so its grid goes down from 0.7, not up
+$R $C --seeds 0 --lrs norm_mean=0.7@0.8,norm_mean=1@0.8,norm_mean=0.5@0.8,norm_mean=0.35@0.8 --out $O
+$R $C --seeds 0 --lrs norm_mean=0.5@0.5,norm_mean=0.7@0.5,norm_mean=1@0 --out $O
 $R $C --seeds 0 --lrs isoloco=3.2@0.9,diloco=1.7@0 --out $O
 $R $C --seeds 0 --outer-schedule warmup-cosine --lrs diloco=0.7@0.9,diloco=1.4@0 --out $O
 $R $C --seeds 0 --outer-schedule momentum-warmup --lrs diloco=0.7@0.8 --out $O
