@@ -235,6 +235,10 @@ def _check_a_rank_with_another_spec_is_refused_everywhere(rank, world):
         ("int4:128:0.95", "int4:128:0.9"),
         ("int4:128:0.95", "int4:128:0.95:nearest:both"),
         ("int4:128:0.95:nearest:workers", "int4:128:0.95:nearest:owner"),
+        ("stat2:256:none", "stat4:256:none"),
+        ("stat2:256:none", "stat2:256:1:nearest:ef21"),
+        ("stat2:256:none", "stat2:256:none:skip=vectors"),
+        ("stat2:256:none:skip=vectors", "stat2:256:none:skip=vectors+vocab=256"),
     ):
         with pytest.raises(DistributedStepError, match="compress"):
             ShardedIsoLoCo(_init(), compress=other if rank == world - 1 else mine)
