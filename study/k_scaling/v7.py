@@ -37,19 +37,23 @@ FINAL_SEEDS = (0, 1, 2, 3, 4)
 V7_FILE = "v7_fixed_compute.jsonl"
 
 
-def tokens_per_param(K: int) -> float:
-    return K * H * ROUNDS[K] * BATCH * SEQ / TINY_PARAMS
+#: part B, workers or rounds: K 16's rounds at K 4, a quarter of its tokens (k_scaling/v7b_plan.sh)
+B_K, B_ROUNDS = 4, 75
 
 
-def in_cell(r: dict, K: int) -> bool:
-    """A run of v7's cell at K: v3's settings of the base cell, v6's token budget, uncompressed (the DDP runs may
-    move the inner lr; the others run at the base cell's)."""
+def tokens_per_param(K: int, rounds: int | None = None) -> float:
+    return K * H * (rounds or ROUNDS[K]) * BATCH * SEQ / TINY_PARAMS
+
+
+def in_cell(r: dict, K: int, rounds: int | None = None) -> bool:
+    """A run of v7's cell at K: v3's settings of the base cell, v6's token budget (or `rounds`), uncompressed (the
+    DDP runs may move the inner lr; the others run at the base cell's)."""
     v3 = r.get("v3") or {}
     return (
         r.get("study") == "v3"
         and r.get("workers") == K
         and r.get("inner_steps") == H
-        and r.get("rounds") == ROUNDS.get(K)
+        and r.get("rounds") == (rounds or ROUNDS.get(K))
         and r.get("vocab", 256) == 256
         and r.get("init", "gpt2") == "gpt2"
         and r.get("eval_split") == "halves"
@@ -66,11 +70,11 @@ def config_of(r: dict) -> tuple:
     return (r["mode"], r.get("outer_lr"), v3.get("mu"), v3.get("outer_schedule", "constant"), v3["inner_lr"])
 
 
-def configs(recs: list[dict], K: int) -> dict:
+def configs(recs: list[dict], K: int, rounds: int | None = None) -> dict:
     """method -> config -> seed -> record, for the runs of v7's cell at K (a repeated run keeps the first)."""
     out: dict = defaultdict(lambda: defaultdict(dict))
     for r in recs:
-        if in_cell(r, K):
+        if in_cell(r, K, rounds):
             out[r["mode"]][config_of(r)].setdefault(r["seed"], r)
     return out
 
@@ -164,6 +168,40 @@ def summarize_v7(recs: list[dict]) -> list[dict]:
         row["cpu_s"] = sum(r.get("cpu_s", 0.0) for cs in cfgs.values() for runs in cs.values() for r in runs.values())
         rows.append(row)
     return rows
+
+
+def summarize_v7b(recs: list[dict]) -> dict | None:
+    """Part B: every config of K 4 × 75 rounds with its test losses per seed, IsoLoCo − each DiLoCo config and each
+    method − DDP, paired over their common seeds on the test split at the end (None before any run)."""
+    cfgs = {c: runs for by_cfg in configs(recs, B_K, B_ROUNDS).values() for c, runs in by_cfg.items()}
+    if not cfgs:
+        return None
+    test = {label(c) if c[0] == "ddp" else f"{c[0]} {label(c)}": {s: r["final_test_loss"] for s, r in runs.items()}
+            for c, runs in sorted(cfgs.items(), key=lambda kv: repr(kv[0]))}  # fmt: skip
+    iso = [k for k in test if k.startswith("isoloco ")]
+    dil = [k for k in test if k.startswith("diloco ")]
+    ddp = [k for k in test if k.startswith("inner lr ")]
+    return {
+        "workers": B_K,
+        "rounds": B_ROUNDS,
+        "tokens_per_param": tokens_per_param(B_K, B_ROUNDS),
+        "test": test,
+        "gaps": {f"{a} - {b}": paired_t(test[a], test[b]) for a in iso for b in dil},
+        "to_ddp": {f"{a} - ddp": paired_t(test[a], test[d]) for a in iso + dil for d in ddp},
+        "cpu_s": sum(r.get("cpu_s", 0.0) for runs in cfgs.values() for r in runs.values()),
+    }
+
+
+def markdown_v7b(b: dict) -> str:
+    lines = [
+        f"K {b['workers']} × {b['rounds']} rounds ({b['tokens_per_param']:.1f} tokens per parameter), "
+        f"{b['cpu_s'] / 3600:.1f} CPU-hours:",
+        "",
+        "| gap (test, at the end) | mean [95 % t] |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {interval_text(g)} |" for k, g in {**b["gaps"], **b["to_ddp"]}.items()]
+    return "\n".join(lines + [""])
 
 
 def markdown_v7(rows: list[dict]) -> str:

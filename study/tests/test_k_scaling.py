@@ -101,6 +101,35 @@ def test_v7_the_table_pairs_the_picks_over_their_common_seeds_and_ddp_moves_only
     assert "K 16 × 75 rounds" in table and "| isoloco - norm_mean | -0.150" in table
 
 
+def test_v7b_pairs_isoloco_with_each_diloco_config_and_every_method_with_ddp_at_k4_x_75_rounds(tmp_path):
+    from study.k_scaling import v7
+
+    def b(mode, lr, mu, seed, test, **kw):
+        return _v7(mode, lr, mu, seed, 1.0, test, **kw) | {"workers": 4, "rounds": 75}
+
+    assert v7.summarize_v7b([_v7("diloco", 0.7, 0.8, 0, 1.7, 1.6)]) is None  # K 16's runs are part A's
+    recs = []
+    for seed in range(5):
+        recs += [
+            b("isoloco", 3.2, None, seed, 1.40 + 0.01 * seed),
+            b("diloco", 0.5, 0.8, seed, 1.50),
+            b("diloco", 0.7, 0.8, seed, 1.45 + 0.02 * seed),
+            b("ddp", None, None, seed, 1.42),
+        ]
+    recs += [b("isoloco", 3.2, None, 0, 9.0) | {"rounds": 300}, b("diloco", 0.5, 0.8, 5, 1.5)]  # another cell; no pair
+    out = v7.summarize_v7b(recs)
+    assert out["tokens_per_param"] == pytest.approx(4 * 30 * 75 * 256 / 467_584)
+    assert sorted(out["test"]) == ["diloco 0.5 @ 0.8", "diloco 0.7 @ 0.8", "inner lr 0.003", "isoloco 3.2 @ default"]
+    g = out["gaps"]["isoloco 3.2 @ default - diloco 0.5 @ 0.8"]
+    assert g["seeds"] == 5 and g["mean"] == pytest.approx(-0.10 + 0.02)
+    assert out["gaps"]["isoloco 3.2 @ default - diloco 0.7 @ 0.8"]["mean"] == pytest.approx(-0.05 - 0.01 * 2)
+    assert out["to_ddp"]["diloco 0.5 @ 0.8 - ddp"]["mean"] == pytest.approx(0.08)
+    assert len(out["to_ddp"]) == 3
+    table = v7.markdown_v7b(out)
+    assert "K 4 × 75 rounds (4.9 tokens per parameter)" in table
+    assert "| diloco 0.5 @ 0.8 - ddp | +0.080 [+0.080, +0.080] (5 seeds) |" in table
+
+
 def test_v7_spectral_stats_know_their_answers():
     import math
 
