@@ -13,13 +13,14 @@ three best by seed 0; the pick is the config with the lowest mean selection loss
 is +inf); seeds 0–4 run at the pick and are scored on the test split; the gaps are paired over seeds with a 95 %
 Student-t interval. `jobs` prints the runs the next stage needs, in the plan's format (k_scaling/v7a_plan.sh):
 
-    python -m study.k_scaling.v7 jobs --K 16 --stage seed1   # then --stage final
+    python -m study.k_scaling.v7 jobs --K 8 --stage edges    # then --stage seed1, then --stage final
     python study/summarize.py                                # the table, study/k_scaling/summary_v7.json
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -105,18 +106,47 @@ def job_line(cfg: tuple, seeds) -> str:
     return f"{schedule} {inner_lr:g} {item} {','.join(map(str, seeds))}"
 
 
+#: the outer lrs the study's grids use: DiLoCo's and norm_mean's steps of √2, IsoLoCo's of 4/3
+LADDER = (0.12, 0.17, 0.25, 0.35, 0.5, 0.7, 1.0, 1.35, 1.4, 1.8, 2.0, 2.4, 2.8, 3.2, 4.2, 5.6, 7.5)
+
+
+def past_edge(cfgs: dict) -> tuple | None:
+    """One point past the edge of the seed-0 best's lr line (the configs that differ from it only in the outer lr),
+    when the best sits at that line's lowest or highest lr: a step of the line's ratio there (√2 when the line has
+    one point), snapped to the nearest LADDER lr beyond the edge. None when the best is interior or DDP's (its
+    inner lr grid is fixed at ×{1, 1.5, 2})."""
+    best = ranked(cfgs)[:1]
+    if not best or best[0][0] == "ddp":
+        return None
+    mode, lr, mu, schedule, inner_lr = best[0]
+    line = sorted(c[1] for c in cfgs if (c[0], c[2], c[3], c[4]) == (mode, mu, schedule, inner_lr))
+    if len(line) > 1 and line[0] < lr < line[-1]:
+        return None
+    if lr == line[0]:
+        new, beyond = lr / (line[1] / line[0] if len(line) > 1 else 2**0.5), [x for x in LADDER if x < lr]
+    else:
+        new, beyond = lr * (line[-1] / line[-2] if len(line) > 1 else 2**0.5), [x for x in LADDER if x > lr]
+    if not beyond:
+        return None
+    return (mode, min(beyond, key=lambda x: abs(math.log(x / new))), mu, schedule, inner_lr)
+
+
 def jobs(recs: list[dict], K: int, stage: str, top: int = 3) -> list[str]:
-    """The runs a stage still needs: "seed1", seed 1 of each method's `top` best seed-0 configs; "final", the
-    seeds 0–4 of each method's pick."""
+    """The runs a stage still needs: "edges", seed 0 one point past the edge of each method's seed-0 best (see
+    `past_edge`); "seed1", seed 1 of each method's `top` best seed-0 configs; "final", the seeds 0–4 of each
+    method's pick."""
     out = []
     for _, cfgs in sorted(configs(recs, K).items()):
-        if stage == "seed1":
+        if stage == "edges":
+            e = past_edge(cfgs)
+            todo = [] if e is None or e in cfgs else [(e, (0,))]
+        elif stage == "seed1":
             todo = [(c, (1,)) for c in ranked(cfgs)[:top] if 1 not in cfgs[c]]
         elif stage == "final":
             p = pick(cfgs)
             todo = [] if p is None else [(p, tuple(s for s in FINAL_SEEDS if s not in cfgs[p]))]
         else:
-            raise ValueError(f"stage must be seed1 or final, got {stage!r}")
+            raise ValueError(f"stage must be edges, seed1 or final, got {stage!r}")
         out += [job_line(c, seeds) for c, seeds in todo if seeds]
     return out
 
@@ -245,7 +275,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("jobs",))
     p.add_argument("--K", type=int, required=True, choices=sorted(ROUNDS))
-    p.add_argument("--stage", required=True, choices=("seed1", "final"))
+    p.add_argument("--stage", required=True, choices=("edges", "seed1", "final"))
     p.add_argument("--no-wait", action="store_true", help="do not wait for seed-0 jobs in flight")
     a = p.parse_args()
     from study.common.records import load

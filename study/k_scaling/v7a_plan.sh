@@ -4,7 +4,7 @@
 # the base inner lr) count as this screen's seed 0 where they match; this plan adds, seed 0: DiLoCo at μ 0.5 and
 # 1.7 @ 0 (between v6's 1.4 and 2.0), DiLoCo warmed up + cosine around v6's picks and a momentum warm-up at its pick,
 # the norm-preserving merge (norm_mean, outer Nesterov) over lr × μ, IsoLoCo warmed up + cosine and at μ 0.9, DDP at
-# 1.5× and 2× the inner lr. Then seed 1 of each method's three best, then seeds 0–4 at the pick by the mean of seeds
+# 1.5× and 2× the inner lr. Then one seed-0 point past the edge of each method's best, seed 1 of each method's three best, then seeds 0–4 at the pick by the mean of seeds
 # 0–1 (v7.py `jobs`). Most valuable first: the schedule that removes DiLoCo's mid-run dip, then the step-size
 # control. Resumable and claimable like the other plans: run it in two processes.
 source "$(dirname "$0")/../plan_env.sh"
@@ -22,7 +22,7 @@ $R $C --seeds 0 --lrs norm_mean=0.5@0.5,norm_mean=0.7@0.5,norm_mean=1@0 --out $O
 $R $C --seeds 0 --lrs isoloco=3.2@0.9,diloco=1.7@0 --out $O
 $R $C --seeds 0 --outer-schedule warmup-cosine --lrs diloco=0.7@0.9,diloco=1.4@0 --out $O
 $R $C --seeds 0 --outer-schedule momentum-warmup --lrs diloco=0.7@0.8 --out $O
-for stage in seed1 final; do
+for stage in edges seed1 final; do
     python -m study.k_scaling.v7 jobs --K 16 --stage $stage | while read -r schedule inner_lr lrs seeds; do
         $R $C --outer-schedule "$schedule" --inner-lr "$inner_lr" --seeds "$seeds" --lrs "$lrs" --out $O
     done

@@ -101,6 +101,34 @@ def test_v7_the_table_pairs_the_picks_over_their_common_seeds_and_ddp_moves_only
     assert "K 16 × 75 rounds" in table and "| isoloco - norm_mean | -0.150" in table
 
 
+def test_v7_edges_extend_the_seed0_best_one_step_past_its_lr_lines_end():
+    from study.k_scaling import v7
+
+    recs = [
+        _v7("diloco", 0.5, 0.8, 0, 1.60, 1.5),
+        _v7("diloco", 0.7, 0.8, 0, 1.50, 1.4),  # the best, at the top of its line (0.5, 0.7 @ 0.8)
+        _v7("diloco", 1.0, 0.5, 0, 1.70, 1.6),  # another μ: another line
+        _v7("isoloco", 3.2, None, 0, 1.40, 1.3),  # alone on its line: √2 below (lowest and highest at once)
+        _v7("norm_mean", 0.35, 0.8, 0, 1.40, 1.3),  # the best, at the bottom
+        _v7("norm_mean", 0.5, 0.8, 0, 1.45, 1.3),
+        _v7("norm_mean", 0.7, 0.8, 0, 1.50, 1.3),
+        _v7("ddp", None, None, 0, 1.5, 1.4),  # DDP's grid is fixed
+        _v7("diloco", 9.9, 0.8, 0, 1.0, 1.0, K=32),
+    ]
+    assert v7.jobs(recs, 16, "edges") == [
+        "constant 0.003 diloco=1@0.8 0",
+        "constant 0.003 isoloco=2.4 0",
+        "constant 0.003 norm_mean=0.25@0.8 0",
+    ]
+    recs += [_v7("diloco", 1.0, 0.8, 0, 1.55, 1.4), _v7("isoloco", 2.4, None, 0, 1.45, 1.3)]
+    recs += [_v7("norm_mean", 0.25, 0.8, 0, 1.30, 1.3)]  # past the edge and better still: the next step
+    # IsoLoCo's 3.2 is now the top of (2.4, 3.2): one step of 4/3 up
+    assert v7.jobs(recs, 16, "edges") == ["constant 0.003 isoloco=4.2 0", "constant 0.003 norm_mean=0.17@0.8 0"]
+    recs += [_v7("isoloco", 4.2, None, 0, 1.45, 1.3), _v7("norm_mean", 0.12, 0.8, 0, 1.20, 1.3)]
+    assert v7.jobs(recs, 16, "edges") == []  # the ladder's end
+    assert v7.past_edge(v7.configs(recs, 16)["diloco"]) is None
+
+
 def test_v7b_pairs_isoloco_with_each_diloco_config_and_every_method_with_ddp_at_k4_x_75_rounds(tmp_path):
     from study.k_scaling import v7
 
