@@ -254,20 +254,24 @@ def markdown_v7(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def wait_for_screen(K: int, limit_s: float = 4 * 3600.0, poll_s: float = 30.0) -> None:
-    """Block while another runner still holds a claim on a seed-0 job of v7's cell at K: a stage is chosen from the
-    finished screen, not from part of it."""
+#: the seeds whose runs a stage is chosen from: it waits until none of them is in flight
+STAGE_SEEDS = {"edges": (0,), "seed1": (0,), "final": (0, 1)}
+
+
+def wait_for_stage(K: int, seeds=(0,), limit_s: float = 4 * 3600.0, poll_s: float = 30.0, folder=None) -> None:
+    """Block while another runner still holds a claim on a job of v7's cell at K with one of `seeds`: a stage is
+    chosen from finished runs (the final stage from seeds 0 and 1), not from part of them."""
     from study.run_study import claim_name, finished
 
-    folder = Path(__file__).resolve().parents[1]
-    prefix = f"0_{K}_{H}_"
+    folder = Path(folder or Path(__file__).resolve().parents[1])
     t0 = time.time()
     while True:
-        done = {claim_name(k) for k in finished(folder) if k[0] == 0}
-        busy = [c for c in (folder / ".claims").glob(prefix + "*") if c.name not in done]
+        done = {claim_name(k) for k in finished(folder) if k[0] in seeds}
+        claims = [c for s in seeds for c in (folder / ".claims").glob(f"{s}_{K}_{H}_*")]
+        busy = [c for c in claims if c.name not in done]
         if not busy or time.time() - t0 > limit_s:
             return
-        print(f"waiting for {len(busy)} seed-0 job(s) of K {K} in flight", file=sys.stderr, flush=True)
+        print(f"waiting for {len(busy)} job(s) of K {K}, seeds {seeds}, in flight", file=sys.stderr, flush=True)
         time.sleep(poll_s)
 
 
@@ -276,12 +280,12 @@ def main() -> None:
     p.add_argument("what", choices=("jobs",))
     p.add_argument("--K", type=int, required=True, choices=sorted(ROUNDS))
     p.add_argument("--stage", required=True, choices=("edges", "seed1", "final"))
-    p.add_argument("--no-wait", action="store_true", help="do not wait for seed-0 jobs in flight")
+    p.add_argument("--no-wait", action="store_true", help="do not wait for the stage's jobs in flight")
     a = p.parse_args()
     from study.common.records import load
 
     if not a.no_wait:
-        wait_for_screen(a.K)
+        wait_for_stage(a.K, STAGE_SEEDS[a.stage])
     for line in jobs(load(), a.K, a.stage):
         print(line)
 

@@ -129,6 +129,19 @@ def test_v7_edges_extend_the_seed0_best_one_step_past_its_lr_lines_end():
     assert v7.past_edge(v7.configs(recs, 16)["diloco"]) is None
 
 
+def test_v7_the_final_stage_waits_for_seed1_runs_in_flight_the_others_for_seed0(tmp_path, capsys):
+    from study.k_scaling import v7
+
+    (tmp_path / ".claims").mkdir()
+    (tmp_path / ".claims" / "1_16_30_diloco_0.5_v3_x").touch()  # a seed-1 run of K 16 in flight
+    (tmp_path / ".claims" / "0_8_30_diloco_0.5_v3_x").touch()  # another K's
+    for stage in ("edges", "seed1"):
+        v7.wait_for_stage(16, v7.STAGE_SEEDS[stage], limit_s=0.05, poll_s=0.01, folder=tmp_path)
+        assert "waiting" not in capsys.readouterr().err
+    v7.wait_for_stage(16, v7.STAGE_SEEDS["final"], limit_s=0.05, poll_s=0.01, folder=tmp_path)
+    assert "waiting for 1 job(s) of K 16, seeds (0, 1), in flight" in capsys.readouterr().err
+
+
 def test_v7b_pairs_isoloco_with_each_diloco_config_and_every_method_with_ddp_at_k4_x_75_rounds(tmp_path):
     from study.k_scaling import v7
 
