@@ -113,6 +113,7 @@ def main() -> None:
     if rows:
         spectra_rows = spectra.summarize_spectra(read_jsonl(spectra.OUT)) if spectra.OUT.exists() else []
         s7 = {"fixed_compute": rows, "spectra": spectra_rows, "workers_or_rounds": v7.summarize_v7b(all_runs)}
+        s7["muon_inner"] = v7.summarize_v7(all_runs, inner="muon")
         (HERE / "k_scaling" / "summary_v7.json").write_text(json.dumps(s7, indent=1))
         gaps = {
             "fixed compute (v6, v7)": {r["workers"]: r["gaps"].get("isoloco - diloco") for r in rows},
@@ -122,6 +123,8 @@ def main() -> None:
         }
         spectra.plot_spectra(spectra_rows, gaps, HERE / "k_scaling" / "study_v7_k_scaling.png")
         print("\n<!-- v7 k scaling -->\n" + v7.markdown_v7(rows))
+        if s7["muon_inner"]:
+            print("\n<!-- v7 muon inner -->\n" + v7.markdown_v7(s7["muon_inner"]))
         if s7["workers_or_rounds"]:
             print("\n<!-- v7 workers or rounds -->\n" + v7.markdown_v7b(s7["workers_or_rounds"]))
         if spectra_rows:

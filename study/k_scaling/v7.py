@@ -46,9 +46,9 @@ def tokens_per_param(K: int, rounds: int | None = None) -> float:
     return K * H * (rounds or ROUNDS[K]) * BATCH * SEQ / TINY_PARAMS
 
 
-def in_cell(r: dict, K: int, rounds: int | None = None) -> bool:
+def in_cell(r: dict, K: int, rounds: int | None = None, inner: str = "adamw") -> bool:
     """A run of v7's cell at K: v3's settings of the base cell, v6's token budget (or `rounds`), uncompressed (the
-    DDP runs may move the inner lr; the others run at the base cell's)."""
+    DDP runs may move the inner lr; the others run at the base cell's), with `inner` steps (part D: Muon)."""
     v3 = r.get("v3") or {}
     return (
         r.get("study") == "v3"
@@ -58,7 +58,7 @@ def in_cell(r: dict, K: int, rounds: int | None = None) -> bool:
         and r.get("vocab", 256) == 256
         and r.get("init", "gpt2") == "gpt2"
         and r.get("eval_split") == "halves"
-        and (v3.get("batch"), v3.get("seq_len"), v3.get("inner"), v3.get("model")) == (BATCH, SEQ, "adamw", "tiny")
+        and (v3.get("batch"), v3.get("seq_len"), v3.get("inner"), v3.get("model")) == (BATCH, SEQ, inner, "tiny")
         and not {"compress", "drop", "faulty", "merge_clip"} & set(v3)
         and r.get("mode") in METHODS
         and (r["mode"] == "ddp" or v3.get("inner_lr") == INNER_LR)
@@ -71,11 +71,11 @@ def config_of(r: dict) -> tuple:
     return (r["mode"], r.get("outer_lr"), v3.get("mu"), v3.get("outer_schedule", "constant"), v3["inner_lr"])
 
 
-def configs(recs: list[dict], K: int, rounds: int | None = None) -> dict:
+def configs(recs: list[dict], K: int, rounds: int | None = None, inner: str = "adamw") -> dict:
     """method -> config -> seed -> record, for the runs of v7's cell at K (a repeated run keeps the first)."""
     out: dict = defaultdict(lambda: defaultdict(dict))
     for r in recs:
-        if in_cell(r, K, rounds):
+        if in_cell(r, K, rounds, inner):
             out[r["mode"]][config_of(r)].setdefault(r["seed"], r)
     return out
 
@@ -131,12 +131,12 @@ def past_edge(cfgs: dict) -> tuple | None:
     return (mode, min(beyond, key=lambda x: abs(math.log(x / new))), mu, schedule, inner_lr)
 
 
-def jobs(recs: list[dict], K: int, stage: str, top: int = 3) -> list[str]:
+def jobs(recs: list[dict], K: int, stage: str, top: int = 3, inner: str = "adamw") -> list[str]:
     """The runs a stage still needs: "edges", seed 0 one point past the edge of each method's seed-0 best (see
     `past_edge`); "seed1", seed 1 of each method's `top` best seed-0 configs; "final", the seeds 0–4 of each
     method's pick."""
     out = []
-    for _, cfgs in sorted(configs(recs, K).items()):
+    for _, cfgs in sorted(configs(recs, K, inner=inner).items()):
         if stage == "edges":
             e = past_edge(cfgs)
             todo = [] if e is None or e in cfgs else [(e, (0,))]
@@ -161,15 +161,17 @@ def label(cfg: tuple) -> str:
 GAPS = (("isoloco", "diloco"), ("isoloco", "norm_mean"), ("norm_mean", "diloco"))
 
 
-def summarize_v7(recs: list[dict]) -> list[dict]:
+def summarize_v7(recs: list[dict], inner: str = "adamw") -> list[dict]:
     """Per K with any run: each method's screen (every config: seeds, mean selection, mean test), its pick, and the
-    paired gaps on the test split at the end between the picks, and each pick against DDP's."""
+    paired gaps on the test split at the end between the picks, and each pick against DDP's; `inner` "muon" for
+    part D's cell."""
     rows = []
     for K in sorted(ROUNDS):
-        cfgs = configs(recs, K)
+        cfgs = configs(recs, K, inner=inner)
         if not cfgs:
             continue
-        row: dict = {"workers": K, "rounds": ROUNDS[K], "tokens_per_param": tokens_per_param(K), "methods": {}}
+        row: dict = {"workers": K, "rounds": ROUNDS[K], "tokens_per_param": tokens_per_param(K), "inner": inner}
+        row["methods"] = {}
         picks = {}
         for mode in METHODS:
             if mode not in cfgs:
@@ -238,8 +240,8 @@ def markdown_v7(rows: list[dict]) -> str:
     lines = []
     for row in rows:
         lines += [
-            f"K {row['workers']} × {row['rounds']} rounds ({row['tokens_per_param']:.1f} tokens per parameter), "
-            f"{row['cpu_s'] / 3600:.1f} CPU-hours:",
+            f"K {row['workers']} × {row['rounds']} rounds ({row['tokens_per_param']:.1f} tokens per parameter"
+            f"{', Muon inner' if row.get('inner') == 'muon' else ''}), {row['cpu_s'] / 3600:.1f} CPU-hours:",
             "",
             "| method | pick (seeds 0–1) | configs screened | seeds at the pick |",
             "|---|---|---|---|",
@@ -280,13 +282,14 @@ def main() -> None:
     p.add_argument("what", choices=("jobs",))
     p.add_argument("--K", type=int, required=True, choices=sorted(ROUNDS))
     p.add_argument("--stage", required=True, choices=("edges", "seed1", "final"))
+    p.add_argument("--inner", default="adamw", choices=("adamw", "muon"), help="part D: muon")
     p.add_argument("--no-wait", action="store_true", help="do not wait for the stage's jobs in flight")
     a = p.parse_args()
     from study.common.records import load
 
     if not a.no_wait:
         wait_for_stage(a.K, STAGE_SEEDS[a.stage])
-    for line in jobs(load(), a.K, a.stage):
+    for line in jobs(load(), a.K, a.stage, inner=a.inner):
         print(line)
 
 

@@ -129,6 +129,25 @@ def test_v7_edges_extend_the_seed0_best_one_step_past_its_lr_lines_end():
     assert v7.past_edge(v7.configs(recs, 16)["diloco"]) is None
 
 
+def test_v7_part_d_muon_runs_are_their_own_cell():
+    from study.k_scaling import v7
+
+    recs = [_v7("diloco", 1.0, 0.5, s, 1.8, 1.7) for s in (0, 1)]  # AdamW inner
+    for r in [_v7("diloco", 1.0, 0.5, s, 1.9 + 0.1 * s, 1.8) for s in (0, 1)] + [
+        _v7("isoloco", 2.4, None, 0, 1.6, 1.5)
+    ]:
+        r["v3"]["inner"] = "muon"
+        recs.append(r)
+    assert v7.jobs(recs, 16, "seed1", inner="muon") == ["constant 0.003 isoloco=2.4 1"]
+    assert v7.jobs(recs, 16, "seed1") == []
+    (adamw,), (muon,) = v7.summarize_v7(recs), v7.summarize_v7(recs, inner="muon")
+    assert adamw["methods"]["diloco"]["screen"]["1 @ 0.5"]["selection_seeds01"] == pytest.approx(1.8)
+    assert muon["methods"]["diloco"]["screen"]["1 @ 0.5"]["selection_seeds01"] == pytest.approx(1.95)
+    assert muon["methods"]["isoloco"]["pick"] is None and (adamw["inner"], muon["inner"]) == ("adamw", "muon")
+    assert "tokens per parameter, Muon inner), " in v7.markdown_v7([muon])
+    assert "Muon" not in v7.markdown_v7([adamw])
+
+
 def test_v7_the_final_stage_waits_for_seed1_runs_in_flight_the_others_for_seed0(tmp_path, capsys):
     from study.k_scaling import v7
 
