@@ -20,6 +20,7 @@ Student-t interval. `jobs` prints the runs the next stage needs, in the plan's f
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 import statistics
 import sys
@@ -110,25 +111,27 @@ def job_line(cfg: tuple, seeds) -> str:
 LADDER = (0.12, 0.17, 0.25, 0.35, 0.5, 0.7, 1.0, 1.35, 1.4, 1.8, 2.0, 2.4, 2.8, 3.2, 4.2, 5.6, 7.5)
 
 
-def past_edge(cfgs: dict) -> tuple | None:
-    """One point past the edge of the seed-0 best's lr line (the configs that differ from it only in the outer lr),
-    when the best sits at that line's lowest or highest lr: a step of the line's ratio there (√2 when the line has
-    one point), snapped to the nearest LADDER lr beyond the edge. None when the best is interior or DDP's (its
-    inner lr grid is fixed at ×{1, 1.5, 2})."""
+def past_edge(cfgs: dict) -> list[tuple]:
+    """The points past the edge of the seed-0 best's lr line (the configs that differ from it only in the outer lr)
+    when the best sits at that line's lowest or highest lr: a step of the line's ratio there, snapped to the nearest
+    LADDER lr beyond the edge; both neighbours (a step of √2 each way) when it is alone on its line. None when the
+    best is interior, at the ladder's end or DDP's (its inner lr grid is fixed at ×{1, 1.5, 2}). Run until it is
+    empty (stages.sh), the walk ends where the best is interior, whichever runner gets there."""
     best = ranked(cfgs)[:1]
     if not best or best[0][0] == "ddp":
-        return None
+        return []
     mode, lr, mu, schedule, inner_lr = best[0]
     line = sorted(c[1] for c in cfgs if (c[0], c[2], c[3], c[4]) == (mode, mu, schedule, inner_lr))
-    if len(line) > 1 and line[0] < lr < line[-1]:
-        return None
+    steps = []
     if lr == line[0]:
-        new, beyond = lr / (line[1] / line[0] if len(line) > 1 else 2**0.5), [x for x in LADDER if x < lr]
-    else:
-        new, beyond = lr * (line[-1] / line[-2] if len(line) > 1 else 2**0.5), [x for x in LADDER if x > lr]
-    if not beyond:
-        return None
-    return (mode, min(beyond, key=lambda x: abs(math.log(x / new))), mu, schedule, inner_lr)
+        steps.append((lr / (line[1] / line[0] if len(line) > 1 else 2**0.5), [x for x in LADDER if x < lr]))
+    if lr == line[-1]:
+        steps.append((lr * (line[-1] / line[-2] if len(line) > 1 else 2**0.5), [x for x in LADDER if x > lr]))
+    return [
+        (mode, min(beyond, key=lambda x: abs(math.log(x / new))), mu, schedule, inner_lr)
+        for new, beyond in steps
+        if beyond
+    ]
 
 
 def jobs(recs: list[dict], K: int, stage: str, top: int = 3, inner: str = "adamw") -> list[str]:
@@ -138,8 +141,7 @@ def jobs(recs: list[dict], K: int, stage: str, top: int = 3, inner: str = "adamw
     out = []
     for _, cfgs in sorted(configs(recs, K, inner=inner).items()):
         if stage == "edges":
-            e = past_edge(cfgs)
-            todo = [] if e is None or e in cfgs else [(e, (0,))]
+            todo = [(e, (0,)) for e in past_edge(cfgs)]
         elif stage == "seed1":
             todo = [(c, (1,)) for c in ranked(cfgs)[:top] if 1 not in cfgs[c]]
         elif stage == "final":
@@ -256,24 +258,42 @@ def markdown_v7(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-#: the seeds whose runs a stage is chosen from: it waits until none of them is in flight
-STAGE_SEEDS = {"edges": (0,), "seed1": (0,), "final": (0, 1)}
+def _claimed_record(key: tuple) -> dict:
+    """The fields of a run record that a claim's run key holds (common.records.run_key, inverted)."""
+    seed, workers, inner_steps, mode, outer_lr, study, init, vocab, rounds, split, windows, v3 = key
+    return dict(seed=seed, workers=workers, inner_steps=inner_steps, mode=mode, outer_lr=outer_lr, study=study,
+                init=init, vocab=vocab, rounds=rounds, eval_split=split, eval_windows=windows, v3=dict(v3 or ()))  # fmt: skip
 
 
-def wait_for_stage(K: int, seeds=(0,), limit_s: float = 4 * 3600.0, poll_s: float = 30.0, folder=None) -> None:
-    """Block while another runner still holds a claim on a job of v7's cell at K with one of `seeds`: a stage is
-    chosen from finished runs (the final stage from seeds 0 and 1), not from part of them."""
+def in_flight(K: int, inner: str = "adamw", folder=None) -> list[str]:
+    """The claims (study/.claims) of runs of v7's cell at K with `inner` steps that have not finished: another
+    runner's run in flight, or the stale claim of a killed one. A claim without a key (older runners) counts when
+    its name has the cell's K and H."""
     from study.run_study import claim_name, finished
 
     folder = Path(folder or Path(__file__).resolve().parents[1])
+    done = {claim_name(k) for k in finished(folder)}
+    busy = []
+    for c in sorted((folder / ".claims").glob("*")):
+        text = c.read_text().strip() if c.name not in done else None
+        if text == "":
+            ours = c.name.split("_")[1:3] == [str(K), str(H)]
+        else:
+            ours = text is not None and in_cell(_claimed_record(ast.literal_eval(text)), K, inner=inner)
+        if ours:
+            busy.append(c.name)
+    return busy
+
+
+def wait_for_stage(K: int, inner: str = "adamw", limit_s: float = 4 * 3600.0, poll_s: float = 30.0, folder=None):
+    """Block while a run of v7's cell at K is in flight (any seed, any stage): a stage is chosen from finished runs,
+    not from part of them. Past `limit_s` (a stale claim: delete it) it says so and returns."""
     t0 = time.time()
-    while True:
-        done = {claim_name(k) for k in finished(folder) if k[0] in seeds}
-        claims = [c for s in seeds for c in (folder / ".claims").glob(f"{s}_{K}_{H}_*")]
-        busy = [c for c in claims if c.name not in done]
-        if not busy or time.time() - t0 > limit_s:
+    while busy := in_flight(K, inner, folder):
+        if time.time() - t0 > limit_s:
+            print(f"gave up waiting for {busy} after {limit_s:.0f} s: stale claims?", file=sys.stderr, flush=True)
             return
-        print(f"waiting for {len(busy)} job(s) of K {K}, seeds {seeds}, in flight", file=sys.stderr, flush=True)
+        print(f"waiting for {len(busy)} run(s) of K {K} ({inner}) in flight", file=sys.stderr, flush=True)
         time.sleep(poll_s)
 
 
@@ -288,7 +308,7 @@ def main() -> None:
     from study.common.records import load
 
     if not a.no_wait:
-        wait_for_stage(a.K, STAGE_SEEDS[a.stage])
+        wait_for_stage(a.K, a.inner)
     for line in jobs(load(), a.K, a.stage, inner=a.inner):
         print(line)
 

@@ -24,8 +24,5 @@ $R $C --seeds 0 --inner-lr 0.0045 --lrs ddp=- --out $O
 $R $C --seeds 0 --outer-schedule warmup-cosine --lrs diloco=0.7@0.8,isoloco=3.2 --out $O
 $R $C --seeds 0 --outer-schedule momentum-warmup --lrs diloco=0.7@0.8 --out $O
 $R $C --seeds 0 --lrs isoloco=3.2@0.9,norm_mean=0.5@0.5 --out $O
-for stage in edges seed1 final; do
-    python -m study.k_scaling.v7 jobs --K "$K" --stage $stage | while read -r schedule inner_lr lrs seeds; do
-        $R $C --outer-schedule "$schedule" --inner-lr "$inner_lr" --seeds "$seeds" --lrs "$lrs" --out $O
-    done
-done
+source study/k_scaling/stages.sh  # plan_env.sh has made the repository root the working folder
+v7_stages "$K" adamw

@@ -10,8 +10,5 @@ O=study/k_scaling/results/v7_muon.jsonl
 C="--cells 16:30 --batch 4 --steps 2250 --eval-every 2 --inner muon"
 $R $C --seeds 0 --lrs diloco=1@0.5,isoloco=2.4,ddp=-,diloco=0.7@0.5,diloco=1.4@0.5,isoloco=1.8,isoloco=3.2 --out $O
 $R $C --seeds 0 --lrs diloco=0.7@0.8,diloco=1@0.8,diloco=1.4@0,diloco=2@0 --out $O
-for stage in edges seed1 final; do
-    python -m study.k_scaling.v7 jobs --K 16 --inner muon --stage $stage | while read -r schedule inner_lr lrs seeds; do
-        $R $C --outer-schedule "$schedule" --inner-lr "$inner_lr" --seeds "$seeds" --lrs "$lrs" --out $O
-    done
-done
+source study/k_scaling/stages.sh  # plan_env.sh has made the repository root the working folder
+v7_stages 16 muon

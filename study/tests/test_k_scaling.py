@@ -108,7 +108,7 @@ def test_v7_edges_extend_the_seed0_best_one_step_past_its_lr_lines_end():
         _v7("diloco", 0.5, 0.8, 0, 1.60, 1.5),
         _v7("diloco", 0.7, 0.8, 0, 1.50, 1.4),  # the best, at the top of its line (0.5, 0.7 @ 0.8)
         _v7("diloco", 1.0, 0.5, 0, 1.70, 1.6),  # another μ: another line
-        _v7("isoloco", 3.2, None, 0, 1.40, 1.3),  # alone on its line: √2 below (lowest and highest at once)
+        _v7("isoloco", 3.2, None, 0, 1.40, 1.3),  # alone on its line: √2 below and above, on the ladder
         _v7("norm_mean", 0.35, 0.8, 0, 1.40, 1.3),  # the best, at the bottom
         _v7("norm_mean", 0.5, 0.8, 0, 1.45, 1.3),
         _v7("norm_mean", 0.7, 0.8, 0, 1.50, 1.3),
@@ -118,6 +118,7 @@ def test_v7_edges_extend_the_seed0_best_one_step_past_its_lr_lines_end():
     assert v7.jobs(recs, 16, "edges") == [
         "constant 0.003 diloco=1@0.8 0",
         "constant 0.003 isoloco=2.4 0",
+        "constant 0.003 isoloco=4.2 0",
         "constant 0.003 norm_mean=0.25@0.8 0",
     ]
     recs += [_v7("diloco", 1.0, 0.8, 0, 1.55, 1.4), _v7("isoloco", 2.4, None, 0, 1.45, 1.3)]
@@ -126,7 +127,7 @@ def test_v7_edges_extend_the_seed0_best_one_step_past_its_lr_lines_end():
     assert v7.jobs(recs, 16, "edges") == ["constant 0.003 isoloco=4.2 0", "constant 0.003 norm_mean=0.17@0.8 0"]
     recs += [_v7("isoloco", 4.2, None, 0, 1.45, 1.3), _v7("norm_mean", 0.12, 0.8, 0, 1.20, 1.3)]
     assert v7.jobs(recs, 16, "edges") == []  # the ladder's end
-    assert v7.past_edge(v7.configs(recs, 16)["diloco"]) is None
+    assert v7.past_edge(v7.configs(recs, 16)["diloco"]) == []
 
 
 def test_v7_part_d_muon_runs_are_their_own_cell():
@@ -148,17 +149,81 @@ def test_v7_part_d_muon_runs_are_their_own_cell():
     assert "Muon" not in v7.markdown_v7([adamw])
 
 
-def test_v7_the_final_stage_waits_for_seed1_runs_in_flight_the_others_for_seed0(tmp_path, capsys):
+def test_v7_a_stage_waits_for_the_cells_runs_in_flight_and_only_for_those(tmp_path, capsys):
+    import json
+
+    from study.common.records import run_key
     from study.k_scaling import v7
+    from study.run_study import claim_name
+
+    def claim(r, text=None):
+        k = run_key(r)
+        (tmp_path / ".claims" / claim_name(k)).write_text(repr(k) if text is None else text)
+        return claim_name(k)
 
     (tmp_path / ".claims").mkdir()
-    (tmp_path / ".claims" / "1_16_30_diloco_0.5_v3_x").touch()  # a seed-1 run of K 16 in flight
-    (tmp_path / ".claims" / "0_8_30_diloco_0.5_v3_x").touch()  # another K's
-    for stage in ("edges", "seed1"):
-        v7.wait_for_stage(16, v7.STAGE_SEEDS[stage], limit_s=0.05, poll_s=0.01, folder=tmp_path)
-        assert "waiting" not in capsys.readouterr().err
-    v7.wait_for_stage(16, v7.STAGE_SEEDS["final"], limit_s=0.05, poll_s=0.01, folder=tmp_path)
-    assert "waiting for 1 job(s) of K 16, seeds (0, 1), in flight" in capsys.readouterr().err
+    (tmp_path / "q" / "results").mkdir(parents=True)
+    done = _v7("diloco", 0.7, 0.8, 1, 1.7, 1.6)
+    (tmp_path / "q" / "results" / "r.jsonl").write_text(json.dumps(done) + "\n")
+    claim(done)  # finished: its claim stays, and does not count
+    seed1 = claim(_v7("isoloco", 3.2, None, 1, 1.5, 1.4))  # a seed-1 run of the cell in flight
+    muon = _v7("diloco", 1.0, 0.5, 0, 1.9, 1.8)
+    muon["v3"]["inner"] = "muon"
+    muon = claim(muon)  # part D's cell
+    compressed = _v7("isoloco", 3.2, None, 0, 1.5, 1.4)
+    compressed["v3"]["compress"] = "int4"
+    claim(compressed)  # compression's runs at K 16 × 75 are not v7's
+    claim(_v7("diloco", 0.7, 0.8, 0, 1.7, 1.6, K=32))  # another K
+    (tmp_path / ".claims" / "0_16_30_diloco_2.0_v3_old").write_text("")  # a claim without a key: by its name
+    assert v7.in_flight(16, folder=tmp_path) == sorted([seed1, "0_16_30_diloco_2.0_v3_old"])
+    assert v7.in_flight(16, "muon", folder=tmp_path) == sorted([muon, "0_16_30_diloco_2.0_v3_old"])
+    assert v7.in_flight(8, folder=tmp_path) == []
+    v7.wait_for_stage(8, limit_s=0.05, poll_s=0.01, folder=tmp_path)
+    assert capsys.readouterr().err == ""
+    v7.wait_for_stage(16, limit_s=0.05, poll_s=0.01, folder=tmp_path)
+    err = capsys.readouterr().err
+    assert "waiting for 2 run(s) of K 16 (adamw) in flight" in err and "gave up waiting" in err
+
+
+def test_v7_stages_sh_starts_over_after_any_run_and_stops_on_a_failed_jobs_call(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    count = tmp_path / "calls"
+
+    def run(fail_at):
+        count.write_text("0")
+        script = f"""
+python() {{ N=$(( $(cat {count}) + 1 )); echo $N > {count}; echo "jobs $N ${{@: -1}}" >&2
+  case $N in 1) echo "constant 0.003 norm_mean=0.25@0.8 0";; 3) echo "constant 0.003 diloco=0.5@0.9 1";
+  echo "constant 0.0045 ddp=- 1";; {fail_at}) return 3;; esac; }}
+R="echo RUN"; C="--cells 16:30"; O=o.jsonl
+source study/k_scaling/stages.sh
+v7_stages 16 adamw; echo "rc $?" >&2
+"""
+        out = subprocess.run(["bash", "-c", script], cwd=root, capture_output=True, text=True, timeout=60)
+        return out.stdout.splitlines(), out.stderr.splitlines()
+
+    runs, log = run(fail_at=99)
+    assert [r.split("--seeds ")[1] for r in runs] == [
+        "0 --lrs norm_mean=0.25@0.8 --out o.jsonl",
+        "1 --lrs diloco=0.5@0.9 --out o.jsonl",
+        "1 --lrs ddp=- --out o.jsonl",
+    ]
+    assert "--inner-lr 0.0045" in runs[2]
+    # edges ran, so edges again (empty), seed1 ran, so edges and seed1 again (empty), final (empty): done
+    assert log == [
+        "jobs 1 edges",
+        "jobs 2 edges",
+        "jobs 3 seed1",
+        "jobs 4 edges",
+        "jobs 5 seed1",
+        "jobs 6 final",
+        "rc 0",
+    ]
+    runs, log = run(fail_at=2)
+    assert len(runs) == 1 and log[-1] == "rc 1" and "failed: stopping" in log[-2]
 
 
 def test_v7b_pairs_isoloco_with_each_diloco_config_and_every_method_with_ddp_at_k4_x_75_rounds(tmp_path):
@@ -176,7 +241,10 @@ def test_v7b_pairs_isoloco_with_each_diloco_config_and_every_method_with_ddp_at_
             b("diloco", 0.7, 0.8, seed, 1.45 + 0.02 * seed),
             b("ddp", None, None, seed, 1.42),
         ]
-    recs += [b("isoloco", 3.2, None, 0, 9.0) | {"rounds": 300}, b("diloco", 0.5, 0.8, 5, 1.5)]  # another cell; no pair
+    recs = [
+        b("isoloco", 3.2, None, 0, 9.0) | {"rounds": 300},
+        b("diloco", 0.5, 0.8, 5, 1.5),
+    ] + recs  # another cell; no pair
     out = v7.summarize_v7b(recs)
     assert out["tokens_per_param"] == pytest.approx(4 * 30 * 75 * 256 / 467_584)
     assert sorted(out["test"]) == ["diloco 0.5 @ 0.8", "diloco 0.7 @ 0.8", "inner lr 0.003", "isoloco 3.2 @ default"]
