@@ -233,6 +233,7 @@ def where() -> str:
             controls.append(f"at K {K} IsoLoCo is {STANDING[_verdict(dd)]} DDP ({_iv(dd)}; {_ddp(m['ddp'])})")
     d4 = k4["picks"]["diloco"]
     gaps.append(f"{_iv(k4['gap'])} with K 4 for {k4['rounds']} rounds")
+    few = _few_rounds(json.loads(K_SCALING.read_text()).get("workers_or_rounds"), k4)
     seeds.append((4, _seeds(set(d4["test"]) & set(k4["picks"]["isoloco"]["test"]))))
     grid4 = [(*map(float, key.split("@")), "constant") for key in d4["grid"]]
     screens.append((4, _screen(grid4, f"picked by {_seeds(d4['ranked_on_seeds'])}")))
@@ -249,6 +250,8 @@ def where() -> str:
         lead = f"The stronger baselines close the gap at {ks('level')}"
     elif _verdict(k4["gap"]) == "lead":
         lead = f"The gain holds at {ks('lead')} and at K 4"
+    elif few and few[0] == "lead":
+        lead = "The gain lives in runs of few outer rounds, and more workers fill them with tokens"
     else:
         lead = "The gain lives in more workers for fewer rounds"
     tpp = sorted({round(r["tokens_per_param"], 1) for r in [*done, k4]})
@@ -262,7 +265,38 @@ def where() -> str:
         f"**{lead}**: at {at} tokens per parameter IsoLoCo − DiLoCo (held-out nats/byte, 95 % t) is {_and(gaps)}, "
         f"{over}, against a DiLoCo tuned at each K over lr × μ{' ' + how if how else ''} ({each})"
     )
+    if few:
+        controls.insert(0, few[1])
     return out + (f"; {'; '.join(controls)}." if controls else ".")
+
+
+#: what study v7 part B's K 4 × 75 rounds says, by IsoLoCo − DiLoCo's interval there
+ROUNDS_MEANING = {
+    "lead": "the lead follows the rounds, not the workers",
+    "level": "at as few rounds with fewer workers the lead is gone, so it follows the workers",
+    "behind": "at as few rounds with fewer workers DiLoCo leads, so the gain follows the workers",
+}
+
+
+def _few_rounds(b: dict | None, k4: dict) -> tuple[str, str] | None:
+    """Study v7 part B (K 4 for K 16's 75 rounds): (verdict, clause) of IsoLoCo − DiLoCo there, each method at its
+    K 4 × 300 pick (IsoLoCo's μ 0.8 is its default there); None before 2 seeds of both have run."""
+    iso, dil = (k4["picks"][m] for m in ("isoloco", "diloco"))
+    dil_label = f"diloco {dil['lr']:g} @ {dil['momentum']:g}"
+    iso_labels = {f"isoloco {iso['lr']:g} @ {mu}" for mu in (f"{iso['momentum']:g}", "default")}
+    test = (b or {}).get("test", {})
+    pair = [(i, dil_label) for i in sorted(iso_labels) if i in test and dil_label in test]
+    if not pair:
+        return None
+    g = b["gaps"][" - ".join(pair[0])]
+    if not g or g["seeds"] < 2:
+        return None
+    v = _verdict(g)
+    seeds = set(test[pair[0][0]]) & set(test[dil_label])
+    return v, (
+        f"with K 4 for {b['rounds']} rounds ({b['tokens_per_param']:.1f} tokens per parameter, each method at its K 4 "
+        f"pick) it is {_iv(g)} over {_seeds(seeds)}: {ROUNDS_MEANING[v]}"
+    )
 
 
 #: the study's base cell, the one the advice's picks come from: v3's settings (cells/summary_v3.json "cell")

@@ -320,6 +320,29 @@ def test_where_the_gain_lives_says_what_has_been_run(tmp_path, monkeypatch):
     )
     assert mod.where().startswith("**A tuned DiLoCo is ahead at K 16**:")
 
+    # part B, K 4 for K 16's 75 rounds, each method at its K 4 × 300 pick (DiLoCo 0.5 @ 0.8, IsoLoCo 3.2 @ 0.8)
+    def few_rounds(g, n=5, dil="diloco 0.5 @ 0.8"):
+        def edit(v7):
+            _k16(v7)["gaps"].update({"isoloco - diloco": gap(-0.2, -0.3, -0.1)})
+            test = {m: {str(s): 1.5 for s in range(n)} for m in ("isoloco 3.2 @ default", dil, "diloco 0.7 @ 0.8")}
+            v7["workers_or_rounds"] = {"workers": 4, "rounds": 75, "tokens_per_param": 4.93, "test": test}
+            v7["workers_or_rounds"]["gaps"] = {f"isoloco 3.2 @ default - {d}": g for d in test if d.startswith("dil")}
+
+        _fake_v7(tmp_path, monkeypatch, mod, edit)
+        return mod.where()
+
+    w = few_rounds(gap(-0.3, -0.4, -0.2, 5))
+    assert w.startswith("**The gain lives in runs of few outer rounds, and more workers fill them with tokens**:")
+    assert (
+        "; with K 4 for 75 rounds (4.9 tokens per parameter, each method at its K 4 pick) it is −0.300 [−0.400, "
+        "−0.200] over seeds 0–4: the lead follows the rounds, not the workers" in w
+    )
+    w = few_rounds(gap(-0.01, -0.1, 0.1, 5))
+    assert w.startswith("**The gain lives in more workers for fewer rounds**:")
+    assert "−0.010 [−0.100, +0.100] over seeds 0–4: at as few rounds with fewer workers the lead is gone" in w
+    assert "with K 4 for 75" not in few_rounds(gap(-0.3, -0.4, -0.2, 1), n=1)  # one seed: not yet
+    assert "with K 4 for 75" not in few_rounds(gap(-0.3, -0.4, -0.2), dil="diloco 0.7 @ 0.9")  # not K 4's pick
+
     # v7 under way: μ 0.5 and a warm-up + cosine screened, seed 1 of the three best, seeds 0–4 at the new pick,
     # the norm-preserving merge and DDP tuned
     def later(v7):
