@@ -122,6 +122,7 @@ def main() -> None:
             },
         }
         spectra.plot_spectra(spectra_rows, gaps, HERE / "k_scaling" / "study_v7_k_scaling.png")
+        v7.plot_curves(all_runs, HERE / "k_scaling" / "study_v7_curves.png")
         print("\n<!-- v7 k scaling -->\n" + v7.markdown_v7(rows))
         if s7["muon_inner"]:
             print("\n<!-- v7 muon inner -->\n" + v7.markdown_v7(s7["muon_inner"]))

@@ -226,6 +226,57 @@ def summarize_v7b(recs: list[dict]) -> dict | None:
     }
 
 
+def curves(recs: list[dict], K: int, rounds: int | None = None) -> dict:
+    """label -> (rounds scored, mean test loss over the seeds) for each method's config in the cell at K (`rounds`:
+    part B's), the pick where one stands (seeds 0–1) else the seed-0 best: the trajectory behind the final gaps."""
+    out = {}
+    for mode, cfgs in sorted(configs(recs, K, rounds).items()):
+        best = pick(cfgs) or next(iter(ranked(cfgs)), None)
+        runs = [r for r in cfgs.get(best, {}).values() if r.get("test_loss") and r.get("final_loss") is not None]
+        if not runs:
+            continue
+        per_round = K * H * BATCH * SEQ
+        x = [t / per_round for t in runs[0]["tokens"]]
+        n = min(len(r["test_loss"]) for r in runs)
+        y = [statistics.fmean(r["test_loss"][i] for r in runs) for i in range(n)]
+        name = f"{mode} {label(best)}"
+        out[f"{name} ({len(runs)} seed{'s' * (len(runs) > 1)})"] = (x[:n], y)
+    return out
+
+
+COLOURS = {"ddp": "C0", "diloco": "C1", "isoloco": "C2", "norm_mean": "C3"}
+
+
+def plot_curves(recs: list[dict], path) -> None:
+    """Test loss against the outer round for each method's pick: K 16 × 75 rounds (part A) beside K 4 for the same
+    75 rounds (part B). No plot before either has a run."""
+    panels = [
+        (f"K 16 × {ROUNDS[16]} rounds", curves(recs, 16)),
+        (f"K 4 × {B_ROUNDS} rounds", curves(recs, B_K, B_ROUNDS)),
+    ]
+    panels = [(t, c) for t, c in panels if c]
+    if not panels:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (title, cs) in zip(axes[0], panels):
+        for name, (x, y) in cs.items():
+            colour = COLOURS[name.split()[0]]  # a method keeps its colour in both panels
+            ax.plot(x[1:], y[1:], label=name, color=colour)  # round 0 (the init's loss) is off the scale
+        ax.set_title(title)
+        ax.set_xlabel("outer round")
+        ax.set_ylabel("test loss (nats/byte)")
+        ax.legend(fontsize=7)
+    fig.suptitle("Study v7: each method's pick over the rounds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def markdown_v7b(b: dict) -> str:
     lines = [
         f"K {b['workers']} × {b['rounds']} rounds ({b['tokens_per_param']:.1f} tokens per parameter), "

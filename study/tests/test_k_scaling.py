@@ -258,6 +258,30 @@ def test_v7b_pairs_isoloco_with_each_diloco_config_and_every_method_with_ddp_at_
     assert "| diloco 0.5 @ 0.8 - ddp | +0.080 [+0.080, +0.080] (5 seeds) |" in table
 
 
+def test_v7_curves_follow_each_methods_pick_over_the_rounds(tmp_path):
+    from study.k_scaling import v7
+
+    def curve(r, losses):
+        per_round = r["workers"] * 30 * 4 * 64
+        return r | {"tokens": [i * per_round for i in range(len(losses))], "test_loss": losses}
+
+    recs = [
+        curve(_v7("diloco", 0.7, 0.8, 0, 1.5, 1.4), [5.0, 2.0, 1.4]),
+        curve(_v7("diloco", 0.7, 0.8, 1, 1.5, 1.4), [5.0, 3.0, 1.6]),
+        curve(_v7("diloco", 1.0, 0.8, 0, 1.9, 1.8), [5.0, 9.0, 9.0]),  # worse on seed 0: not drawn
+        curve(_v7("isoloco", 3.2, None, 0, 1.4, 1.3), [5.0, 1.5, 1.3]),
+        curve(_v7("isoloco", 3.2, None, 0, 1.4, 1.3) | {"workers": 4}, [5.0, 1.7, 1.5]),  # part B: K 4 × 75
+    ]
+    c = v7.curves(recs, 16)
+    assert c["diloco 0.7 @ 0.8 (2 seeds)"] == ([0.0, 1.0, 2.0], [5.0, 2.5, 1.5])
+    assert c["isoloco 3.2 @ default (1 seed)"] == ([0.0, 1.0, 2.0], [5.0, 1.5, 1.3])
+    assert list(v7.curves(recs, 4, 75)) == ["isoloco 3.2 @ default (1 seed)"]
+    v7.plot_curves(recs, tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 1000
+    v7.plot_curves([], tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
+
+
 def test_v7_spectral_stats_know_their_answers():
     import math
 
