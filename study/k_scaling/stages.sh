@@ -1,8 +1,10 @@
 # Sourced by study v7's part A and D plans after their seed-0 screen (they set $R, $C and $O): `v7_stages K INNER`
 # runs v7.py's stages — edges (one seed-0 point past the edge of each method's best), seed1 (seed 1 of each method's
 # three best), final (seeds 0–4 at the pick by the mean of seeds 0–1) — and starts over from edges after any run,
-# until no stage has a run left. Each `v7 jobs` call first waits for the cell's runs in flight, so two runners end on
-# the same picks whichever finishes first; a walk past an edge goes on until the best is interior.
+# until no stage has a run left. Each `v7 jobs` call first waits for the cell's runs in flight that its stage is chosen
+# from (seed 0's; the final stage's seeds 0 and 1) and leaves out the runs another runner holds, so two runners share a
+# stage's runs and end on the same picks whichever finishes first; a walk past an edge goes on until the best is
+# interior.
 v7_stages() {
     local K=$1 inner=$2 stage lines ran pass
     for pass in $(seq 1 40); do

@@ -134,10 +134,10 @@ def past_edge(cfgs: dict) -> list[tuple]:
     ]
 
 
-def jobs(recs: list[dict], K: int, stage: str, top: int = 3, inner: str = "adamw") -> list[str]:
+def jobs(recs: list[dict], K: int, stage: str, top: int = 3, inner: str = "adamw", claimed=frozenset()) -> list[str]:
     """The runs a stage still needs: "edges", seed 0 one point past the edge of each method's seed-0 best (see
     `past_edge`); "seed1", seed 1 of each method's `top` best seed-0 configs; "final", the seeds 0–4 of each
-    method's pick."""
+    method's pick. A (config, seed) in `claimed` (another runner's, in flight) is left out."""
     out = []
     for _, cfgs in sorted(configs(recs, K, inner=inner).items()):
         if stage == "edges":
@@ -149,6 +149,7 @@ def jobs(recs: list[dict], K: int, stage: str, top: int = 3, inner: str = "adamw
             todo = [] if p is None else [(p, tuple(s for s in FINAL_SEEDS if s not in cfgs[p]))]
         else:
             raise ValueError(f"stage must be edges, seed1 or final, got {stage!r}")
+        todo = [(c, tuple(x for x in seeds if (c, x) not in claimed)) for c, seeds in todo]
         out += [job_line(c, seeds) for c, seeds in todo if seeds]
     return out
 
@@ -316,35 +317,48 @@ def _claimed_record(key: tuple) -> dict:
                 init=init, vocab=vocab, rounds=rounds, eval_split=split, eval_windows=windows, v3=dict(v3 or ()))  # fmt: skip
 
 
-def in_flight(K: int, inner: str = "adamw", folder=None) -> list[str]:
-    """The claims (study/.claims) of runs of v7's cell at K with `inner` steps that have not finished: another
-    runner's run in flight, or the stale claim of a killed one. A claim without a key (older runners) counts when
-    its name has the cell's K and H."""
+def in_flight(K: int, inner: str = "adamw", folder=None) -> dict:
+    """claim name -> the claimed run's record fields (None for a claim without a key), for the claims
+    (study/.claims) of runs of v7's cell at K with `inner` steps that have not finished: another runner's run in
+    flight, or the stale claim of a killed one. A claim without a key (older runners) counts when its name has the
+    cell's K and H."""
     from study.run_study import claim_name, finished
 
     folder = Path(folder or Path(__file__).resolve().parents[1])
     done = {claim_name(k) for k in finished(folder)}
-    busy = []
+    busy = {}
     for c in sorted((folder / ".claims").glob("*")):
-        text = c.read_text().strip() if c.name not in done else None
+        if c.name in done:
+            continue
+        text = c.read_text().strip()
         if text == "":
-            ours = c.name.split("_")[1:3] == [str(K), str(H)]
-        else:
-            ours = text is not None and in_cell(_claimed_record(ast.literal_eval(text)), K, inner=inner)
-        if ours:
-            busy.append(c.name)
+            if c.name.split("_")[1:3] == [str(K), str(H)]:
+                busy[c.name] = None
+        elif in_cell(r := _claimed_record(ast.literal_eval(text)), K, inner=inner):
+            busy[c.name] = r
     return busy
 
 
-def wait_for_stage(K: int, inner: str = "adamw", limit_s: float = 4 * 3600.0, poll_s: float = 30.0, folder=None):
-    """Block while a run of v7's cell at K is in flight (any seed, any stage): a stage is chosen from finished runs,
-    not from part of them. Past `limit_s` (a stale claim: delete it) it says so and returns."""
+#: the seeds whose runs in flight a stage waits for, the ones it is chosen from (its own runs are left out of its
+#: jobs while claimed, so two runners share a stage's runs)
+STAGE_WAITS = {"edges": (0,), "seed1": (0,), "final": (0, 1)}
+
+
+def wait_for_stage(K: int, inner: str = "adamw", seeds=(0,), limit_s: float = 4 * 3600.0, poll_s: float = 30.0,
+                   folder=None) -> dict:  # fmt: skip
+    """Block while a run of v7's cell at K with one of `seeds` is in flight: a stage is chosen from finished runs,
+    not from part of them. Past `limit_s` (a stale claim: delete it) it says so and goes on. Returns the runs still
+    in flight (any seed)."""
     t0 = time.time()
-    while busy := in_flight(K, inner, folder):
+    while True:
+        busy = in_flight(K, inner, folder)
+        waiting = [n for n, r in busy.items() if (int(n.split("_")[0]) if r is None else r["seed"]) in seeds]
+        if not waiting:
+            return busy
         if time.time() - t0 > limit_s:
-            print(f"gave up waiting for {busy} after {limit_s:.0f} s: stale claims?", file=sys.stderr, flush=True)
-            return
-        print(f"waiting for {len(busy)} run(s) of K {K} ({inner}) in flight", file=sys.stderr, flush=True)
+            print(f"gave up waiting for {waiting} after {limit_s:.0f} s: stale claims?", file=sys.stderr, flush=True)
+            return busy
+        print(f"waiting for {len(waiting)} run(s) of K {K} ({inner}), seeds {seeds}, in flight", file=sys.stderr, flush=True)  # fmt: skip
         time.sleep(poll_s)
 
 
@@ -358,9 +372,9 @@ def main() -> None:
     a = p.parse_args()
     from study.common.records import load
 
-    if not a.no_wait:
-        wait_for_stage(a.K, a.inner)
-    for line in jobs(load(), a.K, a.stage, inner=a.inner):
+    busy = {} if a.no_wait else wait_for_stage(a.K, a.inner, STAGE_WAITS[a.stage])
+    claimed = {(config_of(r), r["seed"]) for r in busy.values() if r is not None}
+    for line in jobs(load(), a.K, a.stage, inner=a.inner, claimed=claimed):
         print(line)
 
 

@@ -175,14 +175,35 @@ def test_v7_a_stage_waits_for_the_cells_runs_in_flight_and_only_for_those(tmp_pa
     claim(compressed)  # compression's runs at K 16 × 75 are not v7's
     claim(_v7("diloco", 0.7, 0.8, 0, 1.7, 1.6, K=32))  # another K
     (tmp_path / ".claims" / "0_16_30_diloco_2.0_v3_old").write_text("")  # a claim without a key: by its name
-    assert v7.in_flight(16, folder=tmp_path) == sorted([seed1, "0_16_30_diloco_2.0_v3_old"])
-    assert v7.in_flight(16, "muon", folder=tmp_path) == sorted([muon, "0_16_30_diloco_2.0_v3_old"])
-    assert v7.in_flight(8, folder=tmp_path) == []
-    v7.wait_for_stage(8, limit_s=0.05, poll_s=0.01, folder=tmp_path)
+    busy = v7.in_flight(16, folder=tmp_path)
+    assert sorted(busy) == sorted([seed1, "0_16_30_diloco_2.0_v3_old"])
+    assert v7.config_of(busy[seed1]) == ("isoloco", 3.2, None, "constant", 3e-3) and busy[seed1]["seed"] == 1
+    assert sorted(v7.in_flight(16, "muon", folder=tmp_path)) == sorted([muon, "0_16_30_diloco_2.0_v3_old"])
+    assert v7.in_flight(8, folder=tmp_path) == {}
+    assert v7.wait_for_stage(8, seeds=(0, 1), limit_s=0.05, poll_s=0.01, folder=tmp_path) == {}
     assert capsys.readouterr().err == ""
-    v7.wait_for_stage(16, limit_s=0.05, poll_s=0.01, folder=tmp_path)
+    (tmp_path / ".claims" / "0_16_30_diloco_2.0_v3_old").unlink()
+    del busy["0_16_30_diloco_2.0_v3_old"]
+    # seed1 and edges wait for seed 0's runs (none left), and the seed-1 run in flight is handed back as claimed
+    assert v7.wait_for_stage(16, seeds=v7.STAGE_WAITS["seed1"], limit_s=0.05, poll_s=0.01, folder=tmp_path) == busy
+    assert capsys.readouterr().err == ""
+    v7.wait_for_stage(16, seeds=v7.STAGE_WAITS["final"], limit_s=0.05, poll_s=0.01, folder=tmp_path)
     err = capsys.readouterr().err
-    assert "waiting for 2 run(s) of K 16 (adamw) in flight" in err and "gave up waiting" in err
+    assert "waiting for 1 run(s) of K 16 (adamw), seeds (0, 1), in flight" in err and "gave up waiting" in err
+
+
+def test_v7_a_stages_runs_another_runner_holds_are_left_out_of_its_jobs():
+    from study.k_scaling import v7
+
+    recs = [_v7("diloco", lr, 0.8, 0, sel, 1.4) for lr, sel in ((0.5, 1.6), (0.7, 1.5), (1.0, 1.7), (1.4, 1.8))]
+    cfg = lambda lr: ("diloco", lr, 0.8, "constant", 3e-3)  # noqa: E731
+    assert v7.jobs(recs, 16, "seed1") == [f"constant 0.003 diloco={x}@0.8 1" for x in ("0.7", "0.5", "1")]
+    assert v7.jobs(recs, 16, "seed1", claimed={(cfg(0.7), 1), (cfg(0.5), 0)}) == [
+        "constant 0.003 diloco=0.5@0.8 1",
+        "constant 0.003 diloco=1@0.8 1",
+    ]
+    recs += [_v7("diloco", 0.7, 0.8, 1, 1.5, 1.4), _v7("diloco", 0.7, 0.8, 2, 1.5, 1.4)]
+    assert v7.jobs(recs, 16, "final", claimed={(cfg(0.7), 3)}) == ["constant 0.003 diloco=0.7@0.8 4"]
 
 
 def test_v7_stages_sh_starts_over_after_any_run_and_stops_on_a_failed_jobs_call(tmp_path):
