@@ -294,7 +294,7 @@ def _few_rounds(b: dict | None, k4: dict) -> tuple[str, str] | None:
     v = _verdict(g)
     seeds = set(test[pair[0][0]]) & set(test[dil_label])
     return v, (
-        f"with K 4 for {b['rounds']} rounds ({b['tokens_per_param']:.1f} tokens per parameter, each method at its K 4 "
+        f"with K 4 for {b['rounds']} rounds ({b['tokens_per_param']:.1f} tokens per parameter, each method at its K 4 × 300 "
         f"pick) it is {_iv(g)} over {_seeds(seeds)}: {ROUNDS_MEANING[v]}"
     )
 

@@ -334,7 +334,7 @@ def test_where_the_gain_lives_says_what_has_been_run(tmp_path, monkeypatch):
     w = few_rounds(gap(-0.3, -0.4, -0.2, 5))
     assert w.startswith("**The gain lives in runs of few outer rounds, and more workers fill them with tokens**:")
     assert (
-        "; with K 4 for 75 rounds (4.9 tokens per parameter, each method at its K 4 pick) it is −0.300 [−0.400, "
+        "; with K 4 for 75 rounds (4.9 tokens per parameter, each method at its K 4 × 300 pick) it is −0.300 [−0.400, "
         "−0.200] over seeds 0–4: the lead follows the rounds, not the workers" in w
     )
     w = few_rounds(gap(-0.01, -0.1, 0.1, 5))
