@@ -1,6 +1,6 @@
 """The study's run records: one JSON object a line in each question's results/*.jsonl, written by run_study.py.
 
-read_jsonl reads one file; run_key is what makes a run that run; results_files lists every results file of the
+read_jsonl reads one file; run_key is what makes a run that run (record_of_key, its inverse); results_files lists every results file of the
 study in one order and load reads their runs once; plain tells the runs every summary before study v6 reads.
 """
 
@@ -52,6 +52,14 @@ def run_key(r: dict) -> tuple:
         r.get("eval_windows", 64),
         None if v3 is None else tuple(sorted(v3.items())),
     )
+
+
+def record_of_key(key: tuple) -> dict:
+    """The record fields a run key holds: run_key's inverse (a claim file holds a key, study/.claims)."""
+    seed, workers, inner_steps, mode, outer_lr, study, init, vocab, rounds, split, windows, v3 = key
+    return dict(seed=seed, workers=workers, inner_steps=inner_steps, mode=mode, outer_lr=outer_lr, study=study,
+                init=init, vocab=vocab, rounds=rounds, eval_split=split, eval_windows=windows,
+                v3=None if v3 is None else dict(v3))  # fmt: skip
 
 
 def results_files(study: Path = STUDY) -> list[Path]:

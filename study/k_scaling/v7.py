@@ -114,7 +114,7 @@ LADDER = (0.12, 0.17, 0.25, 0.35, 0.5, 0.7, 1.0, 1.35, 1.4, 1.8, 2.0, 2.4, 2.8, 
 def past_edge(cfgs: dict) -> list[tuple]:
     """The points past the edge of the seed-0 best's lr line (the configs that differ from it only in the outer lr)
     when the best sits at that line's lowest or highest lr: a step of the line's ratio there, snapped to the nearest
-    LADDER lr beyond the edge; both neighbours (a step of √2 each way) when it is alone on its line. None when the
+    LADDER lr beyond the edge; both neighbours (a step of √2 each way) when it is alone on its line. Empty when the
     best is interior, at the ladder's end or DDP's (its inner lr grid is fixed at ×{1, 1.5, 2}). Run until it is
     empty (stages.sh), the walk ends where the best is interior, whichever runner gets there."""
     best = ranked(cfgs)[:1]
@@ -310,18 +310,12 @@ def markdown_v7(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _claimed_record(key: tuple) -> dict:
-    """The fields of a run record that a claim's run key holds (common.records.run_key, inverted)."""
-    seed, workers, inner_steps, mode, outer_lr, study, init, vocab, rounds, split, windows, v3 = key
-    return dict(seed=seed, workers=workers, inner_steps=inner_steps, mode=mode, outer_lr=outer_lr, study=study,
-                init=init, vocab=vocab, rounds=rounds, eval_split=split, eval_windows=windows, v3=dict(v3 or ()))  # fmt: skip
-
-
 def in_flight(K: int, inner: str = "adamw", folder=None) -> dict:
     """claim name -> the claimed run's record fields (None for a claim without a key), for the claims
     (study/.claims) of runs of v7's cell at K with `inner` steps that have not finished: another runner's run in
     flight, or the stale claim of a killed one. A claim without a key (older runners) counts when its name has the
     cell's K and H."""
+    from study.common.records import record_of_key
     from study.run_study import claim_name, finished
 
     folder = Path(folder or Path(__file__).resolve().parents[1])
@@ -334,7 +328,7 @@ def in_flight(K: int, inner: str = "adamw", folder=None) -> dict:
         if text == "":
             if c.name.split("_")[1:3] == [str(K), str(H)]:
                 busy[c.name] = None
-        elif in_cell(r := _claimed_record(ast.literal_eval(text)), K, inner=inner):
+        elif in_cell(r := record_of_key(ast.literal_eval(text)), K, inner=inner):
             busy[c.name] = r
     return busy
 

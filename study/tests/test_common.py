@@ -45,3 +45,21 @@ def test_an_out_file_belongs_to_its_study(tmp_path):
     assert run_study.study_folder(tmp_path / "r.jsonl") == tmp_path  # anywhere else: a scratch study of its own
     _write(tmp_path / "r.jsonl", 0)
     assert [f.name for f in results_files(tmp_path)] == ["r.jsonl"]
+
+
+def test_record_of_key_inverts_run_key():
+    from study.common.records import record_of_key, run_key
+    from study.tests.helpers import study_record
+
+    v3 = study_record("diloco", 0.7, 0.8, 1, 1.5, 1.4, batch=4, mu=0.8) | {"eval_split": "halves"}
+    v3["v3"]["outer_schedule"] = "momentum-warmup"
+    v1 = {"seed": 2, "workers": 4, "inner_steps": 30, "mode": "isoloco", "outer_lr": 1.8, "rounds": 10}
+    for r in (v3, v1):
+        back = record_of_key(run_key(r))
+        assert run_key(back) == run_key(r)
+        assert (back["seed"], back["mode"], back["outer_lr"], back["v3"]) == (
+            r["seed"],
+            r["mode"],
+            r["outer_lr"],
+            r.get("v3"),
+        )
