@@ -18,7 +18,7 @@ O=study/k_scaling/results/v7_fixed_compute.jsonl
 C="--cells $K:30 --batch 4 --steps $STEPS --eval-every $EVERY"
 # by value: each method's K 16 pick and its neighbours first, DDP, then the schedules and the rest of each grid
 $R $C --seeds 0 --lrs diloco=0.7@0.8,isoloco=3.2,ddp=-,norm_mean=0.5@0.8,diloco=0.5@0.8,diloco=1@0.8 --out $O
-# DiLoCo's pick at K 16 is the momentum warm-up (0.7 @ 0.8 by seeds 0–1, 1.0 @ 0.8 best on seed 0): it runs second
+# DiLoCo's pick at K 16 is the momentum warm-up (1.0 @ 0.8 by seeds 0–1, then 0.7 @ 0.8): it runs second
 $R $C --seeds 0 --outer-schedule momentum-warmup --lrs diloco=0.7@0.8,diloco=1@0.8 --out $O
 $R $C --seeds 0 --lrs isoloco=2.4,isoloco=4.2,norm_mean=0.35@0.8,norm_mean=0.7@0.8 --out $O
 $R $C --seeds 0 --lrs diloco=0.5@0.9,diloco=0.7@0.5,diloco=1@0.5,diloco=1@0,diloco=1.4@0 --out $O
