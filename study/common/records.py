@@ -1,7 +1,8 @@
 """The study's run records: one JSON object a line in each question's results/*.jsonl, written by run_study.py.
 
-read_jsonl reads one file; run_key is what makes a run that run (record_of_key, its inverse); results_files lists every results file of the
-study in one order and load reads their runs once; plain tells the runs every summary before study v6 reads.
+read_jsonl reads one file; run_key is what makes a run that run (record_of_key, its inverse); results_files lists
+every results file of the study in one order and load reads their runs once; plain tells the runs every summary before
+study v6 reads.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ def load(study: Path = STUDY) -> list[dict]:
 
 
 def plain(r: dict) -> bool:
-    """A run at a constant outer schedule with an uncompressed exchange and every worker delivering alike: what every study before v6 ran, and all
-    that their summaries (v2 to v5) read. Study v6's scheduled runs and the compressed-exchange runs have their own."""
+    """A run at a constant outer schedule with an uncompressed exchange and every worker delivering alike: what every
+    study before v6 ran, and all that their summaries (v2 to v5) read. Study v6's scheduled runs and the
+    compressed-exchange runs have their own."""
     v3 = r.get("v3") or {}
     return (
         not {"compress", "drop", "faulty", "merge_clip"} & set(v3)

@@ -302,7 +302,8 @@ def markdown_v7(rows: list[dict]) -> str:
         ]
         for mode, m in row["methods"].items():
             seeds = sorted(m.get("test", {}))
-            lines.append(f"| {mode} | {m['pick'] or '—'} | {len(m['screen'])} | {','.join(map(str, seeds)) or '—'} |")
+            seeds_text = ",".join(map(str, seeds)) or "—"
+            lines.append(f"| {mode} | {m['pick'] or '—'} | {len(m['screen'])} | {seeds_text} |")
         lines += ["", "| gap (test, at the end) | mean [95 % t] |", "|---|---|"]
         lines += [f"| {k} | {interval_text(g)} |" for k, g in row["gaps"].items()]
         lines += [f"| {m} - ddp | {interval_text(g)} |" for m, g in (row.get("to_ddp") or {}).items()]
@@ -352,7 +353,11 @@ def wait_for_stage(K: int, inner: str = "adamw", seeds=(0,), limit_s: float = 4 
         if time.time() - t0 > limit_s:
             print(f"gave up waiting for {waiting} after {limit_s:.0f} s: stale claims?", file=sys.stderr, flush=True)
             return busy
-        print(f"waiting for {len(waiting)} run(s) of K {K} ({inner}), seeds {seeds}, in flight", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"waiting for {len(waiting)} run(s) of K {K} ({inner}), seeds {seeds}, in flight",
+            file=sys.stderr,
+            flush=True,
+        )
         time.sleep(poll_s)
 
 
