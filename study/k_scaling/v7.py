@@ -11,9 +11,11 @@ split over K workers — K 8 × 150, K 16 × 75, K 32 × 38 rounds — and at ea
 A config is (mode, outer lr, μ, schedule, inner lr). The selection rule: a seed-0 screen; seed 1 for each method's
 three best by seed 0; the pick is the config with the lowest mean selection loss over seeds 0 and 1 (a diverged run
 is +inf); seeds 0–4 run at the pick and are scored on the test split; the gaps are paired over seeds with a 95 %
-Student-t interval. `jobs` prints the runs the next stage needs, in the plan's format (k_scaling/v7a_plan.sh):
+Student-t interval. `jobs` prints the runs a stage needs, in the plan's format (k_scaling/v7a_plan.sh); `--stage
+next` gives each method's next runs, whichever stage it has reached, so that one method's runs in flight do not hold
+up another's (k_scaling/stages.sh runs it until it is empty):
 
-    python -m study.k_scaling.v7 jobs --K 8 --stage edges    # then --stage seed1, then --stage final
+    python -m study.k_scaling.v7 jobs --K 8 --stage next     # or one stage: edges, then seed1, then final
     python study/summarize.py                                # the table, study/k_scaling/summary_v7.json
 """
 
@@ -149,6 +151,31 @@ def jobs(recs: list[dict], K: int, stage: str, top: int = 3, inner: str = "adamw
             todo = [] if p is None else [(p, tuple(s for s in FINAL_SEEDS if s not in cfgs[p]))]
         else:
             raise ValueError(f"stage must be edges, seed1 or final, got {stage!r}")
+        todo = [(c, tuple(x for x in seeds if (c, x) not in claimed)) for c, seeds in todo]
+        out += [job_line(c, seeds) for c, seeds in todo if seeds]
+    return out
+
+
+def next_jobs(recs: list[dict], K: int, top: int = 3, inner: str = "adamw", claimed=frozenset()) -> list[str]:
+    """Each method's next runs, whichever stage it has reached: its edges, then its seed-1 three, then its final
+    seeds, as `jobs` gives them, with the runs in `claimed` (another runner's, in flight) left out. A method waits
+    (has none) while one of its seed-0 runs is in flight, which its edges and its three best are chosen from, and
+    goes on to its final only once its seed-1 runs have finished; the others do not wait for it."""
+    out = []
+    for mode, cfgs in sorted(configs(recs, K, inner=inner).items()):
+        flying = {seed for c, seed in claimed if c[0] == mode}
+        if 0 in flying:
+            continue
+        edges = past_edge(cfgs)
+        seed1 = [c for c in ranked(cfgs)[:top] if 1 not in cfgs[c]]
+        if edges:
+            todo = [(e, (0,)) for e in edges]
+        elif seed1:
+            todo = [(c, (1,)) for c in seed1]
+        elif 1 in flying or (p := pick(cfgs)) is None:
+            todo = []
+        else:
+            todo = [(p, tuple(s for s in FINAL_SEEDS if s not in cfgs[p]))]
         todo = [(c, tuple(x for x in seeds if (c, x) not in claimed)) for c, seeds in todo]
         out += [job_line(c, seeds) for c, seeds in todo if seeds]
     return out
@@ -361,19 +388,50 @@ def wait_for_stage(K: int, inner: str = "adamw", seeds=(0,), limit_s: float = 4 
         time.sleep(poll_s)
 
 
+def wait_for_next(K: int, inner: str = "adamw", limit_s: float = 4 * 3600.0, poll_s: float = 30.0, folder=None,
+                  load=None) -> list[str]:  # fmt: skip
+    """`next_jobs` for the cell's finished runs, polling while it is empty and runs are in flight (another method's
+    result may give this runner work); empty once nothing is in flight, when study/STOP exists, or past `limit_s`
+    (a stale claim: delete it). A claim without a key holds every method back, as it may be any of them."""
+    from study.common import records
+
+    folder = Path(folder or Path(__file__).resolve().parents[1])
+    t0 = time.time()
+    while not (folder / "STOP").exists():
+        busy = in_flight(K, inner, folder)
+        if None not in busy.values():
+            claimed = {(config_of(r), r["seed"]) for r in busy.values()}
+            lines = next_jobs((load or records.load)(), K, inner=inner, claimed=claimed)
+            if lines or not busy:
+                return lines
+        if time.time() - t0 > limit_s:
+            print(f"gave up waiting for {sorted(busy)} after {limit_s:.0f} s: stale claims?", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            return []
+        print(f"no run free for K {K} ({inner}) while {len(busy)} run(s) are in flight: waiting", file=sys.stderr,
+              flush=True)  # fmt: skip
+        time.sleep(poll_s)
+    return []
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("jobs",))
     p.add_argument("--K", type=int, required=True, choices=sorted(ROUNDS))
-    p.add_argument("--stage", required=True, choices=("edges", "seed1", "final"))
+    p.add_argument("--stage", required=True, choices=("next", "edges", "seed1", "final"),
+                   help="next: each method's next runs, whatever stage it is at (the plans' choice)")  # fmt: skip
     p.add_argument("--inner", default="adamw", choices=("adamw", "muon"), help="part D: muon")
     p.add_argument("--no-wait", action="store_true", help="do not wait for the stage's jobs in flight")
     a = p.parse_args()
     from study.common.records import load
 
-    busy = {} if a.no_wait else wait_for_stage(a.K, a.inner, STAGE_WAITS[a.stage])
-    claimed = {(config_of(r), r["seed"]) for r in busy.values() if r is not None}
-    for line in jobs(load(), a.K, a.stage, inner=a.inner, claimed=claimed):
+    if a.stage == "next":
+        lines = next_jobs(load(), a.K, inner=a.inner) if a.no_wait else wait_for_next(a.K, a.inner)
+    else:
+        busy = {} if a.no_wait else wait_for_stage(a.K, a.inner, STAGE_WAITS[a.stage])
+        claimed = {(config_of(r), r["seed"]) for r in busy.values() if r is not None}
+        lines = jobs(load(), a.K, a.stage, inner=a.inner, claimed=claimed)
+    for line in lines:
         print(line)
 
 

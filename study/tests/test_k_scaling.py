@@ -206,7 +206,78 @@ def test_v7_a_stages_runs_another_runner_holds_are_left_out_of_its_jobs():
     assert v7.jobs(recs, 16, "final", claimed={(cfg(0.7), 3)}) == ["constant 0.003 diloco=0.7@0.8 4"]
 
 
-def test_v7_stages_sh_starts_over_after_any_run_and_stops_on_a_failed_jobs_call(tmp_path):
+def test_v7_next_gives_each_method_its_own_stage_and_holds_back_only_the_method_in_flight():
+    from study.k_scaling import v7
+
+    cfg = lambda mode, lr, mu=0.8: (mode, lr, mu, "constant", 3e-3)  # noqa: E731
+    recs = [
+        _v7("diloco", 0.5, 0.8, 0, 1.60, 1.5),
+        _v7("diloco", 0.7, 0.8, 0, 1.50, 1.4),  # top of its line: an edge to run
+        _v7("isoloco", 2.4, None, 0, 1.45, 1.3),
+        _v7("isoloco", 3.2, None, 0, 1.40, 1.3),  # interior: its three best go to seed 1
+        _v7("isoloco", 4.2, None, 0, 1.50, 1.3),
+        _v7("ddp", None, None, 0, 1.50, 1.4),
+        _v7("ddp", None, None, 1, 1.52, 1.4),  # its only config ran seed 1: its final
+    ]
+    assert v7.next_jobs(recs, 16) == [
+        "constant 0.003 ddp=- 2,3,4",
+        "constant 0.003 diloco=1@0.8 0",
+        "constant 0.003 isoloco=3.2 1",
+        "constant 0.003 isoloco=2.4 1",
+        "constant 0.003 isoloco=4.2 1",
+    ]
+    # DiLoCo's edge in flight holds back DiLoCo only; IsoLoCo's 3.2 on seed 1 and DDP's seed 3 are left out
+    claimed = {(cfg("diloco", 1.0), 0), (cfg("isoloco", 3.2, None), 1), (cfg("ddp", None, None), 3)}
+    assert v7.next_jobs(recs, 16, claimed=claimed) == [
+        "constant 0.003 ddp=- 2,4",
+        "constant 0.003 isoloco=2.4 1",
+        "constant 0.003 isoloco=4.2 1",
+    ]
+    # a seed-0 run of DiLoCo's screen in flight: its edge waits for it (the best may move)
+    assert "constant 0.003 diloco=1@0.8 0" not in v7.next_jobs(recs, 16, claimed={(cfg("diloco", 1.4, 0.5), 0)})
+    # a seed-1 run in flight off the top (here top 1) may still be the pick: no final until it finishes
+    ddp45 = ("ddp", None, None, "constant", 4.5e-3)
+    recs_ddp = recs + [_v7("ddp", None, None, 0, 1.55, 1.4, inner_lr=4.5e-3)]
+    assert v7.next_jobs(recs_ddp, 16, top=1)[0] == "constant 0.003 ddp=- 2,3,4"
+    assert not any("ddp" in x for x in v7.next_jobs(recs_ddp, 16, top=1, claimed={(ddp45, 1)}))
+    recs += [_v7("isoloco", lr, None, 1, sel, 1.3) for lr, sel in ((2.4, 1.40), (4.2, 1.50))]
+    # IsoLoCo's last seed-1 run in flight: no final until it finishes (it may be the pick)
+    assert v7.next_jobs(recs, 16, claimed={(cfg("isoloco", 3.2, None), 1)}) == [
+        "constant 0.003 ddp=- 2,3,4",
+        "constant 0.003 diloco=1@0.8 0",
+    ]
+    recs += [_v7("isoloco", 3.2, None, 1, 1.50, 1.3)]  # 3.2: 1.45 over seeds 0–1, 2.4: 1.425, the pick
+    assert v7.next_jobs(recs, 16)[-1] == "constant 0.003 isoloco=2.4 2,3,4"
+    assert v7.next_jobs(recs, 32) == []
+
+
+def test_v7_next_waits_while_nothing_is_free_and_runs_are_in_flight(tmp_path, capsys):
+    from study.common.records import run_key
+    from study.k_scaling import v7
+    from study.run_study import claim_name
+
+    (tmp_path / ".claims").mkdir()
+    recs = [_v7("diloco", 0.7, 0.8, 0, 1.50, 1.4), _v7("diloco", 1.0, 0.8, 0, 1.60, 1.5)]
+    edge = run_key(_v7("diloco", 0.5, 0.8, 0, 1.5, 1.4))
+    (tmp_path / ".claims" / claim_name(edge)).write_text(repr(edge))  # DiLoCo's edge, in flight
+    wait = dict(limit_s=0.05, poll_s=0.01, folder=tmp_path, load=lambda: recs)
+    assert v7.wait_for_next(16, **wait) == []
+    err = capsys.readouterr().err
+    assert "no run free for K 16 (adamw) while 1 run(s) are in flight: waiting" in err and "gave up waiting" in err
+    recs.append(_v7("isoloco", 3.2, None, 0, 1.4, 1.3))  # IsoLoCo is free: its runs, at once
+    assert v7.wait_for_next(16, **wait) == ["constant 0.003 isoloco=2.4 0", "constant 0.003 isoloco=4.2 0"]
+    assert capsys.readouterr().err == ""
+    (tmp_path / ".claims" / claim_name(edge)).write_text("")  # a claim without a key may be any method's
+    assert v7.wait_for_next(16, **wait) == [] and "no run free" in capsys.readouterr().err
+    (tmp_path / ".claims" / claim_name(edge)).unlink()
+    (tmp_path / "STOP").touch()
+    assert v7.wait_for_next(16, **wait) == []  # stopped: nothing more, even with runs to give
+    (tmp_path / "STOP").unlink()
+    assert v7.wait_for_next(16, **wait)[0] == "constant 0.003 diloco=0.5@0.8 0"  # nothing in flight: no wait
+    assert capsys.readouterr().err == ""
+
+
+def test_v7_stages_sh_asks_for_the_next_runs_after_each_batch_and_stops_on_a_failed_jobs_call(tmp_path):
     import subprocess
     from pathlib import Path
 
@@ -217,8 +288,8 @@ def test_v7_stages_sh_starts_over_after_any_run_and_stops_on_a_failed_jobs_call(
         count.write_text("0")
         script = f"""
 python() {{ N=$(( $(cat {count}) + 1 )); echo $N > {count}; echo "jobs $N ${{@: -1}}" >&2
-  case $N in 1) echo "constant 0.003 norm_mean=0.25@0.8 0";; 3) echo "constant 0.003 diloco=0.5@0.9 1";
-  echo "constant 0.0045 ddp=- 1";; {fail_at}) return 3;; esac; }}
+  case $N in {fail_at}) return 3;; 1) echo "constant 0.003 norm_mean=0.25@0.8 0";;
+  2) echo "constant 0.003 diloco=0.5@0.9 1"; echo "constant 0.0045 ddp=- 1,2";; esac; }}
 R="echo RUN"; C="--cells 16:30"; O=o.jsonl
 source study/k_scaling/stages.sh
 v7_stages 16 adamw; echo "rc $?" >&2
@@ -230,19 +301,10 @@ v7_stages 16 adamw; echo "rc $?" >&2
     assert [r.split("--seeds ")[1] for r in runs] == [
         "0 --lrs norm_mean=0.25@0.8 --out o.jsonl",
         "1 --lrs diloco=0.5@0.9 --out o.jsonl",
-        "1 --lrs ddp=- --out o.jsonl",
+        "1,2 --lrs ddp=- --out o.jsonl",
     ]
-    assert "--inner-lr 0.0045" in runs[2]
-    # edges ran, so edges again (empty), seed1 ran, so edges and seed1 again (empty), final (empty): done
-    assert log == [
-        "jobs 1 edges",
-        "jobs 2 edges",
-        "jobs 3 seed1",
-        "jobs 4 edges",
-        "jobs 5 seed1",
-        "jobs 6 final",
-        "rc 0",
-    ]
+    assert "--inner-lr 0.0045" in runs[2] and "--outer-schedule constant" in runs[0]
+    assert log == ["jobs 1 next", "jobs 2 next", "jobs 3 next", "rc 0"]  # empty: done
     runs, log = run(fail_at=2)
     assert len(runs) == 1 and log[-1] == "rc 1" and "failed: stopping" in log[-2]
 
