@@ -3,9 +3,9 @@
 # parameter at K 8, ≈ 20.0 at K 32): `bash study/k_scaling/v7a_k_plan.sh 8` (then 32). The grids are K 16's
 # (v7a_plan.sh) narrowed around its picks: DiLoCo over the lr at μ 0.8 (and one point at μ 0.9) at a constant outer lr,
 # warmed up + cosine and with a momentum warm-up at K 16's pick; norm_mean over lr × μ; IsoLoCo over lr at μ 0.8, at μ 0.9 and
-# warmed up + cosine at its pick; DDP at 1× and 1.5× the inner lr. Then one seed-0 point past the edge of each
-# method's best (`v7 jobs --stage next`, each method at its own stage), seed 1 of each method's three best, seeds 0–4 at the pick by the mean of
-# seeds 0–1. About 17 seed-0, 4 edge, 10 seed-1 and 10 final runs of ≈ 7–9 CPU-minutes each: ≈ 6 CPU-hours a K.
+# warmed up + cosine at its pick; DDP at 1× and 1.5× the inner lr. Then, each method at its own stage (`v7 jobs
+# --stage next`), one seed-0 point past the edge of its best, seed 1 of its three best, seeds 0–4 at its pick by the
+# mean of seeds 0–1. About 17 seed-0, 4 edge, 10 seed-1 and 10 final runs of ≈ 7–9 CPU-minutes each: ≈ 6 CPU-hours a K.
 # Resumable and claimable like the other plans: run it in two processes.
 source "$(dirname "$0")/../plan_env.sh"
 K=${1:?usage: v7a_k_plan.sh K (8 or 32)}
