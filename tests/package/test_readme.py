@@ -383,13 +383,18 @@ def test_where_the_gain_lives_says_what_has_been_run(tmp_path, monkeypatch):
     assert "picked by seed 0 of an earlier screen (1 @ 0.8, warm-up + cosine, now best on seed 0, awaits seed 1)" in (
         mod.where()
     )
-    # no larger K with a pick on 2+ seeds: only K 4, and the lead-in says the rest awaits its seeds
-    _fake_v7(
-        tmp_path, monkeypatch, mod, lambda v7: _k16(v7)["gaps"].update({"isoloco - diloco": gap(-0.1, -0.1, -0.1, 1)})
-    )
-    w = mod.where()
-    assert w.startswith("**Beyond K 4 the picks await their seeds**:") and "K 16" not in w
-    assert "is −0.006 [−0.038, +0.027] with K 4 for 300 rounds, each over seeds 0–2" in w
+    # no larger K with a pick on 3+ seeds: only K 4, and the lead-in says the rest awaits its seeds (2 seeds, 1
+    # degree of freedom, would read "level" whatever the runs say)
+    for n in (1, 2):
+        _fake_v7(
+            tmp_path,
+            monkeypatch,
+            mod,
+            lambda v7: _k16(v7)["gaps"].update({"isoloco - diloco": gap(-0.1, -1.4, 1.2, n)}),
+        )
+        w = mod.where()
+        assert w.startswith("**Beyond K 4 the picks await their seeds**:") and "K 16" not in w
+        assert "is −0.006 [−0.038, +0.027] with K 4 for 300 rounds, each over seeds 0–2" in w
 
 
 def test_the_tuning_advice_follows_its_summaries(tmp_path, monkeypatch):
