@@ -391,8 +391,9 @@ def wait_for_stage(K: int, inner: str = "adamw", seeds=(0,), limit_s: float = 4 
 def wait_for_next(K: int, inner: str = "adamw", limit_s: float = 4 * 3600.0, poll_s: float = 30.0, folder=None,
                   load=None) -> list[str]:  # fmt: skip
     """`next_jobs` for the cell's finished runs, polling while it is empty and runs are in flight (another method's
-    result may give this runner work); empty once nothing is in flight, when study/STOP exists, or past `limit_s`
-    (a stale claim: delete it). A claim without a key holds every method back, as it may be any of them."""
+    result may give this runner work); empty once nothing is in flight or when study/STOP exists. Past `limit_s` it
+    raises TimeoutError (a stale claim: delete it), so that the runner stops with an error, not as if done. A claim
+    without a key holds every method back, as it may be any of them."""
     from study.common import records
 
     folder = Path(folder or Path(__file__).resolve().parents[1])
@@ -405,9 +406,7 @@ def wait_for_next(K: int, inner: str = "adamw", limit_s: float = 4 * 3600.0, pol
             if lines or not busy:
                 return lines
         if time.time() - t0 > limit_s:
-            print(f"gave up waiting for {sorted(busy)} after {limit_s:.0f} s: stale claims?", file=sys.stderr,
-                  flush=True)  # fmt: skip
-            return []
+            raise TimeoutError(f"gave up waiting for {sorted(busy)} after {limit_s:.0f} s: stale claims?")
         print(f"no run free for K {K} ({inner}) while {len(busy)} run(s) are in flight: waiting", file=sys.stderr,
               flush=True)  # fmt: skip
         time.sleep(poll_s)
@@ -426,7 +425,10 @@ def main() -> None:
     from study.common.records import load
 
     if a.stage == "next":
-        lines = next_jobs(load(), a.K, inner=a.inner) if a.no_wait else wait_for_next(a.K, a.inner)
+        try:
+            lines = next_jobs(load(), a.K, inner=a.inner) if a.no_wait else wait_for_next(a.K, a.inner)
+        except TimeoutError as e:
+            sys.exit(str(e))
     else:
         busy = {} if a.no_wait else wait_for_stage(a.K, a.inner, STAGE_WAITS[a.stage])
         claimed = {(config_of(r), r["seed"]) for r in busy.values() if r is not None}

@@ -261,14 +261,16 @@ def test_v7_next_waits_while_nothing_is_free_and_runs_are_in_flight(tmp_path, ca
     edge = run_key(_v7("diloco", 0.5, 0.8, 0, 1.5, 1.4))
     (tmp_path / ".claims" / claim_name(edge)).write_text(repr(edge))  # DiLoCo's edge, in flight
     wait = dict(limit_s=0.05, poll_s=0.01, folder=tmp_path, load=lambda: recs)
-    assert v7.wait_for_next(16, **wait) == []
-    err = capsys.readouterr().err
-    assert "no run free for K 16 (adamw) while 1 run(s) are in flight: waiting" in err and "gave up waiting" in err
+    with pytest.raises(TimeoutError, match="gave up waiting"):  # a stale claim stops the runner with an error
+        v7.wait_for_next(16, **wait)
+    assert "no run free for K 16 (adamw) while 1 run(s) are in flight: waiting" in capsys.readouterr().err
     recs.append(_v7("isoloco", 3.2, None, 0, 1.4, 1.3))  # IsoLoCo is free: its runs, at once
     assert v7.wait_for_next(16, **wait) == ["constant 0.003 isoloco=2.4 0", "constant 0.003 isoloco=4.2 0"]
     assert capsys.readouterr().err == ""
     (tmp_path / ".claims" / claim_name(edge)).write_text("")  # a claim without a key may be any method's
-    assert v7.wait_for_next(16, **wait) == [] and "no run free" in capsys.readouterr().err
+    with pytest.raises(TimeoutError):
+        v7.wait_for_next(16, **wait)
+    assert "no run free" in capsys.readouterr().err
     (tmp_path / ".claims" / claim_name(edge)).unlink()
     (tmp_path / "STOP").touch()
     assert v7.wait_for_next(16, **wait) == []  # stopped: nothing more, even with runs to give
