@@ -136,24 +136,31 @@ def past_edge(cfgs: dict) -> list[tuple]:
     ]
 
 
+def _todo(cfgs: dict, stage: str, top: int) -> list[tuple]:
+    """One method's (config, seeds) a stage still needs, claims not yet left out (see `jobs`)."""
+    if stage == "edges":
+        return [(e, (0,)) for e in past_edge(cfgs)]
+    if stage == "seed1":
+        return [(c, (1,)) for c in ranked(cfgs)[:top] if 1 not in cfgs[c]]
+    if stage == "final":
+        p = pick(cfgs)
+        return [] if p is None else [(p, tuple(s for s in FINAL_SEEDS if s not in cfgs[p]))]
+    raise ValueError(f"stage must be edges, seed1 or final, got {stage!r}")
+
+
+def _lines(todo: list[tuple], claimed) -> list[str]:
+    """The job lines of `todo`, the (config, seed)s in `claimed` left out."""
+    todo = [(c, tuple(x for x in seeds if (c, x) not in claimed)) for c, seeds in todo]
+    return [job_line(c, seeds) for c, seeds in todo if seeds]
+
+
 def jobs(recs: list[dict], K: int, stage: str, top: int = 3, inner: str = "adamw", claimed=frozenset()) -> list[str]:
     """The runs a stage still needs: "edges", seed 0 one point past the edge of each method's seed-0 best (see
     `past_edge`); "seed1", seed 1 of each method's `top` best seed-0 configs; "final", the seeds 0–4 of each
     method's pick. A (config, seed) in `claimed` (another runner's, in flight) is left out."""
-    out = []
-    for _, cfgs in sorted(configs(recs, K, inner=inner).items()):
-        if stage == "edges":
-            todo = [(e, (0,)) for e in past_edge(cfgs)]
-        elif stage == "seed1":
-            todo = [(c, (1,)) for c in ranked(cfgs)[:top] if 1 not in cfgs[c]]
-        elif stage == "final":
-            p = pick(cfgs)
-            todo = [] if p is None else [(p, tuple(s for s in FINAL_SEEDS if s not in cfgs[p]))]
-        else:
-            raise ValueError(f"stage must be edges, seed1 or final, got {stage!r}")
-        todo = [(c, tuple(x for x in seeds if (c, x) not in claimed)) for c, seeds in todo]
-        out += [job_line(c, seeds) for c, seeds in todo if seeds]
-    return out
+    return [
+        x for _, cfgs in sorted(configs(recs, K, inner=inner).items()) for x in _lines(_todo(cfgs, stage, top), claimed)
+    ]
 
 
 def next_jobs(recs: list[dict], K: int, top: int = 3, inner: str = "adamw", claimed=frozenset()) -> list[str]:
@@ -166,18 +173,10 @@ def next_jobs(recs: list[dict], K: int, top: int = 3, inner: str = "adamw", clai
         flying = {seed for c, seed in claimed if c[0] == mode}
         if 0 in flying:
             continue
-        edges = past_edge(cfgs)
-        seed1 = [c for c in ranked(cfgs)[:top] if 1 not in cfgs[c]]
-        if edges:
-            todo = [(e, (0,)) for e in edges]
-        elif seed1:
-            todo = [(c, (1,)) for c in seed1]
-        elif 1 in flying or (p := pick(cfgs)) is None:
-            todo = []
-        else:
-            todo = [(p, tuple(s for s in FINAL_SEEDS if s not in cfgs[p]))]
-        todo = [(c, tuple(x for x in seeds if (c, x) not in claimed)) for c, seeds in todo]
-        out += [job_line(c, seeds) for c, seeds in todo if seeds]
+        todo = _todo(cfgs, "edges", top) or _todo(cfgs, "seed1", top)
+        if not todo and 1 not in flying:
+            todo = _todo(cfgs, "final", top)
+        out += _lines(todo, claimed)
     return out
 
 
