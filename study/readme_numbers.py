@@ -190,8 +190,8 @@ def _schedules(configs) -> str:
 
 def _screen(configs, rule: str) -> dict:
     """A DiLoCo screen in parts the sentence can share between K: its size, its μs, its schedules, its pick's rule."""
-    mu = _mus(f"{c[0]}@{c[1]}" for c in configs)
-    return {"n": f"{len(configs)} configs", "mu": mu, "schedules": _schedules(configs), "rule": rule}
+    mu, n = _mus(f"{c[0]}@{c[1]}" for c in configs), len(configs)
+    return {"n": f"{n} config{'s' * (n > 1)}", "mu": mu, "schedules": _schedules(configs), "rule": rule}
 
 
 def _ddp(m: dict) -> str:
@@ -207,45 +207,78 @@ MIN_SEEDS = 3
 STANDING = {"lead": "ahead of", "level": "level with", "behind": "behind"}
 
 
+def _ks(ks) -> str:
+    """K 8, or K 8 and 16."""
+    return "K " + _and([str(k) for k in ks])
+
+
+def _grouped(items: list[tuple]) -> dict:
+    """[(key, value), ...] -> {key: [value, ...]}, keys in their first order."""
+    out: dict = {}
+    for key, value in items:
+        out.setdefault(key, []).append(value)
+    return out
+
+
+def _tuning(screens: list[tuple[int, dict]]) -> str:
+    """How a method was screened at each K, the schedules and the pick's rule said once for the Ks that share them:
+    "K 4: 10 configs, μ ∈ {0, 0.5}, at a constant outer lr, picked by seed 0; K 8: 8 configs, μ 0.8, and K 16: …,
+    each with outer schedules …, picked by …"."""
+    parts = []
+    for (schedules, rule), group in _grouped([((sc["schedules"], sc["rule"]), (K, sc)) for K, sc in screens]).items():
+        each = [f"K {K}: {sc['n']}, {sc['mu']}" for K, sc in group]
+        parts.append(", and ".join(each) + (", each " if len(each) > 1 else ", ") + f"{schedules}, {rule}")
+    return "; ".join(parts)
+
+
+def _standing(rows: list[tuple[int, dict]], whom: str) -> str:
+    """IsoLoCo against a control at each K, the Ks with one verdict said together: "IsoLoCo is level with DDP (…)
+    at K 8 (…) and K 16 (…)", "IsoLoCo is level with X (…) at K 8 (…) and ahead of it at K 16 (…)"."""
+    parts = []
+    for i, (v, group) in enumerate(_grouped([(_verdict(g), (K, g)) for K, g in rows]).items()):
+        at = _and([f"K {K} ({_iv(g)})" for K, g in group])
+        parts.append(f"{STANDING[v]} {whom if i == 0 else 'it'} at {at}")
+    return "IsoLoCo is " + _and(parts)
+
+
 def where() -> str:
-    """Where the gain lives at v6's token budget: IsoLoCo − DiLoCo at each K of study v7 (k_scaling/summary_v7.json:
-    K 8 × 150, K 16 × 75, K 32 × 38 rounds, whichever have picks run on MIN_SEEDS seeds or more) and at K 4 × 300 rounds
-    (horizon/summary_v6.json), the seeds of each interval, how DiLoCo was tuned at each K so far (configs run, its
+    """Where the gain lives at v6's token budget: IsoLoCo − DiLoCo at K 4 × 300 rounds (horizon/summary_v6.json) and
+    at each K of study v7 (k_scaling/summary_v7.json: K 8 × 150, K 16 × 75, K 32 × 38 rounds, whichever have picks run
+    on MIN_SEEDS seeds or more), the seeds of each interval, how DiLoCo was tuned at each K so far (configs run, its
     μs and schedules, the pick's rule); the lead-in says whether the gain holds at every larger K, is closed (an
-    interval holding 0) or reversed; then IsoLoCo against the norm-preserving merge and against DDP where they ran."""
+    interval holding 0) or reversed; then part B, and IsoLoCo against the norm-preserving merge and against DDP
+    where they ran, the Ks that share a verdict said together."""
     v7 = [r for r in json.loads(K_SCALING.read_text())["fixed_compute"] if r["workers"] > 4]
     v6 = json.loads(HORIZON.read_text())
     k4 = next(r for r in v6["fixed_compute"] if r["workers"] == 4)
-    done = [r for r in v7 if (r["gaps"].get("isoloco - diloco") or {}).get("seeds", 0) >= MIN_SEEDS]
-    gaps, seeds, screens, controls = [], [], [], []
+    done = sorted(
+        (r for r in v7 if (r["gaps"].get("isoloco - diloco") or {}).get("seeds", 0) >= MIN_SEEDS),
+        key=lambda r: r["workers"],
+    )
+    d4 = k4["picks"]["diloco"]
+    gaps = [f"{_iv(k4['gap'])} with K 4 workers for {k4['rounds']} rounds"]
+    seeds = [(4, _seeds(set(d4["test"]) & set(k4["picks"]["isoloco"]["test"])))]
+    grid4 = [(*map(float, key.split("@")), "constant") for key in d4["grid"]]
+    screens = [(4, _screen(grid4, f"picked by {_seeds(d4['ranked_on_seeds'])}"))]
+    norm_mean, norm_screens, ddp, ddp_lrs = [], [], [], []
     for r in done:
         m, K = r["methods"], r["workers"]
-        gaps.append(f"{_iv(r['gaps']['isoloco - diloco'])} with K {K} workers for {r['rounds']} rounds")
+        gaps.append(f"{_iv(r['gaps']['isoloco - diloco'])} with K {K} for {r['rounds']} rounds")
         seeds.append((K, _seeds(set(m["isoloco"]["test"]) & set(m["diloco"]["test"]))))
         screen = [_config("diloco", lab) for lab in m["diloco"]["screen"]]
         screens.append((K, _screen(screen, _rule("diloco", m["diloco"]))))
         nm = r["gaps"].get("isoloco - norm_mean")
         if nm and nm["seeds"] >= MIN_SEEDS:
+            norm_mean.append((K, nm))
             cfgs = [_config("norm_mean", lab) for lab in m["norm_mean"]["screen"]]
-            tuned = _screen(cfgs, _rule("norm_mean", m["norm_mean"]))
-            controls.append(
-                f"at K {K} IsoLoCo is {STANDING[_verdict(nm)]} the norm-preserving merge ({_iv(nm)}; `norm_mean`, the "
-                f"mean's direction at the workers' mean norm, tuned over {', '.join(tuned.values())})"
-            )
+            norm_screens.append((K, _screen(cfgs, _rule("norm_mean", m["norm_mean"]))))
         dd = (r.get("to_ddp") or {}).get("isoloco")
         if dd and dd["seeds"] >= MIN_SEEDS:
-            controls.append(f"at K {K} IsoLoCo is {STANDING[_verdict(dd)]} DDP ({_iv(dd)}; {_ddp(m['ddp'])})")
-    d4 = k4["picks"]["diloco"]
-    gaps.append(f"{_iv(k4['gap'])} with K 4 for {k4['rounds']} rounds")
-    few = _few_rounds(json.loads(K_SCALING.read_text()).get("workers_or_rounds"), k4)
-    seeds.append((4, _seeds(set(d4["test"]) & set(k4["picks"]["isoloco"]["test"]))))
-    grid4 = [(*map(float, key.split("@")), "constant") for key in d4["grid"]]
-    screens.append((4, _screen(grid4, f"picked by {_seeds(d4['ranked_on_seeds'])}")))
-    shared = [k for k in ("schedules", "rule") if len({sc[k] for _, sc in screens}) == 1]
-    each = "; ".join(f"K {K}: " + ", ".join(v for k, v in sc.items() if k not in shared) for K, sc in screens)
-    how = " and ".join(screens[0][1][k] for k in shared)
+            ddp.append((K, dd))
+            ddp_lrs.append((len(m["ddp"]["screen"]), K))
     verdicts = {r["workers"]: _verdict(r["gaps"]["isoloco - diloco"]) for r in done}
-    ks = lambda v: " and ".join(f"K {k}" for k, x in verdicts.items() if x == v)  # noqa: E731
+    few = _few_rounds(json.loads(K_SCALING.read_text()).get("workers_or_rounds"), k4)
+    ks = lambda v: _ks([k for k, x in verdicts.items() if x == v])  # noqa: E731
     if not verdicts:
         lead = "Beyond K 4 the picks await their seeds"
     elif "behind" in verdicts.values():
@@ -260,17 +293,28 @@ def where() -> str:
         lead = "The gain lives in more workers for fewer rounds"
     tpp = sorted({round(r["tokens_per_param"], 1) for r in [*done, k4]})
     at = f"{tpp[0]}" if len(tpp) == 1 else f"{tpp[0]}–{tpp[-1]}"
+    by_seeds = _grouped([(s, K) for K, s in seeds])
     over = (
         f"each over {seeds[0][1]}"
-        if len({s for _, s in seeds}) == 1
-        else "over " + _and([f"{s} at K {K}" for K, s in seeds])
+        if len(by_seeds) == 1
+        else "over " + _and([f"{s} at {_ks(group)}" for s, group in by_seeds.items()])
     )
     out = (
         f"**{lead}**: at {at} tokens per parameter IsoLoCo − DiLoCo (held-out nats/byte, 95 % t) is {_and(gaps)}, "
-        f"{over}, against a DiLoCo tuned at each K over lr × μ{' ' + how if how else ''} ({each})"
+        f"{over}, against a DiLoCo tuned at each K over lr × μ ({_tuning(screens)})"
     )
-    if few:
-        controls.insert(0, few[1])
+    controls = [few[1]] if few else []
+    if norm_mean:
+        whom = (
+            "the norm-preserving merge (`norm_mean`, the mean's direction at the workers' mean norm, tuned over lr × "
+            f"μ: {_tuning(norm_screens)})"
+        )
+        controls.append(_standing(norm_mean, whom))
+    if ddp:
+        at = [f" at K {K}" if len(ddp_lrs) > 1 else "" for _, K in ddp_lrs]
+        n_lrs = [f"{n} inner lr{'s' * (n > 1)}{at[0]}" if i == 0 else f"{n}{at[i]}" for i, (n, _) in enumerate(ddp_lrs)]
+        lrs = "at one inner lr" if {n for n, _ in ddp_lrs} == {1} else f"tuned over {_and(n_lrs)}"
+        controls.append(_standing(ddp, f"DDP ({lrs})"))
     return out + (f"; {'; '.join(controls)}." if controls else ".")
 
 

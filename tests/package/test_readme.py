@@ -302,11 +302,13 @@ def test_where_the_gain_lives_says_what_has_been_run(tmp_path, monkeypatch):
     )
     w = mod.where()
     assert w.startswith("**The gain lives in more workers for fewer rounds**: at 19.7 tokens per parameter")
-    assert "−0.200 [−0.300, −0.100] with K 16 workers for 75 rounds and −0.006 [−0.038, +0.027] with K 4" in w
     assert (
-        "each over seeds 0–2, against a DiLoCo tuned at each K over lr × μ at a constant outer lr and picked by " in w
+        "is −0.006 [−0.038, +0.027] with K 4 workers for 300 rounds and −0.200 [−0.300, −0.100] with K 16 for 75" in w
     )
-    assert "seed 0 (K 16: 11 configs, μ ∈ {0, 0.8, 0.9}; K 4: 10 configs, μ ∈ {0, 0.5, 0.8})" in w
+    assert (
+        "each over seeds 0–2, against a DiLoCo tuned at each K over lr × μ (K 4: 10 configs, μ ∈ {0, 0.5, 0.8}, and "
+        "K 16: 11 configs, μ ∈ {0, 0.8, 0.9}, each at a constant outer lr, picked by seed 0)" in w
+    )
     # the stronger baselines close the gap: an interval holding 0, said plainly in the lead-in
     _fake_v7(
         tmp_path, monkeypatch, mod, lambda v7: _k16(v7)["gaps"].update({"isoloco - diloco": gap(-0.05, -0.2, 0.1)})
@@ -366,14 +368,18 @@ def test_where_the_gain_lives_says_what_has_been_run(tmp_path, monkeypatch):
 
     _fake_v7(tmp_path, monkeypatch, mod, later)
     w = mod.where()
-    assert "over seeds 0–4 at K 16 and seeds 0–2 at K 4, against a DiLoCo tuned at each K over lr × μ (K 16: " in w
+    assert "over seeds 0–2 at K 4 and seeds 0–4 at K 16, against a DiLoCo tuned at each K over lr × μ (K 4: " in w
     assert (
-        "(K 16: 14 configs, μ ∈ {0, 0.5, 0.8, 0.9}, with outer schedules constant and warm-up + cosine, picked by "
-        "the mean of seeds 0–1 over the 3 configs run on seed 1; K 4: 10 configs, μ ∈ {0, 0.5, 0.8}, at a constant outer "
-        "lr, picked by seed 0)" in w
+        "(K 4: 10 configs, μ ∈ {0, 0.5, 0.8}, at a constant outer lr, picked by seed 0; K 16: 14 configs, μ ∈ {0, 0.5, "
+        "0.8, 0.9}, with outer schedules constant and warm-up + cosine, picked by the mean of seeds 0–1 over the 3 "
+        "configs run on seed 1)" in w
     )
-    assert "at K 16 IsoLoCo is ahead of the norm-preserving merge (−0.080 [−0.100, −0.060]; `norm_mean`" in w
-    assert "at K 16 IsoLoCo is level with DDP (+0.010 [−0.020, +0.040]; DDP tuned over 3 inner lrs)." in w
+    assert "IsoLoCo is ahead of the norm-preserving merge (`norm_mean`, the mean's direction at the workers' mean " in w
+    assert "tuned over lr × μ: K 16: 2 configs, μ 0.8, at a constant outer lr, picked by the mean of seeds 0–1" in w
+    assert (
+        "on seed 1) at K 16 (−0.080 [−0.100, −0.060]); IsoLoCo is level with DDP (tuned over 3 inner lrs) at K 16" in w
+    )
+    assert w.endswith(" at K 16 (+0.010 [−0.020, +0.040]).")
 
     # a new seed-0 best that has not run seed 1 yet: the pick stands on an earlier screen, and the sentence says so
     def between(v7):
@@ -394,7 +400,29 @@ def test_where_the_gain_lives_says_what_has_been_run(tmp_path, monkeypatch):
         )
         w = mod.where()
         assert w.startswith("**Beyond K 4 the picks await their seeds**:") and "K 16" not in w
-        assert "is −0.006 [−0.038, +0.027] with K 4 for 300 rounds, each over seeds 0–2" in w
+        assert "is −0.006 [−0.038, +0.027] with K 4 workers for 300 rounds, each over seeds 0–2" in w
+
+
+def test_where_says_the_ks_that_share_a_verdict_or_a_tuning_together():
+    """Known answers for the where-sentence's grouping over several K: the Ks with one verdict against a control are
+    said together, a changed verdict is said of "it"; the schedules and rule a screen shares are said once, "each"."""
+    mod = _readme_numbers()
+
+    def gap(mean, lo, hi):
+        return {"seeds": 5, "mean": mean, "t_lo": lo, "t_hi": hi}
+
+    rows = [(8, gap(-0.04, -0.08, 0.002)), (16, gap(-0.1, -0.12, -0.08)), (32, gap(-0.2, -0.3, -0.1))]
+    assert mod._standing(rows, "X") == (
+        "IsoLoCo is level with X at K 8 (−0.040 [−0.080, +0.002]) and ahead of it at K 16 (−0.100 [−0.120, −0.080]) "
+        "and K 32 (−0.200 [−0.300, −0.100])"
+    )
+    assert mod._standing(rows[:1], "X") == "IsoLoCo is level with X at K 8 (−0.040 [−0.080, +0.002])"
+    sc = [(4, mod._screen([(0.5, 0.0, "constant")], "picked by seed 0"))]
+    sc += [(K, mod._screen([(1.0, 0.8, "constant"), (1.0, 0.9, "warmup-cosine")], "R")) for K in (8, 16)]
+    assert mod._tuning(sc) == (
+        "K 4: 1 config, μ 0, at a constant outer lr, picked by seed 0; K 8: 2 configs, μ ∈ {0.8, 0.9}, and K 16: 2 "
+        "configs, μ ∈ {0.8, 0.9}, each with outer schedules constant and warm-up + cosine, R"
+    )
 
 
 def test_the_tuning_advice_follows_its_summaries(tmp_path, monkeypatch):
