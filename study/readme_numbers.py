@@ -194,9 +194,18 @@ def _screen(configs, rule: str) -> dict:
     return {"n": f"{n} config{'s' * (n > 1)}", "mu": mu, "schedules": _schedules(configs), "rule": rule}
 
 
-def _ddp(m: dict) -> str:
-    n = len(m["screen"])
-    return "DDP at one inner lr" if n == 1 else f"DDP tuned over {n} inner lrs"
+def _ddp_lrs(counts: list[tuple[int, int]]) -> str:
+    """How DDP was tuned, from [(inner lrs run, K), ...]: "at one inner lr", "tuned over 3 inner lrs" (one K or
+    the same at each), "at one inner lr at K 8, tuned over 3 at K 16"."""
+    ns = {n for n, _ in counts}
+    if len(ns) == 1:
+        n = ns.pop()
+        return "at one inner lr" if n == 1 else f"tuned over {n} inner lrs" + (" at each K" if len(counts) > 1 else "")
+    parts = [
+        ("at one inner lr" if n == 1 else f"tuned over {n}" + " inner lrs" * (i == 0)) + f" at K {K}"
+        for i, (n, K) in enumerate(counts)
+    ]
+    return ", ".join(parts)
 
 
 #: the seeds a v7 gap needs before the where-sentence quotes it: a t interval over 2 (1 degree of freedom, t 12.7)
@@ -212,11 +221,14 @@ def _ks(ks) -> str:
     return "K " + _and([str(k) for k in ks])
 
 
-def _grouped(items: list[tuple]) -> dict:
-    """[(key, value), ...] -> {key: [value, ...]}, keys in their first order."""
-    out: dict = {}
+def _grouped(items: list[tuple]) -> list[tuple]:
+    """[(key, value), ...] -> [(key, [value, ...]), ...], neighbours with one key together (so the Ks stay in order)."""
+    out: list[tuple] = []
     for key, value in items:
-        out.setdefault(key, []).append(value)
+        if out and out[-1][0] == key:
+            out[-1][1].append(value)
+        else:
+            out.append((key, [value]))
     return out
 
 
@@ -225,7 +237,7 @@ def _tuning(screens: list[tuple[int, dict]]) -> str:
     "K 4: 10 configs, μ ∈ {0, 0.5}, at a constant outer lr, picked by seed 0; K 8: 8 configs, μ 0.8, and K 16: …,
     each with outer schedules …, picked by …"."""
     parts = []
-    for (schedules, rule), group in _grouped([((sc["schedules"], sc["rule"]), (K, sc)) for K, sc in screens]).items():
+    for (schedules, rule), group in _grouped([((sc["schedules"], sc["rule"]), (K, sc)) for K, sc in screens]):
         each = [f"K {K}: {sc['n']}, {sc['mu']}" for K, sc in group]
         parts.append(", and ".join(each) + (", each " if len(each) > 1 else ", ") + f"{schedules}, {rule}")
     return "; ".join(parts)
@@ -235,7 +247,7 @@ def _standing(rows: list[tuple[int, dict]], whom: str) -> str:
     """IsoLoCo against a control at each K, the Ks with one verdict said together: "IsoLoCo is level with DDP (…)
     at K 8 (…) and K 16 (…)", "IsoLoCo is level with X (…) at K 8 (…) and ahead of it at K 16 (…)"."""
     parts = []
-    for i, (v, group) in enumerate(_grouped([(_verdict(g), (K, g)) for K, g in rows]).items()):
+    for i, (v, group) in enumerate(_grouped([(_verdict(g), (K, g)) for K, g in rows])):
         at = _and([f"K {K} ({_iv(g)})" for K, g in group])
         parts.append(f"{STANDING[v]} {whom if i == 0 else 'it'} at {at}")
     return "IsoLoCo is " + _and(parts)
@@ -297,7 +309,7 @@ def where() -> str:
     over = (
         f"each over {seeds[0][1]}"
         if len(by_seeds) == 1
-        else "over " + _and([f"{s} at {_ks(group)}" for s, group in by_seeds.items()])
+        else "over " + _and([f"{s} at {_ks(group)}" for s, group in by_seeds])
     )
     out = (
         f"**{lead}**: at {at} tokens per parameter IsoLoCo − DiLoCo (held-out nats/byte, 95 % t) is {_and(gaps)}, "
@@ -307,14 +319,11 @@ def where() -> str:
     if norm_mean:
         whom = (
             "the norm-preserving merge (`norm_mean`, the mean's direction at the workers' mean norm, tuned over lr × "
-            f"μ: {_tuning(norm_screens)})"
+            f"μ; {_tuning(norm_screens)})"
         )
         controls.append(_standing(norm_mean, whom))
     if ddp:
-        at = [f" at K {K}" if len(ddp_lrs) > 1 else "" for _, K in ddp_lrs]
-        n_lrs = [f"{n} inner lr{'s' * (n > 1)}{at[0]}" if i == 0 else f"{n}{at[i]}" for i, (n, _) in enumerate(ddp_lrs)]
-        lrs = "at one inner lr" if {n for n, _ in ddp_lrs} == {1} else f"tuned over {_and(n_lrs)}"
-        controls.append(_standing(ddp, f"DDP ({lrs})"))
+        controls.append(_standing(ddp, f"DDP ({_ddp_lrs(ddp_lrs)})"))
     return out + (f"; {'; '.join(controls)}." if controls else ".")
 
 

@@ -375,7 +375,7 @@ def test_where_the_gain_lives_says_what_has_been_run(tmp_path, monkeypatch):
         "configs run on seed 1)" in w
     )
     assert "IsoLoCo is ahead of the norm-preserving merge (`norm_mean`, the mean's direction at the workers' mean " in w
-    assert "tuned over lr × μ: K 16: 2 configs, μ 0.8, at a constant outer lr, picked by the mean of seeds 0–1" in w
+    assert "tuned over lr × μ; K 16: 2 configs, μ 0.8, at a constant outer lr, picked by the mean of seeds 0–1" in w
     assert (
         "on seed 1) at K 16 (−0.080 [−0.100, −0.060]); IsoLoCo is level with DDP (tuned over 3 inner lrs) at K 16" in w
     )
@@ -417,6 +417,15 @@ def test_where_says_the_ks_that_share_a_verdict_or_a_tuning_together():
         "and K 32 (−0.200 [−0.300, −0.100])"
     )
     assert mod._standing(rows[:1], "X") == "IsoLoCo is level with X at K 8 (−0.040 [−0.080, +0.002])"
+    # only neighbours share a clause: the Ks stay in order
+    assert mod._standing([rows[1], rows[0], rows[2]], "X") == (
+        "IsoLoCo is ahead of X at K 16 (−0.100 [−0.120, −0.080]), level with it at K 8 (−0.040 [−0.080, +0.002]) "
+        "and ahead of it at K 32 (−0.200 [−0.300, −0.100])"
+    )
+    assert mod._ddp_lrs([(1, 16)]) == "at one inner lr" and mod._ddp_lrs([(3, 16)]) == "tuned over 3 inner lrs"
+    assert mod._ddp_lrs([(3, 8), (3, 16)]) == "tuned over 3 inner lrs at each K"
+    assert mod._ddp_lrs([(1, 8), (3, 16)]) == "at one inner lr at K 8, tuned over 3 at K 16"
+    assert mod._ddp_lrs([(2, 8), (3, 16)]) == "tuned over 2 inner lrs at K 8, tuned over 3 at K 16"
     sc = [(4, mod._screen([(0.5, 0.0, "constant")], "picked by seed 0"))]
     sc += [(K, mod._screen([(1.0, 0.8, "constant"), (1.0, 0.9, "warmup-cosine")], "R")) for K in (8, 16)]
     assert mod._tuning(sc) == (
