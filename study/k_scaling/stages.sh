@@ -1,6 +1,6 @@
 # Sourced by study v7's part A and D plans after their seed-0 screen (they set $R, $C and $O): `v7_stages K INNER`
 # runs v7.py's stages for each method — edges (one seed-0 point past the edge of its best), seed1 (seed 1 of its
-# three best), final (seeds 0–4 at its pick by the mean of seeds 0–1) — asking `v7 jobs --stage next` for each
+# three best), final (seeds 0–4 at its pick by the mean of seeds 0–1, one seed a pass) — asking `v7 jobs --stage next` for each
 # method's next runs after every batch, until it has none. A method's next stage is chosen from its finished runs
 # only (the call waits while nothing is free and runs are in flight), and runs another runner holds are left out, so
 # two runners share the runs and end on the same picks whichever finishes first; a walk past an edge goes on until

@@ -148,10 +148,10 @@ def _todo(cfgs: dict, stage: str, top: int) -> list[tuple]:
     raise ValueError(f"stage must be edges, seed1 or final, got {stage!r}")
 
 
-def _lines(todo: list[tuple], claimed) -> list[str]:
-    """The job lines of `todo`, the (config, seed)s in `claimed` left out."""
+def _lines(todo: list[tuple], claimed, first: bool = False) -> list[str]:
+    """The job lines of `todo`, the (config, seed)s in `claimed` left out; `first`: only each config's first seed."""
     todo = [(c, tuple(x for x in seeds if (c, x) not in claimed)) for c, seeds in todo]
-    return [job_line(c, seeds) for c, seeds in todo if seeds]
+    return [job_line(c, seeds[:1] if first else seeds) for c, seeds in todo if seeds]
 
 
 def jobs(recs: list[dict], K: int, stage: str, top: int = 3, inner: str = "adamw", claimed=frozenset()) -> list[str]:
@@ -167,16 +167,19 @@ def next_jobs(recs: list[dict], K: int, top: int = 3, inner: str = "adamw", clai
     """Each method's next runs, whichever stage it has reached: its edges, then its seed-1 three, then its final
     seeds, as `jobs` gives them, with the runs in `claimed` (another runner's, in flight) left out. A method waits
     (has none) while one of its seed-0 runs is in flight, which its edges and its three best are chosen from, and
-    goes on to its final only once its seed-1 runs have finished; the others do not wait for it."""
+    goes on to its final only once its seed-1 runs have finished; the others do not wait for it. A final gives one
+    seed at a time (its lowest free one), so the methods' finals advance seed by seed together and a runner stopped
+    part way leaves every method on about the same seeds, not some methods done and others not begun."""
     out = []
     for mode, cfgs in sorted(configs(recs, K, inner=inner).items()):
         flying = {seed for c, seed in claimed if c[0] == mode}
         if 0 in flying:
             continue
         todo = _todo(cfgs, "edges", top) or _todo(cfgs, "seed1", top)
-        if not todo and 1 not in flying:
+        final = not todo
+        if final and 1 not in flying:
             todo = _todo(cfgs, "final", top)
-        out += _lines(todo, claimed)
+        out += _lines(todo, claimed, first=final)
     return out
 
 

@@ -220,7 +220,7 @@ def test_v7_next_gives_each_method_its_own_stage_and_holds_back_only_the_method_
         _v7("ddp", None, None, 1, 1.52, 1.4),  # its only config ran seed 1: its final
     ]
     assert v7.next_jobs(recs, 16) == [
-        "constant 0.003 ddp=- 2,3,4",
+        "constant 0.003 ddp=- 2",
         "constant 0.003 diloco=1@0.8 0",
         "constant 0.003 isoloco=3.2 1",
         "constant 0.003 isoloco=2.4 1",
@@ -229,7 +229,7 @@ def test_v7_next_gives_each_method_its_own_stage_and_holds_back_only_the_method_
     # DiLoCo's edge in flight holds back DiLoCo only; IsoLoCo's 3.2 on seed 1 and DDP's seed 3 are left out
     claimed = {(cfg("diloco", 1.0), 0), (cfg("isoloco", 3.2, None), 1), (cfg("ddp", None, None), 3)}
     assert v7.next_jobs(recs, 16, claimed=claimed) == [
-        "constant 0.003 ddp=- 2,4",
+        "constant 0.003 ddp=- 2",
         "constant 0.003 isoloco=2.4 1",
         "constant 0.003 isoloco=4.2 1",
     ]
@@ -238,17 +238,22 @@ def test_v7_next_gives_each_method_its_own_stage_and_holds_back_only_the_method_
     # a seed-1 run in flight off the top (here top 1) may still be the pick: no final until it finishes
     ddp45 = ("ddp", None, None, "constant", 4.5e-3)
     recs_ddp = recs + [_v7("ddp", None, None, 0, 1.55, 1.4, inner_lr=4.5e-3)]
-    assert v7.next_jobs(recs_ddp, 16, top=1)[0] == "constant 0.003 ddp=- 2,3,4"
+    assert v7.next_jobs(recs_ddp, 16, top=1)[0] == "constant 0.003 ddp=- 2"
     assert not any("ddp" in x for x in v7.next_jobs(recs_ddp, 16, top=1, claimed={(ddp45, 1)}))
     recs += [_v7("isoloco", lr, None, 1, sel, 1.3) for lr, sel in ((2.4, 1.40), (4.2, 1.50))]
     # IsoLoCo's last seed-1 run in flight: no final until it finishes (it may be the pick)
     assert v7.next_jobs(recs, 16, claimed={(cfg("isoloco", 3.2, None), 1)}) == [
-        "constant 0.003 ddp=- 2,3,4",
+        "constant 0.003 ddp=- 2",
         "constant 0.003 diloco=1@0.8 0",
     ]
     recs += [_v7("isoloco", 3.2, None, 1, 1.50, 1.3)]  # 3.2: 1.45 over seeds 0–1, 2.4: 1.425, the pick
-    assert v7.next_jobs(recs, 16)[-1] == "constant 0.003 isoloco=2.4 2,3,4"
+    assert v7.next_jobs(recs, 16)[-1] == "constant 0.003 isoloco=2.4 2"
     assert v7.next_jobs(recs, 32) == []
+    # finals go one seed at a time, the lowest free first: DDP's seed 2 in flight gives its seed 3, then 4
+    assert "constant 0.003 ddp=- 3" in v7.next_jobs(recs, 16, claimed={(cfg("ddp", None, None), 2)})
+    recs += [_v7("ddp", None, None, s, 1.5, 1.4) for s in (2, 3)]
+    assert v7.next_jobs(recs, 16)[0] == "constant 0.003 ddp=- 4"
+    assert v7.jobs(recs, 16, "final")[-1] == "constant 0.003 isoloco=2.4 2,3,4"  # a stage on its own: all at once
 
 
 def test_v7_next_waits_while_nothing_is_free_and_runs_are_in_flight(tmp_path, capsys):
