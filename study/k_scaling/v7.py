@@ -109,6 +109,8 @@ def job_line(cfg: tuple, seeds) -> str:
     return f"{schedule} {inner_lr:g} {item} {','.join(map(str, seeds))}"
 
 
+#: DDP's inner lrs, the base cell's × {1, 1.5, 2} (literals: a config compares equal to its records')
+DDP_INNER_LRS = (3e-3, 4.5e-3, 6e-3)
 #: the outer lrs the study's grids use: DiLoCo's and norm_mean's steps of √2, IsoLoCo's of 4/3
 LADDER = (0.12, 0.17, 0.25, 0.35, 0.5, 0.7, 1.0, 1.35, 1.4, 1.8, 2.0, 2.4, 2.8, 3.2, 4.2, 5.6, 7.5)
 
@@ -117,11 +119,16 @@ def past_edge(cfgs: dict) -> list[tuple]:
     """The points past the edge of the seed-0 best's lr line (the configs that differ from it only in the outer lr)
     when the best sits at that line's lowest or highest lr: a step of the line's ratio there, snapped to the nearest
     LADDER lr beyond the edge; both neighbours (a step of √2 each way) when it is alone on its line. Empty when the
-    best is interior, at the ladder's end or DDP's (its inner lr grid is fixed at ×{1, 1.5, 2}). Run until it is
-    empty (stages.sh), the walk ends where the best is interior, whichever runner gets there."""
+    best is interior or at the ladder's end. DDP walks its own grid, the inner lr × {1, 1.5, 2}: the next one up
+    when its best is the highest it ran. Run until it is empty (stages.sh), the walk ends where the best is interior,
+    whichever runner gets there."""
     best = ranked(cfgs)[:1]
-    if not best or best[0][0] == "ddp":
+    if not best:
         return []
+    if best[0][0] == "ddp":  # its walk stays on its grid: the next inner lr up when the best is the highest run
+        inner_lr, ran = best[0][4], max(c[4] for c in cfgs)
+        up = [x for x in DDP_INNER_LRS if x > inner_lr]
+        return [("ddp", None, None, "constant", up[0])] if inner_lr == ran and up else []
     mode, lr, mu, schedule, inner_lr = best[0]
     line = sorted(c[1] for c in cfgs if (c[0], c[2], c[3], c[4]) == (mode, mu, schedule, inner_lr))
     steps = []

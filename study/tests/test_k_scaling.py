@@ -112,22 +112,29 @@ def test_v7_edges_extend_the_seed0_best_one_step_past_its_lr_lines_end():
         _v7("norm_mean", 0.35, 0.8, 0, 1.40, 1.3),  # the best, at the bottom
         _v7("norm_mean", 0.5, 0.8, 0, 1.45, 1.3),
         _v7("norm_mean", 0.7, 0.8, 0, 1.50, 1.3),
-        _v7("ddp", None, None, 0, 1.5, 1.4),  # DDP's grid is fixed
+        _v7("ddp", None, None, 0, 1.5, 1.4),  # DDP walks its own grid, × {1, 1.5, 2}: 1.5× next
         _v7("diloco", 9.9, 0.8, 0, 1.0, 1.0, K=32),
     ]
     assert v7.jobs(recs, 16, "edges") == [
+        "constant 0.0045 ddp=- 0",
         "constant 0.003 diloco=1@0.8 0",
         "constant 0.003 isoloco=2.4 0",
         "constant 0.003 isoloco=4.2 0",
         "constant 0.003 norm_mean=0.25@0.8 0",
     ]
     recs += [_v7("diloco", 1.0, 0.8, 0, 1.55, 1.4), _v7("isoloco", 2.4, None, 0, 1.45, 1.3)]
+    recs += [_v7("ddp", None, None, 0, 1.55, 1.4, inner_lr=4.5e-3)]  # worse than 1×: DDP's walk ends
     recs += [_v7("norm_mean", 0.25, 0.8, 0, 1.30, 1.3)]  # past the edge and better still: the next step
     # IsoLoCo's 3.2 is now the top of (2.4, 3.2): one step of 4/3 up
     assert v7.jobs(recs, 16, "edges") == ["constant 0.003 isoloco=4.2 0", "constant 0.003 norm_mean=0.17@0.8 0"]
     recs += [_v7("isoloco", 4.2, None, 0, 1.45, 1.3), _v7("norm_mean", 0.12, 0.8, 0, 1.20, 1.3)]
     assert v7.jobs(recs, 16, "edges") == []  # the ladder's end
     assert v7.past_edge(v7.configs(recs, 16)["diloco"]) == []
+    # DDP's best at the top of what it ran: the next inner lr of its grid, and none past 2×
+    ddp = [_v7("ddp", None, None, 0, 1.55, 1.4), _v7("ddp", None, None, 0, 1.53, 1.4, inner_lr=4.5e-3)]
+    assert v7.jobs(ddp, 16, "edges") == ["constant 0.006 ddp=- 0"]
+    assert v7.jobs(ddp + [_v7("ddp", None, None, 0, 1.52, 1.4, inner_lr=6e-3)], 16, "edges") == []
+    assert v7.jobs(ddp + [_v7("ddp", None, None, 0, 1.54, 1.4, inner_lr=6e-3)], 16, "edges") == []
 
 
 def test_v7_part_d_muon_runs_are_their_own_cell():
@@ -217,7 +224,8 @@ def test_v7_next_gives_each_method_its_own_stage_and_holds_back_only_the_method_
         _v7("isoloco", 3.2, None, 0, 1.40, 1.3),  # interior: its three best go to seed 1
         _v7("isoloco", 4.2, None, 0, 1.50, 1.3),
         _v7("ddp", None, None, 0, 1.50, 1.4),
-        _v7("ddp", None, None, 1, 1.52, 1.4),  # its only config ran seed 1: its final
+        _v7("ddp", None, None, 1, 1.52, 1.4),  # its best ran seed 1, as did 2× (no edge to walk): its final
+        *(_v7("ddp", None, None, seed, 1.60, 1.4, inner_lr=6e-3) for seed in (0, 1)),
     ]
     assert v7.next_jobs(recs, 16) == [
         "constant 0.003 ddp=- 2",
