@@ -26,6 +26,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from study.k_scaling.v7 import MIN_SEEDS  # noqa: E402  (the seeds a v7 gap needs before a page quotes it)
+
 H200 = ROOT / "bench" / "results" / "2026-12-04-NVIDIA-H200.json"
 STUDY = ROOT / "study" / "cells" / "summary_v3.json"
 HORIZON = ROOT / "study" / "horizon" / "summary_v6.json"
@@ -207,10 +212,6 @@ def _ddp_lrs(counts: list[tuple[int, int]]) -> str:
     ]
     return ", ".join(parts)
 
-
-#: the seeds a v7 gap needs before the where-sentence quotes it: a t interval over 2 (1 degree of freedom, t 12.7)
-#: spans so much that it would read as "level" whatever the runs say; the pick's final stage runs seeds 0–4
-MIN_SEEDS = 3
 
 #: how the sentence names IsoLoCo's standing against a control, by the interval of IsoLoCo − control
 STANDING = {"lead": "ahead of", "level": "level with", "behind": "behind"}

@@ -116,7 +116,11 @@ def main() -> None:
         s7["muon_inner"] = v7.summarize_v7(all_runs, inner="muon")
         (HERE / "k_scaling" / "summary_v7.json").write_text(json.dumps(s7, indent=1))
         gaps = {
-            "fixed compute (v6, v7)": {r["workers"]: r["gaps"].get("isoloco - diloco") for r in rows},
+            "fixed compute (v6, v7)": {  # a K whose picks have run fewer than v7.MIN_SEEDS seeds is left out
+                r["workers"]: g
+                for r in rows
+                if (g := r["gaps"].get("isoloco - diloco") or {}).get("seeds", 0) >= v7.MIN_SEEDS
+            },
             "10 rounds (v3)": {
                 K: v3_cells.get(f"K {K}, H 30, R 10, batch 4×64, adamw 0.003", {}).get("gap") for K in (4, 16, 32)
             },
