@@ -130,8 +130,8 @@ def past_edge(cfgs: dict) -> list[tuple]:
         return []
     if best[0][0] == "ddp":  # its walk stays on its grid: the next inner lr up when the best is the highest run
         inner_lr, ran = best[0][4], max(c[4] for c in cfgs)
-        up = [x for x in DDP_INNER_LRS if x > inner_lr]
-        return [("ddp", None, None, "constant", up[0])] if inner_lr == ran and up else []
+        up = [x for x in DDP_INNER_LRS if x > inner_lr * (1 + 1e-9)]  # a computed 1.5× may be a bit off
+        return [("ddp", None, None, "constant", up[0])] if math.isclose(inner_lr, ran) and up else []
     mode, lr, mu, schedule, inner_lr = best[0]
     line = sorted(c[1] for c in cfgs if (c[0], c[2], c[3], c[4]) == (mode, mu, schedule, inner_lr))
     steps = []

@@ -3,6 +3,8 @@ K at fixed compute."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from study.k_scaling import fixed_compute
@@ -133,6 +135,9 @@ def test_v7_edges_extend_the_seed0_best_one_step_past_its_lr_lines_end():
     # DDP's best at the top of what it ran: the next inner lr of its grid, and none past 2×
     ddp = [_v7("ddp", None, None, 0, 1.55, 1.4), _v7("ddp", None, None, 0, 1.53, 1.4, inner_lr=4.5e-3)]
     assert v7.jobs(ddp, 16, "edges") == ["constant 0.006 ddp=- 0"]
+    below = math.nextafter(4.5e-3, 0)  # 1.5× as a computed lr may land a bit below: it is 1.5× still, 2× is next
+    ddp_product = [ddp[0], _v7("ddp", None, None, 0, 1.53, 1.4, inner_lr=below)]
+    assert v7.jobs(ddp_product, 16, "edges") == ["constant 0.006 ddp=- 0"]
     assert v7.jobs(ddp + [_v7("ddp", None, None, 0, 1.52, 1.4, inner_lr=6e-3)], 16, "edges") == []
     assert v7.jobs(ddp + [_v7("ddp", None, None, 0, 1.54, 1.4, inner_lr=6e-3)], 16, "edges") == []
 
