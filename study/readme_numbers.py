@@ -21,6 +21,7 @@ import json
 import platform
 import sys
 import time
+from itertools import groupby
 from pathlib import Path
 
 import torch
@@ -224,13 +225,7 @@ def _ks(ks) -> str:
 
 def _grouped(items: list[tuple]) -> list[tuple]:
     """[(key, value), ...] -> [(key, [value, ...]), ...], neighbours with one key together (so the Ks stay in order)."""
-    out: list[tuple] = []
-    for key, value in items:
-        if out and out[-1][0] == key:
-            out[-1][1].append(value)
-        else:
-            out.append((key, [value]))
-    return out
+    return [(key, [value for _, value in run]) for key, run in groupby(items, key=lambda item: item[0])]
 
 
 def _tuning(screens: list[tuple[int, dict]]) -> str:
