@@ -202,14 +202,14 @@ def _screen(configs, rule: str) -> dict:
 
 def _ddp_lrs(counts: list[tuple[int, int]]) -> str:
     """How DDP was tuned, from [(inner lrs run, K), ...]: "at one inner lr", "tuned over 3 inner lrs" (one K or
-    the same at each), "at one inner lr at K 8, tuned over 3 at K 16"."""
+    the same at each), "at one inner lr at K 8, tuned over 3 at K 16 and 32" (neighbouring Ks with one count together)."""
     ns = {n for n, _ in counts}
     if len(ns) == 1:
         n = ns.pop()
         return "at one inner lr" if n == 1 else f"tuned over {n} inner lrs" + (" at each K" if len(counts) > 1 else "")
     parts = [
-        ("at one inner lr" if n == 1 else f"tuned over {n}" + " inner lrs" * (i == 0)) + f" at K {K}"
-        for i, (n, K) in enumerate(counts)
+        ("at one inner lr" if n == 1 else f"tuned over {n}" + " inner lrs" * (i == 0)) + f" at {_ks(ks)}"
+        for i, (n, ks) in enumerate(_grouped(counts))
     ]
     return ", ".join(parts)
 
@@ -235,7 +235,8 @@ def _tuning(screens: list[tuple[int, dict]]) -> str:
     parts = []
     for (schedules, rule), group in _grouped([((sc["schedules"], sc["rule"]), (K, sc)) for K, sc in screens]):
         each = [f"K {K}: {sc['n']}, {sc['mu']}" for K, sc in group]
-        parts.append(", and ".join(each) + (", each " if len(each) > 1 else ", ") + f"{schedules}, {rule}")
+        listed = each[0] if len(each) == 1 else ", ".join(each[:-1]) + ", and " + each[-1]
+        parts.append(listed + (", each " if len(each) > 1 else ", ") + f"{schedules}, {rule}")
     return "; ".join(parts)
 
 

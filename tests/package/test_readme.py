@@ -426,11 +426,18 @@ def test_where_says_the_ks_that_share_a_verdict_or_a_tuning_together():
     assert mod._ddp_lrs([(3, 8), (3, 16)]) == "tuned over 3 inner lrs at each K"
     assert mod._ddp_lrs([(1, 8), (3, 16)]) == "at one inner lr at K 8, tuned over 3 at K 16"
     assert mod._ddp_lrs([(2, 8), (3, 16)]) == "tuned over 2 inner lrs at K 8, tuned over 3 at K 16"
+    assert mod._ddp_lrs([(2, 8), (3, 16), (3, 32)]) == "tuned over 2 inner lrs at K 8, tuned over 3 at K 16 and 32"
     sc = [(4, mod._screen([(0.5, 0.0, "constant")], "picked by seed 0"))]
     sc += [(K, mod._screen([(1.0, 0.8, "constant"), (1.0, 0.9, "warmup-cosine")], "R")) for K in (8, 16)]
     assert mod._tuning(sc) == (
         "K 4: 1 config, μ 0, at a constant outer lr, picked by seed 0; K 8: 2 configs, μ ∈ {0.8, 0.9}, and K 16: 2 "
         "configs, μ ∈ {0.8, 0.9}, each with outer schedules constant and warm-up + cosine, R"
+    )
+    # three Ks that share a rule: a list, not "and … and"
+    sc.append((32, mod._screen([(1.0, 0.8, "constant"), (1.0, 0.9, "warmup-cosine")], "R")))
+    assert mod._tuning(sc[1:]) == (
+        "K 8: 2 configs, μ ∈ {0.8, 0.9}, K 16: 2 configs, μ ∈ {0.8, 0.9}, and K 32: 2 configs, μ ∈ {0.8, 0.9}, each "
+        "with outer schedules constant and warm-up + cosine, R"
     )
 
 
