@@ -242,12 +242,13 @@ def _tuning(screens: list[tuple[int, dict]]) -> str:
 
 def _standing(rows: list[tuple[int, dict]], whom: str) -> str:
     """IsoLoCo against a control at each K, the Ks with one verdict said together: "IsoLoCo is level with DDP (…)
-    at K 8 (…) and K 16 (…)", "IsoLoCo is level with X (…) at K 8 (…) and ahead of it at K 16 (…)"."""
+    at K 8 (…) and K 16 (…)", "IsoLoCo is level with X (…) at K 8 (…) and K 16 (…), and ahead of it at K 32 (…)"
+    (a comma between verdicts, as a verdict's Ks are joined by "and")."""
     parts = []
     for i, (v, group) in enumerate(_grouped([(_verdict(g), (K, g)) for K, g in rows])):
         at = _and([f"K {K} ({_iv(g)})" for K, g in group])
         parts.append(f"{STANDING[v]} {whom if i == 0 else 'it'} at {at}")
-    return "IsoLoCo is " + _and(parts)
+    return "IsoLoCo is " + (parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + ", and " + parts[-1])
 
 
 def where() -> str:

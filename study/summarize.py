@@ -115,9 +115,9 @@ def main() -> None:
         s7 = {"fixed_compute": rows, "spectra": spectra_rows, "workers_or_rounds": v7.summarize_v7b(all_runs)}
         s7["muon_inner"] = v7.summarize_v7(all_runs, inner="muon")
         (HERE / "k_scaling" / "summary_v7.json").write_text(json.dumps(s7, indent=1))
-        v6_path = HERE / "horizon" / "summary_v6.json"  # K 4 × 300 rounds: v6's horizon cell, the same tokens
+        v6_path = HERE / "horizon" / "summary_v6.json"  # K 4 × 300 rounds: v6's horizon cell, about the same tokens
         k4 = (
-            [r for r in json.loads(v6_path.read_text())["fixed_compute"] if r["workers"] == 4]
+            [r for r in json.loads(v6_path.read_text()).get("fixed_compute", []) if r["workers"] == 4]
             if v6_path.exists()
             else []
         )

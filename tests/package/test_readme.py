@@ -413,13 +413,13 @@ def test_where_says_the_ks_that_share_a_verdict_or_a_tuning_together():
 
     rows = [(8, gap(-0.04, -0.08, 0.002)), (16, gap(-0.1, -0.12, -0.08)), (32, gap(-0.2, -0.3, -0.1))]
     assert mod._standing(rows, "X") == (
-        "IsoLoCo is level with X at K 8 (−0.040 [−0.080, +0.002]) and ahead of it at K 16 (−0.100 [−0.120, −0.080]) "
+        "IsoLoCo is level with X at K 8 (−0.040 [−0.080, +0.002]), and ahead of it at K 16 (−0.100 [−0.120, −0.080]) "
         "and K 32 (−0.200 [−0.300, −0.100])"
     )
     assert mod._standing(rows[:1], "X") == "IsoLoCo is level with X at K 8 (−0.040 [−0.080, +0.002])"
     # only neighbours share a clause: the Ks stay in order
     assert mod._standing([rows[1], rows[0], rows[2]], "X") == (
-        "IsoLoCo is ahead of X at K 16 (−0.100 [−0.120, −0.080]), level with it at K 8 (−0.040 [−0.080, +0.002]) "
+        "IsoLoCo is ahead of X at K 16 (−0.100 [−0.120, −0.080]), level with it at K 8 (−0.040 [−0.080, +0.002]), "
         "and ahead of it at K 32 (−0.200 [−0.300, −0.100])"
     )
     assert mod._ddp_lrs([(1, 16)]) == "at one inner lr" and mod._ddp_lrs([(3, 16)]) == "tuned over 3 inner lrs"
