@@ -165,6 +165,11 @@ def _and(items: list[str]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
+def _serial(items: list[str]) -> str:
+    """A list whose items say "and" themselves: "A", "A, and B", "A, B, and C"."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])}, and {items[-1]}"
+
+
 def _verdict(g: dict) -> str:
     """IsoLoCo − baseline: 'lead' (interval below 0), 'level' (it holds 0) or 'behind' (above 0)."""
     return "lead" if g["t_hi"] < 0 else "behind" if g["t_lo"] > 0 else "level"
@@ -235,8 +240,7 @@ def _tuning(screens: list[tuple[int, dict]]) -> str:
     parts = []
     for (schedules, rule), group in _grouped([((sc["schedules"], sc["rule"]), (K, sc)) for K, sc in screens]):
         each = [f"K {K}: {sc['n']}, {sc['mu']}" for K, sc in group]
-        listed = each[0] if len(each) == 1 else ", ".join(each[:-1]) + ", and " + each[-1]
-        parts.append(listed + (", each " if len(each) > 1 else ", ") + f"{schedules}, {rule}")
+        parts.append(_serial(each) + (", each " if len(each) > 1 else ", ") + f"{schedules}, {rule}")
     return "; ".join(parts)
 
 
@@ -248,7 +252,7 @@ def _standing(rows: list[tuple[int, dict]], whom: str) -> str:
     for i, (v, group) in enumerate(_grouped([(_verdict(g), (K, g)) for K, g in rows])):
         at = _and([f"K {K} ({_iv(g)})" for K, g in group])
         parts.append(f"{STANDING[v]} {whom if i == 0 else 'it'} at {at}")
-    return "IsoLoCo is " + (parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + ", and " + parts[-1])
+    return "IsoLoCo is " + _serial(parts)
 
 
 def where() -> str:

@@ -116,18 +116,11 @@ def main() -> None:
         s7["muon_inner"] = v7.summarize_v7(all_runs, inner="muon")
         (HERE / "k_scaling" / "summary_v7.json").write_text(json.dumps(s7, indent=1))
         v6_path = HERE / "horizon" / "summary_v6.json"  # K 4 × 300 rounds: v6's horizon cell, about the same tokens
-        k4 = (
-            [r for r in json.loads(v6_path.read_text()).get("fixed_compute", []) if r["workers"] == 4]
-            if v6_path.exists()
-            else []
-        )
-        gaps = {
-            "fixed compute (v6, v7)": {  # a K whose picks have run fewer than v7.MIN_SEEDS seeds is left out
-                r["workers"]: g
-                for r in k4 + rows
-                if (g := (r["gap"] if "gap" in r else r["gaps"].get("isoloco - diloco")) or {}).get("seeds", 0)
-                >= v7.MIN_SEEDS
-            },
+        v6_rows = json.loads(v6_path.read_text()).get("fixed_compute", []) if v6_path.exists() else []
+        fixed = {r["workers"]: r["gap"] for r in v6_rows if r["workers"] == 4}
+        fixed |= {r["workers"]: r["gaps"].get("isoloco - diloco") for r in rows}
+        gaps = {  # a K whose picks have run fewer than v7.MIN_SEEDS seeds is left out
+            "fixed compute (v6, v7)": {K: g for K, g in fixed.items() if (g or {}).get("seeds", 0) >= v7.MIN_SEEDS},
             "10 rounds (v3)": {
                 K: v3_cells.get(f"K {K}, H 30, R 10, batch 4×64, adamw 0.003", {}).get("gap") for K in (4, 16, 32)
             },
